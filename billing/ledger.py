@@ -1,0 +1,184 @@
+"""The usage ledger: one row per admitted request, written idempotently by request_id.
+
+Writers call `LedgerWriter.record()` from a `finally`; it never awaits and never raises, so a
+cancelled request task still gets its row. A background task inserts rows in batches with
+`ON CONFLICT (request_id) DO NOTHING`, retrying (never dropping) while the database is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from billing.models import LedgerEntry, utcnow
+
+log = logging.getLogger("tollgate.ledger")
+
+LEDGER = LedgerEntry.__table__
+
+
+@dataclass
+class UsageRecord:
+    request_id: str
+    account_id: int
+    key_id: int
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    status: str
+    finish_reason: str | None
+    total_ms: float
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    estimated: bool = False
+    created_at: datetime = field(default_factory=utcnow)
+
+
+def insert_ignoring_duplicates(dialect_name: str) -> Any:
+    if dialect_name == "postgresql":
+        return postgresql.insert(LEDGER).on_conflict_do_nothing(index_elements=["request_id"])
+    if dialect_name == "sqlite":
+        return sqlite.insert(LEDGER).on_conflict_do_nothing(index_elements=["request_id"])
+    raise ValueError(f"unsupported dialect {dialect_name}")
+
+
+async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> None:
+    """Inserts rows; a request_id already present is left as it is (a repeat is success)."""
+    if not records:
+        return
+    stmt = insert_ignoring_duplicates(engine.dialect.name)
+    async with engine.begin() as conn:
+        await conn.execute(stmt, [asdict(r) for r in records])
+
+
+class LedgerWriter:
+    def __init__(self, engine: AsyncEngine, *, batch_size: int = 1000, max_backoff: float = 5.0) -> None:
+        self._engine = engine
+        self._batch_size = batch_size
+        self._max_backoff = max_backoff
+        self._pending: list[UsageRecord] = []
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Condition()
+        self._submitted = 0
+        self._written = 0
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.write_errors = 0
+
+    @property
+    def backlog(self) -> int:
+        return self._submitted - self._written
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-writer")
+
+    def record(self, record: UsageRecord) -> None:
+        """Queues a row. Synchronous on purpose: safe inside `finally` of a cancelled task."""
+        self._pending.append(record)
+        self._submitted += 1
+        self._wake.set()
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Waits until every row recorded before this call is in the database."""
+        target = self._submitted
+        async with self._progress:
+            await asyncio.wait_for(self._progress.wait_for(lambda: self._written >= target), timeout)
+
+    async def close(self, timeout: float = 30.0) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout)
+            except asyncio.TimeoutError:
+                log.error("ledger writer: %d rows not written at shutdown", self.backlog)
+                self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            if not self._pending:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._pending[: self._batch_size]
+            try:
+                await write_records(self._engine, batch)
+            except Exception as exc:  # the database is down or refusing: keep the rows, retry
+                self.write_errors += 1
+                log.error("ledger write failed (%d rows kept, retrying): %s", len(batch), type(exc).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff)
+                continue
+            backoff = 0.05
+            del self._pending[: len(batch)]
+            async with self._progress:
+                self._written += len(batch)
+                self._progress.notify_all()
+
+
+async def usage_rows(
+    engine: AsyncEngine,
+    *,
+    account_id: int | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    limit: int = 1000,
+) -> list[dict[str, Any]]:
+    query = sa.select(LEDGER).order_by(LEDGER.c.id.desc()).limit(limit)
+    query = _filtered(query, account_id, start, end)
+    async with engine.connect() as conn:
+        result = await conn.execute(query)
+        return [dict(row._mapping) for row in result]
+
+
+async def usage_totals(
+    engine: AsyncEngine,
+    *,
+    account_id: int | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+) -> list[dict[str, Any]]:
+    """Sums per account and model: requests, prompt and completion tokens."""
+    query = sa.select(
+        LEDGER.c.account_id,
+        LEDGER.c.model,
+        sa.func.count().label("requests"),
+        sa.func.coalesce(sa.func.sum(LEDGER.c.prompt_tokens), 0).label("prompt_tokens"),
+        sa.func.coalesce(sa.func.sum(LEDGER.c.completion_tokens), 0).label("completion_tokens"),
+    ).group_by(LEDGER.c.account_id, LEDGER.c.model)
+    query = _filtered(query, account_id, start, end).order_by(LEDGER.c.account_id, LEDGER.c.model)
+    async with engine.connect() as conn:
+        result = await conn.execute(query)
+        return [
+            {
+                "account_id": row.account_id,
+                "model": row.model,
+                "requests": int(row.requests),
+                "prompt_tokens": int(row.prompt_tokens),
+                "completion_tokens": int(row.completion_tokens),
+                "total_tokens": int(row.prompt_tokens) + int(row.completion_tokens),
+            }
+            for row in result
+        ]
+
+
+def _filtered(query: Any, account_id: int | None, start: datetime | None, end: datetime | None) -> Any:
+    if account_id is not None:
+        query = query.where(LEDGER.c.account_id == account_id)
+    if start is not None:
+        query = query.where(LEDGER.c.created_at >= start)
+    if end is not None:
+        query = query.where(LEDGER.c.created_at < end)
+    return query

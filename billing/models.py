@@ -1,0 +1,77 @@
+"""Table models. Rows stay small: the ledger holds ids and counts, never copies of prices or prompts."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import sqlalchemy as sa
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Account(SQLModel, table=True):
+    __tablename__ = "accounts"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(sa_column=sa.Column(sa.String(200), nullable=False, unique=True))
+    created_at: datetime = Field(
+        default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
+    )
+
+
+class ApiKey(SQLModel, table=True):
+    __tablename__ = "api_keys"
+
+    id: int | None = Field(default=None, primary_key=True)
+    account_id: int = Field(
+        sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), nullable=False, index=True)
+    )
+    name: str | None = Field(default=None, sa_column=sa.Column(sa.String(200), nullable=True))
+    prefix: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))
+    # HMAC-SHA256(server secret, key), hex. The key itself is never stored.
+    key_hash: str = Field(sa_column=sa.Column(sa.String(64), nullable=False, unique=True))
+    is_admin: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False))
+    # JSON list of model ids this key may use; NULL means every model.
+    models: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    expires_at: datetime | None = Field(
+        default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True)
+    )
+    revoked_at: datetime | None = Field(
+        default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True)
+    )
+    created_at: datetime = Field(
+        default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
+    )
+
+
+class LedgerEntry(SQLModel, table=True):
+    __tablename__ = "ledger_entries"
+    __table_args__ = (sa.Index("ix_ledger_account_created", "account_id", "created_at"),)
+
+    id: int | None = Field(
+        default=None,
+        sa_column=sa.Column(
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
+        ),
+    )
+    request_id: str = Field(sa_column=sa.Column(sa.String(64), nullable=False, unique=True))
+    account_id: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
+    key_id: int = Field(sa_column=sa.Column(sa.Integer, nullable=False, index=True))
+    model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
+    prompt_tokens: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
+    completion_tokens: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
+    status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # completed|cancelled|error
+    finish_reason: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
+    estimated: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False))
+    queue_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
+    ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
+    total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
+    created_at: datetime = Field(
+        default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
+    )
+
+
+LEDGER_STATUSES = ("completed", "cancelled", "error")

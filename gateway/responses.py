@@ -1,0 +1,182 @@
+"""ASGI responses for generations: SSE chunks or one JSON body.
+
+Plain ASGI on purpose: a watcher task listens for `http.disconnect` the whole time, so a client
+that leaves cancels the engine request at once (not at the next token), and the metered stream
+is always closed here, which writes its ledger row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from engines.base import FINISH_CANCELLED, FINISH_ERROR, EngineError, EngineOutput, EngineOverloadedError
+from gateway.errors import APIError, EngineOverloaded, ServiceUnavailable
+from gateway.serving import Generation, usage_body
+
+log = logging.getLogger("tollgate.responses")
+DONE = b"data: [DONE]\n\n"
+
+
+class ChunkRenderer:
+    """OpenAI's chunk and body shapes for chat (`chat.completion`) and text (`text_completion`)."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        chat = gen.kind == "chat"
+        self.id = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.body_object = "chat.completion" if chat else "text_completion"
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        chunk = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.gen.created,
+            "model": self.gen.model,
+            "choices": choices,
+            **extra,
+        }
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def first(self) -> bytes | None:
+        if self.gen.kind != "chat":
+            return None
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+
+    def delta(self, text: str, finish_reason: str | None) -> bytes:
+        if self.gen.kind == "chat":
+            delta = {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def usage(self) -> bytes:
+        return self._chunk([], usage=usage_body(self.gen))
+
+    def body(self, text: str) -> bytes:
+        finish = self.gen.finish_reason
+        if self.gen.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return orjson.dumps(
+            {
+                "id": self.id,
+                "object": self.body_object,
+                "created": self.gen.created,
+                "model": self.gen.model,
+                "choices": [choice],
+                "usage": usage_body(self.gen),
+            }
+        )
+
+
+def _error_for(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineOverloadedError):
+        return EngineOverloaded("The engine is at capacity; retry shortly.", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineError):
+        return ServiceUnavailable(f"The engine failed this request: {exc}", code="engine_error")
+    return APIError("The server failed this request.")
+
+
+class GenerationResponse:
+    def __init__(self, gen: Generation, outputs: AsyncIterator[EngineOutput], headers: dict[str, str]) -> None:
+        self.gen = gen
+        self.outputs = outputs
+        self.headers = headers
+        self.render = ChunkRenderer(gen)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        try:
+            if self.gen.stream:
+                await self._send_stream(send)
+            else:
+                await self._send_body(send)
+        except OSError:
+            self.gen.cancel()  # the client went away while we wrote to it
+        finally:
+            watcher.cancel()
+            await self.outputs.aclose()
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gen.cancel()
+                return
+
+    def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        raw = [(b"content-type", content_type)]
+        raw += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+        return raw
+
+    async def _send_stream(self, send: Send) -> None:
+        # Pull the first output before the status line: an engine refusal can still be a proper error.
+        try:
+            first = await anext(self.outputs, None)
+        except Exception as exc:
+            await self._send_error(send, _error_for(exc))
+            return
+        headers = self._headers(b"text/event-stream; charset=utf-8")
+        headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        opening = self.render.first()
+        if opening:
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
+        out = first
+        try:
+            while out is not None:
+                if out.finish_reason == FINISH_CANCELLED:
+                    return
+                if out.finish_reason == FINISH_ERROR:
+                    err = ServiceUnavailable(f"The engine failed this request: {out.error}", code="engine_error")
+                    await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE, "more_body": False})
+                    return
+                if out.text or out.finished:
+                    await send({"type": "http.response.body", "body": self.render.delta(out.text, out.finish_reason), "more_body": True})
+                if out.finished:
+                    break
+                out = await anext(self.outputs, None)
+        except OSError:
+            raise
+        except Exception as exc:
+            log.exception("stream %s failed", self.gen.request_id)
+            err = _error_for(exc)
+            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE, "more_body": False})
+            return
+        tail = self.render.usage() + DONE if self.gen.include_usage else DONE
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _send_body(self, send: Send) -> None:
+        pieces: list[str] = []
+        try:
+            async for out in self.outputs:
+                pieces.append(out.text)
+                if out.finished:
+                    break
+        except Exception as exc:
+            await self._send_error(send, _error_for(exc))
+            return
+        if self.gen.finish_reason == FINISH_CANCELLED or self.gen.cancel_requested:
+            return  # nobody is listening
+        if self.gen.finish_reason == FINISH_ERROR:
+            await self._send_error(send, ServiceUnavailable(f"The engine failed this request: {self.gen.error}", code="engine_error"))
+            return
+        body = self.render.body("".join(pieces))
+        await send({"type": "http.response.start", "status": 200, "headers": self._headers(b"application/json")})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _send_error(self, send: Send, err: APIError) -> None:
+        headers = self._headers(b"application/json") + [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+        await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": orjson.dumps(err.body()), "more_body": False})
