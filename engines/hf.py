@@ -119,6 +119,8 @@ class HFEngine(Engine):
         self._device = device
         self._max_batch_size = max_batch_size
         self._max_queue = max_queue
+        # Requests admitted at once (running + queued); beyond it the gateway answers 503.
+        self.capacity = max_batch_size + max_queue
         self._warmup = warmup
         self._model: Any = None
         self._tokenizer: Any = None
@@ -201,7 +203,7 @@ class HFEngine(Engine):
 
     # capacity ---------------------------------------------------------------------------------
     def has_capacity(self) -> bool:
-        return len(self._live) < self._max_batch_size + self._max_queue
+        return len(self._live) < self.capacity
 
     def requests_in_flight(self) -> int:
         manager = self._manager

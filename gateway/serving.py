@@ -21,7 +21,6 @@ from engines.base import (
     Engine,
     EngineError,
     EngineOutput,
-    EngineOverloadedError,
     EngineRequest,
     SamplingParams,
 )
@@ -157,7 +156,7 @@ class CompletionService:
 
     async def metered(self, gen: Generation) -> AsyncIterator[EngineOutput]:
         """The engine's outputs; whatever happens, the ledger gets this request's one row."""
-        status = "cancelled"
+        status: str | None = None
         try:
             async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
                 async for out in outputs:
@@ -165,26 +164,17 @@ class CompletionService:
                     yield out
                     if out.finished:
                         break
-            if gen.finish_reason == FINISH_ERROR:
-                status = "error"
-            elif gen.finish_reason in (None, FINISH_CANCELLED) or gen.cancel_requested:
-                status = "cancelled"
-            else:
-                status = "completed"
-        except EngineOverloadedError:
-            status = "error"
-            gen.error = "engine overloaded"
-            raise
         except EngineError as exc:
             status = "error"
-            gen.error = str(exc)
+            gen.error = str(exc) or type(exc).__name__
             raise
         except Exception as exc:
             status = "error"
             gen.error = type(exc).__name__
             raise
         finally:
-            self.ledger.record(self.usage_record(gen, status))
+            # Reached on completion, on engine failure, and when the consumer closes us early.
+            self.ledger.record(self.usage_record(gen, status or final_status(gen)))
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
         if gen.ttft_ms is None and out.token_ids:
@@ -216,6 +206,14 @@ class CompletionService:
             ttft_ms=gen.ttft_ms,
             estimated=gen.estimated,
         )
+
+
+def final_status(gen: Generation) -> str:
+    if gen.finish_reason == FINISH_ERROR:
+        return "error"
+    if gen.finish_reason in (None, FINISH_CANCELLED):
+        return "cancelled"
+    return "completed"
 
 
 def usage_body(gen: Generation) -> dict[str, Any]:

@@ -1,0 +1,217 @@
+"""Shared fixtures: a real Postgres database per session, the real model loaded once, and
+gateway servers run by uvicorn on ephemeral ports (in threads, so tests can see the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+import sqlalchemy as sa
+import uvicorn
+
+from billing import migrate
+from billing.db import create_engine
+from billing.keys import KeyStore
+from engines.hf import HFEngine
+from gateway.app import create_app
+from gateway.config import DEFAULT_MODEL_ID, Settings
+
+PG_HOST = os.environ.get("TOLLGATE_TEST_PGHOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("TOLLGATE_TEST_PGPORT", "5432"))
+PG_USER = os.environ.get("TOLLGATE_TEST_PGUSER", "postgres")
+MODEL = DEFAULT_MODEL_ID
+SECRET = "test-secret-" + uuid.uuid4().hex
+
+
+def pg_url(db: str) -> str:
+    return f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/{db}"
+
+
+async def _admin_sql(sql: str) -> None:
+    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres")
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def fresh_pg_database() -> Iterator[Any]:
+    """A factory of empty Postgres databases, all dropped at the end of the session."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"tollgate_test_{uuid.uuid4().hex[:12]}"
+        asyncio.run(_admin_sql(f'CREATE DATABASE "{name}"'))
+        made.append(name)
+        return pg_url(name)
+
+    yield make
+    for name in made:
+        asyncio.run(_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[HFEngine]:
+    """The real embedded model, loaded once for the whole session."""
+    eng = HFEngine(model_id=MODEL, max_batch_size=32, max_queue=64)
+    asyncio.run(eng.start())
+    yield eng
+    asyncio.run(eng.stop())
+
+
+@dataclass
+class Gateway:
+    base_url: str
+    settings: Settings
+    admin_key: str
+    engine: HFEngine
+    app: Any
+    db_url: str
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def admin_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=30)
+
+    async def new_account(self, name: str | None = None) -> dict[str, Any]:
+        async with self.admin_client() as c:
+            r = await c.post("/admin/accounts", json={"name": name or f"acct-{uuid.uuid4().hex[:8]}"})
+            assert r.status_code == 201, r.text
+            return r.json()
+
+    async def new_key(self, account_id: int | None = None, **fields: Any) -> dict[str, Any]:
+        if account_id is None:
+            account_id = (await self.new_account())["id"]
+        async with self.admin_client() as c:
+            r = await c.post("/admin/keys", json={"account_id": account_id, **fields})
+            assert r.status_code == 201, r.text
+            return r.json()
+
+    async def ledger_row(self, request_id: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The ledger row for a request, waiting for the writer's batch to land."""
+        db = create_engine(self.db_url)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                async with db.connect() as conn:
+                    row = (
+                        await conn.execute(sa.text("SELECT * FROM ledger_entries WHERE request_id = :r"), {"r": request_id})
+                    ).first()
+                if row is not None:
+                    return dict(row._mapping)
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no ledger row for {request_id} after {timeout}s")
+                await asyncio.sleep(0.05)
+        finally:
+            await db.dispose()
+
+    async def ledger_count(self, **where: Any) -> int:
+        db = create_engine(self.db_url)
+        try:
+            clause = " AND ".join(f"{k} = :{k}" for k in where) or "1=1"
+            async with db.connect() as conn:
+                return int((await conn.execute(sa.text(f"SELECT count(*) FROM ledger_entries WHERE {clause}"), where)).scalar_one())
+        finally:
+            await db.dispose()
+
+
+class ServerThread:
+    """uvicorn serving an app on an ephemeral port in a thread with its own event loop."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+def bootstrap(db_url: str, secret: str) -> str:
+    """Migrates a database and returns a fresh admin key for it."""
+    migrate.upgrade(db_url)
+
+    async def make_admin() -> str:
+        db = create_engine(db_url)
+        try:
+            created = await KeyStore(db, secret.encode()).ensure_admin_key(None)
+            assert created is not None
+            return created
+        finally:
+            await db.dispose()
+
+    return asyncio.run(make_admin())
+
+
+def start_gateway(db_url: str, engine: HFEngine, tmp: Path, **overrides: Any) -> tuple[ServerThread, Gateway]:
+    admin_key = bootstrap(db_url, SECRET)
+    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, **overrides)
+    app = create_app(settings, engines={engine.model_id: engine})
+    server = ServerThread(app).__enter__()
+    gw = Gateway(f"http://127.0.0.1:{server.port}", settings, admin_key, engine, app, db_url)
+    return server, gw
+
+
+@pytest.fixture(scope="session")
+def gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The gateway on real Postgres, serving the real model."""
+    server, gw = start_gateway(fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-pg"))
+    try:
+        yield gw
+    finally:
+        server.__exit__()
+
+
+@pytest.fixture(scope="session")
+def sqlite_gateway(engine: HFEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The embedded default: the same gateway on a SQLite file."""
+    tmp = tmp_path_factory.mktemp("gw-sqlite")
+    server, gw = start_gateway(f"sqlite:///{tmp / 'tollgate.db'}", engine, tmp)
+    try:
+        yield gw
+    finally:
+        server.__exit__()
+
+
+@pytest.fixture
+async def customer(gateway: Gateway) -> dict[str, Any]:
+    """A new account with one key (dict from POST /admin/keys, secret under "key")."""
+    return await gateway.new_key()
+
+
+@pytest.fixture
+def client_for(gateway: Gateway) -> Any:
+    from openai import AsyncOpenAI
+
+    def make(key: str, gw: Gateway | None = None) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=(gw or gateway).v1, api_key=key, max_retries=0, timeout=120)
+
+    return make

@@ -1,0 +1,158 @@
+"""Chat and text completions through the official openai SDK against the real model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import MODEL, Gateway
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def request_id_of(completion_id: str) -> str:
+    return completion_id.split("-", 1)[1]
+
+
+async def test_chat_non_streaming_answers_and_meters(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    resp = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+    assert resp.object == "chat.completion"
+    assert resp.model == MODEL
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 10
+    assert 0 < resp.usage.completion_tokens <= 30
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+    row = await gateway.ledger_row(request_id_of(resp.id))
+    assert row["status"] == "completed"
+    assert row["finish_reason"] == "stop"
+    assert row["account_id"] == customer["account_id"]
+    assert row["key_id"] == customer["id"]
+    assert row["model"] == MODEL
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (resp.usage.prompt_tokens, resp.usage.completion_tokens)
+    assert row["ttft_ms"] is not None and row["total_ms"] >= row["ttft_ms"] > 0
+    assert row["queue_ms"] is not None and row["queue_ms"] >= 0
+
+
+async def test_chat_streaming_usage_chunk_equals_ledger_row(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True}
+    )
+    pieces, finish, usage, ids = [], None, None, set()
+    async for chunk in stream:
+        ids.add(chunk.id)
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+    assert len(ids) == 1
+    assert finish == "stop"
+    assert "Paris" in "".join(pieces)
+    assert usage is not None
+    row = await gateway.ledger_row(request_id_of(ids.pop()))
+    assert row["status"] == "completed"
+    assert row["prompt_tokens"] == usage.prompt_tokens
+    assert row["completion_tokens"] == usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+async def test_stream_without_include_usage_sends_no_usage_chunk(customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=5, stream=True)
+    chunks = [c async for c in stream]
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+async def test_greedy_streamed_text_equals_non_streamed(customer: dict[str, Any], client_for: Any, kind: str) -> None:
+    client = client_for(customer["key"])
+    if kind == "chat":
+        messages = [{"role": "user", "content": "Write two sentences about the sea."}]
+        full = await client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40, stream=True)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        expected = full.choices[0].message.content
+    else:
+        full = await client.completions.create(model=MODEL, prompt="The history of Rome", temperature=0, max_tokens=40)
+        stream = await client.completions.create(model=MODEL, prompt="The history of Rome", temperature=0, max_tokens=40, stream=True)
+        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+        expected = full.choices[0].text
+    assert len(expected) > 20
+    assert streamed == expected
+
+
+async def test_text_completion_non_streaming_and_streaming(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    resp = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 12
+    row = await gateway.ledger_row(request_id_of(resp.id))
+    assert (row["prompt_tokens"], row["completion_tokens"], row["finish_reason"]) == (resp.usage.prompt_tokens, 12, "length")
+
+    stream = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == resp.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+async def test_completion_accepts_token_id_prompt(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    ids = gateway.engine.encode_text("Once upon a time")
+    by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    by_text = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+async def test_max_completion_tokens_is_honoured(customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a long story about dragons."}], max_completion_tokens=5, temperature=0
+    )
+    assert resp.usage.completion_tokens == 5
+    assert resp.choices[0].finish_reason == "length"
+
+
+async def test_stop_sequence_cuts_output(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    plain = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+    assert " is " in plain.choices[0].message.content
+    cut = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stop=[" is"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == plain.choices[0].message.content.split(" is")[0]
+    assert cut.usage.completion_tokens < plain.usage.completion_tokens
+    stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stop=" is", stream=True)
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert streamed == cut.choices[0].message.content
+    row = await gateway.ledger_row(request_id_of(cut.id))
+    assert row["status"] == "completed" and row["completion_tokens"] == cut.usage.completion_tokens
+
+
+async def test_sampling_parameters_are_accepted(customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0.8, top_p=0.9, seed=7, user="end-user-1", max_tokens=8,
+        extra_body={"some_unknown_field": {"ignored": True}},
+    )
+    assert resp.usage.completion_tokens <= 8
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_models_endpoint_lists_the_served_model(customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert (await client.models.retrieve(MODEL)).id == MODEL
