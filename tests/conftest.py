@@ -34,6 +34,24 @@ MODEL = DEFAULT_MODEL_ID
 SECRET = "test-secret-" + uuid.uuid4().hex
 
 
+def run_coro(coro: Any) -> Any:
+    """Runs a coroutine to completion on a private loop in a thread (legal inside async tests)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 def pg_url(db: str) -> str:
     return f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/{db}"
 
@@ -53,13 +71,13 @@ def fresh_pg_database() -> Iterator[Any]:
 
     def make() -> str:
         name = f"tollgate_test_{uuid.uuid4().hex[:12]}"
-        asyncio.run(_admin_sql(f'CREATE DATABASE "{name}"'))
+        run_coro(_admin_sql(f'CREATE DATABASE "{name}"'))
         made.append(name)
         return pg_url(name)
 
     yield make
     for name in made:
-        asyncio.run(_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        run_coro(_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(scope="session")
@@ -168,7 +186,7 @@ def bootstrap(db_url: str, secret: str) -> str:
         finally:
             await db.dispose()
 
-    return asyncio.run(make_admin())
+    return run_coro(make_admin())
 
 
 def start_gateway(db_url: str, engine: HFEngine, tmp: Path, **overrides: Any) -> tuple[ServerThread, Gateway]:

@@ -1,0 +1,225 @@
+"""Every error status comes back OpenAI-shaped, raises the SDK's matching exception, and the
+server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engines.hf import HFEngine
+from gateway.app import create_app
+from gateway.config import Settings
+from tests.conftest import MODEL, SECRET, Gateway, ServerThread, bootstrap
+
+QUESTION = [{"role": "user", "content": "Say hi."}]
+
+
+def assert_openai_shape(body: dict[str, Any]) -> dict[str, Any]:
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+async def still_serving(gateway: Gateway, key: str) -> None:
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        r = await c.post("/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+async def test_missing_and_invalid_keys_are_401(gateway: Gateway, client_for: Any, customer: dict[str, Any]) -> None:
+    bad = "sk-" + "x" * 43
+    with pytest.raises(openai.AuthenticationError) as info:
+        await client_for(bad).chat.completions.create(model=MODEL, messages=QUESTION)
+    err = assert_openai_shape(info.value.response.json())
+    assert bad not in err["message"]
+    async with httpx.AsyncClient(base_url=gateway.v1) as c:
+        r = await c.post("/chat/completions", json={"model": MODEL, "messages": QUESTION})
+        assert r.status_code == 401
+        assert assert_openai_shape(r.json())["code"] == "missing_api_key"
+        r = await c.get("/models", headers={"Authorization": "Basic abc"})
+        assert r.status_code == 401
+    await still_serving(gateway, customer["key"])
+
+
+async def test_revoked_key_is_403(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key()
+    client = client_for(key["key"])
+    await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    async with gateway.admin_client() as admin:
+        r = await admin.delete(f"/admin/keys/{key['id']}")
+        assert r.status_code == 200 and r.json()["revoked_at"]
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    assert assert_openai_shape(info.value.response.json())["code"] == "key_revoked"
+
+
+async def test_expired_key_is_403(gateway: Gateway, client_for: Any) -> None:
+    past = (datetime.now(timezone.utc) - timedelta(minutes=1)).isoformat()
+    key = await gateway.new_key(expires_at=past)
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        await client_for(key["key"]).chat.completions.create(model=MODEL, messages=QUESTION)
+    assert assert_openai_shape(info.value.response.json())["code"] == "key_expired"
+
+
+async def test_model_not_allowed_for_key_is_403(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key(models=["some-other-model"])
+    client = client_for(key["key"])
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        await client.chat.completions.create(model=MODEL, messages=QUESTION)
+    err = assert_openai_shape(info.value.response.json())
+    assert err["code"] == "model_not_allowed" and err["param"] == "model"
+    assert (await client.models.list()).data == []
+
+
+async def test_unknown_model_is_404(client_for: Any, customer: dict[str, Any]) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await client_for(customer["key"]).chat.completions.create(model="no-such-model", messages=QUESTION)
+    err = assert_openai_shape(info.value.response.json())
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL}, "messages"),
+        ({"messages": QUESTION}, "model"),
+        ({"model": MODEL, "messages": "hello"}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": "ten"}, "max_tokens"),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "messages": QUESTION, "temperature": 7}, "temperature"),
+        ({"model": MODEL, "messages": QUESTION, "stream": "yes"}, "stream"),
+        ({"model": MODEL, "messages": QUESTION, "n": 2}, "n"),
+        ({"model": MODEL, "messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type"),
+    ],
+)
+async def test_invalid_chat_requests_are_400(gateway: Gateway, customer: dict[str, Any], body: dict[str, Any], param: str) -> None:
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}) as c:
+        r = await c.post("/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert assert_openai_shape(r.json())["param"] == param
+
+
+async def test_sdk_raises_bad_request_for_n_greater_than_one(client_for: Any, customer: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError):
+        await client_for(customer["key"]).chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe{}", b"[" * 5000 + b"]" * 5000])
+async def test_malformed_bodies_are_400(gateway: Gateway, customer: dict[str, Any], raw: bytes) -> None:
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}) as c:
+        r = await c.post("/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert assert_openai_shape(r.json())["type"] == "invalid_request_error"
+
+
+async def test_invalid_text_completion_requests_are_400(gateway: Gateway, customer: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}) as c:
+        for body in (
+            {"model": MODEL},
+            {"model": MODEL, "prompt": ["a", "b"]},
+            {"model": MODEL, "prompt": []},
+            {"model": MODEL, "prompt": [1, 2, 10**9]},
+            {"model": MODEL, "prompt": [-1]},
+            {"model": MODEL, "prompt": "x", "echo": True},
+            {"model": MODEL, "prompt": "x", "best_of": 3},
+            {"model": MODEL, "prompt": "x", "logprobs": 2},
+        ):
+            r = await c.post("/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert_openai_shape(r.json())
+
+
+async def test_prompt_longer_than_context_is_400(gateway: Gateway, client_for: Any, customer: dict[str, Any]) -> None:
+    n = gateway.engine.context_length
+    long_prompt = "hello " * (n + 10)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client_for(customer["key"]).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
+    err = assert_openai_shape(info.value.response.json())
+    assert err["code"] == "context_length_exceeded"
+    await still_serving(gateway, customer["key"])
+
+
+async def test_body_over_the_limit_is_413(gateway: Gateway, customer: dict[str, Any]) -> None:
+    big = "a" * (gateway.settings.max_body_bytes + 1)
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}) as c:
+        r = await c.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": big}]})
+        assert r.status_code == 413
+        assert assert_openai_shape(r.json())["code"] == "payload_too_large"
+
+        async def chunked():  # no Content-Length: the limit is enforced while reading
+            for _ in range(gateway.settings.max_body_bytes // 65536 + 2):
+                yield b"a" * 65536
+
+        r = await c.post("/chat/completions", content=chunked())
+        assert r.status_code == 413
+    await still_serving(gateway, customer["key"])
+
+
+async def test_engine_at_capacity_is_503(gateway: Gateway, client_for: Any, customer: dict[str, Any]) -> None:
+    engine = gateway.engine
+    saved = engine.capacity
+    client = client_for(customer["key"])
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to one hundred."}], max_tokens=200, stream=True
+    )
+    try:
+        engine.capacity = engine.requests_in_flight() or 1
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model=MODEL, messages=QUESTION)
+        assert info.value.status_code == 503
+        assert assert_openai_shape(info.value.response.json())["code"] == "engine_overloaded"
+        assert info.value.response.headers["retry-after"]
+    finally:
+        engine.capacity = saved
+        await stream.close()
+    await still_serving(gateway, customer["key"])
+
+
+async def test_model_not_loaded_is_503(fresh_pg_database: Any, tmp_path: Any, client_for: Any) -> None:
+    db_url = fresh_pg_database()
+    admin_key = bootstrap(db_url, SECRET)
+    loading = HFEngine(model_id=MODEL)  # never started: still "loading"
+    app = create_app(Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp_path), engines={MODEL: loading})
+    with ServerThread(app) as server:
+        base = f"http://127.0.0.1:{server.port}"
+        async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {admin_key}"}) as admin:
+            assert (await admin.get("/healthz")).status_code == 200
+            assert (await admin.get("/readyz")).status_code == 503
+            account = (await admin.post("/admin/accounts", json={"name": "early"})).json()
+            key = (await admin.post("/admin/keys", json={"account_id": account["id"]})).json()["key"]
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model=MODEL, messages=QUESTION)
+        assert info.value.status_code == 503
+        assert assert_openai_shape(info.value.response.json())["code"] == "engine_not_ready"
+
+
+async def test_unknown_path_and_method_are_openai_shaped(gateway: Gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url) as c:
+        r = await c.get("/v1/nothing-here")
+        assert r.status_code == 404
+        assert_openai_shape(r.json())
+        r = await c.get("/v1/chat/completions")
+        assert r.status_code == 405
+        assert_openai_shape(r.json())
+
+
+async def test_server_survives_a_burst_of_bad_requests(gateway: Gateway, customer: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}) as c:
+        bodies = [b"{", b"null", b'{"model": 1}', b'{"model": "x", "messages": [null]}', b'{"messages": [{"role": "user"}]}']
+        results = await asyncio.gather(*[c.post("/chat/completions", content=b) for b in bodies * 10])
+    assert {r.status_code for r in results} <= {400, 404}
+    await still_serving(gateway, customer["key"])
