@@ -1,0 +1,48 @@
+"""One Alembic history that upgrades and downgrades cleanly on Postgres and SQLite, and matches the models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from billing import migrate
+from billing.db import create_engine
+from billing.models import SQLModel
+from tests.conftest import run_coro
+
+TABLES = {"accounts", "api_keys", "ledger_entries"}
+
+
+async def _tables_and_diff(url: str) -> tuple[set[str], list[Any]]:
+    db = create_engine(url)
+    try:
+        async with db.connect() as conn:
+            def inspect(sync_conn: Any) -> tuple[set[str], list[Any]]:
+                names = set(sa.inspect(sync_conn).get_table_names()) - {"alembic_version"}
+                diff = compare_metadata(MigrationContext.configure(sync_conn, opts={"compare_type": True}), SQLModel.metadata) if names else []
+                return names, diff
+
+            return await conn.run_sync(inspect)
+    finally:
+        await db.dispose()
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def database_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path) -> str:
+    return fresh_pg_database() if request.param == "postgres" else f"sqlite:///{tmp_path / 'm.db'}"
+
+
+def test_upgrade_downgrade_upgrade(database_url: str) -> None:
+    migrate.upgrade(database_url)
+    tables, diff = run_coro(_tables_and_diff(database_url))
+    assert tables == TABLES
+    assert diff == [], f"models and migrations differ: {diff}"
+    migrate.downgrade(database_url, "base")
+    assert run_coro(_tables_and_diff(database_url))[0] == set()
+    migrate.upgrade(database_url)
+    assert run_coro(_tables_and_diff(database_url))[0] == TABLES

@@ -1,0 +1,52 @@
+"""The `tollgate` console script against a SQLite file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def tollgate(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TOLLGATE_SECRET")}
+    env["TOLLGATE_DATA_DIR"] = str(tmp)
+    exe = Path(sys.executable).with_name("tollgate")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    assert tollgate(tmp_path, "migrate").returncode == 0
+    return tmp_path
+
+
+def test_help_on_every_command(tmp_path: Path) -> None:
+    for args in (["--help"], ["serve", "--help"], ["migrate", "--help"], ["accounts", "--help"], ["keys", "create", "--help"]):
+        result = tollgate(tmp_path, *args)
+        assert result.returncode == 0 and "usage:" in result.stdout
+
+
+def test_accounts_and_keys(data_dir: Path) -> None:
+    created = tollgate(data_dir, "accounts", "create", "acme")
+    assert created.returncode == 0, created.stderr
+    assert json.loads(created.stdout)["name"] == "acme"
+    assert tollgate(data_dir, "accounts", "create", "acme").returncode == 1
+
+    key = tollgate(data_dir, "keys", "create", "--account", "acme", "--name", "prod", "--models", "a,b")
+    assert key.returncode == 0, key.stderr
+    made = json.loads(key.stdout)
+    assert made["key"].startswith("sk-") and made["models"] == ["a", "b"]
+
+    listed = tollgate(data_dir, "keys", "list", "--account", "acme")
+    assert made["key"] not in listed.stdout
+    assert [k["id"] for k in json.loads(listed.stdout)] == [made["id"]]
+
+    revoked = tollgate(data_dir, "keys", "revoke", str(made["id"]))
+    assert json.loads(revoked.stdout)["revoked_at"] is not None
+    assert tollgate(data_dir, "keys", "revoke", "999").returncode == 1
+    assert tollgate(data_dir, "keys", "create", "--account", "nobody").returncode == 1
+    assert (data_dir / "secret").stat().st_mode & 0o077 == 0
