@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from decimal import Decimal
 
 import sqlalchemy as sa
 from sqlmodel import Field, SQLModel
@@ -17,6 +18,8 @@ class Account(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(sa_column=sa.Column(sa.String(200), nullable=False, unique=True))
+    # JSON object of limits (billing.limits.Limits); NULL means none.
+    limits: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )
@@ -42,6 +45,25 @@ class ApiKey(SQLModel, table=True):
     revoked_at: datetime | None = Field(
         default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True)
     )
+    limits: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    created_at: datetime = Field(
+        default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
+    )
+
+
+class Price(SQLModel, table=True):
+    """A price version: per model, USD per million tokens, in force from `effective_from`.
+    Versions are only ever added; the one in force at a request's time prices it."""
+
+    __tablename__ = "prices"
+    __table_args__ = (sa.UniqueConstraint("model", "effective_from", name="uq_prices_model_effective"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
+    input_per_million: Decimal = Field(sa_column=sa.Column(sa.Numeric(18, 3), nullable=False))
+    output_per_million: Decimal = Field(sa_column=sa.Column(sa.Numeric(18, 3), nullable=False))
+    currency: str = Field(default="USD", sa_column=sa.Column(sa.String(3), nullable=False, default="USD"))
+    effective_from: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )
@@ -66,6 +88,8 @@ class LedgerEntry(SQLModel, table=True):
     status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # completed|cancelled|error
     finish_reason: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
     estimated: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False))
+    # Cost in nano-USD (1e-9) at the price in force when the request ran; NULL when unpriced.
+    cost_nanos: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
     queue_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
