@@ -38,6 +38,7 @@ class UsageRecord:
     queue_ms: float | None = None
     ttft_ms: float | None = None
     estimated: bool = False
+    cost_nanos: int | None = None
     created_at: datetime = field(default_factory=utcnow)
 
 
