@@ -99,3 +99,5 @@ class LedgerEntry(SQLModel, table=True):
 
 
 LEDGER_STATUSES = ("completed", "cancelled", "error")
+
+from billing.usage_models import LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
