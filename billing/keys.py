@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from billing.limits import Limits
 from billing.models import Account, ApiKey, utcnow
 
 ACCOUNTS = Account.__table__
@@ -54,6 +55,8 @@ class Principal:
     models: frozenset[str] | None
     expires_at: datetime | None
     revoked: bool
+    key_limits: Limits = Limits()
+    account_limits: Limits = Limits()
 
     def expired(self, now: datetime | None = None) -> bool:
         if self.expires_at is None:
@@ -79,12 +82,19 @@ def _key_view(row: Any) -> dict[str, Any]:
         "models": json.loads(row.models) if row.models else None,
         "expires_at": _aware(row.expires_at).isoformat() if row.expires_at else None,
         "revoked_at": _aware(row.revoked_at).isoformat() if row.revoked_at else None,
+        "limits": Limits.from_json(row.limits).view(),
         "created_at": _aware(row.created_at).isoformat(),
     }
 
 
 def _account_view(row: Any) -> dict[str, Any]:
-    return {"id": row.id, "object": "account", "name": row.name, "created_at": _aware(row.created_at).isoformat()}
+    return {
+        "id": row.id,
+        "object": "account",
+        "name": row.name,
+        "limits": Limits.from_json(row.limits).view(),
+        "created_at": _aware(row.created_at).isoformat(),
+    }
 
 
 class KeyStore:
@@ -183,6 +193,27 @@ class KeyStore:
         self._cache.clear()
         return await self.get_key(key_id)
 
+    async def set_key_limits(self, key_id: int, changes: Any) -> dict[str, Any] | None:
+        """Applies a PATCH of limits (null removes one); raises InvalidLimits on bad values."""
+        current = await self.get_key(key_id)
+        if current is None:
+            return None
+        limits = Limits().patched(current["limits"]).patched(changes)
+        async with self._engine.begin() as conn:
+            await conn.execute(KEYS.update().where(KEYS.c.id == key_id).values(limits=limits.to_json()))
+        self._cache.clear()
+        return await self.get_key(key_id)
+
+    async def set_account_limits(self, account_id: int, changes: Any) -> dict[str, Any] | None:
+        current = await self.get_account(account_id=account_id)
+        if current is None:
+            return None
+        limits = Limits().patched(current["limits"]).patched(changes)
+        async with self._engine.begin() as conn:
+            await conn.execute(ACCOUNTS.update().where(ACCOUNTS.c.id == account_id).values(limits=limits.to_json()))
+        self._cache.clear()
+        return await self.get_account(account_id=account_id)
+
     async def has_admin_key(self) -> bool:
         async with self._engine.connect() as conn:
             query = sa.select(sa.func.count()).select_from(KEYS).where(KEYS.c.is_admin.is_(True), KEYS.c.revoked_at.is_(None))
@@ -215,8 +246,13 @@ class KeyStore:
         return principal
 
     async def _principal_from_db(self, digest: str) -> Principal | None:
+        query = (
+            sa.select(KEYS, ACCOUNTS.c.limits.label("account_limits"))
+            .join(ACCOUNTS, ACCOUNTS.c.id == KEYS.c.account_id)
+            .where(KEYS.c.key_hash == digest)
+        )
         async with self._engine.connect() as conn:
-            row = (await conn.execute(sa.select(KEYS).where(KEYS.c.key_hash == digest))).first()
+            row = (await conn.execute(query)).first()
         if row is None or not hmac.compare_digest(row.key_hash, digest):
             return None
         return Principal(
@@ -226,4 +262,6 @@ class KeyStore:
             models=frozenset(json.loads(row.models)) if row.models else None,
             expires_at=_aware(row.expires_at) if row.expires_at else None,
             revoked=row.revoked_at is not None,
+            key_limits=Limits.from_json(row.limits),
+            account_limits=Limits.from_json(row.account_limits),
         )

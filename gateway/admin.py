@@ -13,6 +13,9 @@ from starlette.routing import Route
 
 from billing.keys import AccountExists, UnknownAccount
 from billing.ledger import usage_rows, usage_totals
+from billing.limits import InvalidLimits, Limits
+from billing.prices import InvalidPrice
+from billing.quota import Scope
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.http import authenticate_admin, read_json
 from gateway.protocol import _Model, parse
@@ -41,6 +44,23 @@ class CreateKey(_Model):
             self.expires_at = self.expires_at.replace(tzinfo=timezone.utc)
 
 
+class PatchLimits(_Model):
+    limits: dict[str, Any]
+
+    def check_supported(self) -> None:
+        return None
+
+
+class AddPrice(_Model):
+    model: str = Field(min_length=1, max_length=128)
+    input_per_million: str | int
+    output_per_million: str | int
+    effective_from: datetime | None = None
+
+    def check_supported(self) -> None:
+        return None
+
+
 def _int_param(request: Request, name: str) -> int | None:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
@@ -67,11 +87,65 @@ def _time_param(request: Request, name: str) -> datetime | None:
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
 
-def _path_id(request: Request) -> int:
+def _path_id(request: Request, name: str = "key_id", what: str = "key") -> int:
     try:
-        return int(request.path_params["key_id"])
+        return int(request.path_params[name])
     except ValueError:
-        raise NotFound("No such key.", param="id") from None
+        raise NotFound(f"No such {what}.", param="id") from None
+
+
+async def _patched_limits(request: Request, apply: Any, scope_kind: str, scope_id: int, what: str) -> Response:
+    state = request.app.state
+    body = parse(PatchLimits, await read_json(request, state.settings.max_body_bytes))
+    try:
+        updated = await apply(scope_id, body.limits)
+    except InvalidLimits as exc:
+        raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
+    if updated is None:
+        raise NotFound(f"No such {what}.", param="id")
+    # Counters for this scope are rebuilt from the ledger at its next request.
+    await state.limiter.invalidate(Scope(scope_kind, scope_id, Limits()))
+    return json_response(updated)
+
+
+async def patch_key(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    return await _patched_limits(request, state.keys.set_key_limits, "key", _path_id(request), "key")
+
+
+async def patch_account(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    account_id = _path_id(request, "account_id", "account")
+    return await _patched_limits(request, state.keys.set_account_limits, "account", account_id, "account")
+
+
+async def get_account(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    account = await state.keys.get_account(account_id=_path_id(request, "account_id", "account"))
+    if account is None:
+        raise NotFound("No such account.", param="id")
+    return json_response(account)
+
+
+async def list_prices(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    versions = await state.prices.list(request.query_params.get("model") or None)
+    return json_response({"object": "list", "data": [v.view() for v in versions]})
+
+
+async def add_price(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    body = parse(AddPrice, await read_json(request, state.settings.max_body_bytes))
+    try:
+        version = await state.prices.add(body.model, body.input_per_million, body.output_per_million, body.effective_from)
+    except InvalidPrice as exc:
+        raise InvalidRequest(str(exc), code="invalid_value") from None
+    return json_response(version.view(), 201)
 
 
 async def create_account(request: Request) -> Response:
@@ -144,9 +218,14 @@ async def usage(request: Request) -> Response:
 routes = [
     Route("/admin/accounts", create_account, methods=["POST"]),
     Route("/admin/accounts", list_accounts, methods=["GET"]),
+    Route("/admin/accounts/{account_id}", get_account, methods=["GET"]),
+    Route("/admin/accounts/{account_id}", patch_account, methods=["PATCH"]),
+    Route("/admin/prices", list_prices, methods=["GET"]),
+    Route("/admin/prices", add_price, methods=["POST"]),
     Route("/admin/keys", create_key, methods=["POST"]),
     Route("/admin/keys", list_keys, methods=["GET"]),
     Route("/admin/keys/{key_id}", get_key, methods=["GET"]),
     Route("/admin/keys/{key_id}", revoke_key, methods=["DELETE"]),
+    Route("/admin/keys/{key_id}", patch_key, methods=["PATCH"]),
     Route("/admin/usage", usage, methods=["GET"]),
 ]

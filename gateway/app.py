@@ -18,6 +18,8 @@ from starlette.routing import Route
 from billing.db import create_engine
 from billing.keys import KeyStore
 from billing.ledger import LedgerWriter
+from billing.prices import PriceBook
+from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine
 from gateway import admin
 from gateway.config import Settings
@@ -50,6 +52,20 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
     return {engine.model_id: engine}
 
 
+def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
+    totals = LedgerTotals(db, flush=lambda: ledger.flush(timeout=2.0))
+    if settings.redis_url:
+        return RedisLimiter(
+            settings.redis_url,
+            totals,
+            prefix=settings.redis_prefix,
+            timeout=settings.redis_timeout,
+            fail_open=settings.quota_fail_open,
+            hold_seconds=settings.quota_hold_seconds,
+        )
+    return MemoryLimiter(totals, hold_seconds=settings.quota_hold_seconds)
+
+
 async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     state = request.app.state
     request_id = new_request_id()
@@ -60,8 +76,10 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
         gen = service.prepare_chat(principal, body, request_id)
     else:
         gen = service.prepare_text(principal, body, request_id)
-    # Admitted from here on: the metered stream writes this request's ledger row.
-    return GenerationResponse(gen, service.metered(gen), {"x-request-id": request_id})
+    await service.admit(gen)
+    # Admitted from here on: the metered stream settles the quota and writes the ledger row.
+    headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    return GenerationResponse(gen, service.metered(gen), headers)
 
 
 async def chat_completions(request: Request) -> Any:
@@ -140,7 +158,11 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         app.state.keys = KeyStore(db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds)
         app.state.ledger = ledger
         served = engines if engines is not None else build_engines(settings)
-        app.state.service = CompletionService(served, ledger)
+        prices = PriceBook(db)
+        limiter = build_limiter(settings, db, ledger)
+        app.state.prices = prices
+        app.state.limiter = limiter
+        app.state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
         loading: list[asyncio.Task[None]] = []
         if owns_engines:
             loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
@@ -154,6 +176,8 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
             if owns_engines:
                 for e in served.values():
                     await e.stop()
+            await app.state.service.drain()
+            await limiter.close()
             await ledger.close()
             await db.dispose()
 

@@ -47,6 +47,10 @@ class Settings:
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
     key_cache_seconds: float = 1.0
+    redis_prefix: str = "tg:q:"
+    redis_timeout: float = 0.05  # seconds, every Redis call
+    quota_fail_open: bool = False  # False: refuse with 503 while the quota store is unreachable
+    quota_hold_seconds: float = 900.0  # a crashed gateway's reservations free up after this
     warmup: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -76,6 +80,12 @@ class Settings:
         return path.read_text().strip().encode()
 
 
+def _fail_mode(raw: str) -> bool:
+    if raw not in ("open", "closed"):
+        raise SystemExit(f"TOLLGATE_QUOTA_FAIL_MODE must be 'open' or 'closed', got {raw!r}")
+    return raw == "open"
+
+
 def load_settings() -> Settings:
     env = os.environ
     return Settings(
@@ -94,5 +104,9 @@ def load_settings() -> Settings:
         max_queue=_env_int("TOLLGATE_MAX_QUEUE", 256),
         max_body_bytes=_env_int("TOLLGATE_MAX_BODY_BYTES", 1 << 20),
         key_cache_seconds=_env_float("TOLLGATE_KEY_CACHE_SECONDS", 1.0),
+        redis_prefix=env.get("TOLLGATE_REDIS_PREFIX", "tg:q:"),
+        redis_timeout=_env_float("TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
+        quota_fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
+        quota_hold_seconds=_env_float("TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
         warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
     )

@@ -1,11 +1,14 @@
 """Turns a protocol request into one engine stream and meters it.
 
     prepare()  -> model, key permissions, prompt tokens, context and capacity checks
-    metered()  -> the engine stream, with exactly one ledger row written in its `finally`
+    admit()    -> quota reservation of the worst case (one atomic step)
+    metered()  -> the engine stream; its `finally` settles the quota and writes the one ledger row
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +18,8 @@ from typing import Any
 
 from billing.keys import Principal
 from billing.ledger import LedgerWriter, UsageRecord
+from billing.prices import PriceBook, PriceVersion
+from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
 from engines.base import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -31,8 +36,13 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     PermissionDenied,
+    RateLimited,
+    ServiceUnavailable,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+
+log = logging.getLogger("tollgate.serving")
 
 
 def new_request_id() -> str:
@@ -60,6 +70,8 @@ class Generation:
     estimated: bool = False
     error: str | None = None
     cancel_requested: bool = False
+    hold: Hold | None = None
+    price: PriceVersion | None = None
 
     @property
     def model(self) -> str:
@@ -74,9 +86,64 @@ class Generation:
 
 
 class CompletionService:
-    def __init__(self, engines: dict[str, Engine], ledger: LedgerWriter) -> None:
+    def __init__(
+        self,
+        engines: dict[str, Engine],
+        ledger: LedgerWriter,
+        *,
+        limiter: Limiter | None = None,
+        prices: PriceBook | None = None,
+    ) -> None:
         self.engines = engines
         self.ledger = ledger
+        self.limiter = limiter
+        self.prices = prices
+        self._settling: set[asyncio.Task[Any]] = set()
+        self.on_quota_rejected: list[Any] = []  # callbacks(limit_name) for metrics
+
+    async def admit(self, gen: Generation) -> None:
+        """Reserves prompt + max_tokens (and its price) on the key and its account, or refuses."""
+        if self.prices is not None:
+            gen.price = await self.prices.current(gen.model)
+        if self.limiter is None:
+            return
+        worst_tokens = gen.prompt_tokens + gen.engine_request.max_tokens
+        worst_nanos = gen.price.cost_nanos(gen.prompt_tokens, gen.engine_request.max_tokens) if gen.price else 0
+        p = gen.principal
+        scopes = [Scope("key", p.key_id, p.key_limits), Scope("account", p.account_id, p.account_limits)]
+        try:
+            gen.hold = await self.limiter.reserve(gen.request_id, scopes, worst_tokens, worst_nanos)
+        except QuotaExceeded as exc:
+            for callback in self.on_quota_rejected:
+                callback(exc.limit)
+            err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
+            err.error_type = exc.error_type
+            raise err from None
+        except QuotaUnavailable:
+            raise ServiceUnavailable(
+                "Quota service is unavailable; retry shortly.", code="quota_unavailable", headers={"Retry-After": "1"}
+            ) from None
+
+    def _settle(self, gen: Generation) -> None:
+        """Commits actual usage in the background: never awaited inside a `finally`."""
+        if self.limiter is None or gen.hold is None:
+            return
+        nanos = gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else 0
+        task = asyncio.get_running_loop().create_task(
+            self.limiter.settle(gen.hold, gen.prompt_tokens + gen.completion_tokens, nanos)
+        )
+        self._settling.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._settling.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("quota settlement failed: %s", type(task.exception()).__name__)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Waits for background settlements (shutdown and tests)."""
+        if self._settling:
+            await asyncio.wait(list(self._settling), timeout=timeout)
 
     def engine_for(self, model: str, principal: Principal) -> Engine:
         engine = self.engines.get(model)
@@ -174,6 +241,7 @@ class CompletionService:
             raise
         finally:
             # Reached on completion, on engine failure, and when the consumer closes us early.
+            self._settle(gen)
             self.ledger.record(self.usage_record(gen, status or final_status(gen)))
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
@@ -205,6 +273,7 @@ class CompletionService:
             queue_ms=gen.queue_ms,
             ttft_ms=gen.ttft_ms,
             estimated=gen.estimated,
+            cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else None,
         )
 
 

@@ -1,0 +1,212 @@
+"""Limiter semantics, run against both backends: real Redis (Lua) and the in-process limiter."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from billing import migrate
+from billing.db import create_engine
+from billing.ledger import UsageRecord, write_records
+from billing.limits import InvalidLimits, Limits
+from billing.quota import LedgerTotals, Limiter, MemoryLimiter, QuotaExceeded, RedisLimiter, Scope, month_start
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+NOW = 1_795_000_000.0  # a fixed instant, 2026-11: windows are driven by explicit times
+
+
+@pytest.fixture(scope="module")
+def ledger_url(fresh_pg_database: Any) -> str:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["redis", "memory"])
+async def limiter(request: pytest.FixtureRequest, ledger_url: str) -> Any:
+    db = create_engine(ledger_url)
+    totals = LedgerTotals(db)
+    if request.param == "redis":
+        lim: Limiter = RedisLimiter(REDIS_URL, totals, prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
+    else:
+        lim = MemoryLimiter(totals)
+    yield lim
+    if isinstance(lim, RedisLimiter):
+        await lim.flush_all()
+    await lim.close()
+    await db.dispose()
+
+
+def scope(kind: str = "key", **limits: Any) -> Scope:
+    return Scope(kind, int(uuid.uuid4().int % 10**9), Limits().patched(limits))
+
+
+def rid() -> str:
+    return uuid.uuid4().hex
+
+
+async def test_concurrent_reservations_never_exceed_monthly_tokens(limiter: Limiter) -> None:
+    key = scope(monthly_tokens=2000)
+    async def one() -> int:
+        try:
+            hold = await limiter.reserve(rid(), [key], 100, 0, now=NOW)
+        except QuotaExceeded as exc:
+            assert exc.limit == "monthly_tokens" and exc.error_type == "insufficient_quota"
+            return 0
+        await asyncio.sleep(0)
+        await limiter.settle(hold, 60, 0)  # used less than reserved
+        return 60
+    used = await asyncio.gather(*[one() for _ in range(200)])
+    admitted = sum(1 for u in used if u)
+    assert sum(used) <= 2000
+    assert admitted >= 20  # released reservations let more in than 2000/100
+    counters = await limiter.counters(key, now=NOW)
+    assert counters["month_tokens"] == sum(used)
+    assert counters["held_tokens"] == 0 and counters["in_flight"] == 0
+
+
+async def test_account_scope_caps_all_its_keys(limiter: Limiter) -> None:
+    account = scope("account", monthly_tokens=1000)
+    keys = [scope() for _ in range(5)]
+    results = await asyncio.gather(
+        *[limiter.reserve(rid(), [keys[i % 5], account], 100, 0, now=NOW) for i in range(40)], return_exceptions=True
+    )
+    admitted = [r for r in results if not isinstance(r, Exception)]
+    assert len(admitted) == 10
+    assert all(isinstance(r, QuotaExceeded) and r.scope.kind == "account" for r in results if isinstance(r, Exception))
+
+
+async def test_all_or_nothing_across_scopes(limiter: Limiter) -> None:
+    key = scope(rpm=100)
+    account = scope("account", max_concurrent=1)
+    await limiter.reserve(rid(), [key, account], 10, 0, now=NOW)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key, account], 10, 0, now=NOW)
+    assert info.value.limit == "max_concurrent"
+    assert (await limiter.counters(key, now=NOW))["minute_requests"] == 1  # the refused request reserved nothing
+
+
+async def test_rpm_and_tpm_windows_reset(limiter: Limiter) -> None:
+    key = scope(rpm=3, tpm=1000)
+    for _ in range(3):
+        hold = await limiter.reserve(rid(), [key], 10, 0, now=NOW)
+        await limiter.settle(hold, 10, 0)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key], 10, 0, now=NOW + 1)
+    assert info.value.limit == "rpm" and info.value.error_type == "rate_limit_exceeded"
+    assert 1 <= info.value.retry_after <= 60
+    await limiter.reserve(rid(), [key], 10, 0, now=NOW + 60)  # next minute
+
+    other = scope(tpm=100)
+    await limiter.reserve(rid(), [other], 80, 0, now=NOW)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [other], 30, 0, now=NOW)
+    assert info.value.limit == "tpm"
+    await limiter.reserve(rid(), [other], 30, 0, now=NOW + 60)
+
+
+async def test_tpm_releases_the_unused_part_of_a_reservation(limiter: Limiter) -> None:
+    key = scope(tpm=100)
+    hold = await limiter.reserve(rid(), [key], 90, 0, now=NOW)
+    await limiter.settle(hold, 20, 0)
+    await limiter.reserve(rid(), [key], 80, 0, now=NOW)  # 20 used + 80 fits
+
+
+async def test_max_concurrent_and_release_on_settle(limiter: Limiter) -> None:
+    key = scope(max_concurrent=2)
+    a = await limiter.reserve(rid(), [key], 1, 0, now=NOW)
+    await limiter.reserve(rid(), [key], 1, 0, now=NOW)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key], 1, 0, now=NOW)
+    assert info.value.retry_after == 1
+    await limiter.settle(a, 0, 0)  # cancelled before any token: releases its slot
+    await limiter.reserve(rid(), [key], 1, 0, now=NOW)
+
+
+async def test_settling_twice_counts_once(limiter: Limiter) -> None:
+    key = scope(monthly_tokens=10_000)
+    hold = await limiter.reserve(rid(), [key], 100, 0, now=NOW)
+    assert await limiter.settle(hold, 40, 0) is True
+    assert await limiter.settle(hold, 40, 0) is False
+    assert (await limiter.counters(key, now=NOW))["month_tokens"] == 40
+
+
+async def test_expired_holds_release_themselves(limiter: Limiter) -> None:
+    limiter.hold_seconds = 30
+    key = scope(max_concurrent=1, monthly_tokens=100)
+    await limiter.reserve(rid(), [key], 100, 0, now=NOW)  # never settled: the gateway "crashed"
+    with pytest.raises(QuotaExceeded):
+        await limiter.reserve(rid(), [key], 100, 0, now=NOW + 10)
+    await limiter.reserve(rid(), [key], 100, 0, now=NOW + 31)
+
+
+async def test_monthly_spend_at_exact_decimal_price(limiter: Limiter) -> None:
+    # $0.15 per million input tokens -> 150 nano-USD per token; budget $0.000045 = 45,000 nanos = 300 tokens
+    key = scope(monthly_spend="0.000045")
+    holds = [await limiter.reserve(rid(), [key], 100, 100 * 150, now=NOW) for _ in range(3)]
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key], 1, 150, now=NOW)
+    assert info.value.limit == "monthly_spend"
+    for h in holds:
+        await limiter.settle(h, 100, 100 * 150)
+    assert (await limiter.counters(key, now=NOW))["month_nanos"] == 45_000
+
+
+async def test_counters_are_rebuilt_from_the_ledger(limiter: Limiter, ledger_url: str) -> None:
+    key = scope(monthly_tokens=1000)
+    db = create_engine(ledger_url)
+    try:
+        created = month_start(NOW).replace(day=2)
+        rows = [
+            UsageRecord(request_id=rid(), account_id=1, key_id=key.id, model="m", prompt_tokens=300, completion_tokens=100,
+                        status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=7, created_at=created)
+            for _ in range(2)
+        ]
+        await write_records(db, rows)
+    finally:
+        await db.dispose()
+    # 800 tokens already used this month according to the ledger: 300 more would overspend.
+    with pytest.raises(QuotaExceeded):
+        await limiter.reserve(rid(), [key], 300, 0, now=NOW)
+    await limiter.reserve(rid(), [key], 200, 0, now=NOW)
+    counters = await limiter.counters(key, now=NOW)
+    assert counters["month_tokens"] == 800 and counters["month_nanos"] == 14
+
+
+async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:
+    hold = await limiter.reserve(rid(), [scope(), scope("account")], 10**6, 10**9, now=NOW)
+    assert hold.scopes == () and hold.headers == {}
+    assert await limiter.settle(hold, 5, 5) is False
+
+
+async def test_ratelimit_headers(limiter: Limiter) -> None:
+    key = scope(rpm=10, tpm=1000)
+    account = scope("account", rpm=5)
+    hold = await limiter.reserve(rid(), [key, account], 100, 0, now=NOW)
+    assert hold.headers["x-ratelimit-limit-requests"] == "5"
+    assert hold.headers["x-ratelimit-remaining-requests"] == "4"
+    assert hold.headers["x-ratelimit-limit-tokens"] == "1000"
+    assert hold.headers["x-ratelimit-remaining-tokens"] == "900"
+    assert hold.headers["x-ratelimit-reset-requests"].endswith("s")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"rpm": -1}, {"rpm": 1.5}, {"rpm": "10"}, {"tpm": True}, {"monthly_spend": 1.25}, {"monthly_spend": "abc"},
+     {"monthly_spend": "-1"}, {"monthly_spend": "0.0000000001"}, {"burst": 3}, {"monthly_tokens": 2**60}],
+)
+def test_invalid_limits_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(InvalidLimits):
+        Limits().patched(bad)
+
+
+def test_limits_patch_semantics() -> None:
+    limits = Limits().patched({"rpm": 10, "monthly_spend": "25.50"})
+    assert limits.monthly_spend == Decimal("25.50") and limits.monthly_spend_nanos == 25_500_000_000
+    changed = limits.patched({"rpm": None, "tpm": 5})
+    assert changed.view() == {"tpm": 5, "monthly_spend": "25.50"}
+    assert Limits.from_json(changed.to_json()) == changed
