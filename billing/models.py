@@ -100,4 +100,4 @@ class LedgerEntry(SQLModel, table=True):
 
 LEDGER_STATUSES = ("completed", "cancelled", "error")
 
-from billing.usage_models import LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
+from billing.usage_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)

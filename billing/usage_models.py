@@ -53,3 +53,16 @@ class LatencyHour(SQLModel, table=True):
     metric: str = Field(sa_column=sa.Column(sa.String(8), primary_key=True))  # total | ttft
     bucket: int = Field(sa_column=sa.Column(sa.SmallInteger, primary_key=True, autoincrement=False))
     count: int = Field(default=0, sa_column=_count())
+
+
+class DashboardSession(SQLModel, table=True):
+    """A browser session of the dashboards, made by logging in with an API key. Only a hash of
+    the cookie's token is stored; logout deletes the row, so an old cookie stops working."""
+
+    __tablename__ = "dashboard_sessions"
+
+    token_hash: str = Field(sa_column=sa.Column(sa.String(64), primary_key=True))
+    key_id: int = Field(sa_column=sa.Column(sa.Integer, nullable=False, index=True))
+    csrf_token: str = Field(sa_column=sa.Column(sa.String(64), nullable=False))
+    created_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
+    expires_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))

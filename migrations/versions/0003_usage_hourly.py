@@ -1,4 +1,4 @@
-"""pre-aggregated usage per hour, account, key and model; latency histograms per hour and model
+"""pre-aggregated usage per hour, account, key and model; latency histograms; dashboard sessions
 
 Revision ID: 0003
 Revises: 0002
@@ -49,6 +49,15 @@ def upgrade() -> None:
         sa.Column("bucket", sa.SmallInteger, primary_key=True, autoincrement=False),
         _count("count"),
     )
+    op.create_table(
+        "dashboard_sessions",
+        sa.Column("token_hash", sa.String(64), primary_key=True),
+        sa.Column("key_id", sa.Integer, nullable=False),
+        sa.Column("csrf_token", sa.String(64), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    )
+    op.create_index("ix_dashboard_sessions_key_id", "dashboard_sessions", ["key_id"])
     _backfill()
 
 
@@ -111,6 +120,8 @@ def _backfill(page: int = 50_000) -> None:
 
 
 def downgrade() -> None:
+    op.drop_index("ix_dashboard_sessions_key_id", table_name="dashboard_sessions")
+    op.drop_table("dashboard_sessions")
     op.drop_table("latency_hourly")
     op.drop_index("ix_usage_hourly_account_hour", table_name="usage_hourly")
     op.drop_table("usage_hourly")

@@ -15,7 +15,7 @@ from billing.db import create_engine
 from billing.models import SQLModel
 from tests.conftest import run_coro
 
-TABLES = {"accounts", "api_keys", "ledger_entries", "prices", "usage_hourly", "latency_hourly"}
+TABLES = {"accounts", "api_keys", "ledger_entries", "prices", "usage_hourly", "latency_hourly", "dashboard_sessions"}
 
 
 async def _tables_and_diff(url: str) -> tuple[set[str], list[Any]]:
