@@ -3,12 +3,15 @@
 Writers call `LedgerWriter.record()` from a `finally`; it never awaits and never raises, so a
 cancelled request task still gets its row. A background task inserts rows in batches with
 `ON CONFLICT (request_id) DO NOTHING`, retrying (never dropping) while the database is down.
+The same transaction adds the rows it actually inserted to the hourly aggregates
+(`billing.usage`), so those stay exact sums of the ledger however often a batch is retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -18,6 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.models import LedgerEntry, utcnow
+from billing.usage import add_to_aggregates
 
 log = logging.getLogger("tollgate.ledger")
 
@@ -50,13 +54,21 @@ def insert_ignoring_duplicates(dialect_name: str) -> Any:
     raise ValueError(f"unsupported dialect {dialect_name}")
 
 
-async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> None:
-    """Inserts rows; a request_id already present is left as it is (a repeat is success)."""
+async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> int:
+    """Inserts rows; a request_id already present is left as it is (a repeat is success).
+    Returns how many rows were new; only those are added to the hourly aggregates."""
     if not records:
-        return
-    stmt = insert_ignoring_duplicates(engine.dialect.name)
+        return 0
+    stmt = insert_ignoring_duplicates(engine.dialect.name).returning(LEDGER.c.request_id)
     async with engine.begin() as conn:
-        await conn.execute(stmt, [asdict(r) for r in records])
+        inserted = set((await conn.execute(stmt, [asdict(r) for r in records])).scalars())
+        fresh = []
+        for r in records:
+            if r.request_id in inserted:
+                inserted.discard(r.request_id)  # a request_id twice in one batch is inserted once
+                fresh.append(r)
+        await add_to_aggregates(conn, fresh)
+    return len(fresh)
 
 
 class LedgerWriter:
@@ -71,11 +83,23 @@ class LedgerWriter:
         self._written = 0
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._listeners: list[Callable[[UsageRecord], None]] = []
         self.write_errors = 0
 
     @property
     def backlog(self) -> int:
         return self._submitted - self._written
+
+    @property
+    def lag_seconds(self) -> float:
+        """Age of the oldest row not yet in the database (0 when none is waiting)."""
+        if not self._pending:
+            return 0.0
+        return max(0.0, (utcnow() - self._pending[0].created_at).total_seconds())
+
+    def add_listener(self, listener: Callable[[UsageRecord], None]) -> None:
+        """Calls `listener(record)` synchronously in `record()`; a failing listener is logged, never raised."""
+        self._listeners.append(listener)
 
     def start(self) -> None:
         if self._task is None:
@@ -86,6 +110,11 @@ class LedgerWriter:
         self._pending.append(record)
         self._submitted += 1
         self._wake.set()
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # observers must not cost a ledger row
+                log.exception("ledger listener %r failed", listener)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Waits until every row recorded before this call is in the database."""

@@ -1,0 +1,274 @@
+"""Pre-aggregated usage: kept exact by the ledger writer, read by the dashboards and `/v1/usage`.
+
+    add_to_aggregates(conn, records)   same transaction as the ledger insert, new rows only
+    usage_groups(...)                  sums by day / model / key over whole hours
+    latency_percentiles(...)           p50/p90/p99 from the hourly histograms
+    month_to_date(...)                 tokens and spend this month, per account or key
+
+Percentiles come from a log-scale histogram (4 buckets per doubling, so within ~19% of the
+exact value): reading them never scans ledger rows, whatever the period.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from billing.usage_models import LatencyHour, UsageHour
+
+if TYPE_CHECKING:
+    from billing.ledger import UsageRecord
+
+HOURLY = UsageHour.__table__
+LATENCY = LatencyHour.__table__
+BUCKETS_PER_DOUBLING = 4
+NANOS_PER_USD = 10**9
+GROUPS = ("day", "model", "key")
+COUNTS = (
+    "requests", "prompt_tokens", "completion_tokens", "cost_nanos", "unpriced", "errors", "cancelled", "ttft_count",
+)
+SUMS = ("total_ms_sum", "ttft_ms_sum")
+
+
+def latency_bucket(ms: float) -> int:
+    """The histogram bucket of a duration: b holds [2^(b/4), 2^((b+1)/4)) ms; below 1 ms is 0."""
+    if not ms or ms < 1.0 or math.isnan(ms):
+        return 0
+    return min(int(math.log2(ms) * BUCKETS_PER_DOUBLING), 32767)
+
+
+def bucket_value(bucket: int) -> float:
+    """A bucket's representative value: its geometric middle, in ms."""
+    return 2 ** ((bucket + 0.5) / BUCKETS_PER_DOUBLING)
+
+
+def hour_of(at: datetime) -> datetime:
+    at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
+    return at.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
+def usd(nanos: int) -> str:
+    """nano-USD as an exact decimal string of dollars."""
+    return str((Decimal(nanos) / NANOS_PER_USD).quantize(Decimal("0.000000001")))
+
+
+# writing --------------------------------------------------------------------------------------
+def deltas(records: Iterable[UsageRecord]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What a batch of new ledger rows adds to each hourly row and histogram bucket."""
+    usage: dict[tuple[Any, ...], dict[str, Any]] = {}
+    latency: dict[tuple[Any, ...], int] = defaultdict(int)
+    for r in records:
+        hour = hour_of(r.created_at)
+        key = (hour, r.account_id, r.key_id, r.model)
+        row = usage.get(key)
+        if row is None:
+            row = usage[key] = {"hour": hour, "account_id": r.account_id, "key_id": r.key_id, "model": r.model,
+                                **{c: 0 for c in COUNTS}, **{s: 0.0 for s in SUMS}}
+        row["requests"] += 1
+        row["prompt_tokens"] += r.prompt_tokens
+        row["completion_tokens"] += r.completion_tokens
+        if r.cost_nanos is None:
+            row["unpriced"] += 1
+        else:
+            row["cost_nanos"] += r.cost_nanos
+        row["errors"] += r.status == "error"
+        row["cancelled"] += r.status == "cancelled"
+        row["total_ms_sum"] += r.total_ms
+        latency[(hour, r.model, "total", latency_bucket(r.total_ms))] += 1
+        if r.ttft_ms is not None:
+            row["ttft_ms_sum"] += r.ttft_ms
+            row["ttft_count"] += 1
+            latency[(hour, r.model, "ttft", latency_bucket(r.ttft_ms))] += 1
+    # A fixed order takes row locks in the same order in every writer: no deadlocks between gateways.
+    usage_rows = [usage[k] for k in sorted(usage)]
+    latency_rows = [
+        {"hour": h, "model": m, "metric": metric, "bucket": b, "count": n}
+        for (h, m, metric, b), n in sorted(latency.items())
+    ]
+    return usage_rows, latency_rows
+
+
+def _adding_upsert(dialect_name: str, table: sa.Table, keys: Sequence[str], added: Sequence[str]) -> Any:
+    insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(dialect_name)
+    if insert is None:
+        raise ValueError(f"unsupported dialect {dialect_name}")
+    stmt = insert(table)
+    return stmt.on_conflict_do_update(
+        index_elements=list(keys), set_={c: table.c[c] + stmt.excluded[c] for c in added}
+    )
+
+
+async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord]) -> None:
+    """Adds newly inserted ledger rows to the aggregates, inside the caller's transaction."""
+    if not records:
+        return
+    usage_rows, latency_rows = deltas(records)
+    dialect = conn.dialect.name
+    await conn.execute(
+        _adding_upsert(dialect, HOURLY, ("hour", "account_id", "key_id", "model"), COUNTS + SUMS), usage_rows
+    )
+    await conn.execute(_adding_upsert(dialect, LATENCY, ("hour", "model", "metric", "bucket"), ("count",)), latency_rows)
+
+
+# reading --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Period:
+    """Whole hours [start, end), UTC: the resolution of the aggregates."""
+
+    start: datetime
+    end: datetime
+
+    @classmethod
+    def covering(cls, start: datetime, end: datetime) -> "Period":
+        first = hour_of(start)
+        last = hour_of(end)
+        if last < end.astimezone(timezone.utc):
+            last += timedelta(hours=1)
+        return cls(first, max(last, first + timedelta(hours=1)))
+
+    @classmethod
+    def last_days(cls, days: int, now: datetime | None = None) -> "Period":
+        now = now or datetime.now(timezone.utc)
+        end = hour_of(now) + timedelta(hours=1)
+        return cls(end - timedelta(days=days), end)
+
+    @classmethod
+    def month(cls, year: int, month: int) -> "Period":
+        start = datetime(year, month, 1, tzinfo=timezone.utc)
+        end = datetime(year + (month == 12), month % 12 + 1, 1, tzinfo=timezone.utc)
+        return cls(start, end)
+
+
+def _day_expr(dialect_name: str, column: Any) -> Any:
+    if dialect_name == "postgresql":
+        return sa.cast(sa.func.timezone("UTC", column), sa.Date)
+    return sa.func.substr(column, 1, 10)  # SQLite keeps UTC datetimes as 'YYYY-MM-DD HH:MM:SS...'
+
+
+def _as_day(value: Any) -> str:
+    return value.isoformat() if isinstance(value, date) else str(value)
+
+
+def _totals(row: Any) -> dict[str, Any]:
+    out = {c: int(getattr(row, c) or 0) for c in COUNTS}
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    out["cost_usd"] = usd(out["cost_nanos"])
+    out["error_rate"] = out["errors"] / out["requests"] if out["requests"] else 0.0
+    out["avg_latency_ms"] = float(row.total_ms_sum or 0) / out["requests"] if out["requests"] else None
+    out["avg_ttft_ms"] = float(row.ttft_ms_sum or 0) / out["ttft_count"] if out["ttft_count"] else None
+    return out
+
+
+async def usage_groups(
+    engine: AsyncEngine,
+    period: Period,
+    group_by: Sequence[str] = (),
+    *,
+    account_id: int | None = None,
+    key_id: int | None = None,
+    order_by: str | None = None,
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
+    """Sums over the period, one dict per group (`day`, `model`, `key_id`, `account_id` as asked)."""
+    unknown = set(group_by) - set(GROUPS) - {"account"}
+    if unknown:
+        raise ValueError(f"unknown group {sorted(unknown)[0]!r}")
+    columns: list[Any] = []
+    if "day" in group_by:
+        columns.append(_day_expr(engine.dialect.name, HOURLY.c.hour).label("day"))
+    if "model" in group_by:
+        columns.append(HOURLY.c.model)
+    if "account" in group_by or "key" in group_by:
+        columns.append(HOURLY.c.account_id)
+    if "key" in group_by:
+        columns.append(HOURLY.c.key_id)
+    sums = [sa.func.coalesce(sa.func.sum(HOURLY.c[c]), 0).label(c) for c in COUNTS + SUMS]
+    query = sa.select(*columns, *sums).where(HOURLY.c.hour >= period.start, HOURLY.c.hour < period.end)
+    if account_id is not None:
+        query = query.where(HOURLY.c.account_id == account_id)
+    if key_id is not None:
+        query = query.where(HOURLY.c.key_id == key_id)
+    if columns:
+        query = query.group_by(*columns)
+    if order_by is not None:
+        query = query.order_by(sa.desc(order_by))
+    elif columns:
+        query = query.order_by(*columns)
+    if limit is not None:
+        query = query.limit(limit)
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+    out = []
+    for row in rows:
+        group: dict[str, Any] = {}
+        if "day" in group_by:
+            group["day"] = _as_day(row.day)
+        if "model" in group_by:
+            group["model"] = row.model
+        if "account" in group_by or "key" in group_by:
+            group["account_id"] = row.account_id
+        if "key" in group_by:
+            group["key_id"] = row.key_id
+        out.append({**group, **_totals(row)})
+    return out
+
+
+def percentile(histogram: dict[int, int], q: float) -> float | None:
+    total = sum(histogram.values())
+    if total == 0:
+        return None
+    rank = max(1, math.ceil(q * total))
+    seen = 0
+    for bucket in sorted(histogram):
+        seen += histogram[bucket]
+        if seen >= rank:
+            return bucket_value(bucket)
+    return bucket_value(max(histogram))
+
+
+async def latency_percentiles(
+    engine: AsyncEngine, period: Period, *, model: str | None = None, quantiles: Sequence[float] = (0.5, 0.9, 0.99)
+) -> dict[str, dict[str, Any]]:
+    """Per model: count and percentiles (ms) of request latency (`total`) and time to first token."""
+    query = (
+        sa.select(LATENCY.c.model, LATENCY.c.metric, LATENCY.c.bucket, sa.func.sum(LATENCY.c.count).label("n"))
+        .where(LATENCY.c.hour >= period.start, LATENCY.c.hour < period.end)
+        .group_by(LATENCY.c.model, LATENCY.c.metric, LATENCY.c.bucket)
+    )
+    if model is not None:
+        query = query.where(LATENCY.c.model == model)
+    histograms: dict[str, dict[str, dict[int, int]]] = defaultdict(lambda: defaultdict(dict))
+    async with engine.connect() as conn:
+        for row in await conn.execute(query):
+            histograms[row.model][row.metric][int(row.bucket)] = int(row.n)
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(histograms):
+        per_metric = {}
+        for metric in ("total", "ttft"):
+            hist = histograms[name].get(metric, {})
+            per_metric[metric] = {
+                "count": sum(hist.values()),
+                **{f"p{round(q * 100):d}": percentile(hist, q) for q in quantiles},
+            }
+        out[name] = per_metric
+    return out
+
+
+async def month_to_date(
+    engine: AsyncEngine, *, account_id: int | None = None, key_id: int | None = None, now: datetime | None = None
+) -> dict[str, int]:
+    """Tokens and spend (nano-USD) since the start of this calendar month (UTC)."""
+    now = now or datetime.now(timezone.utc)
+    period = Period(datetime(now.year, now.month, 1, tzinfo=timezone.utc), hour_of(now) + timedelta(hours=1))
+    rows = await usage_groups(engine, period, (), account_id=account_id, key_id=key_id)
+    totals = rows[0] if rows else {"total_tokens": 0, "cost_nanos": 0, "requests": 0}
+    return {"tokens": totals["total_tokens"], "cost_nanos": totals["cost_nanos"], "requests": totals["requests"]}
