@@ -101,3 +101,4 @@ class LedgerEntry(SQLModel, table=True):
 LEDGER_STATUSES = ("completed", "cancelled", "error")
 
 from billing.usage_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
+from billing import invoice_models  # noqa: E402,F401  (registers the invoice and billing tables)

@@ -15,7 +15,10 @@ from billing.db import create_engine
 from billing.models import SQLModel
 from tests.conftest import run_coro
 
-TABLES = {"accounts", "api_keys", "ledger_entries", "prices", "usage_hourly", "latency_hourly", "dashboard_sessions"}
+TABLES = {
+    "accounts", "api_keys", "ledger_entries", "prices", "usage_hourly", "latency_hourly", "dashboard_sessions",
+    "price_overrides", "billing_periods", "invoices", "invoice_lines", "billing_accounts", "stripe_events",
+}
 
 
 async def _tables_and_diff(url: str) -> tuple[set[str], list[Any]]:

@@ -1,0 +1,127 @@
+"""Tables for prices per account, monthly invoices, Stripe links and webhook deliveries.
+
+    price_overrides   per account: a custom price for one model, or a multiplier (one model or "*")
+    billing_periods   one row per closed (or closing) month: the close is resumable and idempotent
+    invoices          one per account and period (unique): totals in integer cents, Stripe ids
+    invoice_lines     one per model, direction and price (and per late period for adjustments)
+    billing_accounts  an account's Stripe customer and its billing state (active/past_due/suspended)
+    stripe_events     webhook event ids already handled (deduplication)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+
+import sqlalchemy as sa
+from sqlmodel import Field, SQLModel
+
+ANY_MODEL = "*"
+
+
+def _ts(nullable: bool = False) -> sa.Column:  # type: ignore[type-arg]
+    return sa.Column(sa.DateTime(timezone=True), nullable=nullable)
+
+
+class PriceOverride(SQLModel, table=True):
+    """A version of an account's override, in force from `effective_from` until the next version of
+    the same (account, model). kind: price (custom prices), multiplier (x the base price), base
+    (back to the base price). Versions are only added, never edited."""
+
+    __tablename__ = "price_overrides"
+    __table_args__ = (
+        sa.UniqueConstraint("account_id", "model", "effective_from", name="uq_price_overrides_account_model_effective"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    account_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), nullable=False, index=True))
+    model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))  # or "*": every model
+    kind: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))
+    input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
+    output_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
+    multiplier: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(12, 6), nullable=True))
+    effective_from: datetime = Field(sa_column=_ts())
+    created_at: datetime = Field(sa_column=_ts())
+
+
+class BillingPeriod(SQLModel, table=True):
+    __tablename__ = "billing_periods"
+
+    period: str = Field(sa_column=sa.Column(sa.String(7), primary_key=True))  # "2026-11"
+    status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # closing | closed
+    accounts_total: int = Field(default=0, sa_column=sa.Column(sa.Integer, nullable=False, default=0))
+    accounts_done: int = Field(default=0, sa_column=sa.Column(sa.Integer, nullable=False, default=0))
+    started_at: datetime = Field(sa_column=_ts())
+    closed_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+
+class Invoice(SQLModel, table=True):
+    __tablename__ = "invoices"
+    __table_args__ = (sa.UniqueConstraint("account_id", "period", name="uq_invoices_account_period"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    number: str = Field(sa_column=sa.Column(sa.String(32), nullable=False, unique=True))
+    account_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), nullable=False))
+    period: str = Field(sa_column=sa.Column(sa.String(7), nullable=False, index=True))
+    period_start: datetime = Field(sa_column=_ts())
+    period_end: datetime = Field(sa_column=_ts())
+    status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # open | paid | void
+    currency: str = Field(default="usd", sa_column=sa.Column(sa.String(3), nullable=False))
+    total_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    # JSON list of the price versions and overrides the lines used.
+    price_versions: str = Field(sa_column=sa.Column(sa.Text, nullable=False))
+    created_at: datetime = Field(sa_column=_ts())
+    paid_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    # First payment failure seen (a webhook's event time); starts the grace period.
+    payment_failed_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    stripe_invoice_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
+    stripe_status: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
+    stripe_total_cents: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
+    stripe_synced_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    stripe_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+
+
+class InvoiceLine(SQLModel, table=True):
+    __tablename__ = "invoice_lines"
+    __table_args__ = (sa.UniqueConstraint("invoice_id", "position", name="uq_invoice_lines_position"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    invoice_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("invoices.id"), nullable=False, index=True))
+    position: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
+    kind: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # usage | adjustment
+    usage_period: str = Field(sa_column=sa.Column(sa.String(7), nullable=False))
+    model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
+    direction: str = Field(sa_column=sa.Column(sa.String(8), nullable=False))  # input | output
+    tokens: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    # USD per million tokens after any override; NULL when no price was in force (amount 0).
+    unit_price: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(30, 9), nullable=True))
+    amount_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    price_version_id: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
+    override_id: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
+    description: str = Field(sa_column=sa.Column(sa.Text, nullable=False))
+    stripe_item_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
+
+
+class BillingAccount(SQLModel, table=True):
+    __tablename__ = "billing_accounts"
+
+    account_id: int = Field(
+        sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), primary_key=True, autoincrement=False)
+    )
+    stripe_customer_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
+    state: str = Field(default="active", sa_column=sa.Column(sa.String(16), nullable=False))
+    # Earliest unresolved payment problem (failed invoice or delinquent subscription), else NULL.
+    delinquent_since: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    subscription_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True))
+    subscription_status: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
+    subscription_delinquent_since: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    updated_at: datetime = Field(sa_column=_ts())
+
+
+class StripeEvent(SQLModel, table=True):
+    __tablename__ = "stripe_events"
+
+    id: str = Field(sa_column=sa.Column(sa.String(255), primary_key=True))
+    type: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
+    created: datetime = Field(sa_column=_ts())
+    processed_at: datetime = Field(sa_column=_ts())
