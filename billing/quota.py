@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
+from redis.exceptions import TimeoutError as RedisTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.limits import Limits
@@ -362,6 +363,14 @@ for i = 0, n - 1 do
   if redis.call('EXISTS', s.k .. 'synced:' .. month .. ':' .. epoch) == 0 then missing[#missing + 1] = s.name end
 end
 if #missing > 0 then return {'sync', missing} end
+-- A retried call for a request already reserved changes nothing.
+if redis.call('HEXISTS', scopes[1].k .. 'holds', rid) == 1 then
+  local again = {}
+  for i, s in ipairs(scopes) do
+    again[i] = {s.rpm - num(s.k .. 'rpm:' .. minute), s.tpm - num(s.k .. 'tpm:' .. minute)}
+  end
+  return {'ok', again}
+end
 for _, s in ipairs(scopes) do
   for _, h in ipairs(redis.call('ZRANGEBYSCORE', s.k .. 'hexp', '-inf', now)) do
     local v = redis.call('HGET', s.k .. 'holds', h)
@@ -454,7 +463,7 @@ return 1
 class CircuitBreaker:
     """Opens after `threshold` consecutive failures; lets one probe through after `cooldown`."""
 
-    def __init__(self, threshold: int = 2, cooldown: float = 1.0) -> None:
+    def __init__(self, threshold: int = 5, cooldown: float = 1.0) -> None:
         self.threshold = threshold
         self.cooldown = cooldown
         self.failures = 0
@@ -519,7 +528,12 @@ class RedisLimiter(Limiter):
                 # Usage admitted while Redis was unreachable is only in the ledger: rebuild every scope.
                 await self._redis.incr(self.prefix + "epoch")
                 self._resync_needed = False
-            result = await script(keys=[], args=args)
+            try:
+                result = await script(keys=[], args=args)
+            except (TimeoutError, asyncio.TimeoutError, RedisTimeout):
+                # One retry: a busy event loop can miss a short deadline although Redis answered.
+                # Every script is idempotent by request id, so a call that did run is not counted twice.
+                result = await script(keys=[], args=args)
         except Exception as exc:  # connection refused, timeout, server error
             self.breaker.failure()
             log.warning("quota store call failed: %s", type(exc).__name__)

@@ -208,6 +208,23 @@ def gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: pytest.T
         server.__exit__()
 
 
+REDIS_URL = os.environ.get("TOLLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def redis_gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The production shape: Postgres ledger and Redis quotas (a private key prefix per session)."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    server, gw = start_gateway(
+        fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-redis"), redis_url=REDIS_URL, redis_prefix=prefix,
+        redis_timeout=0.25,  # the suite shares 2 cores with the model; production default is 50 ms
+    )
+    try:
+        yield gw
+    finally:
+        server.__exit__()
+
+
 @pytest.fixture(scope="session")
 def sqlite_gateway(engine: HFEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """The embedded default: the same gateway on a SQLite file."""

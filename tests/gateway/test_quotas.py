@@ -1,0 +1,211 @@
+"""Quotas through the gateway with the real model, on both limiter backends (in-process and Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import sqlalchemy as sa
+
+from billing.db import create_engine
+from billing.limits import Limits
+from billing.quota import LedgerTotals, RedisLimiter, Scope
+from tests.conftest import MODEL, REDIS_URL, Gateway
+
+PROMPT = [{"role": "user", "content": "Say yes."}]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def gw(request: pytest.FixtureRequest) -> Gateway:
+    return request.getfixturevalue("gateway" if request.param == "memory" else "redis_gateway")
+
+
+async def counters(gw: Gateway, kind: str, scope_id: int) -> dict[str, int]:
+    scope = Scope(kind, scope_id, Limits())
+    if gw.settings.redis_url:
+        db = create_engine(gw.db_url)
+        lim = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=gw.settings.redis_prefix, timeout=1.0)
+        try:
+            return await lim.counters(scope)
+        finally:
+            await lim.close()
+            await db.dispose()
+    return await gw.app.state.limiter.counters(scope)
+
+
+async def settled(gw: Gateway, kind: str, scope_id: int, timeout: float = 10.0) -> dict[str, int]:
+    """Counters once every hold of the scope is released."""
+    deadline = time.monotonic() + timeout
+    while True:
+        c = await counters(gw, kind, scope_id)
+        if c.get("in_flight", 0) == 0 and c.get("held_tokens", 0) == 0:
+            return c
+        assert time.monotonic() < deadline, f"holds not released: {c}"
+        await asyncio.sleep(0.05)
+
+
+async def ledger_tokens(gw: Gateway, column: str, value: int) -> tuple[int, int]:
+    db = create_engine(gw.db_url)
+    try:
+        async with db.connect() as conn:
+            row = (
+                await conn.execute(
+                    sa.text(f"SELECT count(*), coalesce(sum(prompt_tokens + completion_tokens), 0) FROM ledger_entries WHERE {column} = :v"),
+                    {"v": value},
+                )
+            ).one()
+        return int(row[0]), int(row[1])
+    finally:
+        await db.dispose()
+
+
+async def set_limits(gw: Gateway, path: str, limits: dict[str, Any]) -> dict[str, Any]:
+    async with gw.admin_client() as admin:
+        r = await admin.patch(path, json={"limits": limits})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+async def prompt_tokens(client: Any) -> int:
+    resp = await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1, temperature=0)
+    return resp.usage.prompt_tokens
+
+
+async def fire(client: Any, n: int, max_tokens: int = 4) -> list[Any]:
+    async def one() -> Any:
+        try:
+            return await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens, temperature=0)
+        except openai.APIStatusError as exc:
+            return exc
+    return await asyncio.gather(*[one() for _ in range(n)])
+
+
+async def test_200_concurrent_requests_never_overspend_a_key(gw: Gateway, client_for: Any) -> None:
+    key = await gw.new_key()
+    client = client_for(key["key"], gw)
+    per_request = await prompt_tokens(client) + 4
+    budget = 20 * per_request
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"monthly_tokens": budget})
+
+    results = await fire(client, 200)
+    ok = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert ok and refused
+    for exc in refused:
+        assert exc.status_code == 429
+        body = exc.response.json()["error"]
+        assert body["type"] == "insufficient_quota" and body["code"] == "monthly_tokens"
+        assert "monthly_tokens" in body["message"]
+        assert int(exc.response.headers["retry-after"]) > 0
+    c = await settled(gw, "key", key["id"])
+    count, tokens = await ledger_tokens(gw, "key_id", key["id"])
+    assert count == len(ok) + 1
+    assert tokens <= budget
+    assert c["month_tokens"] == tokens
+
+
+async def test_account_limit_shared_by_five_keys(gw: Gateway, client_for: Any) -> None:
+    account = await gw.new_account()
+    keys = [await gw.new_key(account["id"]) for _ in range(5)]
+    per_request = await prompt_tokens(client_for(keys[0]["key"], gw)) + 4
+    budget = 12 * per_request
+    await set_limits(gw, f"/admin/accounts/{account['id']}", {"monthly_tokens": budget})
+    batches = await asyncio.gather(*[fire(client_for(k["key"], gw), 20) for k in keys])
+    results = [r for batch in batches for r in batch]
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused and all(r.status_code == 429 for r in refused)
+    c = await settled(gw, "account", account["id"])
+    _count, tokens = await ledger_tokens(gw, "account_id", account["id"])
+    assert tokens <= budget
+    assert c["month_tokens"] == tokens
+
+
+async def test_max_concurrent_holds_and_disconnect_releases(gw: Gateway, client_for: Any) -> None:
+    key = await gw.new_key()
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"max_concurrent": 2})
+    client = client_for(key["key"], gw)
+    long = [{"role": "user", "content": "Write a long poem about rivers."}]
+    streams = [await client.chat.completions.create(model=MODEL, messages=long, max_tokens=300, stream=True) for _ in range(2)]
+    for s in streams:
+        await anext(aiter(s))
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
+    err = info.value.response.json()["error"]
+    assert err["type"] == "rate_limit_exceeded" and err["code"] == "max_concurrent"
+    assert info.value.response.headers["retry-after"] == "1"
+    for s in streams:
+        await s.close()  # client disconnect: cancelled rows, reservations released
+    c = await settled(gw, "key", key["id"])
+    assert c["in_flight"] == 0
+    await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
+    assert await gw.ledger_count(key_id=key["id"], status="cancelled") == 2
+
+
+async def test_rpm_limit_and_ratelimit_headers(gw: Gateway, customer: dict[str, Any] | None = None) -> None:
+    key = await gw.new_key()
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"rpm": 2, "tpm": 100_000})
+    async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key['key']}"}, timeout=60) as c:
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2}
+        first = await c.post("/chat/completions", json=body)
+        assert first.status_code == 200
+        assert first.headers["x-ratelimit-limit-requests"] == "2"
+        assert first.headers["x-ratelimit-remaining-requests"] == "1"
+        assert first.headers["x-ratelimit-limit-tokens"] == "100000"
+        assert int(first.headers["x-ratelimit-remaining-tokens"]) < 100000
+        assert first.headers["x-ratelimit-reset-requests"].endswith("s")
+        assert (await c.post("/chat/completions", json=body)).status_code == 200
+        third = await c.post("/chat/completions", json=body)
+        assert third.status_code == 429
+        assert third.json()["error"]["code"] == "rpm"
+        assert 1 <= int(third.headers["retry-after"]) <= 60
+        assert third.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_for: Any) -> None:
+    model_price = {"model": MODEL, "input_per_million": "1.250", "output_per_million": "2.500"}
+    async with gw.admin_client() as admin:
+        r = await admin.post("/admin/prices", json=model_price)
+        assert r.status_code == 201, r.text
+        assert (await admin.post("/admin/prices", json={**model_price, "input_per_million": 0.1})).status_code == 400
+        assert (await admin.post("/admin/prices", json={**model_price, "input_per_million": "0.0001"})).status_code == 400
+    await asyncio.sleep(0.1)
+    key = await gw.new_key()
+    client = client_for(key["key"], gw)
+    p = await prompt_tokens(client)  # 1 completion token
+    cost = p * 1250 + 1 * 2500  # nano-USD at $1.25/M in, $2.50/M out
+    budget = Decimal(cost * 4) / Decimal(10**9)
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"monthly_spend": str(budget)})
+    results = await fire(client, 6, max_tokens=1)
+    ok = [r for r in results if not isinstance(r, Exception)]
+    assert len(ok) == 3  # 1 before the limit + 3 = 4 * cost exactly; the rest are refused
+    assert all(r.status_code == 429 and r.response.json()["error"]["type"] == "insufficient_quota" for r in results if isinstance(r, Exception))
+    c = await settled(gw, "key", key["id"])
+    assert c["month_nanos"] == 4 * cost
+    db = create_engine(gw.db_url)
+    try:
+        async with db.connect() as conn:
+            costs = (await conn.execute(sa.text("SELECT cost_nanos FROM ledger_entries WHERE key_id = :k"), {"k": key["id"]})).scalars().all()
+    finally:
+        await db.dispose()
+    assert costs == [cost] * 4
+
+
+async def test_limit_changes_are_validated(gw: Gateway) -> None:
+    key = await gw.new_key()
+    async with gw.admin_client() as admin:
+        for bad in ({"rpm": -5}, {"rpm": "x"}, {"monthly_spend": 3.5}, {"unknown": 1}):
+            r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": bad})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"].startswith("limits")
+        assert (await admin.patch(f"/admin/keys/{key['id']}", json={"limits": "no"})).status_code == 400
+        assert (await admin.patch("/admin/keys/99999", json={"limits": {"rpm": 1}})).status_code == 404
+        assert (await admin.patch("/admin/accounts/99999", json={"limits": {"rpm": 1}})).status_code == 404
+        r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"rpm": 5, "monthly_spend": "10.5"}})
+        assert r.json()["limits"] == {"rpm": 5, "monthly_spend": "10.5"}
+        r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"rpm": None}})
+        assert r.json()["limits"] == {"monthly_spend": "10.5"}
