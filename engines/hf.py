@@ -110,6 +110,8 @@ class HFEngine(Engine):
         device: str = "cpu",
         max_batch_size: int = 32,
         max_queue: int = 256,
+        kv_cache_tokens: int = 16384,
+        max_batch_tokens: int = 1024,
         warmup: bool = True,
     ) -> None:
         self.model_id = model_id
@@ -119,6 +121,10 @@ class HFEngine(Engine):
         self._device = device
         self._max_batch_size = max_batch_size
         self._max_queue = max_queue
+        # Sized explicitly: left to itself the manager sizes the KV cache from free memory,
+        # which on a CPU host means most of the machine's RAM. 0 keeps the library's automatic sizing.
+        self._kv_cache_tokens = kv_cache_tokens
+        self._max_batch_tokens = max_batch_tokens
         # Requests admitted at once (running + queued); beyond it the gateway answers 503.
         self.capacity = max_batch_size + max_queue
         self._warmup = warmup
@@ -173,10 +179,14 @@ class HFEngine(Engine):
             eos_token_id=sorted(self._eos_ids) or None,
             pad_token_id=self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else eos,
         )
+        page_size = 256
         cb_config = ContinuousBatchingConfig(
             per_request_processors=True,
             max_requests_per_batch=self._max_batch_size,
             max_queue_size=0,
+            page_size=page_size,
+            num_blocks=-(-self._kv_cache_tokens // page_size) if self._kv_cache_tokens else None,
+            max_batch_tokens=self._max_batch_tokens or None,
         )
         return self._model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
 

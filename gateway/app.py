@@ -47,6 +47,8 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
         device=settings.device,
         max_batch_size=settings.max_batch_size,
         max_queue=settings.max_queue,
+        kv_cache_tokens=settings.kv_cache_tokens,
+        max_batch_tokens=settings.max_batch_tokens,
         warmup=settings.warmup,
     )
     return {engine.model_id: engine}

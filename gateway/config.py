@@ -45,6 +45,8 @@ class Settings:
     device: str = "cpu"
     max_batch_size: int = 32
     max_queue: int = 256
+    kv_cache_tokens: int = 16384  # KV cache capacity of the hf engine; 0 = size from free memory
+    max_batch_tokens: int = 1024  # tokens per continuous-batching step (prefill chunk)
     max_body_bytes: int = 1 << 20
     key_cache_seconds: float = 1.0
     redis_prefix: str = "tg:q:"
@@ -102,6 +104,8 @@ def load_settings() -> Settings:
         device=env.get("TOLLGATE_DEVICE", "cpu"),
         max_batch_size=_env_int("TOLLGATE_MAX_BATCH_SIZE", 32),
         max_queue=_env_int("TOLLGATE_MAX_QUEUE", 256),
+        kv_cache_tokens=_env_int("TOLLGATE_KV_CACHE_TOKENS", 16384),
+        max_batch_tokens=_env_int("TOLLGATE_MAX_BATCH_TOKENS", 1024),
         max_body_bytes=_env_int("TOLLGATE_MAX_BODY_BYTES", 1 << 20),
         key_cache_seconds=_env_float("TOLLGATE_KEY_CACHE_SECONDS", 1.0),
         redis_prefix=env.get("TOLLGATE_REDIS_PREFIX", "tg:q:"),

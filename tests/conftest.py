@@ -180,9 +180,9 @@ def bootstrap(db_url: str, secret: str) -> str:
     async def make_admin() -> str:
         db = create_engine(db_url)
         try:
-            created = await KeyStore(db, secret.encode()).ensure_admin_key(None)
-            assert created is not None
-            return created
+            keys = KeyStore(db, secret.encode())
+            account = await keys.ensure_account("admin")
+            return str((await keys.create_key(account["id"], name="test admin", is_admin=True))["key"])
         finally:
             await db.dispose()
 
