@@ -154,6 +154,14 @@ def _day_expr(dialect_name: str, column: Any) -> Any:
     return sa.func.substr(column, 1, 10)  # SQLite keeps UTC datetimes as 'YYYY-MM-DD HH:MM:SS...'
 
 
+def _sum_expr(name: str) -> Any:
+    if name == "total_tokens":
+        return sa.func.sum(HOURLY.c.prompt_tokens) + sa.func.sum(HOURLY.c.completion_tokens)
+    if name not in COUNTS + SUMS:
+        raise ValueError(f"cannot order by {name!r}")
+    return sa.func.sum(HOURLY.c[name])
+
+
 def _as_day(value: Any) -> str:
     return value.isoformat() if isinstance(value, date) else str(value)
 
@@ -175,10 +183,11 @@ async def usage_groups(
     *,
     account_id: int | None = None,
     key_id: int | None = None,
-    order_by: str | None = None,
+    order_by: Sequence[str] = (),
     limit: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Sums over the period, one dict per group (`day`, `model`, `key_id`, `account_id` as asked)."""
+    """Sums over the period, one dict per group (`day`, `model`, `key_id`, `account_id` as asked),
+    largest first by `order_by` sums (e.g. ("cost_nanos", "total_tokens")), else by group."""
     unknown = set(group_by) - set(GROUPS) - {"account"}
     if unknown:
         raise ValueError(f"unknown group {sorted(unknown)[0]!r}")
@@ -199,8 +208,8 @@ async def usage_groups(
         query = query.where(HOURLY.c.key_id == key_id)
     if columns:
         query = query.group_by(*columns)
-    if order_by is not None:
-        query = query.order_by(sa.desc(order_by))
+    if order_by:
+        query = query.order_by(*(sa.desc(_sum_expr(name)) for name in order_by))
     elif columns:
         query = query.order_by(*columns)
     if limit is not None:

@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from billing.db import create_engine
@@ -21,13 +22,17 @@ from billing.ledger import LedgerWriter
 from billing.prices import PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine
-from gateway import admin
+from gateway import admin, dashboard
 from gateway.config import Settings
 from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound
 from gateway.http import authenticate, read_json
+from gateway.logs import RequestContext, request_id_of
+from gateway.metrics import Metrics, metrics_endpoint
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.responses import GenerationResponse
-from gateway.serving import CompletionService, new_request_id
+from gateway.serving import CompletionService
+from gateway.sessions import SessionStore
+from gateway.usage_api import get_usage
 
 log = logging.getLogger("tollgate")
 
@@ -70,7 +75,7 @@ def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
 
 async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     state = request.app.state
-    request_id = new_request_id()
+    request_id = request_id_of(request)  # made by RequestContext; also the ledger row's id
     principal = await authenticate(request, state.keys)
     body = parse(model, await read_json(request, state.settings.max_body_bytes))
     service: CompletionService = state.service
@@ -165,6 +170,11 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         app.state.prices = prices
         app.state.limiter = limiter
         app.state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
+        # Observability and dashboards (issue 6).
+        app.state.metrics = Metrics(served, ledger)
+        ledger.add_listener(app.state.metrics.observe_usage)
+        app.state.service.on_quota_rejected.append(app.state.metrics.quota_rejected)
+        app.state.sessions = SessionStore(db, app.state.keys)
         loading: list[asyncio.Task[None]] = []
         if owns_engines:
             loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
@@ -191,10 +201,14 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         *admin.routes,
+        Route("/v1/usage", get_usage, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *dashboard.routes,
     ]
     return Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(RequestContext)],
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected_error},
     )
 

@@ -1,0 +1,70 @@
+// Draws the dashboard charts with plotly.js from GET /v1/usage (the session cookie authorises it).
+// Each <figure data-chart> says what to fetch (data-group-by, data-start, data-end,
+// data-account-id) and what to draw (data-series: the field that makes one trace each;
+// data-metric: the value, or several joined by commas for one trace per metric).
+"use strict";
+
+(function () {
+  const COLORS = ["#2563eb", "#16a34a", "#ea580c", "#9333ea", "#0891b2", "#dc2626", "#ca8a04", "#4b5563"];
+
+  function label(row, series) {
+    if (series === "key") {
+      return (row.key_prefix || ("key " + row.key_id)) + "…" + (row.key_name ? " " + row.key_name : "");
+    }
+    return String(row[series]);
+  }
+
+  function traces(rows, series, metrics) {
+    if (!series) {
+      return metrics.map(function (metric, i) {
+        return {
+          type: "bar", name: metric, marker: { color: COLORS[i % COLORS.length] },
+          x: rows.map(function (r) { return r.day; }),
+          y: rows.map(function (r) { return Number(r[metric]); }),
+        };
+      });
+    }
+    const groups = new Map();
+    rows.forEach(function (r) {
+      const name = label(r, series);
+      if (!groups.has(name)) groups.set(name, { x: [], y: [] });
+      groups.get(name).x.push(r.day);
+      groups.get(name).y.push(Number(r[metrics[0]]));
+    });
+    return Array.from(groups.entries()).map(function (entry, i) {
+      return { type: "bar", name: entry[0], x: entry[1].x, y: entry[1].y, marker: { color: COLORS[i % COLORS.length] } };
+    });
+  }
+
+  async function draw(el) {
+    const query = new URLSearchParams({ group_by: el.dataset.groupBy, start: el.dataset.start, end: el.dataset.end });
+    if (el.dataset.accountId) query.set("account_id", el.dataset.accountId);
+    let body;
+    try {
+      const response = await fetch("/v1/usage?" + query.toString(), { credentials: "same-origin", headers: { Accept: "application/json" } });
+      body = await response.json();
+      if (!response.ok) throw new Error((body.error && body.error.message) || response.statusText);
+    } catch (err) {
+      el.textContent = "Usage could not be loaded: " + err.message;
+      el.dataset.state = "error";
+      return;
+    }
+    const metrics = el.dataset.metric.split(",");
+    const data = traces(body.data, el.dataset.series, metrics);
+    const layout = {
+      title: { text: el.dataset.title, font: { size: 14 } },
+      barmode: el.dataset.series ? "stack" : "group",
+      height: 300, margin: { l: 60, r: 20, t: 40, b: 40 },
+      xaxis: { type: "date", range: [body.start, body.end] },
+      yaxis: { rangemode: "tozero", tickformat: metrics[0] === "cost_usd" ? "$,.4~f" : ",~s" },
+      legend: { orientation: "h", y: -0.2 },
+      paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+    };
+    await Plotly.newPlot(el, data, layout, { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["toImage"] });
+    el.dataset.traces = data.map(function (t) { return t.name; }).join("|");
+    el.dataset.total = String(data.reduce(function (sum, t) { return sum + t.y.reduce(function (a, b) { return a + b; }, 0); }, 0));
+    el.dataset.state = "ready";
+  }
+
+  document.querySelectorAll("[data-chart]").forEach(function (el) { draw(el); });
+})();
