@@ -58,7 +58,7 @@ def hour_of(at: datetime) -> datetime:
 
 def usd(nanos: int) -> str:
     """nano-USD as an exact decimal string of dollars."""
-    return str((Decimal(nanos) / NANOS_PER_USD).quantize(Decimal("0.000000001")))
+    return format(Decimal(nanos) / NANOS_PER_USD, ".9f")
 
 
 # writing --------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ from typing import Any
 from billing import migrate as migrations
 from billing.db import create_engine
 from billing.keys import AccountExists, KeyStore, UnknownAccount
+from gateway import cli_ops
 from gateway.config import Settings, load_settings
+from gateway.logs import configure_logging
 
 
 def _with_keys(settings: Settings, fn: Callable[[KeyStore], Awaitable[Any]]) -> Any:
@@ -59,7 +61,9 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         print(f"    {created}")
         print("=" * 72, flush=True)
     print(f"Tollgate serving {settings.model_id} on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, loop="auto", http="auto")
+    configure_logging(args.log_format, args.log_level)  # JSON lines with request ids; uvicorn logs through it
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, loop="auto", http="auto",
+                log_config=None, access_log=False)
     return 0
 
 
@@ -140,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default TOLLGATE_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default TOLLGATE_PORT or 8000)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-format", default="json", choices=["json", "text"], help="log lines as JSON (default) or text")
     serve.set_defaults(func=cmd_serve)
 
     mig = sub.add_parser("migrate", help="apply database migrations (DATABASE_URL, else the SQLite file)")
@@ -166,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     k_revoke = keys.add_parser("revoke", help="revoke a key by id")
     k_revoke.add_argument("id", type=int)
     k_revoke.set_defaults(func=cmd_keys_revoke)
+    cli_ops.register(sub)
     return parser
 
 

@@ -58,7 +58,7 @@ SECURITY_HEADERS = {
     ),
     "x-frame-options": "DENY",
     "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
+    "referrer-policy": "same-origin",  # "no-referrer" would make browsers send Origin: null on POST
     "cache-control": "no-store",
 }
 
