@@ -78,6 +78,7 @@ class Invoice(SQLModel, table=True):
     stripe_status: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
     stripe_total_cents: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
     stripe_synced_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    stripe_sent_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     stripe_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
 
 

@@ -2,31 +2,52 @@
 `effective_from`. Past versions are never edited; a request is priced by the version in force
 when it ran.
 
-Money is exact: prices are Decimal with at most 3 decimal places per million tokens, so a
-token's price is a whole number of nano-USD (1e-9), the unit quotas and the ledger count in.
+Per-account overrides are versioned the same way, per (account, model) where model may be "*"
+(every model): a custom price for one model, a multiplier of the base price (a reseller's group
+ratio), or `clear` (the override ends). `price_for(account, model, when)` applies, in order: the
+account's override for that model, else its "*" multiplier, else the base version.
+
+Money is exact: base prices are Decimal with at most 3 decimal places per million tokens, so a
+token's base price is a whole number of nano-USD (1e-9), the unit quotas and the ledger count in.
+Multipliers have at most 6 places, so an effective price has at most 9; `EffectivePrice.cost_nanos`
+rounds half up to whole nano-USD once per request.
 """
 
 from __future__ import annotations
 
 import bisect
+import decimal
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from decimal import Decimal, InvalidOperation
+from datetime import datetime, timedelta, timezone
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from billing.invoice_models import ANY_MODEL, BillingPeriod, PriceOverride
 from billing.models import Price, utcnow
 
 PRICES = Price.__table__
+OVERRIDES = PriceOverride.__table__
+PERIODS = BillingPeriod.__table__
 NANOS_PER_MILLION_UNIT = 1000  # USD per 1e6 tokens -> nano-USD per token
 MAX_PRICE_PLACES = 3
+MAX_MULTIPLIER_PLACES = 6
+OVERRIDE_KINDS = ("price", "multiplier", "clear")
+PAST_SLACK = timedelta(seconds=60)
+# Enough digits for tokens (< 1e15) x prices (< 1e15, 9 places) without any rounding.
+EXACT = decimal.Context(prec=80)
 
 
 class InvalidPrice(ValueError):
     pass
+
+
+class PriceConflict(InvalidPrice):
+    """A version for the same model (and account) already starts at that instant."""
 
 
 def parse_price(value: Any, field: str) -> Decimal:
@@ -39,10 +60,10 @@ def parse_price(value: Any, field: str) -> Decimal:
         raise InvalidPrice(f"{field} must be a decimal number") from None
     if not price.is_finite() or price < 0:
         raise InvalidPrice(f"{field} must be a non-negative number")
+    if price >= Decimal(10) ** 15:  # before quantize, which cannot hold huge values
+        raise InvalidPrice(f"{field} is too large")
     if price != price.quantize(Decimal(1).scaleb(-MAX_PRICE_PLACES)):
         raise InvalidPrice(f"{field} may have at most {MAX_PRICE_PLACES} decimal places (USD per million tokens)")
-    if price >= Decimal(10) ** 15:
-        raise InvalidPrice(f"{field} is too large")
     return price
 
 
@@ -72,8 +93,127 @@ class PriceVersion:
         }
 
 
+def parse_multiplier(value: Any, field: str = "multiplier") -> Decimal:
+    """A positive multiplier with at most 6 decimal places; floats are refused."""
+    if isinstance(value, bool) or isinstance(value, float) or value is None:
+        raise InvalidPrice(f"{field} must be a decimal string or integer, e.g. \"0.85\"")
+    try:
+        multiplier = Decimal(str(value))
+    except InvalidOperation:
+        raise InvalidPrice(f"{field} must be a decimal number") from None
+    if not multiplier.is_finite() or multiplier <= 0:
+        raise InvalidPrice(f"{field} must be a positive number")
+    if multiplier >= 1_000_000:
+        raise InvalidPrice(f"{field} is too large")
+    if multiplier != multiplier.quantize(Decimal(1).scaleb(-MAX_MULTIPLIER_PLACES)):
+        raise InvalidPrice(f"{field} may have at most {MAX_MULTIPLIER_PLACES} decimal places")
+    return multiplier
+
+
+@dataclass(frozen=True)
+class OverrideVersion:
+    id: int
+    account_id: int
+    model: str  # or "*"
+    kind: str  # price | multiplier | clear
+    input_per_million: Decimal | None
+    output_per_million: Decimal | None
+    multiplier: Decimal | None
+    effective_from: datetime
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "price_override",
+            "account_id": self.account_id,
+            "model": self.model,
+            "kind": self.kind,
+            "input_per_million": _str(self.input_per_million),
+            "output_per_million": _str(self.output_per_million),
+            "multiplier": _str(self.multiplier),
+            "effective_from": self.effective_from.isoformat(),
+        }
+
+
+@dataclass(frozen=True)
+class EffectivePrice:
+    """The price an account's request pays: a base version, possibly overridden. Offers the same
+    `cost_nanos` as `PriceVersion`, so either can price a request."""
+
+    model: str
+    input_per_million: Decimal
+    output_per_million: Decimal
+    currency: str
+    version: PriceVersion | None  # None under a custom price override
+    override: OverrideVersion | None
+
+    @property
+    def price_version_id(self) -> int | None:
+        return self.version.id if self.version else None
+
+    @property
+    def override_id(self) -> int | None:
+        return self.override.id if self.override else None
+
+    @property
+    def id(self) -> int | None:
+        return self.price_version_id
+
+    def cost_nanos(self, prompt_tokens: int, completion_tokens: int) -> int:
+        exact = EXACT.add(
+            EXACT.multiply(Decimal(prompt_tokens), self.input_per_million),
+            EXACT.multiply(Decimal(completion_tokens), self.output_per_million),
+        )
+        return int(EXACT.multiply(exact, Decimal(NANOS_PER_MILLION_UNIT)).quantize(Decimal(1), ROUND_HALF_UP, EXACT))
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "object": "effective_price",
+            "model": self.model,
+            "input_per_million": format(self.input_per_million, "f"),
+            "output_per_million": format(self.output_per_million, "f"),
+            "currency": self.currency,
+            "price_version": self.version.view() if self.version else None,
+            "override": self.override.view() if self.override else None,
+        }
+
+
+def _tidy(value: Decimal) -> Decimal:
+    """Exact (a base price has 3 places, a multiplier 6), shown with 3 to 9 places."""
+    exact = value.quantize(Decimal("1e-9"), context=EXACT)
+    places = max(3, -int(exact.normalize(EXACT).as_tuple().exponent))
+    return exact.quantize(Decimal(1).scaleb(-places), context=EXACT)
+
+
+def _str(value: Decimal | None) -> str | None:
+    return None if value is None else format(value, "f")
+
+
 def _aware(dt: datetime) -> datetime:
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+def _override(row: Any) -> OverrideVersion:
+    def dec(value: Any, places: str) -> Decimal | None:
+        return None if value is None else Decimal(value).quantize(Decimal(places))
+
+    return OverrideVersion(
+        id=row.id,
+        account_id=row.account_id,
+        model=row.model,
+        kind=row.kind,
+        input_per_million=dec(row.input_per_million, "0.001"),
+        output_per_million=dec(row.output_per_million, "0.001"),
+        multiplier=dec(row.multiplier, "0.000001"),
+        effective_from=_aware(row.effective_from),
+    )
+
+
+def _in_force(versions: list[Any] | None, when: datetime) -> Any:
+    if not versions:
+        return None
+    i = bisect.bisect_right([v.effective_from for v in versions], _aware(when))
+    return versions[i - 1] if i else None
 
 
 def _version(row: Any) -> PriceVersion:
@@ -95,24 +235,74 @@ class PriceBook:
         self._refresh_seconds = refresh_seconds
         self._loaded_at = float("-inf")
         self._by_model: dict[str, list[PriceVersion]] = {}
+        self._overrides: dict[tuple[int, str], list[OverrideVersion]] = {}
 
     async def refresh(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._loaded_at < self._refresh_seconds:
             return
         async with self._engine.connect() as conn:
             rows = (await conn.execute(sa.select(PRICES).order_by(PRICES.c.model, PRICES.c.effective_from))).all()
+            override_rows = (await conn.execute(sa.select(OVERRIDES).order_by(OVERRIDES.c.effective_from))).all()
         by_model: dict[str, list[PriceVersion]] = {}
         for row in rows:
             by_model.setdefault(row.model, []).append(_version(row))
+        overrides: dict[tuple[int, str], list[OverrideVersion]] = {}
+        for row in override_rows:
+            overrides.setdefault((row.account_id, row.model), []).append(_override(row))
         self._by_model = by_model
+        self._overrides = overrides
         self._loaded_at = time.monotonic()
 
     def price_at(self, model: str, when: datetime) -> PriceVersion | None:
-        versions = self._by_model.get(model)
-        if not versions:
+        """The base version in force for `model` at `when` (no account overrides)."""
+        result: PriceVersion | None = _in_force(self._by_model.get(model), when)
+        return result
+
+    def price_for(self, account_id: int, model: str, when: datetime) -> EffectivePrice | None:
+        """What `account_id` pays for `model` at `when`: its override for the model, else its "*"
+        multiplier, else the base version. None when nothing prices the model then."""
+        base = self.price_at(model, when)
+        specific = self._active_override(account_id, model, when)
+        if specific is not None and specific.kind == "price":
+            assert specific.input_per_million is not None and specific.output_per_million is not None
+            return EffectivePrice(model, specific.input_per_million, specific.output_per_million, "USD", None, specific)
+        if base is None:
             return None
-        i = bisect.bisect_right([v.effective_from for v in versions], _aware(when))
-        return versions[i - 1] if i else None
+        scaling = specific or self._active_override(account_id, ANY_MODEL, when)
+        if scaling is None:
+            return EffectivePrice(model, base.input_per_million, base.output_per_million, base.currency, base, None)
+        assert scaling.multiplier is not None
+        return EffectivePrice(
+            model,
+            _tidy(EXACT.multiply(base.input_per_million, scaling.multiplier)),
+            _tidy(EXACT.multiply(base.output_per_million, scaling.multiplier)),
+            base.currency,
+            base,
+            scaling,
+        )
+
+    def _active_override(self, account_id: int, model: str, when: datetime) -> OverrideVersion | None:
+        version: OverrideVersion | None = _in_force(self._overrides.get((account_id, model)), when)
+        return None if version is None or version.kind == "clear" else version
+
+    def breakpoints(self, account_id: int, start: datetime, end: datetime) -> list[datetime]:
+        """Instants strictly inside (start, end) where some price this account pays may change."""
+        start, end = _aware(start), _aware(end)
+        instants = {v.effective_from for vs in self._by_model.values() for v in vs}
+        instants |= {v.effective_from for (acct, _), vs in self._overrides.items() if acct == account_id for v in vs}
+        return sorted(t for t in instants if start < t < end)
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    async def current_for(self, account_id: int, model: str) -> EffectivePrice | None:
+        await self.refresh()
+        return self.price_for(account_id, model, utcnow())
+
+    async def overrides(self, account_id: int) -> list[OverrideVersion]:
+        await self.refresh(force=True)
+        found = [v for (acct, _), vs in self._overrides.items() if acct == account_id for v in vs]
+        return sorted(found, key=lambda v: (v.model, v.effective_from))
 
     async def current(self, model: str) -> PriceVersion | None:
         await self.refresh()
@@ -124,13 +314,20 @@ class PriceBook:
         return out
 
     async def add(
-        self, model: str, input_per_million: Any, output_per_million: Any, effective_from: datetime | None = None
+        self,
+        model: str,
+        input_per_million: Any,
+        output_per_million: Any,
+        effective_from: datetime | None = None,
+        *,
+        backdate: bool = False,
     ) -> PriceVersion:
-        """Adds a version. Scheduling in the past is refused: past versions are never rewritten."""
+        """Adds a version. Scheduling in the past is refused (past versions are never rewritten),
+        unless `backdate`, which still refuses any instant inside a closed billing period."""
         now = utcnow()
         start = _aware(effective_from) if effective_from else now
-        if start < now.replace(microsecond=0) and effective_from is not None and (now - start).total_seconds() > 60:
-            raise InvalidPrice("effective_from must not be in the past: billed periods are never re-priced")
+        if not model or len(model) > 128:
+            raise InvalidPrice("model must be a model id of 1 to 128 characters")
         values = dict(
             model=model,
             input_per_million=parse_price(input_per_million, "input_per_million"),
@@ -139,7 +336,69 @@ class PriceBook:
             effective_from=start,
             created_at=now,
         )
-        async with self._engine.begin() as conn:
-            row = (await conn.execute(PRICES.insert().values(**values).returning(*PRICES.c))).one()
+        try:
+            async with self._engine.begin() as conn:
+                await _check_start(conn, start, now, backdate)
+                row = (await conn.execute(PRICES.insert().values(**values).returning(*PRICES.c))).one()
+        except IntegrityError:
+            raise PriceConflict(f"a price for {model!r} already starts at {start.isoformat()}") from None
         await self.refresh(force=True)
         return _version(row)
+
+    async def add_override(
+        self,
+        account_id: int,
+        model: str,
+        *,
+        input_per_million: Any = None,
+        output_per_million: Any = None,
+        multiplier: Any = None,
+        clear: bool = False,
+        effective_from: datetime | None = None,
+        backdate: bool = False,
+    ) -> OverrideVersion:
+        """Adds a version of an account's override: custom prices (both directions), a multiplier,
+        or `clear`. Same time rules as `add`. Model "*" takes a multiplier or clear only."""
+        now = utcnow()
+        start = _aware(effective_from) if effective_from else now
+        if not model or len(model) > 128:
+            raise InvalidPrice("model must be a model id of 1 to 128 characters, or \"*\"")
+        has_prices = input_per_million is not None or output_per_million is not None
+        if sum([has_prices, multiplier is not None, bool(clear)]) != 1:
+            raise InvalidPrice("give exactly one of: input_per_million and output_per_million, multiplier, or clear")
+        values: dict[str, Any] = dict(account_id=account_id, model=model, effective_from=start, created_at=now)
+        if has_prices:
+            if model == ANY_MODEL:
+                raise InvalidPrice('a custom price needs one model; "*" takes a multiplier')
+            values.update(
+                kind="price",
+                input_per_million=parse_price(input_per_million, "input_per_million"),
+                output_per_million=parse_price(output_per_million, "output_per_million"),
+            )
+        elif multiplier is not None:
+            values.update(kind="multiplier", multiplier=parse_multiplier(multiplier))
+        else:
+            values.update(kind="clear")
+        try:
+            async with self._engine.begin() as conn:
+                await _check_start(conn, start, now, backdate)
+                row = (await conn.execute(OVERRIDES.insert().values(**values).returning(*OVERRIDES.c))).one()
+        except IntegrityError:
+            # The unique (account, model, effective_from), or an account that does not exist.
+            raise PriceConflict(f"an override of {model!r} for this account already starts at {start.isoformat()}") from None
+        await self.refresh(force=True)
+        return _override(row)
+
+
+async def _check_start(conn: Any, start: datetime, now: datetime, backdate: bool) -> None:
+    """Past instants are refused; with `backdate`, only those inside a closed (or closing) period."""
+    if start >= now - PAST_SLACK:
+        return
+    if not backdate:
+        raise InvalidPrice("effective_from must not be in the past: billed periods are never re-priced")
+    latest_end = (await conn.execute(sa.select(sa.func.max(PERIODS.c.period)))).scalar_one_or_none()
+    if latest_end is not None:
+        year, month = (int(x) for x in latest_end.split("-"))
+        closed_until = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=timezone.utc)
+        if start < closed_until:
+            raise InvalidPrice(f"effective_from falls in billing period {latest_end} or earlier, which is closed")

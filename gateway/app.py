@@ -23,6 +23,7 @@ from billing.prices import PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine
 from gateway import admin, dashboard
+from gateway import billing_api
 from gateway.config import Settings
 from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound
 from gateway.http import authenticate, read_json
@@ -175,6 +176,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         ledger.add_listener(app.state.metrics.observe_usage)
         app.state.service.on_quota_rejected.append(app.state.metrics.quota_rejected)
         app.state.sessions = SessionStore(db, app.state.keys)
+        await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
         loading: list[asyncio.Task[None]] = []
         if owns_engines:
             loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
@@ -183,6 +185,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         try:
             yield
         finally:
+            await billing_api.stop(app)
             for task in loading:
                 task.cancel()
             if owns_engines:
@@ -204,6 +207,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         Route("/v1/usage", get_usage, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *dashboard.routes,
+        *billing_api.routes,
     ]
     return Starlette(
         routes=routes,

@@ -61,6 +61,7 @@ def upgrade() -> None:
         sa.Column("stripe_status", sa.String(32), nullable=True),
         sa.Column("stripe_total_cents", sa.BigInteger, nullable=True),
         _ts("stripe_synced_at", nullable=True),
+        _ts("stripe_sent_at", nullable=True),
         sa.Column("stripe_error", sa.Text, nullable=True),
         sa.UniqueConstraint("account_id", "period", name="uq_invoices_account_period"),
     )

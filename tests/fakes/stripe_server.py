@@ -1,0 +1,451 @@
+"""FakeStripe: a small stateful fake of the slice of Stripe's API that Tollgate uses, served on
+127.0.0.1 for the official `stripe` SDK (`StripeClient(..., base_addresses={"api": fake.url})`).
+
+Faithful to Stripe's documented behaviour where Tollgate depends on it:
+- bodies are form-encoded with bracket notation (`metadata[k]=v`, `expand[0]=x`) and decoded here;
+- `Idempotency-Key`: the first result of a key is stored and replayed (`Idempotent-Replayed:
+  true`); the same key with different parameters is a 400 `idempotency_error`; a request that
+  failed before executing stores nothing, so the SDK's retry runs it;
+- errors are `{"error": {"type", "message", "param", "code"}}` with Stripe's status codes;
+- faults can be injected: 500 / 429 (`Stripe-Should-Retry: true`, as for lock timeouts) before a
+  request runs, or a dropped connection after it ran (the response is lost, the effect is not);
+- invoices: draft -> open (finalize) -> paid / void; items only on drafts, 250 at most; totals
+  are the sum of the items; list endpoints page with `limit`/`starting_after`;
+- events are signed like Stripe's webhooks: `Stripe-Signature: t=<unix>,v1=<hex HMAC-SHA256 of
+  f"{t}.{body}" under the endpoint secret>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import httpx
+
+MAX_INVOICE_ITEMS = 250
+
+
+class StripeFailure(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"type": type_, "message": message, "param": param, "code": code}}
+        self.headers = headers or {}
+
+
+def missing(kind: str, object_id: str, param: str = "id") -> StripeFailure:
+    return StripeFailure(404, f"No such {kind}: '{object_id}'", param=param, code="resource_missing")
+
+
+def decode_form(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """`a[b][0]=x` -> {"a": {"b": ["x"]}}: Stripe's bracket notation."""
+    root: dict[str, Any] = {}
+    for key, value in pairs:
+        parts = re.findall(r"[^\[\]]+", key)
+        if not parts:
+            continue
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return _lists(root)  # type: ignore[return-value]
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    converted = {k: _lists(v) for k, v in node.items()}
+    if converted and all(k.isdigit() for k in converted):
+        return [converted[k] for k in sorted(converted, key=int)]
+    return converted
+
+
+def _int(params: dict[str, Any], name: str, *, required: bool = False) -> int | None:
+    raw = params.get(name)
+    if raw is None:
+        if required:
+            raise StripeFailure(400, f"Missing required param: {name}.", param=name, code="parameter_missing")
+        return None
+    if not isinstance(raw, str) or not re.fullmatch(r"-?\d+", raw):
+        raise StripeFailure(400, f"Invalid integer: {raw}", param=name, code="parameter_invalid_integer")
+    return int(raw)
+
+
+def _bool(params: dict[str, Any], name: str, default: bool) -> bool:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    if raw not in ("true", "false"):
+        raise StripeFailure(400, f"Invalid boolean: {raw}", param=name, code="parameter_invalid_boolean")
+    return raw == "true"
+
+
+def _metadata(params: dict[str, Any]) -> dict[str, str]:
+    meta = params.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise StripeFailure(400, "Invalid metadata: must be a hash", param="metadata")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+@dataclass
+class Fault:
+    method: str
+    path: re.Pattern[str]
+    status: int  # 0: drop the connection after the request ran
+    times: int
+
+
+class FakeStripe:
+    def __init__(self, api_key: str = "sk_test_fake_" + secrets.token_hex(4), webhook_secret: str = "whsec_fake_" + secrets.token_hex(8)) -> None:
+        self.api_key = api_key
+        self.webhook_secret = webhook_secret
+        self.customers: dict[str, dict[str, Any]] = {}
+        self.invoices: dict[str, dict[str, Any]] = {}
+        self.items: dict[str, dict[str, Any]] = {}
+        self.subscriptions: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.sent: dict[str, int] = {}  # invoice id -> emails sent
+        self.requests: list[tuple[str, str, str | None, int]] = []  # method, path, idempotency key, status
+        self._idempotency: dict[str, tuple[str, int, bytes]] = {}
+        self._faults: list[Fault] = []
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._server: ThreadingHTTPServer | None = None
+
+    # lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> "FakeStripe":
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                fake._handle(self)
+
+            def do_POST(self) -> None:
+                fake._handle(self)
+
+            def do_DELETE(self) -> None:
+                fake._handle(self)
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="fake-stripe").start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    # test controls -----------------------------------------------------------------------------
+    def fail(self, method: str, path: str, status: int = 500, times: int = 1) -> None:
+        """The next `times` matching requests fail: status 500/429 before running, 0 = the request
+        runs and then the connection drops without a response."""
+        with self._lock:
+            self._faults.append(Fault(method.upper(), re.compile(path), status, times))
+
+    def forget_idempotency_keys(self) -> None:
+        """What ~24 hours do on Stripe: stored idempotent results expire."""
+        with self._lock:
+            self._idempotency.clear()
+
+    def count(self, method: str, path: str, status: int | None = None) -> int:
+        pattern = re.compile(path)
+        with self._lock:
+            return sum(1 for m, p, _, s in self.requests if m == method.upper() and pattern.fullmatch(p) and status in (None, s))
+
+    def items_of(self, invoice_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [i for i in self.items.values() if i["invoice"] == invoice_id]
+
+    def pay(self, invoice_id: str) -> dict[str, Any]:
+        with self._lock:
+            inv = self.invoices[invoice_id]
+            assert inv["status"] == "open", inv["status"]
+            now = int(time.time())
+            inv.update(status="paid", paid=True, attempted=True, attempt_count=inv["attempt_count"] + 1,
+                       amount_paid=inv["amount_due"], amount_remaining=0)
+            inv["status_transitions"]["paid_at"] = now
+            return self._event("invoice.paid", inv)
+
+    def fail_payment(self, invoice_id: str) -> dict[str, Any]:
+        with self._lock:
+            inv = self.invoices[invoice_id]
+            assert inv["status"] == "open", inv["status"]
+            inv.update(attempted=True, attempt_count=inv["attempt_count"] + 1, next_payment_attempt=int(time.time()) + 86400)
+            return self._event("invoice.payment_failed", inv)
+
+    def set_subscription(self, customer: str, status: str, subscription_id: str | None = None) -> dict[str, Any]:
+        with self._lock:
+            if subscription_id is None:
+                subscription_id = self._id("sub")
+                self.subscriptions[subscription_id] = {
+                    "id": subscription_id, "object": "subscription", "customer": customer, "status": status,
+                    "created": int(time.time()), "livemode": False, "metadata": {},
+                }
+            sub = self.subscriptions[subscription_id]
+            sub["status"] = status
+            kind = "customer.subscription.deleted" if status == "canceled" else "customer.subscription.updated"
+            return self._event(kind, sub)
+
+    def _event(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        event = {
+            "id": self._id("evt"), "object": "event", "api_version": "2026-10-28", "created": int(time.time()),
+            "data": {"object": json.loads(json.dumps(obj))}, "livemode": False, "pending_webhooks": 1,
+            "request": {"id": None, "idempotency_key": None}, "type": kind,
+        }
+        self.events.append(event)
+        return event
+
+    def sign(self, payload: bytes, secret: str | None = None, timestamp: int | None = None) -> str:
+        t = int(time.time()) if timestamp is None else timestamp
+        mac = hmac.new((secret or self.webhook_secret).encode(), f"{t}.".encode() + payload, hashlib.sha256)
+        return f"t={t},v1={mac.hexdigest()}"
+
+    async def deliver(self, event: dict[str, Any], url: str, *, secret: str | None = None,
+                      signature: str | None = None) -> httpx.Response:
+        """POSTs an event as Stripe would (JSON body, signed); `secret`/`signature` to forge one."""
+        body = json.dumps(event, indent=2).encode()
+        header = signature if signature is not None else self.sign(body, secret)
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await client.post(url, content=body, headers={"Content-Type": "application/json; charset=utf-8",
+                                                                 "Stripe-Signature": header, "User-Agent": "Stripe/1.0"})
+
+    # HTTP --------------------------------------------------------------------------------------
+    def _handle(self, http: BaseHTTPRequestHandler) -> None:
+        method = http.command
+        split = urlsplit(http.path)
+        length = int(http.headers.get("Content-Length") or 0)
+        raw = http.rfile.read(length).decode() if length else ""
+        pairs = parse_qsl(raw if method == "POST" else split.query, keep_blank_values=True)
+        key = http.headers.get("Idempotency-Key") if method == "POST" else None
+        with self._lock:
+            status, body, headers, drop = self._process(method, split.path, pairs, key, http.headers.get("Authorization"))
+            self.requests.append((method, split.path, key, 0 if drop else status))
+        if drop:
+            http.close_connection = True
+            return
+        http.send_response(status)
+        http.send_header("Content-Type", "application/json")
+        http.send_header("Content-Length", str(len(body)))
+        http.send_header("Request-Id", "req_" + secrets.token_hex(7))
+        for name, value in headers.items():
+            http.send_header(name, value)
+        http.end_headers()
+        http.wfile.write(body)
+
+    def _process(self, method: str, path: str, pairs: list[tuple[str, str]], key: str | None,
+                 auth: str | None) -> tuple[int, bytes, dict[str, str], bool]:
+        if auth != f"Bearer {self.api_key}":
+            failure = StripeFailure(401, "Invalid API Key provided.")
+            return failure.status, json.dumps(failure.body).encode(), {}, False
+        fault = self._take_fault(method, path)
+        if fault is not None and fault.status:
+            failure = self._fault_failure(fault.status)
+            return failure.status, json.dumps(failure.body).encode(), failure.headers, False
+        fingerprint = json.dumps([method, path, sorted(pairs)])
+        if key is not None and key in self._idempotency:
+            stored_fp, status, body = self._idempotency[key]
+            if stored_fp != fingerprint:
+                failure = StripeFailure(
+                    400, f"Keys for idempotent requests can only be used with the same parameters they were first used "
+                         f"with. Try using a key other than '{key}' if you meant to execute a different request.",
+                    type_="idempotency_error")
+                return failure.status, json.dumps(failure.body).encode(), {}, False
+            return status, body, {"Idempotent-Replayed": "true", "Idempotency-Key": key}, fault is not None
+        try:
+            status, payload = 200, self._route(method, path, decode_form(pairs))
+        except StripeFailure as failure:
+            status, payload = failure.status, failure.body
+        body = json.dumps(payload).encode()
+        if key is not None:  # the request executed: its result is what the key replays
+            self._idempotency[key] = (fingerprint, status, body)
+        return status, body, ({"Idempotency-Key": key} if key else {}), fault is not None
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        for fault in self._faults:
+            if fault.method == method and fault.path.fullmatch(path) and fault.times > 0:
+                fault.times -= 1
+                return fault
+        return None
+
+    @staticmethod
+    def _fault_failure(status: int) -> StripeFailure:
+        if status == 429:
+            return StripeFailure(429, "This object cannot be accessed right now because another API request or Stripe "
+                                      "process is currently accessing it.", code="lock_timeout",
+                                 headers={"Stripe-Should-Retry": "true"})
+        return StripeFailure(status, "An unknown error occurred", type_="api_error")
+
+    def _route(self, method: str, path: str, params: dict[str, Any]) -> dict[str, Any]:
+        routes: list[tuple[str, str, Callable[..., dict[str, Any]]]] = [
+            ("POST", r"/v1/customers", self._create_customer),
+            ("GET", r"/v1/customers/search", self._search_customers),
+            ("GET", r"/v1/customers/(?P<id>[^/]+)", lambda p, id: self._get(self.customers, "customer", id)),
+            ("POST", r"/v1/invoices", self._create_invoice),
+            ("GET", r"/v1/invoices", lambda p: self._list("/v1/invoices", self.invoices, p, "customer")),
+            ("GET", r"/v1/invoices/(?P<id>[^/]+)", lambda p, id: self._get(self.invoices, "invoice", id)),
+            ("POST", r"/v1/invoices/(?P<id>[^/]+)/finalize", self._finalize),
+            ("POST", r"/v1/invoices/(?P<id>[^/]+)/send", self._send),
+            ("POST", r"/v1/invoiceitems", self._create_item),
+            ("GET", r"/v1/invoiceitems", lambda p: self._list("/v1/invoiceitems", self.items, p, "invoice")),
+            ("GET", r"/v1/subscriptions/(?P<id>[^/]+)", lambda p, id: self._get(self.subscriptions, "subscription", id)),
+        ]
+        for verb, pattern, handler in routes:
+            match = re.fullmatch(pattern, path)
+            if verb == method and match:
+                return handler(params, **match.groupdict())
+        raise StripeFailure(404, f"Unrecognized request URL ({method}: {path}).")
+
+    # resources ---------------------------------------------------------------------------------
+    def _id(self, prefix: str) -> str:
+        return f"{prefix}_{next(self._ids):06d}{secrets.token_hex(4)}"
+
+    def _get(self, table: dict[str, dict[str, Any]], kind: str, object_id: str) -> dict[str, Any]:
+        if object_id not in table:
+            raise missing(kind, object_id)
+        return table[object_id]
+
+    def _list(self, url: str, table: dict[str, dict[str, Any]], params: dict[str, Any], filter_field: str) -> dict[str, Any]:
+        limit = _int(params, "limit") or 10
+        if not 1 <= limit <= 100:
+            raise StripeFailure(400, "Invalid limit: must be between 1 and 100", param="limit")
+        rows = [o for o in table.values() if filter_field not in params or o.get(filter_field) == params[filter_field]]
+        rows.reverse()  # newest first, as Stripe lists
+        after = params.get("starting_after")
+        if after:
+            ids = [o["id"] for o in rows]
+            if after not in ids:
+                raise missing("object", after, "starting_after")
+            rows = rows[ids.index(after) + 1:]
+        return {"object": "list", "url": url, "has_more": len(rows) > limit, "data": rows[:limit]}
+
+    def _create_customer(self, params: dict[str, Any]) -> dict[str, Any]:
+        customer = {
+            "id": self._id("cus"), "object": "customer", "name": params.get("name"), "email": params.get("email"),
+            "metadata": _metadata(params), "created": int(time.time()), "livemode": False, "delinquent": False,
+        }
+        self.customers[customer["id"]] = customer
+        return customer
+
+    def _search_customers(self, params: dict[str, Any]) -> dict[str, Any]:
+        query = params.get("query")
+        if not query:
+            raise StripeFailure(400, "Missing required param: query.", param="query", code="parameter_missing")
+        match = re.fullmatch(r"metadata\['([^']+)'\]:'([^']*)'", query)
+        if match is None:
+            raise StripeFailure(400, "This fake understands only metadata['key']:'value' searches.", param="query")
+        found = [c for c in self.customers.values() if c["metadata"].get(match.group(1)) == match.group(2)]
+        return {"object": "search_result", "url": "/v1/customers/search", "has_more": False, "data": found,
+                "next_page": None, "total_count": len(found)}
+
+    def _create_invoice(self, params: dict[str, Any]) -> dict[str, Any]:
+        customer = params.get("customer")
+        if not customer:
+            raise StripeFailure(400, "Missing required param: customer.", param="customer", code="parameter_missing")
+        if customer not in self.customers:
+            raise missing("customer", customer, "customer")
+        method = params.get("collection_method", "charge_automatically")
+        if method not in ("charge_automatically", "send_invoice"):
+            raise StripeFailure(400, f"Invalid collection_method: {method}", param="collection_method")
+        days = _int(params, "days_until_due")
+        if method == "send_invoice" and days is None:
+            raise StripeFailure(400, "Missing required param: days_until_due.", param="days_until_due", code="parameter_missing")
+        now = int(time.time())
+        invoice = {
+            "id": self._id("in"), "object": "invoice", "customer": customer, "status": "draft", "number": None,
+            "collection_method": method, "days_until_due": days, "due_date": None,
+            "auto_advance": _bool(params, "auto_advance", False), "currency": params.get("currency", "usd"),
+            "description": params.get("description"), "metadata": _metadata(params),
+            "subtotal": 0, "total": 0, "amount_due": 0, "amount_paid": 0, "amount_remaining": 0,
+            "attempted": False, "attempt_count": 0, "paid": False, "next_payment_attempt": None,
+            "status_transitions": {"finalized_at": None, "paid_at": None, "voided_at": None},
+            "lines": {"object": "list", "url": "/v1/invoices/lines", "has_more": False, "data": []},
+            "created": now, "livemode": False, "hosted_invoice_url": None,
+        }
+        self.invoices[invoice["id"]] = invoice
+        return invoice
+
+    def _create_item(self, params: dict[str, Any]) -> dict[str, Any]:
+        customer = params.get("customer")
+        if not customer:
+            raise StripeFailure(400, "Missing required param: customer.", param="customer", code="parameter_missing")
+        if customer not in self.customers:
+            raise missing("customer", customer, "customer")
+        amount = _int(params, "amount", required=True)
+        currency = params.get("currency")
+        if not currency:
+            raise StripeFailure(400, "Missing required param: currency.", param="currency", code="parameter_missing")
+        invoice_id = params.get("invoice")
+        invoice = None
+        if invoice_id is not None:
+            invoice = self._get(self.invoices, "invoice", invoice_id)
+            if invoice["status"] != "draft":
+                raise StripeFailure(400, f"You can only add invoice items to draft invoices; {invoice_id} is {invoice['status']}.",
+                                    param="invoice", code="invoice_not_editable")
+            if invoice["customer"] != customer:
+                raise StripeFailure(400, "The invoice belongs to another customer.", param="invoice")
+            if len(invoice["lines"]["data"]) >= MAX_INVOICE_ITEMS:
+                raise StripeFailure(400, f"An invoice can have at most {MAX_INVOICE_ITEMS} invoice items.", param="invoice")
+        item = {
+            "id": self._id("ii"), "object": "invoiceitem", "amount": amount, "currency": currency, "customer": customer,
+            "description": params.get("description"), "discountable": _bool(params, "discountable", True),
+            "invoice": invoice_id, "metadata": _metadata(params), "date": int(time.time()), "livemode": False,
+        }
+        self.items[item["id"]] = item
+        if invoice is not None:
+            invoice["lines"]["data"].append({"id": "il_" + item["id"][3:], "object": "line_item", "amount": amount,
+                                             "description": item["description"], "invoice_item": item["id"]})
+            total = sum(line["amount"] for line in invoice["lines"]["data"])
+            invoice.update(subtotal=total, total=total, amount_due=total, amount_remaining=total)
+        return item
+
+    def _finalize(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        invoice = self._get(self.invoices, "invoice", id)
+        if invoice["status"] != "draft":
+            raise StripeFailure(400, "This invoice is already finalized, you can't re-finalize a non-draft invoice.",
+                                code="invoice_not_editable")
+        now = int(time.time())
+        invoice["auto_advance"] = _bool(params, "auto_advance", invoice["auto_advance"])
+        invoice["number"] = f"FAKE-{len([i for i in self.invoices.values() if i['number']]) + 1:04d}"
+        invoice["status_transitions"]["finalized_at"] = now
+        invoice["hosted_invoice_url"] = f"https://invoice.stripe.test/{invoice['id']}"
+        if invoice["collection_method"] == "send_invoice":
+            invoice["due_date"] = now + 86400 * (invoice["days_until_due"] or 0)
+        if invoice["amount_due"] == 0:
+            invoice.update(status="paid", paid=True)
+            invoice["status_transitions"]["paid_at"] = now
+        else:
+            invoice["status"] = "open"
+        return invoice
+
+    def _send(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        invoice = self._get(self.invoices, "invoice", id)
+        if invoice["collection_method"] != "send_invoice":
+            raise StripeFailure(400, "You can only manually send an invoice if its collection method is 'send_invoice'.")
+        if invoice["status"] != "open":
+            raise StripeFailure(400, f"You can't send an invoice that is {invoice['status']}.", code="invoice_not_open")
+        self.sent[id] = self.sent.get(id, 0) + 1
+        return invoice
