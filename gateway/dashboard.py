@@ -83,7 +83,14 @@ def fmt_pct(value: Any) -> str:
     return f"{100.0 * (value or 0):.1f}%"
 
 
-templates.env.filters.update(int=fmt_int, ms=fmt_ms, pct=fmt_pct, usd=lambda nanos: "$" + usd(int(nanos or 0)))
+def fmt_usd(nanos: Any) -> str:
+    """Exact dollars from nano-USD, without trailing zeros past the cents: $0.00, $1.50, $0.000123."""
+    whole, _, frac = usd(int(nanos or 0)).partition(".")
+    frac = frac.rstrip("0")
+    return f"${int(whole):,}.{frac.ljust(2, '0')}"
+
+
+templates.env.filters.update(int=fmt_int, ms=fmt_ms, pct=fmt_pct, usd=fmt_usd)
 
 
 def page(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> HTMLResponse:

@@ -5,6 +5,7 @@
 "use strict";
 
 (function () {
+  const DAY_MS = 86400000;
   const COLORS = ["#2563eb", "#16a34a", "#ea580c", "#9333ea", "#0891b2", "#dc2626", "#ca8a04", "#4b5563"];
 
   function label(row, series) {
@@ -14,12 +15,17 @@
     return String(row[series]);
   }
 
+  // Plotly's dates carry no time zone: usage days and period ends are UTC, drawn as such.
+  function noon(day) { return day + " 12:00"; }
+  function naive(iso) { return iso.slice(0, 19).replace("T", " "); }
+
   function traces(rows, series, metrics) {
     if (!series) {
       return metrics.map(function (metric, i) {
         return {
-          type: "bar", name: metric, marker: { color: COLORS[i % COLORS.length] },
-          x: rows.map(function (r) { return r.day; }),
+          // Overlaid and nested: errors and cancellations are parts of requests.
+          type: "bar", name: metric, width: DAY_MS * (0.8 - 0.25 * i), marker: { color: COLORS[i % COLORS.length] },
+          x: rows.map(function (r) { return noon(r.day); }),
           y: rows.map(function (r) { return Number(r[metric]); }),
         };
       });
@@ -28,11 +34,11 @@
     rows.forEach(function (r) {
       const name = label(r, series);
       if (!groups.has(name)) groups.set(name, { x: [], y: [] });
-      groups.get(name).x.push(r.day);
+      groups.get(name).x.push(noon(r.day));
       groups.get(name).y.push(Number(r[metrics[0]]));
     });
     return Array.from(groups.entries()).map(function (entry, i) {
-      return { type: "bar", name: entry[0], x: entry[1].x, y: entry[1].y, marker: { color: COLORS[i % COLORS.length] } };
+      return { type: "bar", name: entry[0], x: entry[1].x, y: entry[1].y, width: 0.8 * DAY_MS, marker: { color: COLORS[i % COLORS.length] } };
     });
   }
 
@@ -53,9 +59,9 @@
     const data = traces(body.data, el.dataset.series, metrics);
     const layout = {
       title: { text: el.dataset.title, font: { size: 14 } },
-      barmode: el.dataset.series ? "stack" : "group",
+      barmode: el.dataset.series ? "stack" : "overlay",
       height: 300, margin: { l: 60, r: 20, t: 40, b: 40 },
-      xaxis: { type: "date", range: [body.start, body.end] },
+      xaxis: { type: "date", range: [naive(body.start), naive(body.end)] },
       yaxis: { rangemode: "tozero", tickformat: metrics[0] === "cost_usd" ? "$,.4~f" : ",~s" },
       legend: { orientation: "h", y: -0.2 },
       paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",

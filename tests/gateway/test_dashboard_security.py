@@ -1,0 +1,108 @@
+"""Dashboard sessions and CSRF over plain HTTP: cookie flags, tokens on every POST, customer keys
+kept out of the console, logout and revocation end sessions, secrets shown once."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+import httpx
+
+from tests.conftest import Gateway
+
+TOKEN = re.compile(r'name="csrf_token" value="([^"]+)"')
+
+
+def browser(gw: Gateway) -> httpx.Client:
+    return httpx.Client(base_url=gw.base_url, follow_redirects=False, timeout=30)
+
+
+def log_in(gw: Gateway, key: str) -> tuple[httpx.Client, str]:
+    """A logged-in client and its session's CSRF token."""
+    c = browser(gw)
+    form = c.get("/dashboard/login")
+    r = c.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": key})
+    assert r.status_code == 303, r.text
+    page = c.get("/dashboard/admin/accounts" if key == gw.admin_key else "/dashboard/account")
+    assert page.status_code == 200
+    return c, TOKEN.search(page.text).group(1)
+
+
+def test_login_needs_its_token_and_sets_a_strict_cookie(gateway: Gateway) -> None:
+    c = browser(gateway)
+    assert c.post("/dashboard/login", data={"api_key": gateway.admin_key}).status_code == 403
+    form = c.get("/dashboard/login")
+    assert form.headers["cache-control"] == "no-store" and "frame-ancestors 'none'" in form.headers["content-security-policy"]
+    token = TOKEN.search(form.text).group(1)
+    forged = c.post("/dashboard/login", data={"csrf_token": token + "x", "api_key": gateway.admin_key})
+    assert forged.status_code == 403 and "tollgate_session" not in c.cookies
+    token = TOKEN.search(forged.text).group(1)  # every form rendered carries a fresh token
+    wrong = c.post("/dashboard/login", data={"csrf_token": token, "api_key": "sk-" + "y" * 43})
+    assert wrong.status_code == 401 and "y" * 43 not in wrong.text and "tollgate_session" not in c.cookies
+    token = TOKEN.search(wrong.text).group(1)
+    ok = c.post("/dashboard/login", data={"csrf_token": token, "api_key": gateway.admin_key})
+    assert ok.status_code == 303 and ok.headers["location"] == "/dashboard"
+    cookie = next(h for h in ok.headers.get_list("set-cookie") if h.startswith("tollgate_session="))
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/" in cookie
+    assert gateway.admin_key not in cookie
+
+
+def test_every_post_needs_the_session_token(gateway: Gateway) -> None:
+    c, token = log_in(gateway, gateway.admin_key)
+    name = f"csrf-{uuid.uuid4().hex[:6]}"
+    for data, headers in (
+        ({"name": name}, {}),
+        ({"name": name, "csrf_token": "forged"}, {}),
+        ({"name": name, "csrf_token": token}, {"origin": "http://evil.example"}),
+    ):
+        r = c.post("/dashboard/admin/accounts", data=data, headers=headers)
+        assert r.status_code == 403 and "security token" in r.text
+    assert name not in c.get("/dashboard/admin/accounts").text
+    made = c.post("/dashboard/admin/accounts", data={"name": name, "csrf_token": token})
+    assert made.status_code == 303
+    account_url = made.headers["location"]
+    account_id = int(account_url.rsplit("/", 1)[1])
+    # Another session's token does not work here either.
+    _, other_token = log_in(gateway, gateway.admin_key)
+    assert c.post(f"/dashboard/admin/accounts/{account_id}/keys", data={"csrf_token": other_token}).status_code == 403
+    created = c.post(f"/dashboard/admin/accounts/{account_id}/keys", data={"csrf_token": token, "name": "k"})
+    assert created.status_code == 201
+    secret = re.search(r'id="new-key-secret">(sk-[^<]+)<', created.text).group(1)
+    assert created.headers["cache-control"] == "no-store"
+    assert secret not in c.get(account_url).text  # shown once
+    key_id = int(re.search(r'data-key-id="(\d+)"', c.get(account_url).text).group(1))
+    assert c.post(f"/dashboard/admin/keys/{key_id}/revoke", data={}).status_code == 403
+    assert "revoked" not in c.get(account_url).text
+
+
+async def test_customer_keys_stay_out_of_the_console(gateway: Gateway, customer: dict[str, Any]) -> None:
+    c, token = log_in(gateway, customer["key"])
+    assert c.get("/dashboard").headers["location"] == "/dashboard/account"
+    for path in ("/dashboard/admin", "/dashboard/admin/accounts", f"/dashboard/admin/accounts/{customer['account_id']}"):
+        r = c.get(path)
+        assert r.status_code == 403 and "Admins only" in r.text
+    r = c.post("/dashboard/admin/accounts", data={"name": "sneaky", "csrf_token": token})
+    assert r.status_code == 403
+    r = c.post(f"/dashboard/admin/keys/{customer['id']}/revoke", data={"csrf_token": token})
+    assert r.status_code == 403
+    async with gateway.admin_client() as admin:
+        assert (await admin.get(f"/admin/keys/{customer['id']}")).json()["revoked_at"] is None
+    # Its session reads only its own usage.
+    assert c.get("/v1/usage").json()["account_id"] == customer["account_id"]
+    assert c.get("/v1/usage", params={"account_id": customer["account_id"] + 1000}).status_code == 403
+
+
+def test_logout_ends_the_session(gateway: Gateway) -> None:
+    c, token = log_in(gateway, gateway.admin_key)
+    stolen = c.cookies["tollgate_session"]
+    assert c.post("/dashboard/logout", data={}).status_code == 403  # logout is a form too
+    out = c.post("/dashboard/logout", data={"csrf_token": token})
+    assert out.status_code == 303 and out.headers["location"] == "/dashboard/login"
+    assert any(h.startswith('tollgate_session=""') or "Max-Age=0" in h for h in out.headers.get_list("set-cookie"))
+    replay = browser(gateway)
+    replay.cookies.set("tollgate_session", stolen)
+    r = replay.get("/dashboard/admin")
+    assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
+    assert replay.get("/v1/usage").status_code == 401
+    assert replay.post("/dashboard/admin/accounts", data={"name": "x", "csrf_token": token}).status_code == 303

@@ -1,0 +1,118 @@
+"""/metrics in Prometheus format and structured JSON logs with request ids, through real requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+from openai import RateLimitError
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.logs import JsonFormatter
+from tests.conftest import MODEL, Gateway
+
+
+def scrape(gw: Gateway) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:
+    r = httpx.get(gw.base_url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return r.text, samples
+
+
+def value(samples: dict[str, Any], name: str, **labels: str) -> float:
+    return samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+
+async def test_metrics_count_requests_tokens_latency_and_rejections(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key()
+    _, before = scrape(gateway)
+    raw = await client_for(key["key"]).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say yes."}], max_tokens=5, temperature=0)
+    usage = raw.parse().usage
+    await gateway.ledger_row(raw.headers["x-request-id"])
+
+    # A key with rpm 0 is refused by the quota: counted by limit name.
+    async with gateway.admin_client() as admin:
+        limited = (await admin.post("/admin/keys", json={"account_id": key["account_id"]})).json()
+        patched = await admin.patch(f"/admin/keys/{limited['id']}", json={"limits": {"rpm": 0}})
+        assert patched.status_code == 200, patched.text
+    try:
+        await client_for(limited["key"]).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "no"}], max_tokens=2)
+        raise AssertionError("rpm 0 should refuse")
+    except RateLimitError:
+        pass
+
+    text, after = scrape(gateway)
+    delta = lambda name, **l: value(after, name, **l) - value(before, name, **l)  # noqa: E731
+    assert delta("tollgate_requests_total", model=MODEL, status="completed") >= 1
+    assert delta("tollgate_input_tokens_total", model=MODEL) >= usage.prompt_tokens
+    assert delta("tollgate_output_tokens_total", model=MODEL) >= usage.completion_tokens
+    assert delta("tollgate_request_duration_seconds_count", model=MODEL) >= 1
+    assert delta("tollgate_time_to_first_token_seconds_count", model=MODEL) >= 1
+    assert delta("tollgate_quota_rejections_total", limit="rpm") == 1
+    assert delta("tollgate_http_responses_total", route="chat_completions", code="429") == 1
+    assert value(after, "tollgate_engine_requests_in_flight", model=MODEL) >= 0
+    for family in ("tollgate_engine_queue_depth", "tollgate_ledger_backlog_rows", "tollgate_ledger_write_lag_seconds",
+                   "tollgate_ledger_write_errors_total"):
+        assert f"# TYPE {family.removesuffix('_total')}" in text
+    assert key["key"] not in text and limited["key"] not in text and gateway.admin_key not in text
+    labels = {name for series in after.values() for key_ in series for name, _ in key_}
+    assert labels <= {"model", "status", "route", "code", "limit", "le"}  # never keys or accounts
+
+
+CLIENT_LOGGERS = {"httpx", "httpx2", "httpcore", "openai"}
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+async def test_json_logs_carry_request_ids_and_never_keys(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key()
+    capture = Capture()
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(capture)
+    root.setLevel(logging.INFO)
+    try:
+        client = client_for(key["key"])
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+            extra_headers={"x-request-id": "client-abc.123"})
+        server_id = raw.headers["x-request-id"]
+        assert raw.headers["x-client-request-id"] == "client-abc.123"
+        assert (await gateway.ledger_row(server_id))["request_id"] == server_id  # the ledger id stays ours
+
+        bad = httpx.get(gateway.v1 + "/models", headers={"Authorization": f"Bearer {key['key']}x", "x-request-id": "no spaces allowed"})
+        assert bad.status_code == 401 and "x-client-request-id" not in bad.headers
+        assert len(bad.headers["x-request-id"]) == 32
+        pasted = httpx.get(gateway.base_url + f"/v1/models/{key['key']}", headers={"Authorization": f"Bearer {key['key']}"})
+        assert pasted.status_code == 404
+    finally:
+        root.removeHandler(capture)
+        root.setLevel(old_level)
+
+    # The test's own HTTP clients log into the same process: keep the server's lines only.
+    server_lines = [line for line in capture.lines if json.loads(line)["logger"].split(".")[0] not in CLIENT_LOGGERS]
+    entries = [json.loads(line) for line in server_lines]  # every line is one JSON object
+    access = [e for e in entries if e["logger"] == "tollgate.access"]
+    mine = next(e for e in access if e.get("request_id") == server_id)
+    assert mine["client_request_id"] == "client-abc.123" and mine["route"] == "chat_completions"
+    assert mine["status"] == 200 and mine["duration_ms"] > 0 and mine["path"] == "/v1/chat/completions"
+    refused = next(e for e in access if e.get("request_id") == bad.headers["x-request-id"])
+    assert refused["status"] == 401 and "client_request_id" not in refused
+    assert all({"ts", "level", "logger", "msg"} <= set(e) for e in entries)
+    assert any(e["path"] == "/v1/models/sk-***" for e in access)  # a key pasted into a URL is masked
+    assert not any(key["key"][3:] in line for line in server_lines)
