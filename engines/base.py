@@ -28,6 +28,16 @@ class EngineOverloadedError(EngineError):
     """The engine has no room for another request right now."""
 
 
+class EngineRequestRejected(EngineError):
+    """The engine refused the request itself as invalid (a client error, not an engine failure)."""
+
+    def __init__(self, message: str, *, status_code: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -48,6 +58,8 @@ class EngineRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    # The client's JSON body: engines that pass fields through (`Engine.passthrough`) forward it.
+    extra: dict[str, Any] | None = None
 
 
 @dataclass
@@ -60,6 +72,9 @@ class EngineOutput:
     estimated: bool = False  # counts not from the engine's own token ids
     error: str | None = None
     queue_ms: float | None = None  # time the request waited inside the engine before running
+    # A pass-through engine's choice object, in the shape the client's response uses (a chunk's
+    # choice with `delta` when streaming, the whole choice with `message` otherwise): relayed as is.
+    raw_choice: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -73,10 +88,18 @@ class Engine(abc.ABC):
     context_length: int
     vocab_size: int | None = None
     owned_by: str = "tollgate"
+    # True: the engine forwards the client's fields (tools, response_format, logprobs, ...) to a
+    # server that honours them, so the gateway skips its own unsupported-parameter checks.
+    passthrough: bool = False
 
     @property
     @abc.abstractmethod
     def ready(self) -> bool: ...
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine can serve right now (a pool with every replica ejected cannot)."""
+        return self.ready
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -1,0 +1,588 @@
+"""`openai` backend: a pool of OpenAI-compatible servers (trtllm-serve, vLLM, Triton's OpenAI
+front end, or a hosted provider) behind the one engine interface.
+
+    pick a replica (least outstanding requests, ejected ones skipped)
+      -> POST {replica}/chat/completions or /completions, always streamed, always with
+         stream_options.include_usage, the client's fields passed through, `model` rewritten
+      -> relay each choice as it comes; bill the upstream's usage (or count, marked estimated)
+
+Retries and failover happen only before the first output leaves this engine (so before the
+first byte reaches the client). A client that leaves closes that upstream connection: servers
+like trtllm-serve abort a request only when they see its connection close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+
+from engines.base import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineOverloadedError,
+    EngineRequest,
+    EngineRequestRejected,
+)
+from engines.openai_stream import (
+    DONE,
+    ChoiceAccumulator,
+    SSEDecoder,
+    TokenCounter,
+    delta_is_empty,
+    normalized_finish,
+)
+
+log = logging.getLogger("tollgate.engines.openai")
+
+# Statuses that mean "this request is wrong", not "this replica is broken": relayed, never retried.
+CLIENT_ERRORS = {400, 413, 422}
+# Statuses that mean "busy": try another replica, but do not count towards ejection.
+BUSY = {408, 429}
+
+
+@dataclass
+class Replica:
+    """One upstream server of a pool, and what the pool knows about it."""
+
+    url: str  # base URL including the API prefix, e.g. http://10.0.0.7:8000/v1
+    index: int
+    outstanding: int = 0
+    failures: int = 0  # consecutive
+    ejected: bool = False
+    ejected_until: float = 0.0  # monotonic time before which it is not reinstated
+    ejections: int = 0
+    served: int = 0
+    last_error: str | None = None
+    last_pick: int = 0
+
+    @property
+    def label(self) -> str:
+        """How clients see it in error messages (never the internal address)."""
+        return f"replica #{self.index}"
+
+
+class ReplicaPool:
+    """Least-outstanding-requests balancing with passive and active ejection.
+
+    A replica is ejected after `eject_after` consecutive failures or one failed health check.
+    It comes back once `cooldown` seconds have passed and (with active health checks) a check
+    succeeds; without health checks it simply gets traffic again after the cooldown.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        max_concurrency: int,
+        eject_after: int,
+        cooldown: float,
+        active_checks: bool,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(urls)]
+        self.max_concurrency = max_concurrency
+        self.eject_after = eject_after
+        self.cooldown = cooldown
+        self.active_checks = active_checks
+        self._clock = clock
+        self._picks = 0
+
+    def _in_rotation(self, replica: Replica) -> bool:
+        if not replica.ejected:
+            return True
+        if not self.active_checks and self._clock() >= replica.ejected_until:
+            self._reinstate(replica)
+            return True
+        return False
+
+    def healthy(self) -> bool:
+        return any(self._in_rotation(r) for r in self.replicas)
+
+    def has_capacity(self) -> bool:
+        return any(self._in_rotation(r) and r.outstanding < self.max_concurrency for r in self.replicas)
+
+    def outstanding(self) -> int:
+        return sum(r.outstanding for r in self.replicas)
+
+    def pick(self, exclude: list[Replica]) -> Replica | None:
+        ready = [r for r in self.replicas if r not in exclude and self._in_rotation(r) and r.outstanding < self.max_concurrency]
+        if not ready:
+            return None
+        least = min(r.outstanding for r in ready)
+        ties = [r for r in ready if r.outstanding == least]
+        self._picks += 1
+        chosen = min(ties, key=lambda r: r.last_pick)  # ties: the least recently picked
+        chosen.last_pick = self._picks
+        chosen.outstanding += 1
+        return chosen
+
+    def release(self, replica: Replica) -> None:
+        replica.outstanding -= 1
+
+    def succeeded(self, replica: Replica) -> None:
+        replica.failures = 0
+        replica.served += 1
+
+    def failed(self, replica: Replica, reason: str) -> None:
+        replica.failures += 1
+        replica.last_error = reason
+        log.warning("upstream %s failed (%d in a row): %s", replica.url, replica.failures, reason)
+        if replica.failures >= self.eject_after:
+            self.eject(replica, reason)
+
+    def eject(self, replica: Replica, reason: str) -> None:
+        if not replica.ejected:
+            replica.ejected = True
+            replica.ejections += 1
+            replica.ejected_until = self._clock() + self.cooldown
+            log.warning("upstream %s ejected for %.0fs: %s", replica.url, self.cooldown, reason)
+
+    def health_result(self, replica: Replica, ok: bool, reason: str = "") -> None:
+        if not ok:
+            replica.last_error = reason
+            self.eject(replica, f"health check: {reason}")
+        elif replica.ejected and self._clock() >= replica.ejected_until:
+            self._reinstate(replica)
+
+    def _reinstate(self, replica: Replica) -> None:
+        replica.ejected = False
+        replica.failures = 0
+        log.info("upstream %s back in rotation", replica.url)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {"url": r.url, "outstanding": r.outstanding, "ejected": r.ejected, "failures": r.failures,
+             "ejections": r.ejections, "served": r.served, "last_error": r.last_error}
+            for r in self.replicas
+        ]
+
+
+class _Retryable(Exception):
+    """A failure before the first output: another replica may take the request."""
+
+    def __init__(self, reason: str, *, busy: bool = False) -> None:
+        super().__init__(reason)
+        self.busy = busy
+
+
+class _Exchange:
+    """One streamed HTTP exchange with a replica. A task reads it into a queue so that the
+    consumer can wait with deadlines and a cancel interrupts the wait at once; cancelling the
+    task leaves `client.stream()` with the body unread, which closes that connection."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> None:
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._read(client, url, body, headers))
+
+    async def _read(self, client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> None:
+        put = self.queue.put_nowait
+        try:
+            async with client.stream("POST", url, content=body, headers=headers) as response:
+                if response.status_code != 200:
+                    put(("status", (response.status_code, (await response.aread())[:65536])))
+                    return
+                decoder = SSEDecoder()
+                async for line in response.aiter_lines():
+                    data = decoder.feed(line)
+                    if data is not None:
+                        put(("data", data))
+                tail = decoder.flush()
+                if tail is not None:
+                    put(("data", tail))
+            put(("eof", None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # connection refused/reset, timeouts, protocol errors
+            put(("error", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__))
+
+    def interrupt(self) -> None:
+        self.queue.put_nowait(("cancel", None))
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Ends the exchange. With a grace period a body that is about to end is read to its end,
+        so its connection goes back to the pool; otherwise the connection is closed."""
+        if grace and not self.task.done():
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self.task), grace)
+        if not self.task.done():
+            self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
+
+
+class _Live:
+    """A request in flight: what `cancel()` needs to reach it."""
+
+    __slots__ = ("cancelled", "exchange")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.exchange: _Exchange | None = None
+
+
+def _json_object(data: str) -> dict[str, Any] | None:
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def upstream_error_message(raw: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) from an upstream's error body, whatever its flavour."""
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", "replace")[:500] or "no message", None, None
+    error = payload.get("error", payload) if isinstance(payload, dict) else payload
+    if isinstance(error, dict):
+        message = error.get("message") or error.get("detail") or str(error)
+        code = error.get("code")
+        return str(message)[:500], error.get("param"), str(code) if code is not None else None
+    return str(error)[:500], None, None
+
+
+class OpenAIPoolEngine(Engine):
+    owned_by = "tollgate-openai"
+    passthrough = True
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        replicas: list[str],
+        context_length: int,
+        upstream_model: str | None = None,
+        api_key: str | None = None,
+        tokenizer: str = "cl100k_base",
+        max_concurrency: int = 256,
+        retries: int = 2,
+        connect_timeout: float = 5.0,
+        first_token_timeout: float = 60.0,
+        idle_timeout: float = 30.0,
+        health_path: str | None = "/health",
+        health_interval: float = 5.0,
+        health_timeout: float = 2.0,
+        eject_after: int = 3,
+        cooldown: float = 30.0,
+        max_connections: int | None = None,
+        keepalive_expiry: float = 30.0,
+    ) -> None:
+        if not replicas:
+            raise ValueError("an openai pool needs at least one replica URL")
+        self.model_id = model_id
+        self.context_length = context_length
+        self.upstream_model = upstream_model or model_id
+        self._api_key = api_key
+        self.counter = TokenCounter(tokenizer)
+        self.retries = retries
+        self.first_token_timeout = first_token_timeout
+        self.idle_timeout = idle_timeout
+        self.connect_timeout = connect_timeout
+        self.health_path = health_path
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.pool = ReplicaPool(
+            replicas, max_concurrency=max_concurrency, eject_after=eject_after, cooldown=cooldown,
+            active_checks=bool(health_path),
+        )
+        self._max_connections = max_connections or max_concurrency * len(replicas)
+        self._keepalive_expiry = keepalive_expiry
+        self._client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._live: dict[str, _Live] = {}
+        self._ready = False
+
+    # lifecycle --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def healthy(self) -> bool:
+        return self._ready and self.pool.healthy()
+
+    async def start(self) -> None:
+        if self._ready:
+            return
+        if not self.counter.loaded:
+            await asyncio.to_thread(self.counter.load)
+        # One client for the engine's lifetime: connections are pooled per replica and reused.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=self.connect_timeout, read=None, write=self.connect_timeout, pool=self.first_token_timeout),
+            limits=httpx.Limits(
+                max_connections=self._max_connections,
+                max_keepalive_connections=self._max_connections,
+                keepalive_expiry=self._keepalive_expiry,
+            ),
+            follow_redirects=False,
+        )
+        if self.health_path:
+            await self.check_health()
+            self._health_task = asyncio.create_task(self._health_loop(), name=f"health-{self.model_id}")
+        self._ready = True
+        log.info("model %s: pool of %d replicas ready", self.model_id, len(self.pool.replicas))
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    # health -----------------------------------------------------------------------------------
+    def health_url(self, replica: Replica) -> str:
+        assert self.health_path
+        if self.health_path.startswith("/"):
+            parts = urlsplit(replica.url)
+            return f"{parts.scheme}://{parts.netloc}{self.health_path}"
+        return f"{replica.url}/{self.health_path}"
+
+    async def check_health(self) -> None:
+        """One round of active health checks, all replicas at once."""
+        await asyncio.gather(*(self._check(r) for r in self.pool.replicas))
+
+    async def _check(self, replica: Replica) -> None:
+        assert self._client is not None
+        try:
+            response = await self._client.get(self.health_url(replica), headers=self._headers(), timeout=self.health_timeout)
+        except Exception as exc:
+            self.pool.health_result(replica, False, type(exc).__name__)
+            return
+        self.pool.health_result(replica, response.status_code < 300, f"HTTP {response.status_code}")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.check_health()
+            except Exception:  # never let the loop die
+                log.exception("health check round failed")
+
+    # tokens -----------------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.counter.encode_chat(messages)
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return self.counter.encode_text(prompt)
+
+    # capacity ---------------------------------------------------------------------------------
+    def has_capacity(self) -> bool:
+        return self._ready and self.pool.has_capacity()
+
+    def requests_in_flight(self) -> int:
+        return self.pool.outstanding()
+
+    def cancel(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            live.cancelled = True
+            if live.exchange is not None:
+                live.exchange.interrupt()
+
+    # generation -------------------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        if self._api_key:
+            headers["authorization"] = f"Bearer {self._api_key}"
+        return headers
+
+    @staticmethod
+    def _is_chat(request: EngineRequest) -> bool:
+        if request.extra is not None:
+            return "messages" in request.extra
+        return request.messages is not None
+
+    def upstream_body(self, request: EngineRequest, chat: bool) -> dict[str, Any]:
+        """The client's body with `model` rewritten and streaming with usage forced on; for a
+        request built without a client body, the equivalent body from its own fields."""
+        if request.extra is not None:
+            body = dict(request.extra)
+        else:
+            s = request.sampling
+            body = {"max_tokens": request.max_tokens, "temperature": s.temperature, "top_p": s.top_p}
+            if s.seed is not None:
+                body["seed"] = s.seed
+            if s.stop:
+                body["stop"] = list(s.stop)
+            if chat:
+                body["messages"] = request.messages
+            else:
+                body["prompt"] = request.prompt if request.prompt is not None else request.prompt_token_ids
+        body["model"] = self.upstream_model
+        body["stream"] = True
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return body
+
+    def _prompt_estimate(self, request: EngineRequest, chat: bool) -> int:
+        if request.prompt_token_ids is not None:
+            return len(request.prompt_token_ids)
+        if chat:
+            return len(self.encode_chat(request.messages or []))
+        return len(self.encode_text(request.prompt or ""))
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._client is None:
+            raise EngineError("engine is not running")
+        chat = self._is_chat(request)
+        body = orjson.dumps(self.upstream_body(request, chat))
+        live = self._live[request.request_id] = _Live()
+        tried: list[Replica] = []
+        failures: list[_Retryable] = []
+        try:
+            for _ in range(1 + self.retries):
+                replica = self.pool.pick(exclude=tried)
+                if replica is None:
+                    break
+                tried.append(replica)
+                try:
+                    async for out in self._attempt(replica, body, request, chat, live):
+                        yield out
+                    return
+                except _Retryable as failure:
+                    failures.append(failure)
+            if not failures or all(f.busy for f in failures):
+                raise EngineOverloadedError(f"every replica of {self.model_id} is busy or ejected")
+            raise EngineError(f"no replica could serve the request: {failures[-1]}")
+        finally:
+            self._live.pop(request.request_id, None)
+
+    async def _attempt(
+        self, replica: Replica, body: bytes, request: EngineRequest, chat: bool, live: _Live
+    ) -> AsyncIterator[EngineOutput]:
+        """One replica's try. Raises `_Retryable` only while nothing has been yielded."""
+        assert self._client is not None
+        loop = asyncio.get_running_loop()
+        path = "/chat/completions" if chat else "/completions"
+        exchange = live.exchange = _Exchange(self._client, replica.url + path, body, self._headers())
+        if live.cancelled:
+            exchange.interrupt()
+        relay = request.extra is not None
+        streaming = relay and bool(request.extra and request.extra.get("stream"))
+        merged = ChoiceAccumulator(chat)
+        prompt_estimate = self._prompt_estimate(request, chat)
+        completion_estimate = 0
+        usage: dict[str, Any] | None = None
+        finish: dict[str, Any] | None = None
+        yielded = False
+        deadline = loop.time() + self.first_token_timeout
+        clean_end = False
+        try:
+            while True:
+                wait = deadline - loop.time() if not yielded else self.idle_timeout
+                try:
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        kind, value = await exchange.queue.get()
+                except TimeoutError:
+                    reason = f"no data for {self.idle_timeout:g}s" if yielded else f"no first token within {self.first_token_timeout:g}s"
+                    kind, value = "error", reason
+                if kind == "data":
+                    if value.strip() == DONE:
+                        kind = "eof"
+                    else:
+                        chunk = _json_object(value)
+                        if chunk is None:
+                            continue  # not an event we understand; keep reading
+                        if not (chunk.get("error") and not chunk.get("choices")):
+                            if chunk.get("usage"):
+                                usage = chunk["usage"]
+                            for choice in chunk.get("choices") or []:
+                                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                                    continue
+                                merged.add(choice)
+                                if choice.get("finish_reason"):
+                                    finish = choice
+                                elif self._carries_output(choice, chat):
+                                    text = self._text_of(choice, chat)
+                                    completion_estimate += self.counter.count(text) or 1
+                                    yielded = True
+                                    yield EngineOutput(
+                                        text, [], None, prompt_estimate, completion_estimate, estimated=True,
+                                        raw_choice=choice if streaming else None,
+                                    )
+                            continue
+                        kind, value = "error", "error event: " + upstream_error_message(orjson.dumps(chunk))[0]
+                if kind == "cancel":
+                    yield self._final(FINISH_CANCELLED, "", None, prompt_estimate, merged, usage)
+                    return
+                if kind == "status":
+                    self._raise_for_status(replica, *value)
+                if kind == "eof" and finish is None and usage is None:
+                    kind, value = "error", "the stream ended before a finish reason"
+                if kind == "eof":
+                    clean_end = True
+                    self.pool.succeeded(replica)
+                    reason = normalized_finish(finish.get("finish_reason")) if finish else "stop"
+                    if streaming:
+                        raw = {**finish, "finish_reason": reason} if finish else None
+                    else:
+                        raw = merged.choice() if relay else None
+                    text = self._text_of(finish, chat) if finish else ""
+                    yield self._final(reason, text, raw, prompt_estimate, merged, usage)
+                    return
+                # an error: retry elsewhere while nothing has been yielded, else end the stream with it
+                self.pool.failed(replica, value)
+                if not yielded:
+                    raise _Retryable(f"{replica.label}: {value}")
+                yield self._final(FINISH_ERROR, "", None, prompt_estimate, merged, usage, error=f"upstream {replica.label}: {value}")
+                return
+        finally:
+            self.pool.release(replica)
+            live.exchange = None
+            await exchange.close(grace=1.0 if clean_end else 0.0)
+
+    def _raise_for_status(self, replica: Replica, status: int, raw: bytes) -> None:
+        message, param, code = upstream_error_message(raw)
+        if status in CLIENT_ERRORS:
+            self.pool.succeeded(replica)  # the replica works; the request was wrong
+            raise EngineRequestRejected(message, status_code=413 if status == 413 else 400, param=param, code=code)
+        if status in BUSY:
+            raise _Retryable(f"{replica.label}: HTTP {status}", busy=True)
+        self.pool.failed(replica, f"HTTP {status}: {message[:200]}")
+        raise _Retryable(f"{replica.label}: HTTP {status}")
+
+    @staticmethod
+    def _text_of(choice: dict[str, Any], chat: bool) -> str:
+        if chat:
+            return (choice.get("delta") or {}).get("content") or ""
+        return choice.get("text") or ""
+
+    @staticmethod
+    def _carries_output(choice: dict[str, Any], chat: bool) -> bool:
+        if choice.get("logprobs"):
+            return True
+        if chat:
+            return not delta_is_empty(choice.get("delta") or {})
+        return bool(choice.get("text"))
+
+    def _final(
+        self,
+        reason: str,
+        text: str,
+        raw: dict[str, Any] | None,
+        prompt_estimate: int,
+        merged: ChoiceAccumulator,
+        usage: dict[str, Any] | None,
+        error: str | None = None,
+    ) -> EngineOutput:
+        if usage and isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
+            prompt, completion, estimated = usage["prompt_tokens"], usage["completion_tokens"], False
+        else:
+            prompt, completion, estimated = prompt_estimate, self.counter.count(merged.generated_text()), True
+        return EngineOutput(text, [], reason, prompt, completion, estimated=estimated, error=error, raw_choice=raw)

