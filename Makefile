@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tollgate-installed
 
-.PHONY: serve test setup services migrate bench clean
+.PHONY: serve test setup browser services migrate bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)
 
+# The browser tests drive Debian's Chromium through Playwright; no browser is ever downloaded.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null); \
+	else echo "setup: chromium is missing; install it (apt-get install chromium) for the browser tests"; fi; }
+
 migrate: setup
 	$(BIN)/tollgate migrate
 
@@ -28,7 +34,7 @@ serve: setup
 services:
 	@bash scripts/services.sh
 
-test: setup services
+test: setup browser services
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
