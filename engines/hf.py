@@ -112,6 +112,7 @@ class HFEngine(Engine):
         max_queue: int = 256,
         kv_cache_tokens: int = 16384,
         max_batch_tokens: int = 1024,
+        cuda_graphs: bool = True,
         warmup: bool = True,
     ) -> None:
         self.model_id = model_id
@@ -125,6 +126,8 @@ class HFEngine(Engine):
         # which on a CPU host means most of the machine's RAM. 0 keeps the library's automatic sizing.
         self._kv_cache_tokens = kv_cache_tokens
         self._max_batch_tokens = max_batch_tokens
+        # CUDA graphs: +36% tokens/s at 64 streams on an H200 with SDPA (docs/gpu.md). GPU only.
+        self._cuda_graphs = cuda_graphs and device.startswith("cuda")
         # Requests admitted at once (running + queued); beyond it the gateway answers 503.
         self.capacity = max_batch_size + max_queue
         self._warmup = warmup
@@ -187,6 +190,7 @@ class HFEngine(Engine):
             page_size=page_size,
             num_blocks=-(-self._kv_cache_tokens // page_size) if self._kv_cache_tokens else None,
             max_batch_tokens=self._max_batch_tokens or None,
+            use_cuda_graph=True if self._cuda_graphs else None,
         )
         return self._model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
 
