@@ -256,15 +256,10 @@ def parse_models(text: str, where: str, *, environ: dict[str, str] | None = None
     specs: dict[str, ModelSpec] = {}
     for i, entry in enumerate(entries):
         spec = _parse_entry(entry, ("models", i), problem, environ if environ is not None else dict(os.environ), trtllm_check)
-        if spec is None:
-            continue
-        spec.line = lines.of(("models", i))
-        if spec.id in specs:
-            problem(("models", i, "id"), f"model {spec.id!r} is defined twice (first at line {specs[spec.id].line})")
-            continue
-        specs[spec.id] = spec
-
-    aliases = _check_names(specs, entries, problem)
+        if spec is not None and spec.id not in specs:
+            spec.line = lines.of(("models", i))
+            specs[spec.id] = spec
+    aliases = _check_names(specs, entries, problem, lambda i: lines.of(("models", i)))
     if problems:
         raise ModelsConfigError(sorted(problems, key=lambda p: int(p[len(where) + 1 :].split(":", 1)[0])))
     return ModelTable(Path(where), specs, aliases)
@@ -282,7 +277,7 @@ def _parse_entry(
     for name, spec_field in fields.items():
         if name not in entry:
             if spec_field.required:
-                what = f" for the {backend} backend" if name not in COMMON else ""
+                what = f" for the {backend} backend" if name in BACKEND_FIELDS.get(backend, {}) else ""
                 problem(path, f"missing required field `{name}`{what}")
                 ok = False
             continue
@@ -326,34 +321,48 @@ def _parse_entry(
     )
 
 
-def _check_names(specs: dict[str, ModelSpec], entries: list[Any], problem: Callable[..., None]) -> dict[str, str]:
+def _listed(value: Any) -> list[str]:
+    return list(value) if value and _names(value) is None else []
+
+
+def _check_names(
+    specs: dict[str, ModelSpec], entries: list[Any], problem: Callable[..., None], line_of: Callable[[int], int]
+) -> dict[str, str]:
+    """Ids, aliases and fallbacks across the whole file. Invalid entries' names count too, so
+    one mistake is reported once."""
+    named = [(i, e) for i, e in enumerate(entries) if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    first: dict[str, int] = {}
+    for i, entry in named:
+        if entry["id"] in first:
+            problem(("models", i, "id"), f"model {entry['id']!r} is defined twice (first at line {line_of(first[entry['id']])})")
+        else:
+            first[entry["id"]] = i
     aliases: dict[str, str] = {}
-    index = {e.get("id"): i for i, e in enumerate(entries) if isinstance(e, dict)}
-    for mid, spec in specs.items():
-        i = index[mid]
-        for j, alias in enumerate(spec.aliases):
-            if alias in specs:
+    for i, entry in named:
+        for j, alias in enumerate(_listed(entry.get("aliases"))):
+            if alias in first:
                 problem(("models", i, "aliases", j), f"{alias!r} is already a model id")
             elif alias in aliases:
                 problem(("models", i, "aliases", j), f"{alias!r} is already an alias of {aliases[alias]!r}")
             else:
-                aliases[alias] = mid
-    for mid, spec in specs.items():
-        i = index[mid]
+                aliases[alias] = entry["id"]
+    for i, entry in named:
         resolved = []
-        for j, name in enumerate(spec.fallbacks):
+        for j, name in enumerate(_listed(entry.get("fallbacks"))):
             target = aliases.get(name, name)
-            if target == mid:
+            if target == entry["id"]:
                 problem(("models", i, "fallbacks", j), "a model cannot be its own fallback")
-            elif target not in specs:
-                close = difflib.get_close_matches(name, list(specs) + list(aliases), n=1)
+            elif target not in first:
+                close = difflib.get_close_matches(name, sorted(set(first) | set(aliases)), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 problem(("models", i, "fallbacks", j), f"no model named {name!r} in this file{hint}")
             else:
                 resolved.append(target)
-        spec.fallbacks = resolved
+        spec = specs.get(entry["id"])
+        if spec is not None and first[entry["id"]] == i:
+            spec.fallbacks = resolved
     if specs and not any(s.public for s in specs.values()):
-        problem(("models",), "every model is `public: false`; nothing would be served")
+        problem(("models",), "every model is `public: false`; nothing would be served", key=True)
     return aliases
 
 

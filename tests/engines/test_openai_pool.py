@@ -177,6 +177,18 @@ async def test_upstream_usage_is_billed(upstreams: Any, tollgate_with: Any) -> N
     assert (row["prompt_tokens"], row["completion_tokens"], row["estimated"]) == (1234, 77, False)
     assert row["ttft_ms"] is not None and row["ttft_ms"] > 0
 
+    # Clients that ask for no usage are billed the upstream's usage all the same.
+    up.script.append(Behaviour(usage={"prompt_tokens": 55, "completion_tokens": 5}))
+    resp = await client.chat.completions.create(model="pool", messages=QUESTION)
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (55, 5)
+    up.script.append(Behaviour(usage={"prompt_tokens": 66, "completion_tokens": 6}))
+    plain = [c async for c in await client.chat.completions.create(model="pool", messages=QUESTION, stream=True)]
+    assert all(c.usage is None for c in plain)
+    assert up.requests[-1].body["stream_options"] == {"include_usage": True}
+    for request_id, expected in ((request_id_of(resp.id), (55, 5)), (request_id_of(plain[0].id), (66, 6))):
+        row = await gw.ledger_row(request_id)
+        assert (row["prompt_tokens"], row["completion_tokens"], row["estimated"]) == (*expected, False)
+
 
 async def test_missing_upstream_usage_is_counted_and_marked_estimated(upstreams: Any, tollgate_with: Any) -> None:
     up, url = upstreams()

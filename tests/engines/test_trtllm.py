@@ -1,0 +1,232 @@
+"""The `trtllm` backend against the TensorRT-LLM test double (tests/fakes/trtllm.py): the double
+reproduces the documented LLM API surface; nothing here ran on a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from engines.base import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, EngineRequest, SamplingParams
+from engines.registry import ModelsConfigError, parse_models
+from engines.trtllm import MISSING, TensorRTLLMMissing, TRTLLMEngine, require_tensorrt_llm
+from gateway import cli
+from tests.fakes import trtllm as double
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def api(monkeypatch: pytest.MonkeyPatch) -> Any:
+    return double.install(monkeypatch)
+
+
+async def started(api: Any, **settings: Any) -> TRTLLMEngine:
+    engine = TRTLLMEngine(model_id="llama", model_path="/models/llama", api=api, **{"context_length": 4096, **settings})
+    await engine.start()
+    return engine
+
+
+def request(engine: TRTLLMEngine, max_tokens: int = 100, **sampling: Any) -> EngineRequest:
+    return EngineRequest(
+        request_id=f"r{time.monotonic_ns()}",
+        max_tokens=max_tokens,
+        sampling=SamplingParams(**{"temperature": 0.0, **sampling}),
+        prompt_token_ids=engine.encode_chat(QUESTION),
+    )
+
+
+async def collect(engine: TRTLLMEngine, req: EngineRequest) -> list[Any]:
+    return [out async for out in engine.stream(req)]
+
+
+def last_request(engine: TRTLLMEngine) -> Any:
+    return engine._llm.requests[-1]
+
+
+async def test_llm_is_built_from_the_settings(api: Any) -> None:
+    engine = await started(
+        api, tensor_parallel_size=2, max_batch_size=64, max_num_tokens=8192, kv_cache_free_gpu_memory_fraction=0.85,
+        scheduler_policy="max_utilization", llm_options={"enable_chunked_prefill": True},
+    )
+    args = engine._llm.args
+    assert (args.model, args.tensor_parallel_size, args.max_batch_size, args.max_num_tokens, args.max_seq_len) == ("/models/llama", 2, 64, 8192, 4096)
+    assert args.kv_cache_config.free_gpu_memory_fraction == 0.85
+    assert args.scheduler_config.capacity_scheduler_policy is double.CapacitySchedulerPolicy.MAX_UTILIZATION
+    assert args.extra == {"enable_chunked_prefill": True}
+    assert engine.ready and engine.context_length == 4096
+    await engine.stop()
+    assert engine._llm is None
+
+
+async def test_streams_increments_and_counts_from_the_engine_ids(api: Any) -> None:
+    engine = await started(api)
+    req = request(engine)
+    outs = await collect(engine, req)
+    result = last_request(engine)
+    assert "".join(o.text for o in outs) == double.STORY
+    assert [t for o in outs for t in o.token_ids] == result.outputs[0].token_ids  # the diffs add up to the engine's ids
+    final = outs[-1]
+    assert final.finish_reason == FINISH_STOP  # the end id
+    assert (final.prompt_tokens, final.completion_tokens) == (len(result.prompt_token_ids), len(result.outputs[0].token_ids))
+    assert result.prompt_token_ids == req.prompt_token_ids
+    assert all(not o.estimated for o in outs) and all(o.finish_reason is None for o in outs[:-1])
+
+
+async def test_max_tokens_is_always_set(api: Any) -> None:
+    engine = await started(api)
+    outs = await collect(engine, request(engine, max_tokens=5))
+    assert last_request(engine).sampling_params.max_tokens == 5  # never TensorRT-LLM's default of 32
+    assert (outs[-1].finish_reason, outs[-1].completion_tokens) == (FINISH_LENGTH, 5)
+    params = engine.sampling_params(request(engine, max_tokens=700, temperature=0.7, top_p=0.9, seed=11, stop=("x",)))
+    assert (params.max_tokens, params.temperature, params.top_p, params.seed, params.stop, params.include_stop_str_in_output) == (
+        700, 0.7, 0.9, 11, ["x"], False)
+    assert engine.sampling_params(request(engine)).temperature == 0.0  # greedy
+
+
+async def test_stop_string_trimmed_by_the_engine(api: Any) -> None:
+    engine = await started(api)
+    outs = await collect(engine, request(engine, stop=(" Paris.",)))
+    result = last_request(engine)
+    text = "".join(o.text for o in outs)
+    assert text == double.STORY.split(" Paris.")[0]
+    assert outs[-1].finish_reason == FINISH_STOP and result.outputs[0].stop_reason == " Paris."
+    assert outs[-1].completion_tokens == len(result.outputs[0].token_ids)  # trimmed count
+    assert result.request_id not in engine._llm.aborts
+
+
+async def test_stop_string_the_engine_cannot_see_is_cut_here(api: Any) -> None:
+    # "Paris" never appears as a token of its own (the token is " Paris."), so TensorRT-LLM's
+    # token matching misses it; the gateway cuts the text and aborts the request.
+    engine = await started(api)
+    outs = await collect(engine, request(engine, stop=("Paris",)))
+    result = last_request(engine)
+    assert "".join(o.text for o in outs) == double.STORY.split("Paris")[0]
+    assert outs[-1].finish_reason == FINISH_STOP
+    assert result.request_id in engine._llm.aborts
+    assert outs[-1].completion_tokens == sum(len(o.token_ids) for o in outs)
+
+
+async def test_cancel_aborts_and_finishes_cancelled(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "step_delay", 0.02)
+    engine = await started(api)
+    req = request(engine)
+    outs = []
+    async for out in engine.stream(req):
+        outs.append(out)
+        if len(outs) == 3:
+            engine.cancel(req.request_id)
+    result = last_request(engine)
+    assert result.request_id in engine._llm.aborts
+    assert outs[-1].finish_reason == FINISH_CANCELLED and result.outputs[0].finish_reason == "cancelled"
+    assert outs[-1].completion_tokens == len(result.outputs[0].token_ids) < len(double.STORY.split())
+    assert engine._llm.running == 0 and engine.requests_in_flight() == 0
+
+
+async def test_a_consumer_that_leaves_aborts_the_request(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "step_delay", 0.02)
+    engine = await started(api)
+    stream = engine.stream(request(engine))
+    await anext(stream)
+    await stream.aclose()
+    result = last_request(engine)
+    assert result.request_id in engine._llm.aborts
+    await asyncio.sleep(0.1)
+    assert engine._llm.running == 0
+
+
+async def test_timeout_finish_reads_as_length(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "timeout_after", 3)
+    engine = await started(api)
+    outs = await collect(engine, request(engine))
+    assert last_request(engine).outputs[0].finish_reason == "timeout"
+    assert (outs[-1].finish_reason, outs[-1].completion_tokens) == (FINISH_LENGTH, 3)
+
+
+async def test_capacity_is_the_batch_plus_the_queue(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "step_delay", 0.05)
+    engine = await started(api, max_batch_size=1, max_queue=1)
+    streams = [engine.stream(request(engine)) for _ in range(2)]
+    firsts = await asyncio.gather(*(anext(s) for s in streams))
+    assert all(f.text for f in firsts) and not engine.has_capacity()
+    for s in streams:
+        await s.aclose()
+    assert engine.has_capacity()
+
+
+def test_without_tensorrt_llm_the_backend_fails_at_start_up_with_one_message(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.delitem(sys.modules, "tensorrt_llm", raising=False)
+    with pytest.raises(TensorRTLLMMissing) as info:
+        require_tensorrt_llm()
+    assert str(info.value) == MISSING
+    with pytest.raises(ModelsConfigError) as config:
+        parse_models("models:\n  - id: llama\n    backend: trtllm\n    model_path: /models/llama\n", "models.yaml")
+    assert config.value.problems == [f"models.yaml:3: models[0].backend: {MISSING}"]
+    path = tmp_path / "models.yaml"
+    path.write_text("models:\n  - id: llama\n    backend: trtllm\n    model_path: /models/llama\n")
+    assert cli.main(["serve", "--models", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("TensorRT-LLM") == 1 and f"{path}:3: models[0].backend" in err
+    with pytest.raises(TensorRTLLMMissing):
+        asyncio.run(TRTLLMEngine(model_id="llama", model_path="/models/llama").start())
+
+
+# through the gateway --------------------------------------------------------------------------------
+@pytest.fixture
+def trtllm_gateway(api: Any, tollgate_with: Any) -> Any:
+    return tollgate_with("""
+    models:
+      - id: llama
+        backend: trtllm
+        model_path: /models/llama
+        context_length: 2048
+        max_batch_size: 8
+        scheduler_policy: guaranteed_no_evict
+        kv_cache_free_gpu_memory_fraction: 0.9
+    """)
+
+
+async def test_gateway_serves_and_meters_the_trtllm_engine(trtllm_gateway: Any) -> None:
+    gw = trtllm_gateway
+    key = await gw.new_key()
+    client = AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0)
+    stream = await client.chat.completions.create(model="llama", messages=QUESTION, stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == double.STORY
+    engine = gw.engines()["llama"].primary
+    result = engine._llm.requests[-1]
+    assert result.sampling_params.max_tokens == 2048 - len(result.prompt_token_ids)  # no max_tokens from the client: the room left
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(result.prompt_token_ids), len(result.outputs[0].token_ids))
+    row = await gw.ledger_row(chunks[0].id.split("-", 1)[1])
+    assert (row["prompt_tokens"], row["completion_tokens"], row["estimated"], row["status"]) == (
+        usage.prompt_tokens, usage.completion_tokens, False, "completed")
+
+
+async def test_gateway_disconnect_aborts_the_trtllm_request(trtllm_gateway: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "step_delay", 0.1)
+    gw = trtllm_gateway
+    key = (await gw.new_key())["key"]
+    async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        async with c.stream("POST", "/chat/completions", json={"model": "llama", "messages": QUESTION, "stream": True}) as resp:
+            request_id = resp.headers["x-request-id"]
+            seen = 0
+            async for line in resp.aiter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    seen += 1
+                    if seen == 2:
+                        break
+    llm = gw.engines()["llama"].primary._llm
+    deadline = time.monotonic() + 2
+    while llm.running:
+        assert time.monotonic() < deadline, "the engine kept generating after the client left"
+        await asyncio.sleep(0.02)
+    assert llm.requests[-1].request_id in llm.aborts
+    row = await gw.ledger_row(request_id)
+    assert row["status"] == "cancelled"
+    assert row["completion_tokens"] == len(llm.requests[-1].outputs[0].token_ids) >= 2
