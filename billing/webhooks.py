@@ -110,10 +110,10 @@ class WebhookHandler:
 
     async def _apply_invoice(self, conn: AsyncConnection, remote: dict[str, Any], kind: str, created: datetime) -> int | None:
         number = (remote.get("metadata") or {}).get("tollgate_invoice")
-        query = sa.select(INVOICES).where(
-            sa.or_(INVOICES.c.stripe_invoice_id == remote["id"], INVOICES.c.number == (number or "\x00"))
-        )
-        ours = (await conn.execute(query)).first()
+        match = INVOICES.c.stripe_invoice_id == remote["id"]
+        if isinstance(number, str) and number:
+            match = sa.or_(match, INVOICES.c.number == number)
+        ours = (await conn.execute(sa.select(INVOICES).where(match))).first()
         if ours is None:
             log.info("webhook for Stripe invoice %s, which is none of ours", remote["id"])
             return None

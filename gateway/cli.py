@@ -14,7 +14,7 @@ from typing import Any
 from billing import migrate as migrations
 from billing.db import create_engine
 from billing.keys import AccountExists, KeyStore, UnknownAccount
-from gateway import cli_ops
+from gateway import cli_billing, cli_ops
 from gateway.config import Settings, load_settings
 from gateway.logs import configure_logging
 
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     k_revoke.add_argument("id", type=int)
     k_revoke.set_defaults(func=cmd_keys_revoke)
     cli_ops.register(sub)
+    cli_billing.register(sub)  # invoices, prices (issue 5)
     return parser
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import os
+import subprocess
+import sys
 from decimal import Decimal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -325,3 +329,56 @@ async def test_price_override_api(db_url: str, db: Any, tmp_path: Path) -> None:
     assert now_price is not None and now_price.cost_nanos(1_000, 1_000) == 1_000 * 180 + 1_000 * 720
     later = book.price_for(account, "beta", at(1, 2, year=2030))
     assert later is not None and (later.input_per_million, later.override.kind) == (Decimal("0.5"), "price")  # type: ignore[union-attr]
+
+
+def tollgate(data_dir: Path, *args: str) -> Any:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TOLLGATE_SECRET") and not k.startswith("TOLLGATE_STRIPE")}
+    env["TOLLGATE_DATA_DIR"] = str(data_dir)
+    exe = Path(sys.executable).with_name("tollgate")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+async def test_cli_close_with_progress_on_sqlite(tmp_path: Path) -> None:
+    """The embedded default: the CLI on a SQLite file, from prices to a PDF."""
+    assert tollgate(tmp_path, "migrate").returncode == 0
+    assert tollgate(tmp_path, "accounts", "create", "acme").returncode == 0
+    added = tollgate(tmp_path, "prices", "add", "alpha", "--input", "0.150", "--output", "0.600",
+                     "--effective-from", "2026-08-01T00:00:00Z", "--backdate")
+    assert added.returncode == 0, added.stderr
+    override = tollgate(tmp_path, "prices", "override", "--account", "acme", "--model", "*", "--multiplier", "0.5",
+                        "--effective-from", "2026-08-01", "--backdate")
+    assert override.returncode == 0 and json.loads(override.stdout)["kind"] == "multiplier", override.stderr
+    db = create_engine(f"sqlite:///{tmp_path / 'tollgate.db'}")
+    try:
+        account = await new_account(db, "other")  # no usage: no invoice
+        acme = account - 1
+        # 2,000,000 x 0.075 = 15c; 1,000,000 x 0.300 = 30c
+        await usage(db, acme, "alpha", 2_000_000, 1_000_000, at(10, 5))
+        await usage(db, acme, "alpha", 1, 1, at(11, 1, 0))  # November: not in this invoice
+    finally:
+        await db.dispose()
+
+    closed = tollgate(tmp_path, "invoices", "close", "--period", "2026-10")
+    assert closed.returncode == 0, closed.stderr
+    assert json.loads(closed.stdout)["invoices_created"] == 1 and json.loads(closed.stdout)["total"] == "0.45"
+    assert "closing 2026-10" in closed.stderr and "100%" in closed.stderr and "2/2" in closed.stderr
+    again = tollgate(tmp_path, "invoices", "close", "--period", "2026-10", "--no-progress")
+    assert json.loads(again.stdout)["invoices_existing"] == 1 and json.loads(again.stdout)["invoices_created"] == 0
+    assert "closing" not in again.stderr
+
+    listed = json.loads(tollgate(tmp_path, "invoices", "list", "--account", "acme").stdout)
+    assert [(i["period"], i["total"]) for i in listed] == [("2026-10", "0.45")]
+    shown = json.loads(tollgate(tmp_path, "invoices", "show", str(listed[0]["id"])).stdout)
+    assert [(l["unit_price_per_million"], l["amount_cents"]) for l in shown["lines"]] == [("0.075", 15), ("0.300", 30)]
+    pdf = tmp_path / "invoice.pdf"
+    assert tollgate(tmp_path, "invoices", "show", str(listed[0]["id"]), "--format", "pdf", "--output", str(pdf)).returncode == 0
+    assert pdf.read_bytes().startswith(b"%PDF")
+
+    for args, message in ((("invoices", "close", "--period", "2026-13"), "period"),
+                          (("invoices", "close", "--period", "2099-01"), "has not ended"),
+                          (("prices", "add", "alpha", "--input", "1", "--output", "1", "--effective-from", "2026-10-20", "--backdate"), "closed"),
+                          (("prices", "override", "--account", "nobody", "--model", "*", "--multiplier", "2"), "no account"),
+                          (("invoices", "sync", str(listed[0]["id"])), "Stripe is not configured"),
+                          (("invoices", "show", "999"), "no invoice")):
+        result = tollgate(tmp_path, *args)
+        assert result.returncode == 1 and message in result.stderr, (args, result.stderr)
