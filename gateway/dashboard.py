@@ -217,17 +217,19 @@ async def invoices_for(request: Request, account_id: int | None, limit: int = 50
                 return []
             query = query.where(table.c.account_id == account_id)
         rows = (await conn.execute(query)).all()
-    shown = ("id", "account_id", "period", "period_start", "period_end", "month", "status", "state", "currency",
-             "total_nanos", "total", "amount_due", "created_at", "finalized_at")
+    shown = ("id", "number", "account_id", "period", "status", "state", "currency", "total_cents", "total_nanos",
+             "total", "stripe_status", "created_at", "finalized_at")
     return [{k: v for k, v in row._mapping.items() if k in shown} for row in rows]
 
 
-def invoice_url(request: Request, invoice: dict[str, Any]) -> str | None:
-    """Hook for issue 5: the download link of an invoice, when the app serves one."""
-    for route in request.app.routes:
-        path = getattr(route, "path", "")
-        if path.startswith("/v1/invoices/{") and "GET" in (getattr(route, "methods", None) or ()):
-            return path.split("{")[0] + str(invoice.get("id"))
+def invoice_url(request: Request, invoice: dict[str, Any], admin: bool = False) -> str | None:
+    """The invoice's PDF when the app serves invoices (issue 5: gateway.billing_api), else None."""
+    base = "/admin/invoices" if admin else "/v1/invoices"
+    paths = {getattr(route, "path", "") for route in request.app.routes}
+    if f"{base}/{{invoice_id}}/{{fmt:str}}" in paths:
+        return f"{base}/{invoice.get('id')}/pdf"
+    if f"{base}/{{invoice_id}}" in paths:
+        return f"{base}/{invoice.get('id')}"
     return None
 
 
@@ -295,13 +297,15 @@ async def admin_overview(request: Request) -> Response:
         key = keys.get(row["key_id"], {})
         row.update(prefix=key.get("prefix", "?"), name=key.get("name"), account=accounts.get(row["account_id"], "?"))
     [totals] = await usage_groups(db, period)
+    invoices = await invoices_for(request, None)
     context = {
         "session": session, "days": days, "periods": PERIODS, "totals": totals,
         "models": await usage_groups(db, period, ("model",)),
         "top_keys": top,
         "latency": await latency_percentiles(db, period),
         "quota": await quota_rows(request),
-        "invoices": await invoices_for(request, None),
+        "invoices": invoices,
+        "invoice_links": {inv.get("id"): invoice_url(request, inv, admin=True) for inv in invoices or []},
         **chart_context(period),
     }
     return page(request, "admin.html", context)
