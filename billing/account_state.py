@@ -162,9 +162,15 @@ class AccountStates:
             self._task = None
 
     async def _run(self) -> None:
+        failing = False
         while True:
             try:
                 await self.refresh()
-            except Exception as exc:  # keep serving with the last known list
-                log.error("billing states refresh failed: %s", type(exc).__name__)
+                if failing:
+                    log.info("billing states refresh works again")
+                failing = False
+            except Exception as exc:  # keep serving with the last known list; say so once
+                if not failing:
+                    log.error("billing states refresh failed (keeping the last list): %s", type(exc).__name__)
+                failing = True
             await asyncio.sleep(self._refresh_seconds)

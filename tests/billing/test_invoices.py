@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from decimal import Decimal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from pypdf import PdfReader
 from billing import migrate
 from billing.db import create_engine
 from billing.invoices import get_invoice, list_invoices
+from billing.ledger import UsageRecord, write_records
 from billing.invoicing import CloseInProgress, PeriodNotEnded, close_lock, close_period, line_amount_cents, period_status
 from billing.periods import InvalidPeriod, Period
 from billing.prices import InvalidPrice, PriceBook
@@ -382,3 +384,35 @@ async def test_cli_close_with_progress_on_sqlite(tmp_path: Path) -> None:
                           (("invoices", "show", "999"), "no invoice")):
         result = tollgate(tmp_path, *args)
         assert result.returncode == 1 and message in result.stderr, (args, result.stderr)
+
+
+async def test_close_in_background_while_serving(db_url: str, db: Any, tmp_path: Path) -> None:
+    """A long run (here 200 accounts) reports progress and never holds up other requests."""
+    await price_history(PriceBook(db))
+    async with db.begin() as conn:
+        await conn.execute(sa.text("INSERT INTO accounts (name, created_at) SELECT 'bulk-' || g, now() FROM generate_series(1, 200) g"))
+        bulk = (await conn.execute(sa.text("SELECT id FROM accounts WHERE name LIKE 'bulk-%'"))).scalars().all()
+    await write_records(db, [UsageRecord(request_id=f"bulk-{a}", account_id=a, key_id=1, model="alpha", prompt_tokens=1_000_000,
+                                         completion_tokens=0, status="completed", finish_reason="stop", total_ms=1.0,
+                                         created_at=at(9, 2)) for a in bulk])
+    with serve(db_url, tmp_path) as app:
+        async with app.admin() as admin:
+            r = await admin.post("/admin/invoices/close", json={"period": "2026-09", "wait": False})
+            assert r.status_code == 202, r.text
+            seen_progress, served_while_closing, slowest = set(), 0, 0.0
+            for _ in range(600):
+                started = time.monotonic()
+                assert (await admin.get("/healthz")).status_code == 200
+                took = time.monotonic() - started
+                status = await admin.get("/admin/billing/periods/2026-09")
+                if status.status_code == 200:
+                    seen_progress.add(status.json()["accounts_done"])
+                    if status.json()["status"] == "closed":
+                        break
+                    served_while_closing += 1
+                    slowest = max(slowest, took)
+                await asyncio.sleep(0.02)
+            assert status.json()["status"] == "closed" and status.json()["accounts_total"] == 201  # + the admin account
+            assert served_while_closing >= 3 and len(seen_progress) >= 3, (served_while_closing, seen_progress)
+            assert slowest < 1.0
+            assert len((await admin.get("/admin/invoices", params={"period": "2026-09"})).json()["data"]) == 200

@@ -5,6 +5,7 @@ state, and the 403 for suspended accounts. An optional live test runs against St
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +25,7 @@ from billing.keys import KeyStore
 from billing.prices import PriceBook
 from billing.scheduler import MonthlyClose
 from billing.stripe_sync import StripeSync, StripeTotalMismatch, stripe_client
+from billing.webhooks import WebhookHandler, WebhookRejected
 from gateway.errors import PermissionDenied
 from tests.billing.invoice_helpers import at, new_account, new_key, price_history, serve, usage
 from tests.billing.test_invoices import AFTER_OCT, SEPT, september
@@ -316,3 +318,31 @@ async def test_live_stripe_test_mode(db: Any) -> None:
     (invoice,) = await list_invoices(db, period="2026-09")
     result = await StripeSync(db, stripe_client(config), config).push(invoice["id"])
     assert result["stripe_status"] == "open" and result["stripe_total_cents"] == invoice["total_cents"] == 75
+
+
+async def test_stripe_and_webhooks_on_sqlite(tmp_path: Path, fake: FakeStripe) -> None:
+    """The embedded default database takes the same path: sync, a failed payment, a replay, payment."""
+    url = f"sqlite:///{tmp_path / 'tollgate.db'}"
+    migrate.upgrade(url)
+    db = create_engine(url)
+    try:
+        book = PriceBook(db)
+        await price_history(book)
+        account = await new_account(db)
+        await usage(db, account, "alpha", 1_000_000, 0, at(9, 5))
+        await close_period(db, book, SEPT, now=AFTER_OCT)
+        config = config_for(fake, grace_seconds=0)
+        (invoice,) = await list_invoices(db)
+        pushed = await StripeSync(db, stripe_client(config), config).push(invoice["id"])
+        assert pushed["stripe_total_cents"] == 15
+        handler = WebhookHandler(db, stripe_client(config), fake.webhook_secret, grace_seconds=0)
+        failed = json.dumps(fake.fail_payment(pushed["stripe_invoice_id"])).encode()
+        assert (await handler.handle(failed, fake.sign(failed)))["state"] == "suspended"
+        assert (await handler.handle(failed, fake.sign(failed)))["duplicate"] is True
+        paid = json.dumps(fake.pay(pushed["stripe_invoice_id"])).encode()
+        assert (await handler.handle(paid, fake.sign(paid)))["state"] == "active"
+        with pytest.raises(WebhookRejected):
+            await handler.handle(paid, fake.sign(paid, secret="whsec_other"))
+        assert (await get_invoice(db, invoice["id"]))["status"] == "paid"  # type: ignore[index]
+    finally:
+        await db.dispose()
