@@ -41,7 +41,7 @@ from billing.render import render_html, render_pdf
 from billing.scheduler import MonthlyClose
 from billing.stripe_sync import StripeSync, StripeSyncError, StripeTotalMismatch, stripe_client
 from billing.webhooks import WebhookHandler, WebhookRejected
-from gateway.errors import APIError, Conflict, InvalidRequest, NotFound, PermissionDenied
+from gateway.errors import APIError, Conflict, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied
 from gateway.http import authenticate, authenticate_admin, read_json
 from gateway.protocol import _Model, parse
 
@@ -70,7 +70,7 @@ class Billing:
             else None
         )
         self.scheduler = MonthlyClose(db, book, config, stripe=self.stripe) if config.auto_close else None
-        self._runs: dict[str, asyncio.Task[CloseResult]] = {}
+        self._runs: dict[str, asyncio.Task[CloseResult | None]] = {}
 
     def guard(self, principal: Principal) -> None:
         """The request-path check: 403 for keys of a suspended account. No I/O."""
@@ -103,15 +103,15 @@ class Billing:
             task = asyncio.get_running_loop().create_task(self._close(period), name=f"close-{period}")
             self._runs[str(period)] = task
 
-    async def _close(self, period: Period) -> CloseResult:
+    async def _close(self, period: Period) -> CloseResult | None:
         try:
             result = await close_period(self.db, self.book, period, lookback_months=self.config.lookback_months)
             if self.stripe is not None and self.config.sync_after_close:
                 await self.stripe.push_pending()
             return result
-        except Exception:
+        except Exception:  # nobody awaits a background run: report it here (a re-run resumes it)
             log.exception("closing billing period %s failed", period)
-            raise
+            return None
 
 
 async def start(app: Starlette) -> Billing:
@@ -342,13 +342,21 @@ async def admin_add_override(request: Request) -> Response:
 
 
 # webhooks ---------------------------------------------------------------------------------------
+async def _raw_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is larger than the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def stripe_webhook(request: Request) -> Response:
     billing = _billing(request)
     if billing.webhooks is None:
         raise NotFound("Stripe webhooks are not configured on this server.")
-    payload = await request.body()  # raw bytes: the signature covers them exactly
-    if len(payload) > request.app.state.settings.max_body_bytes:
-        raise InvalidRequest("webhook body is too large")
+    payload = await _raw_body(request, request.app.state.settings.max_body_bytes)  # the signature covers these bytes
     try:
         result = await billing.webhooks.handle(payload, request.headers.get("stripe-signature"))
     except WebhookRejected as exc:
