@@ -26,7 +26,7 @@ from billing.invoices import get_invoice, list_invoices
 from billing.ledger import UsageRecord, write_records
 from billing.invoicing import CloseInProgress, PeriodNotEnded, close_lock, close_period, line_amount_cents, period_status
 from billing.periods import InvalidPeriod, Period
-from billing.prices import InvalidPrice, PriceBook
+from billing.prices import EffectivePrice, InvalidPrice, PriceBook
 from billing.config import BillingConfig
 from billing.scheduler import MonthlyClose, due_period
 from tests.billing.invoice_helpers import at, new_account, new_key, price_history, serve, usage
@@ -239,6 +239,9 @@ async def test_periods_and_rounding_rule() -> None:
     # the largest line: 1e15 tokens at the largest price, with no digit lost
     assert line_amount_cents(10**15, Decimal("999999999999999.999")) == 10**8 * 999_999_999_999_999_999
     assert line_amount_cents(5, None) == 0
+    # per request, an effective price rounds half up to whole nano-USD: 0.1275/1M = 127.5 nanos a token
+    book_price = EffectivePrice("m", Decimal("0.1275"), Decimal("0.51"), "USD", None, None)
+    assert (book_price.cost_nanos(1, 0), book_price.cost_nanos(3, 0), book_price.cost_nanos(0, 1)) == (128, 383, 510)
 
 
 async def test_period_not_ended_is_refused(db: Any) -> None:

@@ -207,6 +207,8 @@ async def test_webhooks_drive_billing_state(db_url: str, db: Any, fake: FakeStri
                 body = b"\xff\xfe not json"
                 r = await raw.post("/webhooks/stripe", content=body, headers={"Stripe-Signature": fake.sign(body)})
                 assert r.status_code == 400
+                r = await raw.post("/webhooks/stripe", content=b" " * ((1 << 20) + 1), headers={"Stripe-Signature": "t=1,v1=00"})
+                assert r.status_code == 413
             assert await events() == 0 and await state() == "active"
 
             # payment failed: past_due during the grace period, then suspended
