@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from stripe import APIConnectionError, APIError, StripeClient
+from stripe import APIConnectionError, APIError, AuthenticationError, IdempotencyError, InvalidRequestError, StripeClient
 
 from billing import migrate
 from billing.config import BillingConfig
@@ -348,3 +348,28 @@ async def test_stripe_and_webhooks_on_sqlite(tmp_path: Path, fake: FakeStripe) -
         assert (await get_invoice(db, invoice["id"]))["status"] == "paid"  # type: ignore[index]
     finally:
         await db.dispose()
+
+
+async def test_fake_stripe_behaves_like_stripe_for_the_sdk(fake: FakeStripe) -> None:
+    """What the sync relies on, seen through the official SDK: replays, key reuse, error shapes."""
+    client = StripeClient(fake.api_key, base_addresses={"api": fake.url}, max_network_retries=0)
+    params = {"name": "n", "metadata": {"tollgate_account": "1-2"}}
+    first = await client.v1.customers.create_async(params, {"idempotency_key": "k-1"})
+    replay = await client.v1.customers.create_async(params, {"idempotency_key": "k-1"})
+    assert replay.id == first.id and len(fake.customers) == 1
+    assert replay.last_response.headers.get("Idempotent-Replayed") == "true"
+    with pytest.raises(IdempotencyError, match="same parameters"):
+        await client.v1.customers.create_async({"name": "other"}, {"idempotency_key": "k-1"})
+    with pytest.raises(InvalidRequestError) as missing:
+        await client.v1.invoices.retrieve_async("in_missing")
+    assert missing.value.http_status == 404 and missing.value.code == "resource_missing"
+    with pytest.raises(InvalidRequestError) as bad:
+        await client.v1.invoice_items.create_async({"customer": first.id, "amount": "12.5", "currency": "usd"})
+    assert bad.value.http_status == 400 and bad.value.param == "amount"
+    with pytest.raises(AuthenticationError):
+        await StripeClient("sk_test_wrong", base_addresses={"api": fake.url}).v1.customers.retrieve_async(first.id)
+    # no result is stored for a request that failed before running: the retry runs it
+    fake.fail("POST", r"/v1/customers", 500)
+    with pytest.raises(APIError):
+        await client.v1.customers.create_async({"name": "x"}, {"idempotency_key": "k-2"})
+    assert (await client.v1.customers.create_async({"name": "x"}, {"idempotency_key": "k-2"})).name == "x"
