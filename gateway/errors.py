@@ -20,10 +20,19 @@ Messages never contain API keys.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 from starlette.responses import Response
+
+
+# Anything shaped like an API key is masked in every error message, whatever echoed it.
+_KEYLIKE = re.compile(r"sk-[A-Za-z0-9_\-]{8,}")
+
+
+def redact(text: str) -> str:
+    return _KEYLIKE.sub("sk-***", text)
 
 
 class APIError(Exception):
@@ -39,6 +48,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = redact(message)
         super().__init__(message)
         self.message = message
         self.param = param

@@ -223,3 +223,13 @@ async def test_server_survives_a_burst_of_bad_requests(gateway: Gateway, custome
         results = await asyncio.gather(*[c.post("/chat/completions", content=b) for b in bodies * 10])
     assert {r.status_code for r in results} <= {400, 404}
     await still_serving(gateway, customer["key"])
+
+
+async def test_a_key_pasted_into_a_path_or_model_is_never_echoed(gateway: Gateway, customer: dict[str, Any]) -> None:
+    secret = customer["key"]
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {secret}"}) as c:
+        r1 = await c.get(f"/models/{secret}")
+        r2 = await c.post("/chat/completions", json={"model": secret, "messages": QUESTION})
+    for r in (r1, r2):
+        assert r.status_code == 404
+        assert secret not in r.text and secret[3:20] not in r.text
