@@ -510,7 +510,7 @@ class OpenAIPoolEngine(Engine):
                                     finish = choice
                                 elif self._carries_output(choice, chat):
                                     text = self._text_of(choice, chat)
-                                    completion_estimate += self.counter.count(text) or 1
+                                    completion_estimate += 1  # servers stream about a token a chunk; the final count is exact or counted
                                     yielded = True
                                     yield EngineOutput(
                                         text, [], None, prompt_estimate, completion_estimate, estimated=True,
@@ -525,6 +525,8 @@ class OpenAIPoolEngine(Engine):
                     self._raise_for_status(replica, *value)
                 if kind == "eof" and finish is None and usage is None:
                     kind, value = "error", "the stream ended before a finish reason"
+                elif kind == "error" and finish is not None:
+                    kind = "eof"  # the answer was complete; only the usage or [DONE] was lost
                 if kind == "eof":
                     clean_end = True
                     self.pool.succeeded(replica)

@@ -120,6 +120,9 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "device": Field(_str),
         "max_batch_size": Field(_int(1)),
         "max_queue": Field(_int(0)),
+        "kv_cache_tokens": Field(_int(1)),
+        "max_batch_tokens": Field(_int(1)),
+        "cuda_graphs": Field(_bool),
         "warmup": Field(_bool),
     },
     "trtllm": {

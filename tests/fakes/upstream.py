@@ -33,6 +33,7 @@ class Behaviour:
     tool_calls: list[dict[str, Any]] | None = None  # stream these calls (name, arguments) instead of text
     finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
     error_event_after: int | None = None  # after this many chunks, send an `error` event and end
+    ending: str = "done"  # after the finish (and usage): "done" sends [DONE], "eof" just ends the body, "drop" breaks it
 
 
 @dataclass
@@ -168,7 +169,9 @@ class ScriptedUpstream:
                     {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}])
         if behaviour.usage and (seen.body.get("stream_options") or {}).get("include_usage"):
             await emit([], usage=self._usage(behaviour, len(pieces)))
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        if behaviour.ending == "drop":
+            raise ConnectionAbortedError("scripted connection drop after the finish")
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if behaviour.ending == "done" else b"", "more_body": False})
         seen.finished = True
 
     @staticmethod
@@ -200,3 +203,33 @@ async def _json(send: Send, status: int, payload: Any) -> None:
     body = json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serves a scripted upstream on its own, e.g. as a stand-in engine for `tollgate bench`:
+    python -m tests.fakes.upstream --port 9001 --tokens 64 --token-delay 0.01"""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9001)
+    parser.add_argument("--tokens", type=int, default=64, help="content chunks per answer")
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between chunks")
+    args = parser.parse_args(argv)
+    upstream = ScriptedUpstream("stand-in")
+    upstream.default = Behaviour(tokens=[" tok"] * args.tokens, token_delay=args.token_delay)
+    upstream.requests = _Forgetful()
+    uvicorn.run(upstream, host=args.host, port=args.port, log_level="warning")
+
+
+class _Forgetful(list):  # type: ignore[type-arg]
+    """A request log that keeps nothing (a long benchmark would otherwise grow it without end)."""
+
+    def append(self, item: Any) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    main()
