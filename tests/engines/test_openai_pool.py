@@ -134,6 +134,23 @@ async def test_fields_pass_through_untouched_and_only_model_is_rewritten(upstrea
     assert [t.token for t in resp.choices[0].logprobs.content] == WORDS
 
 
+async def test_messages_go_upstream_verbatim(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url))
+    client = await client_of(gw)
+    messages: list[dict[str, Any]] = [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "png"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a 1x1 image"},
+    ]
+    resp = await client.chat.completions.create(model="pool", messages=messages)  # type: ignore[arg-type]
+    assert resp.choices[0].message.content == ANSWER
+    assert up.requests[-1].body["messages"] == messages
+
+
 async def test_tool_call_deltas_are_relayed(upstreams: Any, tollgate_with: Any) -> None:
     up, url = upstreams()
     gw = tollgate_with(pool_yaml(url))
