@@ -136,7 +136,8 @@ async def test_cancel_reaches_the_engine_serving_the_request() -> None:
     slow.release.clear()
     model = FallbackEngine("m", [slow])
     task = asyncio.create_task(drain(model, chat_request(model, "r9")))
-    await asyncio.sleep(0.02)
+    while model._routes.get("r9") is not slow:
+        await asyncio.sleep(0.005)
     model.cancel("r9")
     slow.release.set()
     outs = await task
