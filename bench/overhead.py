@@ -1,0 +1,369 @@
+"""What the gateway adds on top of the engine: mock-direct vs Tollgate vs LiteLLM's proxy, one run.
+
+Starts the fast mock upstream (bench/mock_upstream.py), Tollgate as in production (`tollgate
+serve`: API key auth, Redis quotas with limits set on the key, Postgres ledger, metrics on) and
+LiteLLM's proxy from PyPI (`litellm[proxy]`, 127.0.0.1, no database, a master key) in front of
+the same mock. LiteLLM lives in its own virtualenv (.venv-litellm/, made on first use) so its
+dependencies never touch the project's. The same load generator drives all three: wrk with
+bench/wrk/openai.lua (bench/loadgen.py when wrk is missing), non-streaming and streaming, at 1
+and 64 connections, targets interleaved within each round; figures are medians over rounds.
+
+Prints req/s, p50/p99 and the latency added over direct, the Tollgate/LiteLLM ratios, checks
+that every request Tollgate answered 2xx has its ledger row, and writes JSON.
+
+    python bench/overhead.py --rounds 3 --seconds 5
+    python bench/overhead.py --rounds 1 --seconds 3 --no-litellm --profile 15   # py-spy raw stacks
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import loadgen  # noqa: E402
+from bench.harness import REDIS, ROOT, free_port, fresh_database, gateway, make_key, mock_upstream, process, wait_http  # noqa: E402
+
+LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6, "monthly_tokens": 10**14, "monthly_spend": "1000000"}
+LITELLM_VENV = ROOT / ".venv-litellm"
+LUA = ROOT / "bench" / "wrk" / "openai.lua"
+TARGETS = ("direct", "tollgate", "litellm")
+MODES = ("nonstream", "stream")
+PATH = "/v1/chat/completions"
+
+
+def body(stream: bool) -> bytes:
+    req: dict[str, Any] = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    if stream:
+        req["stream"] = True
+    return json.dumps(req, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------- LiteLLM in its own virtualenv
+
+def ensure_litellm() -> Path:
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if exe.exists():
+        return exe
+    python = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
+    print(f"creating {LITELLM_VENV} and installing litellm[proxy] (first use; a few minutes)...", flush=True)
+    try:
+        subprocess.run([python, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        raise SystemExit(
+            f"could not install LiteLLM into {LITELLM_VENV} ({exc}).\n"
+            f"Install it by hand: python3 -m venv {LITELLM_VENV} && {LITELLM_VENV}/bin/pip install 'litellm[proxy]'\n"
+            "or run with --no-litellm."
+        ) from None
+    if not exe.exists():
+        raise SystemExit(f"{exe} missing after installing litellm[proxy]; run with --no-litellm")
+    return exe
+
+
+@contextmanager
+def litellm_proxy(upstream: str) -> Iterator[tuple[str, str]]:
+    exe = ensure_litellm()
+    tmp = Path(tempfile.mkdtemp(prefix="litellm-bench-"))
+    port = free_port()
+    master = "sk-litellm-master-" + uuid.uuid4().hex
+    config = tmp / "config.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
+        f"      api_base: {upstream}\n      api_key: sk-mock\n"
+        f"general_settings:\n  master_key: {master}\n"
+        "litellm_settings:\n  telemetry: false\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "VIRTUAL_ENV")}
+    env.update(LITELLM_TELEMETRY="False", LITELLM_LOG="ERROR", PATH=f"{LITELLM_VENV / 'bin'}:{env.get('PATH', '')}")
+    args = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    with process(args, env, tmp / "litellm.log") as proc:
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health/liveliness", proc, timeout=300)
+        except RuntimeError:
+            print((tmp / "litellm.log").read_text()[-3000:], file=sys.stderr)
+            raise
+        yield f"http://127.0.0.1:{port}", master
+
+
+# ---------------------------------------------------------------- load generation
+
+def drive(base: str, key: str | None, stream: bool, connections: int, seconds: int) -> dict[str, Any]:
+    """One load run; returns rps, p50/p99 (ms), ok (2xx) and non-2xx counts."""
+    url = base.rstrip("/") + PATH
+    if shutil.which("wrk"):
+        env = dict(os.environ, WRK_BODY=body(stream).decode(), WRK_KEY=key or "")
+        out = subprocess.run(
+            ["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--timeout", "30s", "-s", str(LUA), url],
+            env=env, capture_output=True, text=True, check=True,
+        ).stdout
+        line = next(x for x in out.splitlines() if x.startswith("WRK_JSON "))
+        w = json.loads(line[len("WRK_JSON "):])
+        errors = w["connect_errors"] + w["read_errors"] + w["write_errors"] + w["timeouts"]
+        return {"rps": w["requests"] / (w["duration_us"] / 1e6), "p50_ms": w["p50_us"] / 1e3, "p99_ms": w["p99_us"] / 1e3,
+                "requests": w["requests"], "ok": w["requests"] - w["non2xx"], "non2xx": w["non2xx"], "socket_errors": errors,
+                "generator": "wrk"}
+    u = urlparse(url)
+    host, port = u.hostname or "127.0.0.1", u.port or 80
+    request = loadgen.build_request(host, port, u.path, body(stream), {"authorization": f"Bearer {key}"} if key else {})
+    r = asyncio.run(loadgen.run(host, port, request, connections, float(seconds)))
+    ok = sum(n for s, n in r.statuses.items() if 200 <= s < 300)
+    return {"rps": r.rps, "p50_ms": r.p50 * 1e3, "p99_ms": r.pct(0.99) * 1e3, "requests": len(r.latencies), "ok": ok,
+            "non2xx": len(r.latencies) - ok, "socket_errors": 0, "generator": "bench/loadgen.py"}
+
+
+# ---------------------------------------------------------------- ledger check and profile
+
+async def _ledger_counts(database_url: str) -> tuple[int, int]:
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow("SELECT count(*) AS n, count(*) FILTER (WHERE status = 'completed') AS c FROM ledger_entries")
+        return int(row["n"]), int(row["c"])
+    finally:
+        await conn.close()
+
+
+def settled_ledger_counts(database_url: str, timeout: float = 60.0) -> tuple[int, int]:
+    """Row counts once the writer has flushed: the same count twice, a second apart."""
+    deadline, last = time.monotonic() + timeout, (-1, -1)
+    while time.monotonic() < deadline:
+        now = asyncio.run(_ledger_counts(database_url))
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.0)
+    return last
+
+
+def listening_pid(port: int) -> int:
+    import psutil
+
+    for c in psutil.net_connections(kind="tcp"):
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+            return int(c.pid)
+    raise RuntimeError(f"no process listens on port {port}")
+
+
+def profile(base: str, key: str, stream: bool, connections: int, seconds: int, out: Path) -> dict[str, Any]:
+    """py-spy (raw/collapsed stacks) on the Tollgate process while the load generator drives it."""
+    pid = listening_pid(urlparse(base).port or 80)
+    spy = ROOT / ".venv" / "bin" / "py-spy"
+    rec = subprocess.Popen([str(spy), "record", "--format", "raw", "--rate", "250", "--nonblocking",
+                            "-d", str(seconds + 1), "-p", str(pid), "-o", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)
+    result = drive(base, key, stream, connections, seconds)
+    rec.wait(timeout=seconds + 60)
+    return result
+
+
+def summarize_profile(raw: Path, top: int = 25) -> dict[str, Any]:
+    """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
+    selfs: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        count = int(n)
+        frames = [_short(f) for f in stack.split(";")]
+        frames = [f for f in frames if f]
+        total += count
+        if frames:
+            selfs[frames[-1]] += count
+        for f in set(frames):
+            incl[f] += count
+    def share(c: collections.Counter[str], only_ours: bool) -> list[tuple[str, float]]:
+        items = [(f, n / total * 100) for f, n in c.most_common() if not only_ours or _ours(f)]
+        return items[:top]
+    return {"samples": total, "self": share(selfs, False), "self_ours": share(selfs, True),
+            "inclusive_ours": share(incl, True)}
+
+
+def _short(frame: str) -> str:
+    # "fn (/path/to/pkg/mod.py:123)" -> "fn (pkg/mod.py)"; the idle "process" roots stay as they are
+    name, _, loc = frame.partition(" (")
+    loc = loc.rstrip(")").rsplit(":", 1)[0]
+    for marker in ("/site-packages/", "/work/main/", str(ROOT) + "/", "/lib/python3.11/"):
+        if marker in loc:
+            loc = loc.split(marker, 1)[1]
+            break
+    return f"{name} ({loc})" if loc else name
+
+
+def _ours(frame: str) -> bool:
+    return any(f"({p}/" in frame for p in ("gateway", "engines", "billing"))
+
+
+# ---------------------------------------------------------------- the run
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--connections", default="1,64", help="comma-separated connection counts")
+    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (direct and Tollgate only)")
+    parser.add_argument("--profile", type=int, default=0, metavar="S",
+                        help="after the rounds, py-spy Tollgate for S seconds per mode at the largest connection count")
+    parser.add_argument("--json", default="bench/results/overhead.json")
+    args = parser.parse_args()
+    conns = [int(c) for c in args.connections.split(",")]
+    targets = [t for t in TARGETS if not (args.no_litellm and t == "litellm")]
+    if not shutil.which("wrk"):
+        print("wrk not found (apt-get install -y wrk); falling back to bench/loadgen.py", flush=True)
+
+    ok_total = {"tollgate": 0, "requests": 0, "connections": 0}
+    runs: dict[str, dict[str, dict[int, list[dict[str, Any]]]]] = {
+        t: {m: {c: [] for c in conns} for m in MODES} for t in targets}
+    profiles: dict[str, Any] = {}
+    with ExitStack() as stack:
+        db = stack.enter_context(fresh_database())
+        upstream = stack.enter_context(mock_upstream())
+        tg_base, admin = stack.enter_context(gateway(
+            db, upstream, extra_env={"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": f"tgbench:o:{uuid.uuid4().hex[:6]}:"}))
+        tg_key = make_key(tg_base, admin, limits=LIMITS)
+        httpx.post(f"{tg_base}/admin/prices", headers={"Authorization": f"Bearer {admin}"},
+                   json={"model": "mock", "input_per_million": "0.150", "output_per_million": "0.600"}).raise_for_status()
+        bases: dict[str, tuple[str, str | None]] = {"direct": (upstream.rsplit("/v1", 1)[0], None), "tollgate": (tg_base, tg_key)}
+        if "litellm" in targets:
+            bases["litellm"] = stack.enter_context(litellm_proxy(upstream))
+
+        def run_one(target: str, stream: bool, c: int, seconds: int) -> dict[str, Any]:
+            base, key = bases[target]
+            r = drive(base, key, stream, c, seconds)
+            if target == "tollgate":
+                ok_total["tollgate"] += r["ok"]
+                ok_total["requests"] += r["requests"]
+                ok_total["connections"] += c
+            return r
+
+        for target in targets:  # warm up every path once
+            for mode in MODES:
+                run_one(target, mode == "stream", max(conns), 1)
+        for i in range(args.rounds):
+            for mode in MODES:
+                for c in conns:
+                    order = targets if i % 2 == 0 else list(reversed(targets))
+                    for target in order:
+                        r = run_one(target, mode == "stream", c, args.seconds)
+                        runs[target][mode][c].append(r)
+                        print(f"round {i + 1} {mode:9} c={c:<3} {target:8}: {r['rps']:9.0f} req/s  p50 {r['p50_ms']:8.2f} ms  "
+                              f"p99 {r['p99_ms']:8.2f} ms  non-2xx {r['non2xx']}  socket errors {r['socket_errors']}", flush=True)
+        if args.profile:
+            out_dir = ROOT / "bench" / "results"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for mode in MODES:
+                raw = out_dir / f"overhead-profile-{mode}.txt"
+                r = profile(tg_base, tg_key, mode == "stream", max(conns), args.profile, raw)
+                ok_total["tollgate"] += r["ok"]
+                ok_total["requests"] += r["requests"]
+                ok_total["connections"] += max(conns)
+                profiles[mode] = {"raw": str(raw.relative_to(ROOT)), "rps_under_profiler": r["rps"], **summarize_profile(raw)}
+        rows, completed = settled_ledger_counts(db)
+
+    summary = summarize(runs, targets, conns)
+    summary["ledger"] = {
+        "tollgate_2xx": ok_total["tollgate"], "ledger_rows": rows, "completed_rows": completed,
+        "rows_minus_2xx": rows - ok_total["tollgate"], "in_flight_bound": ok_total["connections"],
+        # wrk stops with requests in flight: the gateway still meters those, wrk doesn't count them
+        "every_2xx_has_a_row": ok_total["tollgate"] <= completed and rows - ok_total["tollgate"] <= ok_total["connections"],
+    }
+    summary["profiles"] = profiles
+    summary["settings"] = {"rounds": args.rounds, "seconds": args.seconds, "connections": conns,
+                           "generator": runs["direct"][MODES[0]][conns[0]][0]["generator"], "cpus": os.cpu_count(),
+                           "python": platform.python_version(), "machine": "shared with other work (noisy)"}
+    summary["runs"] = runs
+    print_table(summary, targets, conns)
+    for mode, p in profiles.items():
+        print(f"\nprofile {mode} (c={max(conns)}, {p['samples']} samples, {p['rps_under_profiler']:.0f} req/s under py-spy) -> {p['raw']}")
+        print("  self, top frames:")
+        for f, s in p["self"][:12]:
+            print(f"    {s:5.1f}%  {f}")
+        print("  inclusive, gateway/engines/billing:")
+        for f, s in p["inclusive_ours"][:15]:
+            print(f"    {s:5.1f}%  {f}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    print(f"\nwrote {args.json}")
+
+
+def summarize(runs: dict[str, Any], targets: list[str], conns: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"medians": {}}
+    for t in targets:
+        for m in MODES:
+            for c in conns:
+                rs = runs[t][m][c]
+                med = {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
+                med["non2xx"] = sum(r["non2xx"] for r in rs)
+                out["medians"].setdefault(t, {}).setdefault(m, {})[str(c)] = med
+    for t in targets:
+        for m in MODES:
+            for c in conns:
+                med, d = out["medians"][t][m][str(c)], out["medians"]["direct"][m][str(c)]
+                med["added_p50_ms"] = med["p50_ms"] - d["p50_ms"]
+                med["added_p99_ms"] = med["p99_ms"] - d["p99_ms"]
+    if "litellm" in targets:
+        out["ratios_tollgate_over_litellm"] = {
+            m: {str(c): {"rps": _div(out["medians"]["tollgate"][m][str(c)]["rps"], out["medians"]["litellm"][m][str(c)]["rps"]),
+                         "added_p50": _div(out["medians"]["litellm"][m][str(c)]["added_p50_ms"],
+                                           out["medians"]["tollgate"][m][str(c)]["added_p50_ms"])}
+                for c in conns} for m in MODES}
+    return out
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else float("inf")
+
+
+def print_table(summary: dict[str, Any], targets: list[str], conns: list[int]) -> None:
+    s = summary["settings"]
+    print(f"\nmedians of {s['rounds']} rounds x {s['seconds']} s, {s['generator']}, {s['cpus']} CPUs (shared machine)")
+    print(f"{'path':9} {'mode':9} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'non-2xx':>7}")
+    for m in MODES:
+        for c in conns:
+            for t in targets:
+                x = summary["medians"][t][m][str(c)]
+                added = ("" if t == "direct" else f"{x['added_p50_ms']:8.2f}", "" if t == "direct" else f"{x['added_p99_ms']:8.2f}")
+                print(f"{t:9} {m:9} {c:>5} {x['rps']:>9.0f} {x['p50_ms']:>8.2f} {x['p99_ms']:>8.2f} {added[0]:>8} {added[1]:>8} {x['non2xx']:>7}")
+    if "ratios_tollgate_over_litellm" in summary:
+        print("\nTollgate / LiteLLM (req/s ratio; added-p50 ratio LiteLLM/Tollgate)   target >= 20x req/s")
+        for m in MODES:
+            for c in conns:
+                r = summary["ratios_tollgate_over_litellm"][m][str(c)]
+                print(f"  {m:9} c={c:<3} req/s x{r['rps']:6.1f}   added p50 x{r['added_p50']:6.1f}   "
+                      f"{'PASS' if r['rps'] >= 20 else 'FAIL'}")
+    one = min(conns)
+    tg = summary["medians"]["tollgate"]["nonstream"][str(one)]
+    print(f"\nTollgate added latency at c={one}, non-streaming: p50 {tg['added_p50_ms']:.2f} ms (target <= 1: "
+          f"{'PASS' if tg['added_p50_ms'] <= 1 else 'FAIL'}), p99 {tg['added_p99_ms']:.2f} ms (target <= 3: "
+          f"{'PASS' if tg['added_p99_ms'] <= 3 else 'FAIL'})")
+    led = summary["ledger"]
+    print(f"ledger: {led['tollgate_2xx']} Tollgate 2xx responses, {led['completed_rows']} completed rows "
+          f"({led['ledger_rows']} in all; {led['rows_minus_2xx']} more rows than 2xx, in flight when the generator "
+          f"stopped, bound {led['in_flight_bound']}): {'PASS' if led['every_2xx_has_a_row'] else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
