@@ -1,0 +1,119 @@
+"""How many ledger rows per second the LedgerWriter sustains into Postgres (batched inserts).
+
+A fresh Postgres database at the head migration; a producer records UsageRecords (spread over
+50 keys and 3 models, so the hourly aggregates see realistic fan-out) in bursts, yielding to
+the event loop between bursts as request handlers would; the writer drains them in batches
+(`INSERT ... ON CONFLICT DO NOTHING RETURNING` plus the aggregate upserts, one transaction per
+batch). rows/s = rows / (first record -> flush done); the rows are then counted in the database.
+With --journal, each record() also appends to the local journal as the gateway does by default.
+
+    python bench/ledger_writer.py --rows 100000 --batch-size 1000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import fresh_database  # noqa: E402
+from billing.db import create_engine  # noqa: E402
+from billing.ledger import LedgerWriter, UsageRecord  # noqa: E402
+from billing.migrate import upgrade  # noqa: E402
+
+TARGET = 20_000
+MODELS = ("mock", "llama-3-8b", "qwen-7b")
+
+
+def records(n: int, run: str) -> list[UsageRecord]:
+    return [
+        UsageRecord(
+            request_id=f"{run}-{i}", account_id=1 + i % 10, key_id=1 + i % 50, model=MODELS[i % 3],
+            prompt_tokens=12, completion_tokens=16, status="completed", finish_reason="stop",
+            total_ms=1.5 + i % 7, ttft_ms=0.8, cost_nanos=11_400,
+        )
+        for i in range(n)
+    ]
+
+
+async def one_round(database_url: str, rows: int, batch_size: int, burst: int, journal_dir: Path | None) -> float:
+    engine = create_engine(database_url)
+    journal = None
+    if journal_dir is not None:
+        from billing.journal import LedgerJournal
+
+        journal = LedgerJournal(journal_dir / uuid.uuid4().hex)
+    writer = LedgerWriter(engine, batch_size=batch_size, journal=journal)
+    if journal is not None:
+        writer.recover()
+    writer.start()
+    batch = records(rows, uuid.uuid4().hex[:12])
+    started = time.perf_counter()
+    for i in range(0, rows, burst):
+        for r in batch[i : i + burst]:
+            writer.record(r)
+        await asyncio.sleep(0)  # request handlers interleave with the writer
+    await writer.flush(timeout=600)
+    elapsed = time.perf_counter() - started
+    await writer.close()
+    await engine.dispose()
+    if writer.write_errors:
+        raise SystemExit(f"{writer.write_errors} failed batch writes")
+    return rows / elapsed
+
+
+async def count_rows(database_url: str) -> int:
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        return int(await conn.fetchval("SELECT count(*) FROM ledger_entries"))
+    finally:
+        await conn.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--batch-size", type=int, default=1000, help="LedgerWriter batch_size (the gateway's default: 1000)")
+    parser.add_argument("--burst", type=int, default=200, help="rows recorded between event-loop yields")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--journal", action="store_true", help="also append every row to a local journal, as the gateway does")
+    parser.add_argument("--json", default="bench/results/ledger_writer.json")
+    args = parser.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    rates: list[float] = []
+    with fresh_database() as db, tempfile.TemporaryDirectory(prefix="ledger-bench-") as tmp:
+        upgrade(db)
+        for i in range(args.rounds):
+            rate = asyncio.run(one_round(db, args.rows, args.batch_size, args.burst, Path(tmp) if args.journal else None))
+            rates.append(rate)
+            print(f"round {i + 1}: {args.rows} rows in {args.rows / rate:6.2f} s = {rate:9,.0f} rows/s", flush=True)
+        in_db = asyncio.run(count_rows(db))
+    median = statistics.median(rates)
+    expected = args.rounds * args.rows
+    print(f"\nLedgerWriter into Postgres, batch {args.batch_size}{', journal on' if args.journal else ''}: "
+          f"median {median:,.0f} rows/s (target >= {TARGET:,}: {'PASS' if median >= TARGET else 'FAIL'}); "
+          f"rows in the database {in_db:,} of {expected:,} ({'ok' if in_db == expected else 'MISSING'}); shared machine")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({
+        "rows_per_s_median": median, "rounds": rates, "rows": args.rows, "batch_size": args.batch_size,
+        "journal": args.journal, "rows_in_db": in_db, "expected_rows": expected}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
