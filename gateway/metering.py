@@ -1,0 +1,69 @@
+"""Quota and ledger for requests that do not run through `CompletionService.metered()`:
+embeddings and response-cache hits. The same limiter, price book and ledger, the same rules:
+reserve the worst case before any work, settle the actual use after, one ledger row per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from billing.keys import Principal
+from billing.prices import PriceVersion
+from billing.quota import Hold, QuotaExceeded, QuotaUnavailable, Scope
+from gateway.errors import RateLimited, ServiceUnavailable
+
+log = logging.getLogger("tollgate.metering")
+_settling: set[asyncio.Task[Any]] = set()
+
+
+async def price_of(state: Any, model: str) -> PriceVersion | None:
+    prices = getattr(state, "prices", None)
+    return await prices.current(model) if prices is not None else None
+
+
+def refuse_if_backlogged(state: Any) -> None:
+    if state.ledger.refusing:
+        raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
+
+
+async def reserve(state: Any, principal: Principal, request_id: str, tokens: int, nanos: int) -> Hold | None:
+    """Reserves `tokens` and `nanos` on the key and its account, or raises the 429/503 that
+    completions raise for the same refusal."""
+    limiter = getattr(state, "limiter", None)
+    if limiter is None:
+        return None
+    scopes = [Scope("key", principal.key_id, principal.key_limits), Scope("account", principal.account_id, principal.account_limits)]
+    try:
+        return await limiter.reserve(request_id, scopes, tokens, nanos)
+    except QuotaExceeded as exc:
+        service = getattr(state, "service", None)
+        for callback in getattr(service, "on_quota_rejected", []):
+            callback(exc.limit)
+        err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
+        err.error_type = exc.error_type
+        raise err from None
+    except QuotaUnavailable:
+        raise ServiceUnavailable("Quota service is unavailable; retry shortly.", code="quota_unavailable", headers={"Retry-After": "1"}) from None
+
+
+def settle(state: Any, hold: Hold | None, tokens: int, nanos: int) -> None:
+    """Commits the actual use in the background (never awaited in a `finally`)."""
+    limiter = getattr(state, "limiter", None)
+    if limiter is None or hold is None:
+        return
+    task = asyncio.get_running_loop().create_task(limiter.settle(hold, tokens, nanos))
+    _settling.add(task)
+    task.add_done_callback(_settled)
+
+
+def _settled(task: asyncio.Task[Any]) -> None:
+    _settling.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("quota settlement failed: %s", type(task.exception()).__name__)
+
+
+async def drain(timeout: float = 10.0) -> None:
+    if _settling:
+        await asyncio.wait(list(_settling), timeout=timeout)

@@ -1,0 +1,134 @@
+"""POST /v1/embeddings through the openai SDK against the real gateway and all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import Gateway
+
+EMB = "all-minilm-l6-v2"
+
+
+async def set_limits(gw: Gateway, path: str, limits: dict[str, Any]) -> None:
+    async with gw.admin_client() as admin:
+        r = await admin.patch(path, json={"limits": limits})
+        assert r.status_code == 200, r.text
+
+
+def model_of(gw: Gateway) -> Any:
+    return gw.app.state.embeddings.models[EMB]
+
+
+async def embed_raw(client: Any, **kw: Any) -> tuple[Any, str]:
+    raw = await client.embeddings.with_raw_response.create(model=EMB, **kw)
+    return raw.parse(), raw.headers["x-request-id"]
+
+
+async def test_shapes_usage_and_ledger_row(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key()
+    client = client_for(key["key"])
+    texts = ["The cat sat on the mat.", "A kitten is a young cat.", "Quantum chromodynamics describes quarks."]
+    resp, rid = await embed_raw(client, input=texts, encoding_format="float")
+    assert [d.index for d in resp.data] == [0, 1, 2]
+    assert all(len(d.embedding) == 384 for d in resp.data)
+    vecs = np.array([d.embedding for d in resp.data])
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-4)
+    assert vecs[0] @ vecs[1] > vecs[0] @ vecs[2] + 0.2  # a real sentence model, not noise
+    model = model_of(gateway)
+    expected = sum(len(model.encode_text(t)) for t in texts)
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens == expected
+    assert resp.model == EMB
+    row = await gateway.ledger_row(rid)
+    assert (row["model"], row["prompt_tokens"], row["completion_tokens"], row["status"]) == (EMB, expected, 0, "completed")
+    assert row["key_id"] == key["id"] and row["cached"] is False
+
+    single = await client.embeddings.create(model=EMB, input="hello world", encoding_format="float")
+    assert len(single.data) == 1 and len(single.data[0].embedding) == 384
+
+
+async def test_base64_equals_float_and_token_ids_equal_text(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key()
+    client = client_for(key["key"])
+    text = "Embeddings are vectors."
+    as_float = (await client.embeddings.create(model=EMB, input=text, encoding_format="float")).data[0].embedding
+    # The SDK asks for base64 by default and decodes it itself.
+    via_sdk = (await client.embeddings.create(model=EMB, input=text)).data[0].embedding
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {key['key']}"}) as h:
+        r = await h.post("/embeddings", json={"model": EMB, "input": text, "encoding_format": "base64"})
+    assert r.status_code == 200, r.text
+    decoded = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.shape == (384,)
+    assert np.allclose(decoded, as_float, atol=1e-6)
+    assert np.allclose(via_sdk, as_float, atol=1e-6)
+
+    ids = model_of(gateway).encode_text(text)
+    by_ids = await client.embeddings.create(model=EMB, input=ids, encoding_format="float")
+    assert np.allclose(by_ids.data[0].embedding, as_float, atol=1e-5)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    two = await client.embeddings.create(model=EMB, input=[ids, ids[:2]], encoding_format="float")
+    assert len(two.data) == 2 and two.usage.prompt_tokens == len(ids) + 2
+
+
+async def test_concurrent_requests_are_batched_and_equal_one_by_one(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key()
+    client = client_for(key["key"])
+    texts = [f"sentence number {i} about {'cats ' * (i % 5)}and dogs" for i in range(16)]
+    alone = []
+    for t in texts:
+        alone.append((await client.embeddings.create(model=EMB, input=t, encoding_format="float")).data[0].embedding)
+    stats = model_of(gateway).stats
+    batches_before, inputs_before = stats.batches, stats.inputs
+    together = await asyncio.gather(*(client.embeddings.create(model=EMB, input=t, encoding_format="float") for t in texts))
+    batches = stats.batches - batches_before
+    assert stats.inputs - inputs_before == len(texts)
+    assert batches < len(texts), "concurrent requests should share forward passes"
+    for one, many in zip(alone, together):
+        assert np.allclose(one, many.data[0].embedding, atol=1e-5)
+
+
+async def test_errors_dimensions_and_limits(gateway: Gateway, client_for: Any) -> None:
+    key = await gateway.new_key()
+    client = client_for(key["key"])
+    ok = await client.embeddings.create(model=EMB, input="x y z", dimensions=384, encoding_format="float")
+    assert len(ok.data[0].embedding) == 384
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.embeddings.create(model=EMB, input="x", dimensions=128)
+    assert err.value.body["param"] == "dimensions"
+    with pytest.raises(openai.NotFoundError):
+        await client.embeddings.create(model="no-such-embedder", input="x")
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.embeddings.create(model=EMB, input="word " * 400)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        await client.embeddings.create(model=EMB, input=[""])
+    with pytest.raises(openai.BadRequestError):
+        await client.embeddings.create(model=EMB, input=[10**9])
+
+    # Limits: a key with a tiny monthly token budget is refused before any work, and nothing is billed.
+    limited = await gateway.new_key()
+    await set_limits(gateway, f"/admin/keys/{limited['id']}", {"monthly_tokens": 10})
+    lc = client_for(limited["key"])
+    small = await lc.embeddings.create(model=EMB, input="two words", encoding_format="float")
+    assert small.usage.prompt_tokens <= 10
+    with pytest.raises(openai.RateLimitError):
+        await lc.embeddings.create(model=EMB, input="this sentence has clearly more than ten tokens in it, surely", encoding_format="float")
+    await asyncio.sleep(0.3)
+    assert await gateway.ledger_count(key_id=limited["id"]) == 1
+
+
+async def test_priced_like_completions(gateway: Gateway, client_for: Any) -> None:
+    async with gateway.admin_client() as admin:
+        r = await admin.post("/admin/prices", json={"model": EMB, "input_per_million": "0.020", "output_per_million": "0"})
+        assert r.status_code == 201, r.text
+    await asyncio.sleep(0.1)
+    key = await gateway.new_key()
+    resp, rid = await embed_raw(client_for(key["key"]), input="priced input text", encoding_format="float")
+    row = await gateway.ledger_row(rid)
+    assert row["cost_nanos"] == resp.usage.prompt_tokens * 20  # $0.02 / 1M tokens = 20 nano-USD per token
