@@ -27,7 +27,7 @@ import yaml
 from engines.base import Engine
 from engines.fallback import FallbackEngine, SharedLifecycle
 
-BACKENDS = ("hf", "trtllm", "openai")
+BACKENDS = ("hf", "trtllm", "openai", "router")
 Check = Callable[[Any], str | None]  # returns a problem, or None
 
 
@@ -92,6 +92,18 @@ def _urls(v: Any) -> str | None:
     return None if len(set(v)) == len(v) else "lists a replica twice"
 
 
+def _routes(v: Any) -> str | None:
+    from engines.router import check_rule
+
+    if not isinstance(v, list) or not v:
+        return f"must be a non-empty list of routes, got {_show(v)}"
+    for i, rule in enumerate(v):
+        problem = check_rule(rule)
+        if problem:
+            return f"route {i}: {problem}"
+    return None
+
+
 def _one_of(*choices: str) -> Check:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {_show(v)}"
 
@@ -113,6 +125,7 @@ COMMON = {
     "fallbacks": Field(_names),
     "context_length": Field(_int(16)),
     "public": Field(_bool),
+    "cache": Field(_bool),  # the response cache answers this model's deterministic requests
 }
 BACKEND_FIELDS: dict[str, dict[str, Field]] = {
     "hf": {
@@ -134,6 +147,10 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "scheduler_policy": Field(_one_of("guaranteed_no_evict", "max_utilization")),
         "max_queue": Field(_int(0)),
         "llm_options": Field(_mapping),
+    },
+    "router": {
+        "routes": Field(_routes, required=True),
+        "default": Field(_str, required=True),
     },
     "openai": {
         "replicas": Field(_urls, required=True),
@@ -204,6 +221,7 @@ class ModelSpec:
     fallbacks: list[str] = field(default_factory=list)
     context_length: int | None = None
     public: bool = True
+    cache: bool = False
     line: int = 1
 
 
@@ -217,14 +235,26 @@ class ModelTable:
 
     def build(self, *, trtllm_api: Any = None) -> dict[str, Engine]:
         """The served map: every public id and alias -> its model (same object for an alias)."""
-        engines = {mid: build_engine(spec, trtllm_api=trtllm_api) for mid, spec in self.specs.items()}
+        engines = {mid: build_engine(spec, trtllm_api=trtllm_api) for mid, spec in self.specs.items() if spec.backend != "router"}
         lifecycle = SharedLifecycle()
         served: dict[str, Engine] = {}
+        chains: dict[str, Engine] = {}
         for mid, spec in self.specs.items():
-            if not spec.public:
+            if spec.backend == "router":
                 continue
             candidates = [engines[mid]] + [engines[f] for f in spec.fallbacks]
-            served[mid] = FallbackEngine(mid, candidates, context_length=spec.context_length, lifecycle=lifecycle)
+            chains[mid] = FallbackEngine(mid, candidates, context_length=spec.context_length, lifecycle=lifecycle)
+            chains[mid].response_cache = spec.cache  # type: ignore[attr-defined]
+            if spec.public:
+                served[mid] = chains[mid]
+        for mid, spec in self.specs.items():
+            if spec.backend == "router" and spec.public:
+                from engines.router import Rule, RouterEngine
+
+                rules = [Rule(**{**r, "model": self.aliases.get(r["model"], r["model"])}) for r in spec.params["routes"]]
+                default = self.aliases.get(spec.params["default"], spec.params["default"])
+                names = {default, *(r.model for r in rules)}
+                served[mid] = RouterEngine(mid, rules, default, {n: chains[n] for n in names})
         for alias, mid in self.aliases.items():
             if mid in served:
                 served[alias] = served[mid]
@@ -321,6 +351,7 @@ def _parse_entry(
         fallbacks=list(entry.get("fallbacks") or []),
         context_length=entry.get("context_length"),
         public=entry.get("public", True),
+        cache=entry.get("cache", False),
     )
 
 
@@ -364,9 +395,34 @@ def _check_names(
         spec = specs.get(entry["id"])
         if spec is not None and first[entry["id"]] == i:
             spec.fallbacks = resolved
+    _check_routes(specs, entries, problem, aliases)
     if specs and not any(s.public for s in specs.values()):
         problem(("models",), "every model is `public: false`; nothing would be served", key=True)
     return aliases
+
+
+def _check_routes(specs: dict[str, ModelSpec], entries: list[Any], problem: Callable[..., None], aliases: dict[str, str]) -> None:
+    """A router's targets are real models of this file; nothing falls back to a router."""
+    index = {e["id"]: i for i, e in enumerate(entries) if isinstance(e, dict) and isinstance(e.get("id"), str)}
+    for mid, spec in specs.items():
+        i = index[mid]
+        if spec.backend != "router":
+            for j, name in enumerate(spec.fallbacks):
+                if specs.get(name) is not None and specs[name].backend == "router":
+                    problem(("models", i, "fallbacks", j), f"{name!r} is a router, not a model that can serve")
+            continue
+        targets = [("default",), *(("routes", k, "model") for k in range(len(spec.params["routes"])))]
+        names = [spec.params["default"], *(r["model"] for r in spec.params["routes"])]
+        for path, name in zip(targets, names):
+            target = aliases.get(name, name)
+            if target not in specs:
+                close = difflib.get_close_matches(name, sorted(set(specs) | set(aliases)), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problem(("models", i, *path), f"no model named {name!r} in this file{hint}")
+            elif specs[target].backend == "router":
+                problem(("models", i, *path), f"{name!r} is a router; a route names a real model")
+        if spec.fallbacks:
+            problem(("models", i, "fallbacks"), "a router has no fallbacks of its own; its routes' models keep theirs")
 
 
 def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:

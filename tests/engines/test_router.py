@@ -1,0 +1,146 @@
+"""Cost-aware routing: rules from models.yaml pick the model; through the gateway the response
+names it and the ledger bills it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from engines.fallback import FallbackEngine
+from engines.registry import ModelsConfigError, parse_models
+from engines.router import RouterEngine, route_body
+from tests.conftest import SECRET, Gateway, ServerThread, bootstrap
+from gateway.app import create_app
+from gateway.config import Settings
+
+YAML = """models:
+  - id: small
+    backend: openai
+    replicas: [http://127.0.0.1:9/v1]
+    context_length: 4096
+  - id: large
+    backend: openai
+    replicas: [http://127.0.0.1:9/v1]
+    context_length: 4096
+    aliases: [big]
+  - id: coder
+    backend: openai
+    replicas: [http://127.0.0.1:9/v1]
+    context_length: 4096
+  - id: auto
+    backend: router
+    default: big
+    routes:
+      - model: coder
+        code: true
+      - model: large
+        tools: true
+      - model: small
+        max_prompt_tokens: 40
+        max_output_tokens: 64
+"""
+
+
+class Stub:
+    """Just what the router asks of a target."""
+
+    def __init__(self, ready: bool = True, capacity: bool = True) -> None:
+        self.ready, self.healthy, self._capacity = ready, True, capacity
+
+    def has_capacity(self) -> bool:
+        return self._capacity
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return list(range(sum(len(m["content"].split()) for m in messages)))
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+
+def router(**targets: Stub) -> RouterEngine:
+    table = parse_models(YAML, "models.yaml")
+    auto = table.build()["auto"]
+    assert isinstance(auto, RouterEngine)
+    auto.targets = {name: targets.get(name, Stub()) for name in auto.targets}  # type: ignore[misc]
+    return auto
+
+
+def chat(text: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "auto", "messages": [{"role": "user", "content": text}], **kw}
+
+
+def test_rules_pick_the_expected_model() -> None:
+    auto = router()
+    assert auto.default == "large"  # an alias resolves to its model
+    assert auto.choose(chat("hi there", max_tokens=32), "chat") == "small"
+    assert auto.choose(chat("hi there"), "chat") == "large"  # unbounded output is not "short"
+    assert auto.choose(chat("hi there", max_tokens=500), "chat") == "large"
+    assert auto.choose(chat("word " * 100, max_tokens=32), "chat") == "large"  # long prompt
+    assert auto.choose(chat("fix this:\n```python\ndef f(x):\n    return x\n```", max_tokens=32), "chat") == "coder"
+    assert auto.choose(chat("what is the weather", max_tokens=32, tools=[{"type": "function"}]), "chat") == "large"
+    assert auto.choose({"model": "auto", "prompt": "short one", "max_tokens": 8}, "text") == "small"
+    assert route_body({"auto": auto}, chat("hi", max_tokens=8), "chat")["model"] == "small"
+    assert route_body({"auto": auto}, {"model": "small", "x": 1}, "chat") == {"model": "small", "x": 1}
+
+
+def test_unavailable_choice_falls_through_to_the_next_match_then_default() -> None:
+    auto = router(small=Stub(capacity=False))
+    assert auto.choose(chat("hi", max_tokens=8), "chat") == "large"
+    auto = router(coder=Stub(ready=False))
+    assert auto.choose(chat("```x```", tools=[{"type": "function"}]), "chat") == "large"
+
+
+def test_models_yaml_problems_name_the_line() -> None:
+    with pytest.raises(ModelsConfigError) as err:
+        parse_models(YAML.replace("model: coder", "model: codr"), "models.yaml")
+    assert "models[3].routes[0].model: no model named 'codr'" in str(err.value)
+    with pytest.raises(ModelsConfigError) as err:
+        parse_models(YAML.replace("code: true", "kode: true"), "models.yaml")
+    assert "unknown route condition 'kode'" in str(err.value)
+    with pytest.raises(ModelsConfigError) as err:
+        parse_models(YAML.replace("default: big", "default: auto"), "models.yaml")
+    assert "is a router" in str(err.value)
+
+
+# through the gateway -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def routed_gw(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """`small` and `large` are the real model under two ids, `auto` routes between them."""
+    from engines.router import Rule
+
+    small, large = FallbackEngine("small", [engine]), FallbackEngine("large", [engine])
+    auto = RouterEngine("auto", [Rule("small", max_prompt_tokens=60, max_output_tokens=16)], "large", {"small": small, "large": large})
+    db_url = fresh_pg_database()
+    admin_key = bootstrap(db_url, SECRET)
+    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp_path_factory.mktemp("gw-route"))
+    app = create_app(settings, engines={"small": small, "large": large, "auto": auto})
+    server = ServerThread(app).__enter__()
+    try:
+        yield Gateway(f"http://127.0.0.1:{server.port}", settings, admin_key, engine, app, db_url)
+    finally:
+        server.__exit__()
+
+
+async def test_routed_request_names_and_bills_the_chosen_model(routed_gw: Gateway, client_for: Any) -> None:
+    async with routed_gw.admin_client() as admin:
+        for model, price in (("small", "1.000"), ("large", "10.000")):
+            r = await admin.post("/admin/prices", json={"model": model, "input_per_million": price, "output_per_million": price})
+            assert r.status_code == 201, r.text
+    await asyncio.sleep(0.1)
+    client = client_for((await routed_gw.new_key())["key"], routed_gw)
+    msgs = [{"role": "user", "content": "Say hello."}]
+    for max_tokens, expected, per_token in ((8, "small", 1000), (24, "large", 10000)):
+        raw = await client.chat.completions.with_raw_response.create(model="auto", messages=msgs, max_tokens=max_tokens, temperature=0)
+        resp = raw.parse()
+        assert resp.model == expected
+        row = await routed_gw.ledger_row(raw.headers["x-request-id"])
+        assert row["model"] == expected
+        assert row["cost_nanos"] == (row["prompt_tokens"] + row["completion_tokens"]) * per_token
+    stream = await client.chat.completions.create(model="auto", messages=msgs, max_tokens=8, temperature=0, stream=True)
+    models = {chunk.model async for chunk in stream}
+    assert models == {"small"}
+    listed = {m.id for m in (await client.models.list()).data}
+    assert "auto" in listed
