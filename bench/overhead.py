@@ -105,6 +105,15 @@ def litellm_proxy(upstream: str) -> Iterator[tuple[str, str]]:
         yield f"http://127.0.0.1:{port}", master
 
 
+@contextmanager
+def snapshot(rev: str) -> Iterator[Path]:
+    """The tree of a git revision in a temporary directory (imported ahead of the editable install)."""
+    with tempfile.TemporaryDirectory(prefix="tollgate-rev-") as tmp:
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        yield Path(tmp)
+
+
 # ---------------------------------------------------------------- load generation
 
 def drive(base: str, key: str | None, stream: bool, connections: int, seconds: int) -> dict[str, Any]:
@@ -206,10 +215,12 @@ def _short(frame: str) -> str:
     # "fn (/path/to/pkg/mod.py:123)" -> "fn (pkg/mod.py)"; the idle "process" roots stay as they are
     name, _, loc = frame.partition(" (")
     loc = loc.rstrip(")").rsplit(":", 1)[0]
-    for marker in ("/site-packages/", "/work/main/", str(ROOT) + "/", "/lib/python3.11/"):
+    for marker in ("/site-packages/", str(ROOT) + "/", "/lib/python3.11/"):
         if marker in loc:
             loc = loc.split(marker, 1)[1]
             break
+    if "/tollgate-rev-" in loc:  # a --rev snapshot
+        loc = loc.split("/tollgate-rev-", 1)[1].partition("/")[2]
     return f"{name} ({loc})" if loc else name
 
 
@@ -227,6 +238,8 @@ def main() -> None:
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (direct and Tollgate only)")
     parser.add_argument("--profile", type=int, default=0, metavar="S",
                         help="after the rounds, py-spy Tollgate for S seconds per mode at the largest connection count")
+    parser.add_argument("--rev", help="run Tollgate from this git revision (a `git archive` snapshot) instead of "
+                        "the working tree, e.g. HEAD while uncommitted edits are in progress")
     parser.add_argument("--json", default="bench/results/overhead.json")
     args = parser.parse_args()
     conns = [int(c) for c in args.connections.split(",")]
@@ -241,8 +254,10 @@ def main() -> None:
     with ExitStack() as stack:
         db = stack.enter_context(fresh_database())
         upstream = stack.enter_context(mock_upstream())
-        tg_base, admin = stack.enter_context(gateway(
-            db, upstream, extra_env={"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": f"tgbench:o:{uuid.uuid4().hex[:6]}:"}))
+        tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": f"tgbench:o:{uuid.uuid4().hex[:6]}:"}
+        if args.rev:
+            tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(args.rev)))
+        tg_base, admin = stack.enter_context(gateway(db, upstream, extra_env=tg_env))
         tg_key = make_key(tg_base, admin, limits=LIMITS)
         httpx.post(f"{tg_base}/admin/prices", headers={"Authorization": f"Bearer {admin}"},
                    json={"model": "mock", "input_per_million": "0.150", "output_per_million": "0.600"}).raise_for_status()
@@ -293,7 +308,7 @@ def main() -> None:
     summary["profiles"] = profiles
     summary["settings"] = {"rounds": args.rounds, "seconds": args.seconds, "connections": conns,
                            "generator": runs["direct"][MODES[0]][conns[0]][0]["generator"], "cpus": os.cpu_count(),
-                           "python": platform.python_version(), "machine": "shared with other work (noisy)"}
+                           "python": platform.python_version(), "tollgate_source": args.rev or "working tree", "machine": "shared with other work (noisy)"}
     summary["runs"] = runs
     print_table(summary, targets, conns)
     for mode, p in profiles.items():
