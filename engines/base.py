@@ -25,7 +25,13 @@ class EngineError(Exception):
 
 
 class EngineOverloadedError(EngineError):
-    """The engine has no room for another request right now."""
+    """The engine has no room for another request right now. `retry_after`: seconds after which a
+    retry may be taken; `own_backlog`: the caller's own queued requests are most of the wait."""
+
+    def __init__(self, message: str = "", *, retry_after: int = 1, own_backlog: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.own_backlog = own_backlog
 
 
 class EngineRequestRejected(EngineError):
@@ -60,6 +66,10 @@ class EngineRequest:
     prompt: str | None = None
     # The client's JSON body: engines that pass fields through (`Engine.passthrough`) forward it.
     extra: dict[str, Any] | None = None
+    # Who asks, for the gateway's scheduler (engines/scheduler.py): fair share is per account,
+    # order is by priority class (the account's plan); None: no account / the default class.
+    account_id: int | None = None
+    priority: str | None = None
 
 
 @dataclass
@@ -71,7 +81,7 @@ class EngineOutput:
     completion_tokens: int = 0  # cumulative
     estimated: bool = False  # counts not from the engine's own token ids
     error: str | None = None
-    queue_ms: float | None = None  # time the request waited inside the engine before running
+    queue_ms: float | None = None  # time the request waited (gateway queue + inside the engine) before running
     # A pass-through engine's choice object, in the shape the client's response uses (a chunk's
     # choice with `delta` when streaming, the whole choice with `message` otherwise): relayed as is.
     raw_choice: dict[str, Any] | None = None
@@ -129,3 +139,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def requests_in_flight(self) -> int:
         """Requests the engine itself still holds (running or queued inside it)."""
+
+    def slots(self) -> int | None:
+        """Requests the engine runs at once (its batch size; a pool's replicas in rotation times
+        their concurrency). None: unknown. The scheduler queues what does not fit."""
+        return None
+
+    def refusal(self, request: EngineRequest) -> EngineOverloadedError | None:
+        """Why the engine would turn this request away now, or None. Asked before the quota is
+        reserved, so a refusal costs the client nothing."""
+        return None if self.has_capacity() else EngineOverloadedError("The engine is at capacity; retry shortly.")

@@ -151,6 +151,21 @@ class FallbackEngine(Engine):
     def requests_in_flight(self) -> int:
         return len(self._routes)
 
+    def refusal(self, request: EngineRequest) -> EngineOverloadedError | None:
+        """None when some engine of the chain would take the request, else the refusal that
+        clears soonest."""
+        refusals = []
+        for engine in self.candidates:
+            if not (engine.ready and engine.healthy):
+                continue
+            refused = engine.refusal(request)
+            if refused is None:
+                return None
+            refusals.append(refused)
+        if not refusals:
+            return EngineOverloadedError(f"no engine of {self.model_id} can take a request now")
+        return min(refusals, key=lambda r: r.retry_after)
+
     def cancel(self, request_id: str) -> None:
         if request_id not in self._routes:
             return

@@ -219,6 +219,9 @@ class HFEngine(Engine):
     def has_capacity(self) -> bool:
         return len(self._live) < self.capacity
 
+    def slots(self) -> int | None:
+        return self._max_batch_size
+
     def requests_in_flight(self) -> int:
         manager = self._manager
         if manager is None:

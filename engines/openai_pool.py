@@ -116,6 +116,10 @@ class ReplicaPool:
     def outstanding(self) -> int:
         return sum(r.outstanding for r in self.replicas)
 
+    def slots(self) -> int:
+        """Requests the replicas in rotation take at once: the scheduler's capacity for the pool."""
+        return sum(self.max_concurrency for r in self.replicas if self._in_rotation(r))
+
     def pick(self, exclude: list[Replica]) -> Replica | None:
         ready = [r for r in self.replicas if r not in exclude and self._in_rotation(r) and r.outstanding < self.max_concurrency]
         if not ready:
@@ -385,6 +389,9 @@ class OpenAIPoolEngine(Engine):
     # capacity ---------------------------------------------------------------------------------
     def has_capacity(self) -> bool:
         return self._ready and self.pool.has_capacity()
+
+    def slots(self) -> int | None:
+        return self.pool.slots()
 
     def requests_in_flight(self) -> int:
         return self.pool.outstanding()

@@ -179,6 +179,9 @@ class TRTLLMEngine(Engine):
     def has_capacity(self) -> bool:
         return self._ready and len(self._live) < self.capacity
 
+    def slots(self) -> int | None:
+        return self.max_batch_size or 256  # 256: what `capacity` assumes when the batch size is left to TensorRT-LLM
+
     def requests_in_flight(self) -> int:
         return len(self._live)
 
