@@ -34,6 +34,9 @@ def create_engine(url: str, **kwargs: object) -> AsyncEngine:
             cur.close()
 
         return engine
+    # Every outbound call has a deadline: connecting, each statement, and waiting for a pooled connection.
+    kwargs.setdefault("connect_args", {"timeout": 5.0, "command_timeout": 60.0})
+    kwargs.setdefault("pool_timeout", 10.0)
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 10)
     kwargs.setdefault("pool_pre_ping", True)

@@ -33,6 +33,10 @@ class UnknownAccount(Exception):
     pass
 
 
+class KeyStoreUnavailable(Exception):
+    """The database could not be asked about a key that is not cached."""
+
+
 def generate_key() -> str:
     return "sk-" + secrets.token_urlsafe(32)
 
@@ -57,6 +61,7 @@ class Principal:
     revoked: bool
     key_limits: Limits = Limits()
     account_limits: Limits = Limits()
+    priority: str | None = None  # the account's scheduling class; None: the top class
 
     def expired(self, now: datetime | None = None) -> bool:
         if self.expires_at is None:
@@ -93,15 +98,17 @@ def _account_view(row: Any) -> dict[str, Any]:
         "object": "account",
         "name": row.name,
         "limits": Limits.from_json(row.limits).view(),
+        "priority": row.priority,
         "created_at": _aware(row.created_at).isoformat(),
     }
 
 
 class KeyStore:
-    def __init__(self, engine: AsyncEngine, secret: bytes, *, cache_seconds: float = 1.0) -> None:
+    def __init__(self, engine: AsyncEngine, secret: bytes, *, cache_seconds: float = 1.0, stale_seconds: float = 300.0) -> None:
         self._engine = engine
         self._secret = secret
         self._cache_seconds = cache_seconds
+        self._stale_seconds = stale_seconds  # a cached answer outlives a database outage this long
         self._cache: dict[str, tuple[float, Principal | None]] = {}
 
     # accounts -------------------------------------------------------------------------------
@@ -214,6 +221,13 @@ class KeyStore:
         self._cache.clear()
         return await self.get_account(account_id=account_id)
 
+    async def set_account_priority(self, account_id: int, priority: str | None) -> dict[str, Any] | None:
+        """Sets the account's scheduling class (None: the top class); None when there is no such account."""
+        async with self._engine.begin() as conn:
+            result = await conn.execute(ACCOUNTS.update().where(ACCOUNTS.c.id == account_id).values(priority=priority))
+        self._cache.clear()
+        return await self.get_account(account_id=account_id) if result.rowcount else None
+
     async def has_admin_key(self) -> bool:
         async with self._engine.connect() as conn:
             query = sa.select(sa.func.count()).select_from(KEYS).where(KEYS.c.is_admin.is_(True), KEYS.c.revoked_at.is_(None))
@@ -239,7 +253,12 @@ class KeyStore:
         hit = self._cache.get(digest)
         if hit is not None and now - hit[0] < self._cache_seconds:
             return hit[1]
-        principal = await self._principal_from_db(digest)
+        try:
+            principal = await self._principal_from_db(digest)
+        except Exception as exc:  # the database is unreachable: keys seen recently keep working
+            if hit is not None and now - hit[0] < self._stale_seconds:
+                return hit[1]
+            raise KeyStoreUnavailable(type(exc).__name__) from None
         if len(self._cache) > 100_000:
             self._cache.clear()
         self._cache[digest] = (now, principal)
@@ -247,7 +266,7 @@ class KeyStore:
 
     async def _principal_from_db(self, digest: str) -> Principal | None:
         query = (
-            sa.select(KEYS, ACCOUNTS.c.limits.label("account_limits"))
+            sa.select(KEYS, ACCOUNTS.c.limits.label("account_limits"), ACCOUNTS.c.priority.label("account_priority"))
             .join(ACCOUNTS, ACCOUNTS.c.id == KEYS.c.account_id)
             .where(KEYS.c.key_hash == digest)
         )
@@ -264,4 +283,5 @@ class KeyStore:
             revoked=row.revoked_at is not None,
             key_limits=Limits.from_json(row.limits),
             account_limits=Limits.from_json(row.account_limits),
+            priority=row.account_priority,
         )

@@ -5,13 +5,17 @@ cancelled request task still gets its row. A background task inserts rows in bat
 `ON CONFLICT (request_id) DO NOTHING`, retrying (never dropping) while the database is down.
 The same transaction adds the rows it actually inserted to the hourly aggregates
 (`billing.usage`), so those stay exact sums of the ledger however often a batch is retried.
+
+With a journal (`billing.journal`), `admitted()` and `record()` also append to a local file before
+they return, and a written batch is acknowledged there: rows outlive a database outage and a crash
+of this process, and `recover()` replays them on the next start (see docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -20,7 +24,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from billing.journal import LedgerJournal, Recovered, record_fields, row_of
 from billing.models import LedgerEntry, utcnow
+from billing.quota import Hold
 from billing.usage import add_to_aggregates
 
 log = logging.getLogger("tollgate.ledger")
@@ -72,8 +78,18 @@ async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> int:
 
 
 class LedgerWriter:
-    def __init__(self, engine: AsyncEngine, *, batch_size: int = 1000, max_backoff: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        batch_size: int = 1000,
+        max_backoff: float = 5.0,
+        journal: LedgerJournal | None = None,
+        max_backlog: int = 0,
+    ) -> None:
         self._engine = engine
+        self.journal = journal
+        self.max_backlog = max_backlog  # 0: keep serving whatever the backlog; else refuse above it
         self._batch_size = batch_size
         self._max_backoff = max_backoff
         self._pending: list[UsageRecord] = []
@@ -97,6 +113,35 @@ class LedgerWriter:
             return 0.0
         return max(0.0, (utcnow() - self._pending[0].created_at).total_seconds())
 
+    @property
+    def refusing(self) -> bool:
+        """True while the policy says to refuse new requests: the backlog is over `max_backlog`."""
+        return self.max_backlog > 0 and self.backlog > self.max_backlog
+
+    def admitted(self, record: UsageRecord, hold: dict[str, Any] | None = None) -> None:
+        """Journals an admitted request's provisional row (status `interrupted`) and its quota hold,
+        so a crash before its final row still leaves a row and a hold to release. Never raises."""
+        if self.journal is not None:
+            try:
+                self.journal.admitted(row_of(record), hold)
+            except Exception:
+                log.exception("ledger journal: admission not journaled")
+
+    def recover(self) -> Recovered:
+        """Opens the journal and queues the rows earlier runs left unwritten (before `start()`)."""
+        assert self.journal is not None
+        recovered = self.journal.open()
+        rows = [*recovered.replayed, *(row for row, _hold in recovered.interrupted)]
+        for row in rows:
+            self._pending.append(record_fields(row, UsageRecord))
+        self._submitted += len(rows)
+        if rows or recovered.torn_lines:
+            log.warning(
+                "ledger journal: replaying %d unwritten rows, %d interrupted requests (%d torn lines)",
+                len(recovered.replayed), len(recovered.interrupted), recovered.torn_lines,
+            )
+        return recovered
+
     def add_listener(self, listener: Callable[[UsageRecord], None]) -> None:
         """Calls `listener(record)` synchronously in `record()`; a failing listener is logged, never raised."""
         self._listeners.append(listener)
@@ -107,6 +152,11 @@ class LedgerWriter:
 
     def record(self, record: UsageRecord) -> None:
         """Queues a row. Synchronous on purpose: safe inside `finally` of a cancelled task."""
+        if self.journal is not None:
+            try:
+                self.journal.final(row_of(record))
+            except Exception:
+                log.exception("ledger journal: row kept in memory only")
         self._pending.append(record)
         self._submitted += 1
         self._wake.set()
@@ -129,9 +179,11 @@ class LedgerWriter:
             try:
                 await asyncio.wait_for(self._task, timeout)
             except asyncio.TimeoutError:
-                log.error("ledger writer: %d rows not written at shutdown", self.backlog)
+                log.error("ledger writer: %d rows not written at shutdown (kept in the journal)", self.backlog)
                 self._task.cancel()
             self._task = None
+        if self.journal is not None:
+            self.journal.close()
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -152,10 +204,36 @@ class LedgerWriter:
                 backoff = min(backoff * 2, self._max_backoff)
                 continue
             backoff = 0.05
+            if self.journal is not None:
+                self.journal.acknowledged([r.request_id for r in batch])
             del self._pending[: len(batch)]
             async with self._progress:
                 self._written += len(batch)
                 self._progress.notify_all()
+
+
+async def release_interrupted(
+    ledger: LedgerWriter, settle: Callable[[Hold, int, int], Awaitable[bool]], recovered: Recovered, *, wait: float
+) -> int:
+    """Settles the quota holds of requests a crash interrupted, with what their rows say. The rows
+    go first (up to `wait` seconds), so counters rebuilt in between already see them; holds would
+    expire by themselves anyway. Returns how many holds were released."""
+    if not recovered.interrupted:
+        return 0
+    try:
+        await ledger.flush(timeout=wait)
+    except asyncio.TimeoutError:
+        log.warning("ledger journal: releasing interrupted holds before their rows reached the database")
+    released = 0
+    for row, hold in recovered.interrupted:
+        if hold is None or not hold.get("scopes"):
+            continue
+        try:
+            released += bool(await settle(Hold.from_json(hold), row["prompt_tokens"] + row["completion_tokens"], row.get("cost_nanos") or 0))
+        except Exception as exc:  # the hold expires by itself
+            log.warning("could not release the hold of interrupted request %s: %s", row["request_id"], type(exc).__name__)
+    log.warning("ledger journal: released %d quota holds of interrupted requests", released)
+    return released
 
 
 async def usage_rows(

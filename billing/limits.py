@@ -87,8 +87,8 @@ def _parse(name: str, value: Any) -> int | Decimal:
         raise InvalidLimits(f"{name} must be a decimal number of USD", param) from None
     if not amount.is_finite() or amount < 0:
         raise InvalidLimits(f"{name} must be a non-negative amount of USD", param)
+    if amount * NANOS_PER_USD > MAX_INT_LIMIT:  # before quantizing: 1e400 cannot be quantized at all
+        raise InvalidLimits(f"{name} is too large", param)
     if amount != amount.quantize(Decimal("1e-9")):
         raise InvalidLimits(f"{name} may have at most 9 decimal places", param)
-    if amount * NANOS_PER_USD > MAX_INT_LIMIT:
-        raise InvalidLimits(f"{name} is too large", param)
     return amount

@@ -85,7 +85,7 @@ class LedgerEntry(SQLModel, table=True):
     model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
     prompt_tokens: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
     completion_tokens: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
-    status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # completed|cancelled|error
+    status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # completed|cancelled|error|interrupted
     finish_reason: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
     estimated: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False))
     # Cost in nano-USD (1e-9) at the price in force when the request ran; NULL when unpriced.
@@ -98,7 +98,7 @@ class LedgerEntry(SQLModel, table=True):
     )
 
 
-LEDGER_STATUSES = ("completed", "cancelled", "error")
+LEDGER_STATUSES = ("completed", "cancelled", "error", "interrupted")  # interrupted: in flight when the gateway died
 
 from billing.usage_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
 from billing import invoice_models  # noqa: E402,F401  (registers the invoice and billing tables)

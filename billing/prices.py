@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import decimal
+import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -30,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from billing.invoice_models import ANY_MODEL, BillingPeriod, PriceOverride
 from billing.models import Price, utcnow
 
+log = logging.getLogger("tollgate.prices")
 PRICES = Price.__table__
 OVERRIDES = PriceOverride.__table__
 PERIODS = BillingPeriod.__table__
@@ -240,9 +242,17 @@ class PriceBook:
     async def refresh(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._loaded_at < self._refresh_seconds:
             return
-        async with self._engine.connect() as conn:
-            rows = (await conn.execute(sa.select(PRICES).order_by(PRICES.c.model, PRICES.c.effective_from))).all()
-            override_rows = (await conn.execute(sa.select(OVERRIDES).order_by(OVERRIDES.c.effective_from))).all()
+        try:
+            async with self._engine.connect() as conn:
+                rows = (await conn.execute(sa.select(PRICES).order_by(PRICES.c.model, PRICES.c.effective_from))).all()
+                override_rows = (await conn.execute(sa.select(OVERRIDES).order_by(OVERRIDES.c.effective_from))).all()
+        except Exception as exc:
+            if force or self._loaded_at == float("-inf"):
+                raise
+            # The database is unreachable: serving goes on at the prices already loaded; retry in a second.
+            log.warning("price book not refreshed, keeping the loaded prices: %s", type(exc).__name__)
+            self._loaded_at = time.monotonic() - self._refresh_seconds + 1.0
+            return
         by_model: dict[str, list[PriceVersion]] = {}
         for row in rows:
             by_model.setdefault(row.model, []).append(_version(row))

@@ -19,12 +19,14 @@ import calendar
 import logging
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -65,6 +67,19 @@ class Hold:
     month: str
     degraded: bool = False  # admitted without a reservation (fail-open while the store was down)
     headers: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """What settling needs later (the ledger journal keeps it for a crashed request)."""
+        return {
+            "request_id": self.request_id, "scopes": [[s.kind, s.id] for s in self.scopes], "tokens": self.tokens,
+            "nanos": self.nanos, "minute": self.minute, "month": self.month, "degraded": self.degraded,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "Hold":
+        scopes = tuple(Scope(str(kind), int(sid), Limits()) for kind, sid in raw["scopes"])
+        return cls(raw["request_id"], scopes, int(raw["tokens"]), int(raw["nanos"]), int(raw["minute"]), str(raw["month"]),
+                   bool(raw.get("degraded", False)))
 
 
 class QuotaExceeded(Exception):
@@ -200,7 +215,11 @@ class Limiter(abc.ABC):
                 raise QuotaExceeded(scope, limit, retry_after(limit, now), ratelimit_headers(limited, outcome[3], now))
             # "sync": some scopes have no counters for this window; rebuild them from the ledger.
             missing = [s for s in limited if s.name in outcome[1]]
-            await self._seed(missing, await self.totals.for_scopes(missing, now), now)
+            try:
+                totals = await self.totals.for_scopes(missing, now)
+            except Exception as exc:  # the ledger database is unreachable: no counters to trust
+                raise QuotaUnavailable(f"ledger unreachable: {type(exc).__name__}") from None
+            await self._seed(missing, totals, now)
         raise QuotaUnavailable("quota counters could not be rebuilt")
 
     @abc.abstractmethod
@@ -340,6 +359,7 @@ class MemoryLimiter(Limiter):
 #   {p}{scope}:holds (hash rid -> "tok:nanos:minute")  {p}{scope}:hexp (zset rid -> expiry)
 #   {p}{scope}:held:tok  {p}{scope}:held:nanos                 sums of live holds
 #   {p}{scope}:synced:{month}:{epoch}                          counters valid for this month
+#   {p}proc:{id} (one per gateway process; gone = Redis lost its state, re-register live holds)
 #   {p}epoch (bumped to force a rebuild of every scope)   {p}settled:{rid} (settle once)
 
 _LUA_COMMON = """
@@ -352,6 +372,8 @@ RESERVE_LUA = _LUA_COMMON + """
 local now = tonumber(ARGV[2]); local rid = ARGV[3]; local minute = ARGV[4]; local month = ARGV[5]
 local expiry = tonumber(ARGV[6]); local tok = tonumber(ARGV[7]); local nanos = tonumber(ARGV[8])
 local n = tonumber(ARGV[9])
+-- This process's marker gone: Redis lost its state; re-register our live holds before anything else.
+if redis.call('EXISTS', ARGV[10 + n * 6]) == 0 then return {'lost'} end
 local scopes = {}
 local missing = {}
 for i = 0, n - 1 do
@@ -439,6 +461,29 @@ end
 return 1
 """
 
+REHOLD_LUA = _LUA_COMMON + """
+local proc = ARGV[2]; local ttl = tonumber(ARGV[3]); local n = tonumber(ARGV[4])
+local i = 5
+for _ = 1, n do
+  local rid = ARGV[i]; local tok = ARGV[i + 1]; local nanos = ARGV[i + 2]; local minute = ARGV[i + 3]
+  local expiry = ARGV[i + 4]; local k = tonumber(ARGV[i + 5])
+  if redis.call('EXISTS', p .. 'settled:' .. rid) == 0 then
+    for j = 1, k do
+      local s = p .. ARGV[i + 5 + j] .. ':'
+      if redis.call('HEXISTS', s .. 'holds', rid) == 0 then
+        redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute)
+        redis.call('ZADD', s .. 'hexp', expiry, rid)
+        redis.call('INCRBY', s .. 'held:tok', tok)
+        redis.call('INCRBY', s .. 'held:nanos', nanos)
+      end
+    end
+  end
+  i = i + 6 + k
+end
+redis.call('SET', proc, '1', 'EX', ttl)
+return 1
+"""
+
 SEED_LUA = _LUA_COMMON + """
 local month = ARGV[2]; local minute = ARGV[3]; local n = tonumber(ARGV[4])
 local ttl = 40 * 86400
@@ -504,6 +549,11 @@ class RedisLimiter(Limiter):
         self.fail_open = fail_open
         self.breaker = breaker or CircuitBreaker()
         self._resync_needed = False
+        # Holds this process reserved and has not settled, re-registered if Redis loses them (a restart):
+        # counters rebuilt from the ledger alone would not see requests still running.
+        self._live: dict[str, tuple[Hold, float]] = {}
+        self._proc_key = f"{prefix}proc:{uuid.uuid4().hex}"
+        self._watcher: asyncio.Task[None] | None = None
         # A bounded pool that queues callers briefly instead of failing when all connections are busy.
         pool = redis.BlockingConnectionPool.from_url(
             url,
@@ -518,6 +568,7 @@ class RedisLimiter(Limiter):
         self._reserve_script = self._redis.register_script(RESERVE_LUA)
         self._settle_script = self._redis.register_script(SETTLE_LUA)
         self._seed_script = self._redis.register_script(SEED_LUA)
+        self._rehold_script = self._redis.register_script(REHOLD_LUA)
 
     async def _call(self, script: Any, args: list[Any]) -> Any:
         """One round trip, guarded by the breaker; raises QuotaUnavailable when Redis is out."""
@@ -530,8 +581,9 @@ class RedisLimiter(Limiter):
                 self._resync_needed = False
             try:
                 result = await script(keys=[], args=args)
-            except (TimeoutError, asyncio.TimeoutError, RedisTimeout):
-                # One retry: a busy event loop can miss a short deadline although Redis answered.
+            except (TimeoutError, asyncio.TimeoutError, RedisTimeout, RedisConnectionError):
+                # One retry: a busy event loop can miss a short deadline although Redis answered, and a
+                # pooled connection to a Redis that restarted fails once before the pool reconnects.
                 # Every script is idempotent by request id, so a call that did run is not counted twice.
                 result = await script(keys=[], args=args)
         except Exception as exc:  # connection refused, timeout, server error
@@ -548,14 +600,22 @@ class RedisLimiter(Limiter):
         ]
         for scope in hold.scopes:
             args += [scope.name, *scope.limit_args()]
+        args.append(self._proc_key)
+        self._watch()
         try:
             result = await self._call(self._reserve_script, args)
+            if result[0] == "lost":
+                await self._rehold(now)
+                result = await self._call(self._reserve_script, args)
         except QuotaUnavailable:
             if self.fail_open:
                 self._resync_needed = True
                 return ("degraded",)
             raise
+        if result[0] == "lost":
+            raise QuotaUnavailable("quota store keeps losing its state")
         if result[0] == "ok":
+            self._live[hold.request_id] = (hold, now + self.hold_seconds)
             return ("ok", [tuple(r) for r in result[1]])
         if result[0] == "deny":
             return ("deny", result[1], result[2], [tuple(r) for r in result[3]])
@@ -568,7 +628,35 @@ class RedisLimiter(Limiter):
             args += [scope.name, t.month_tokens, t.month_nanos, t.minute_requests, t.minute_tokens]
         await self._call(self._seed_script, args)
 
+    async def _rehold(self, now: float) -> None:
+        """Puts this process's unsettled holds back (after Redis lost them) and marks the process seen."""
+        self._live = {rid: (h, exp) for rid, (h, exp) in self._live.items() if exp > now}
+        args: list[Any] = [self.prefix, self._proc_key, 86400, len(self._live)]
+        for hold, expiry in self._live.values():
+            args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, f"{expiry:.3f}", len(hold.scopes), *[s.name for s in hold.scopes]]
+        await self._call(self._rehold_script, args)
+        if self._live:
+            log.warning("quota store lost its state: re-registered %d holds of requests still running", len(self._live))
+
+    def _watch(self) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_loop(), name="quota-hold-watch")
+
+    async def _watch_loop(self, interval: float = 1.0) -> None:
+        """An idle process notices a Redis restart too, so its running requests' holds come back
+        within `interval` even if it admits nothing new."""
+        while True:
+            await asyncio.sleep(interval)
+            if not self._live or not self.breaker.allow():
+                continue
+            try:
+                if not await self._redis.exists(self._proc_key):
+                    await self._rehold(time.time())
+            except Exception as exc:  # Redis still down: the next round or the next reserve retries
+                log.debug("hold watch: %s", type(exc).__name__)
+
     async def settle(self, hold: Hold, tokens: int, nanos: int) -> bool:
+        self._live.pop(hold.request_id, None)
         if hold.degraded or not hold.scopes:
             return False
         args = [self.prefix, hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes]]
@@ -608,4 +696,6 @@ class RedisLimiter(Limiter):
             await self._redis.delete(*keys)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         await self._redis.aclose()

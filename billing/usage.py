@@ -80,7 +80,7 @@ def deltas(records: Iterable[UsageRecord]) -> tuple[list[dict[str, Any]], list[d
             row["unpriced"] += 1
         else:
             row["cost_nanos"] += r.cost_nanos
-        row["errors"] += r.status == "error"
+        row["errors"] += r.status in ("error", "interrupted")
         row["cancelled"] += r.status == "cancelled"
         row["total_ms_sum"] += r.total_ms
         latency[(hour, r.model, "total", latency_bucket(r.total_ms))] += 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from pydantic import Field
@@ -17,8 +17,10 @@ from billing.limits import InvalidLimits, Limits
 from billing.prices import InvalidPrice
 from billing.quota import Scope
 from gateway.errors import Conflict, InvalidRequest, NotFound
-from gateway.http import authenticate_admin, read_json
-from gateway.protocol import _Model, parse
+from gateway.http import MAX_ID, authenticate_admin, id_value, read_json
+from gateway.protocol import StrictInt, _Model, parse
+
+StrictStr = Annotated[str, Field(strict=True)]
 
 
 def json_response(payload: Any, status_code: int = 200) -> Response:
@@ -34,7 +36,7 @@ class CreateAccount(_Model):
 
 
 class CreateKey(_Model):
-    account_id: int = Field(strict=True, ge=1)
+    account_id: int = Field(strict=True, ge=1, le=MAX_ID)
     name: str | None = Field(default=None, max_length=200)
     models: list[str] | None = None
     expires_at: datetime | None = None
@@ -53,8 +55,8 @@ class PatchLimits(_Model):
 
 class AddPrice(_Model):
     model: str = Field(min_length=1, max_length=128)
-    input_per_million: str | int
-    output_per_million: str | int
+    input_per_million: StrictStr | StrictInt  # strict: JSON true is no price
+    output_per_million: StrictStr | StrictInt
     effective_from: datetime | None = None
 
     def check_supported(self) -> None:
@@ -69,8 +71,8 @@ def _int_param(request: Request, name: str) -> int | None:
         value = int(raw)
     except ValueError:
         raise InvalidRequest(f"{name} must be an integer", param=name) from None
-    if value < 1:
-        raise InvalidRequest(f"{name} must be positive", param=name)
+    if value < 1 or value > MAX_ID:
+        raise InvalidRequest(f"{name} must be between 1 and {MAX_ID}", param=name)
     return value
 
 
@@ -88,10 +90,10 @@ def _time_param(request: Request, name: str) -> datetime | None:
 
 
 def _path_id(request: Request, name: str = "key_id", what: str = "key") -> int:
-    try:
-        return int(request.path_params[name])
-    except ValueError:
-        raise NotFound(f"No such {what}.", param="id") from None
+    value = id_value(request.path_params[name])
+    if value is None:
+        raise NotFound(f"No such {what}.", param="id")
+    return value
 
 
 async def _patched_limits(request: Request, apply: Any, scope_kind: str, scope_id: int, what: str) -> Response:

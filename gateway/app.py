@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -18,17 +20,20 @@ from starlette.routing import Route
 
 from billing.db import create_engine
 from billing.keys import KeyStore
-from billing.ledger import LedgerWriter
+from billing.journal import LedgerJournal, Recovered
+from billing.ledger import LedgerWriter, release_interrupted
 from billing.prices import PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine
 from gateway import admin, dashboard
 from gateway import billing_api
 from gateway.config import Settings
-from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound
+from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import RequestContext, request_id_of
+from gateway.hardening import SecurityHeaders, SingleQueryValues
 from gateway.metrics import Metrics, metrics_endpoint
+from gateway.openapi import openapi_document
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 from gateway.responses import GenerationResponse
 from gateway.serving import CompletionService
@@ -58,6 +63,15 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
         warmup=settings.warmup,
     )
     return {engine.model_id: engine}
+
+
+def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
+    """The ledger writer; with the journal on, rows an earlier run left unwritten are queued first."""
+    journal = None
+    if settings.ledger_journal:
+        journal = LedgerJournal(settings.data_dir / "journal", fsync_interval=settings.ledger_fsync_interval)
+    ledger = LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog)
+    return ledger, (ledger.recover() if journal is not None else Recovered())
 
 
 def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
@@ -148,8 +162,20 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:
+    if database_unreachable(exc):  # an outage, not a bug: say so, and that a retry may work
+        log.warning("database unreachable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return ServiceUnavailable("The database is unavailable; retry shortly.", code="database_unavailable",
+                                  headers={"Retry-After": "1"}).response()
     log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
     return APIError("The server had an error while processing your request.").response()
+
+
+def database_unreachable(exc: BaseException) -> bool:
+    if isinstance(exc, (OperationalError, InterfaceError)) or (isinstance(exc, DBAPIError) and exc.connection_invalidated):
+        return True
+    return isinstance(exc, (ConnectionError, asyncio.TimeoutError, TimeoutError)) or (
+        isinstance(exc, OSError) and exc.errno is not None and exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH)
+    )
 
 
 def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> Starlette:
@@ -159,15 +185,18 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         db = create_engine(settings.resolved_database_url)
-        ledger = LedgerWriter(db)
+        ledger, recovered = open_ledger(db, settings)
         ledger.start()
         app.state.settings = settings
         app.state.db = db
-        app.state.keys = KeyStore(db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds)
+        app.state.keys = KeyStore(
+            db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds, stale_seconds=settings.key_stale_seconds
+        )
         app.state.ledger = ledger
         served = engines if engines is not None else build_engines(settings)
         prices = PriceBook(db)
         limiter = build_limiter(settings, db, ledger)
+        releasing = asyncio.create_task(release_interrupted(ledger, limiter.settle, recovered, wait=30.0))
         app.state.prices = prices
         app.state.limiter = limiter
         app.state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
@@ -186,6 +215,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
             yield
         finally:
             await billing_api.stop(app)
+            releasing.cancel()
             for task in loading:
                 task.cancel()
             if owns_engines:
@@ -203,6 +233,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        Route("/openapi.json", openapi_document, methods=["GET"]),
         *admin.routes,
         Route("/v1/usage", get_usage, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -212,7 +243,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
     return Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(RequestContext)],
+        middleware=[Middleware(RequestContext), Middleware(SecurityHeaders), Middleware(SingleQueryValues)],
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected_error},
     )
 

@@ -42,8 +42,9 @@ from billing.scheduler import MonthlyClose
 from billing.stripe_sync import StripeSync, StripeSyncError, StripeTotalMismatch, stripe_client
 from billing.webhooks import WebhookHandler, WebhookRejected
 from gateway.errors import APIError, Conflict, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied
-from gateway.http import authenticate, authenticate_admin, read_json
-from gateway.protocol import _Model, parse
+from gateway.http import MAX_ID, authenticate, authenticate_admin, id_value, read_json
+from gateway.admin import StrictStr
+from gateway.protocol import StrictInt, _Model, parse
 
 log = logging.getLogger("tollgate.billing")
 
@@ -142,11 +143,8 @@ def _billing(request: Request) -> Billing:
 
 
 def _id(request: Request, name: str, what: str) -> int:
-    try:
-        value = int(request.path_params[name])
-    except ValueError:
-        raise NotFound(f"No such {what}.", param="id") from None
-    if value < 1:
+    value = id_value(request.path_params[name])
+    if value is None:
         raise NotFound(f"No such {what}.", param="id")
     return value
 
@@ -166,8 +164,8 @@ def _query_int(request: Request, name: str) -> int | None:
         value = int(raw)  # type: ignore[arg-type]
     except ValueError:
         raise InvalidRequest(f"{name} must be an integer", param=name) from None
-    if value < 1:
-        raise InvalidRequest(f"{name} must be positive", param=name)
+    if value < 1 or value > MAX_ID:
+        raise InvalidRequest(f"{name} must be between 1 and {MAX_ID}", param=name)
     return value
 
 
@@ -308,9 +306,9 @@ async def admin_account_prices(request: Request) -> Response:
 
 class AddOverride(_Model):
     model: str = Field(min_length=1, max_length=128)
-    input_per_million: str | int | None = None
-    output_per_million: str | int | None = None
-    multiplier: str | int | None = None
+    input_per_million: StrictStr | StrictInt | None = None  # strict: JSON true is no price
+    output_per_million: StrictStr | StrictInt | None = None
+    multiplier: StrictStr | StrictInt | None = None
     clear: bool = False
     effective_from: datetime | None = None
 

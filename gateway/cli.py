@@ -48,6 +48,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.hardening import guarded_http_protocol
 
     host = args.host or settings.host
     port = args.port or settings.port
@@ -62,7 +63,8 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         print("=" * 72, flush=True)
     print(f"Tollgate serving {settings.model_id} on http://{host}:{port}/v1", flush=True)
     configure_logging(args.log_format, args.log_level)  # JSON lines with request ids; uvicorn logs through it
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, loop="auto", http="auto",
+    http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, loop="auto", http=http,
                 log_config=None, access_log=False)
     return 0
 

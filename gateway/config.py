@@ -53,6 +53,13 @@ class Settings:
     redis_timeout: float = 0.05  # seconds, every Redis call
     quota_fail_open: bool = False  # False: refuse with 503 while the quota store is unreachable
     quota_hold_seconds: float = 900.0  # a crashed gateway's reservations free up after this
+    # Reliability (docs/reliability.md): the ledger journal, the backlog policy, hostile clients.
+    ledger_journal: bool = True  # rows go through an fsync'd local file in data_dir/journal
+    ledger_fsync_interval: float = 0.05  # seconds; one fsync per window (group commit)
+    ledger_max_backlog: int = 0  # rows not yet in the database; 0: keep serving, N: 503 above N
+    key_stale_seconds: float = 300.0  # serve a cached key this long while the database is unreachable
+    request_read_timeout: float = 30.0  # seconds to receive a request's headers and body
+    max_header_bytes: int = 64 * 1024
     warmup: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -112,5 +119,11 @@ def load_settings() -> Settings:
         redis_timeout=_env_float("TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
         quota_fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
         quota_hold_seconds=_env_float("TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
+        ledger_journal=env.get("TOLLGATE_LEDGER_JOURNAL", "1") not in ("0", "false", "no"),
+        ledger_fsync_interval=_env_float("TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
+        ledger_max_backlog=_env_int("TOLLGATE_LEDGER_MAX_BACKLOG", 0),
+        key_stale_seconds=_env_float("TOLLGATE_KEY_STALE_SECONDS", 300.0),
+        request_read_timeout=_env_float("TOLLGATE_REQUEST_READ_SECONDS", 30.0),
+        max_header_bytes=_env_int("TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
         warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
     )

@@ -35,6 +35,7 @@ from billing.limits import Limits
 from billing.models import ApiKey
 from billing.quota import Scope
 from billing.usage import Period, latency_percentiles, usage_groups, usd
+from gateway.http import id_value
 from gateway.sessions import (
     LOGIN_CSRF_COOKIE,
     SESSION_COOKIE,
@@ -347,10 +348,7 @@ def refused(request: Request, session: Session) -> Response:
 
 
 def _path_int(request: Request, name: str) -> int | None:
-    try:
-        return int(request.path_params[name])
-    except (KeyError, ValueError):
-        return None
+    return id_value(request.path_params.get(name, ""))
 
 
 async def account_page(request: Request) -> Response:

@@ -76,7 +76,8 @@ def parse_embedding_request(body: Any) -> EmbeddingRequest:
                 raise InvalidRequest(f"input[{i}] must not be empty", param="input")
         elif not (isinstance(item, list) and item and all(_is_token(t) for t in item)):
             raise InvalidRequest(f"input[{i}] must be a non-empty string or a non-empty list of token ids", param="input")
-    fmt = body.get("encoding_format") or "float"
+    fmt = body.get("encoding_format")
+    fmt = "float" if fmt is None else fmt  # explicit: `false` or `0` is not a format
     if fmt not in ("float", "base64"):
         raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format", code="invalid_value")
     dims = body.get("dimensions")

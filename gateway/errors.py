@@ -8,8 +8,10 @@
      ├── NotFound (404, invalid_request_error)
      │    └── ModelNotFound (404, code model_not_found)
      ├── MethodNotAllowed (405)
+     ├── RequestTimeout (408, code request_timeout): the request did not arrive in time
      ├── Conflict (409)
      ├── PayloadTooLarge (413)
+     ├── HeadersTooLarge (431)
      ├── RateLimited (429, rate_limit_exceeded)
      └── ServiceUnavailable (503, service_unavailable)
           ├── EngineOverloaded (503, code engine_overloaded)
@@ -115,6 +117,18 @@ class Conflict(APIError):
     status_code = 409
     error_type = "invalid_request_error"
     code = "conflict"
+
+
+class RequestTimeout(APIError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class HeadersTooLarge(APIError):
+    status_code = 431
+    error_type = "invalid_request_error"
+    code = "headers_too_large"
 
 
 class PayloadTooLarge(APIError):

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from billing.keys import KeyStore, Principal, looks_like_key
-from gateway.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied
+from billing.keys import KeyStore, KeyStoreUnavailable, Principal, looks_like_key
+from gateway.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied, RequestTimeout, ServiceUnavailable
+
+
+MAX_ID = 2**31 - 1  # ids are 32-bit integers in the database: anything larger is no id at all
+
+
+def id_value(raw: str) -> int | None:
+    """A path or query id: a positive 32-bit integer written in ASCII digits, else None."""
+    if not re.fullmatch(r"[0-9]{1,10}", raw):
+        return None
+    value = int(raw)
+    return value if 1 <= value <= MAX_ID else None
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -21,18 +33,39 @@ async def read_json(request: Request, limit: int) -> Any:
             raise InvalidRequest("invalid Content-Length header") from None
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is larger than the {limit}-byte limit")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is larger than the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left (or the read deadline closed it): nobody reads the answer
+        raise RequestTimeout("the request body did not arrive") from None
     body = b"".join(chunks)
     if not body:
         raise InvalidRequest("request body is empty; send a JSON object")
     try:
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc.args[0] if exc.args else 'parse error'}") from None
+    if b"\\u0000" in body and _has_nul(value):  # no database text column can hold one
+        raise InvalidRequest("strings must not contain NUL characters (\\u0000)")
+    return value
+
+
+def _has_nul(value: Any) -> bool:
+    stack = [value]  # iterative: JSON may nest deeper than Python's recursion limit
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def bearer_key(request: Request) -> str:
@@ -50,7 +83,10 @@ def bearer_key(request: Request) -> str:
 async def authenticate(request: Request, keys: KeyStore) -> Principal:
     """The caller's principal; 401 for a missing or unknown key, 403 for a revoked or expired one."""
     key = bearer_key(request)
-    principal = await keys.authenticate(key) if looks_like_key(key) else None
+    try:
+        principal = await keys.authenticate(key) if looks_like_key(key) else None
+    except KeyStoreUnavailable:
+        raise ServiceUnavailable("The key store is unavailable; retry shortly.", code="database_unavailable", headers={"Retry-After": "1"}) from None
     if principal is None:
         raise AuthenticationFailed("Incorrect API key provided.")
     if principal.revoked:

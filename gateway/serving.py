@@ -102,6 +102,14 @@ class CompletionService:
         self.on_quota_rejected: list[Any] = []  # callbacks(limit_name) for metrics
 
     async def admit(self, gen: Generation) -> None:
+        """Reserves the worst case, then journals the admission: a crash from here on still leaves
+        an `interrupted` row and a hold to release (docs/reliability.md)."""
+        if self.ledger.refusing:
+            raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
+        await self._reserve(gen)
+        self.ledger.admitted(self.usage_record(gen, "interrupted"), gen.hold.to_json() if gen.hold else None)
+
+    async def _reserve(self, gen: Generation) -> None:
         """Reserves prompt + max_tokens (and its price) on the key and its account, or refuses."""
         if self.prices is not None:
             gen.price = await self.prices.current(gen.model)
@@ -224,13 +232,15 @@ class CompletionService:
     async def metered(self, gen: Generation) -> AsyncIterator[EngineOutput]:
         """The engine's outputs; whatever happens, the ledger gets this request's one row."""
         status: str | None = None
+        last: EngineOutput | None = None
         try:
             async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
                 async for out in outputs:
                     self._observe(gen, out)
-                    yield out
                     if out.finished:
+                        last = out  # held back until the row is journaled: a client that saw the end has its row
                         break
+                    yield out
         except EngineError as exc:
             status = "error"
             gen.error = str(exc) or type(exc).__name__
@@ -243,6 +253,8 @@ class CompletionService:
             # Reached on completion, on engine failure, and when the consumer closes us early.
             self._settle(gen)
             self.ledger.record(self.usage_record(gen, status or final_status(gen)))
+        if last is not None:
+            yield last
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
         if gen.ttft_ms is None and out.token_ids:

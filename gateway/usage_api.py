@@ -20,7 +20,7 @@ from starlette.responses import Response
 from billing.keys import Principal
 from billing.usage import GROUPS, Period, usage_groups
 from gateway.errors import InvalidRequest, PermissionDenied
-from gateway.http import authenticate
+from gateway.http import MAX_ID, authenticate, id_value
 from gateway.sessions import current_session
 
 DEFAULT_DAYS = 30
@@ -79,10 +79,9 @@ def account_scope(request: Request, principal: Principal) -> int | None:
     raw = request.query_params.get("account_id")
     if raw in (None, ""):
         return None if principal.is_admin else principal.account_id
-    try:
-        account_id = int(raw)
-    except ValueError:
-        raise InvalidRequest("account_id must be an integer", param="account_id") from None
+    account_id = id_value(raw)
+    if account_id is None:
+        raise InvalidRequest(f"account_id must be an integer between 1 and {MAX_ID}", param="account_id")
     if not principal.is_admin and account_id != principal.account_id:
         raise PermissionDenied("This API key may only read its own account's usage.", param="account_id", code="account_not_allowed")
     return account_id

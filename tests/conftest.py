@@ -26,6 +26,7 @@ from billing.keys import KeyStore
 from engines.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_ID, Settings
+from gateway.hardening import guarded_http_protocol
 
 PG_HOST = os.environ.get("TOLLGATE_TEST_PGHOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("TOLLGATE_TEST_PGPORT", "5432"))
@@ -150,12 +151,13 @@ class Gateway:
 class ServerThread:
     """uvicorn serving an app on an ephemeral port in a thread with its own event loop."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **protocol_limits: Any) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+        http = guarded_http_protocol(**protocol_limits)  # the protocol `tollgate serve` runs
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, http=http))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":
@@ -193,7 +195,8 @@ def start_gateway(db_url: str, engine: HFEngine, tmp: Path, **overrides: Any) ->
     admin_key = bootstrap(db_url, SECRET)
     settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, **overrides)
     app = create_app(settings, engines={engine.model_id: engine})
-    server = ServerThread(app).__enter__()
+    limits = {"read_timeout": settings.request_read_timeout, "max_header_bytes": settings.max_header_bytes}
+    server = ServerThread(app, **limits).__enter__()
     gw = Gateway(f"http://127.0.0.1:{server.port}", settings, admin_key, engine, app, db_url)
     return server, gw
 

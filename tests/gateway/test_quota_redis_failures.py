@@ -208,3 +208,53 @@ async def test_two_gateway_processes_share_budgets_exactly(
             assert time.monotonic() - revoked_at < 1.5
             await asyncio.sleep(0.05)
     assert time.monotonic() - revoked_at <= 1.5
+
+
+async def test_redis_restarted_with_requests_in_flight_no_budget_overrun(
+    private_redis: RedisServer, engine: Any, fresh_pg_database: Any, tmp_path: Path, client_for: Any
+) -> None:
+    """Redis keeps nothing on disk here: a restart loses the holds of requests still running. The
+    gateway re-registers them before its counters are rebuilt from the ledger (which does not have
+    those requests yet), so admissions after the restart cannot spend their budget twice."""
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    srv, gw = start_gateway(fresh_pg_database(), engine, tmp_path / "gw", redis_url=private_redis.url, redis_prefix=prefix,
+                            redis_timeout=0.25)
+    try:
+        key = await gw.new_key()
+        client = client_for(key["key"], gw)
+        long_tokens = 24
+        per_request = await prompt_tokens(client) + long_tokens
+        budget = 10 * per_request
+        await set_limits(gw, f"/admin/keys/{key['id']}", {"monthly_tokens": budget})
+        started = asyncio.Event()
+        running = 0
+
+        async def long_stream() -> int:
+            nonlocal running
+            async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key['key']}"}, timeout=120) as c:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to fifty in words."}],
+                        "max_tokens": long_tokens, "temperature": 0, "stream": True}
+                async with c.stream("POST", "/chat/completions", json=body) as r:
+                    running += 1
+                    if running == 6:
+                        started.set()
+                    async for _ in r.aiter_lines():
+                        pass
+                    return r.status_code
+
+        in_flight = [asyncio.create_task(long_stream()) for _ in range(6)]
+        await asyncio.wait_for(started.wait(), 60)
+        private_redis.kill()
+        private_redis.start()  # empty: every counter and every hold is gone
+        after = await fire(client, 10, max_tokens=long_tokens)
+        assert all(s == 200 for s in await asyncio.gather(*in_flight))
+        served_after = [r for r in after if not isinstance(r, Exception)]
+        assert served_after and len(served_after) < 10  # admitted some, then refused at the budget
+        assert all(r.status_code == 429 for r in after if isinstance(r, Exception))
+        await wait_rows(gw, key["id"], 1 + 6 + len(served_after))
+        c = await settled_at(gw, private_redis, prefix, key["id"])
+        _count, tokens = await ledger_tokens(gw, "key_id", key["id"])
+        assert tokens <= budget, f"budget {budget} overrun: {tokens} tokens used"
+        assert c["month_tokens"] == tokens
+    finally:
+        srv.__exit__()

@@ -1,0 +1,174 @@
+"""Defences against hostile clients that the routes never see (docs/reliability.md).
+
+    guarded_http_protocol()   uvicorn's httptools protocol with a deadline for receiving each request
+                              (slowloris: 408 and the connection closed) and a cap on header bytes (431)
+    SecurityHeaders           plain ASGI: `nosniff` on every response; HTML pages without their own
+                              policy get a strict CSP, no framing and no referrer
+    SingleQueryValues         a query parameter given twice is a 400, not whichever copy a handler reads
+
+Request bodies are capped by `read_json` (413); malformed JSON, invalid UTF-8 and JSON nested
+deeper than orjson's limit are 400s there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from urllib.parse import parse_qsl
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gateway.errors import APIError, HeadersTooLarge, InvalidRequest, RequestTimeout
+
+PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+}
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """Each request must arrive whole (headers and body) within `read_timeout` of its first byte
+    (or of the connection opening); its headers may take at most `max_header_bytes`."""
+
+    read_timeout = 30.0
+    max_header_bytes = 64 * 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._in_headers = True
+        self._pending_bytes = 0  # bytes received since the current request's headers began
+        self._header_bytes = 0  # URL and header bytes the parser has seen for it
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:
+            self._pending_bytes += len(data)
+        super().data_received(data)
+        if self._in_headers and self._pending_bytes > self.max_header_bytes and not self.transport.is_closing():
+            self._refuse(431, self._too_large())  # still no end of the headers in sight
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._header_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        if self._header_bytes <= self.max_header_bytes:
+            super().on_headers_complete()
+            return
+        # The whole header block came at once: answer 431 through a normal cycle instead of the app.
+        app, self.app = self.app, _refusing_app(self._too_large())
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    def _too_large(self) -> HeadersTooLarge:
+        return HeadersTooLarge(f"request headers are larger than the {self.max_header_bytes}-byte limit")
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._in_headers, self._pending_bytes = True, 0
+        super().on_message_complete()
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _read_timed_out(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            self._refuse(408, RequestTimeout(f"the request was not received within {self.read_timeout:g} seconds"))
+        else:
+            self.transport.close()  # the app already answered (e.g. 401 before reading the body)
+
+    def _refuse(self, status: int, err: APIError) -> None:
+        body = err.response().body
+        head = STATUS_LINE[status] + b"content-type: application/json\r\nconnection: close\r\n"
+        head += b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+        self.transport.write(head + bytes(body))
+        self.transport.close()
+
+
+def _refusing_app(err: APIError) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        response = err.response()
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
+
+    return app
+
+
+def guarded_http_protocol(*, read_timeout: float = 30.0, max_header_bytes: int = 64 * 1024) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for `uvicorn.Config(http=...)` with these limits."""
+    return type(
+        "GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"read_timeout": read_timeout, "max_header_bytes": max_header_bytes}
+    )
+
+
+class SingleQueryValues:
+    """Every query parameter of this API takes one value: a repeated one (`?account_id=1&account_id=2`,
+    parameter pollution) is a 400 rather than whichever copy a handler happens to read."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("query_string"):
+            names = [name for name, _ in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)]
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                err = InvalidRequest(f"query parameter {repeated[0]!r} is given more than once", param=repeated[0])
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class SecurityHeaders:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers.setdefault("x-content-type-options", "nosniff")
+                if headers.get("content-type", "").startswith("text/html") and "content-security-policy" not in headers:
+                    for name, value in PAGE_HEADERS.items():
+                        headers.setdefault(name, value)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

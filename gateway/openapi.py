@@ -1,0 +1,331 @@
+"""`GET /openapi.json`: the OpenAPI 3.1 document of the JSON API.
+
+Request bodies are generated from the same pydantic models the routes validate with; responses
+and parameters are written here next to each other, one table per route. The dashboards (HTML
+forms behind a session and CSRF token) are not part of it. `tests/gateway/test_openapi.py` runs
+schemathesis against it and checks that every route of the app is described here.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+import orjson
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import admin, billing_api
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+JSON = "application/json"
+ERROR_CODES = {
+    400: "Invalid request: malformed JSON, wrong types, unsupported parameter, prompt too long",
+    401: "Missing or unknown API key",
+    403: "Revoked or expired key, model not allowed, admin key required, another account's data",
+    404: "Unknown model, path or object",
+    408: "The request did not arrive within the read deadline",
+    409: "Conflict (duplicate account name, price version at the same instant)",
+    413: "Body over the size limit",
+    429: "Rate limit or quota exceeded",
+    431: "Request headers over the size limit",
+    502: "Stripe failed",
+    503: "Engine overloaded or loading, quota store or database unavailable, metering backlog over the limit",
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "object", "required": list(required), "properties": {**required, **(optional or {})}}
+
+
+STR, INT, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+NUM = {"type": "number"}
+TIME = {"type": "string", "format": "date-time"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+LIMITS = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        **{name: _nullable({"type": "integer", "minimum": 0, "maximum": 2**53 - 1}) for name in ("rpm", "tpm", "max_concurrent", "monthly_tokens")},
+        "monthly_spend": _nullable({"anyOf": [
+            {"type": "string", "description": "USD as a decimal string, at most 9 places, at most 9007199.254740991"},
+            {"type": "integer", "minimum": 0, "maximum": 9_007_199},
+        ]}),
+    },
+}
+USAGE = _obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
+RESPONSES: dict[str, dict[str, Any]] = {
+    "Error": _obj({"error": _obj({"message": STR, "type": STR, "param": _nullable(STR), "code": _nullable(STR)})}),
+    "Usage": USAGE,
+    "ChatCompletion": _obj({
+        "id": STR, "object": {"const": "chat.completion"}, "created": INT, "model": STR,
+        "choices": {"type": "array", "items": _obj({"index": INT, "finish_reason": _nullable(STR)}, {"message": _obj({"role": STR})})},
+        "usage": USAGE,
+    }),
+    "Completion": _obj({
+        "id": STR, "object": {"const": "text_completion"}, "created": INT, "model": STR,
+        "choices": {"type": "array", "items": _obj({"index": INT, "finish_reason": _nullable(STR)}, {"text": STR})},
+        "usage": USAGE,
+    }),
+    "Model": _obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR}),
+    "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}),
+    "Account": _obj({"id": INT, "object": {"const": "account"}, "name": STR, "limits": {"type": "object"}, "created_at": STR}),
+    "Key": _obj({
+        "id": INT, "object": {"const": "api_key"}, "account_id": INT, "name": _nullable(STR), "prefix": STR, "is_admin": BOOL,
+        "models": _nullable({"type": "array", "items": STR}), "expires_at": _nullable(STR), "revoked_at": _nullable(STR),
+        "limits": {"type": "object"}, "created_at": STR,
+    }, {"key": STR}),
+    "Price": _obj({
+        "id": INT, "object": {"const": "price"}, "model": STR, "input_per_million": STR, "output_per_million": STR,
+        "currency": STR, "effective_from": STR,
+    }),
+    "PriceOverride": _obj({
+        "id": INT, "object": {"const": "price_override"}, "account_id": INT, "model": STR, "kind": STR,
+        "input_per_million": _nullable(STR), "output_per_million": _nullable(STR), "multiplier": _nullable(STR), "effective_from": STR,
+    }),
+    "Invoice": _obj({
+        "id": INT, "object": {"const": "invoice"}, "number": STR, "account_id": INT, "period": STR, "status": STR,
+        "currency": STR, "total_cents": INT, "total": STR,
+        "lines": {"type": "array", "items": _obj({"object": {"const": "invoice_line"}, "tokens": INT, "amount_cents": INT, "amount": STR})},
+    }),
+    "UsageReport": _obj({
+        "object": {"const": "usage"}, "start": STR, "end": STR, "group_by": {"type": "array", "items": STR},
+        "account_id": _nullable(INT), "data": {"type": "array", "items": {"type": "object"}}, "totals": {"type": "object"},
+    }),
+    "AdminUsage": _obj({
+        "object": {"const": "usage"}, "account_id": _nullable(INT),
+        "totals": {"type": "array", "items": _obj({"account_id": INT, "model": STR, "requests": INT, "total_tokens": INT})},
+        "entries": {"type": "array", "items": _obj({"request_id": STR, "account_id": INT, "key_id": INT, "status": STR})},
+    }),
+    "BillingPeriod": _obj({"object": {"const": "billing_period"}, "period": STR, "status": STR}),
+    "BillingAccount": _obj({"object": {"const": "billing_account"}, "account_id": INT, "state": STR, "unpaid_invoices": {"type": "array"}}),
+    "AccountPrices": _obj({"object": {"const": "list"}, "account_id": INT, "data": {"type": "array"}, "effective": {"type": "array"}}),
+}
+
+
+def _list_of(name: str) -> dict[str, Any]:
+    return _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref(name)}})
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): _json(_ref("Error"), ERROR_CODES[c]) for c in codes}
+
+
+def _path(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": schema}
+
+
+def _query(name: str, schema: dict[str, Any], description: str = "") -> dict[str, Any]:
+    # An empty value (`?account_id=`) means the parameter is absent.
+    return {"name": name, "in": "query", "required": False, "schema": {"anyOf": [schema, {"const": ""}]}, "description": description}
+
+
+ID = {"type": "integer", "minimum": 1}
+FORMAT = _path("fmt", {"type": "string", "enum": ["html", "pdf"]})
+PERIOD = {"type": "string", "pattern": r"^\d{4}-\d{2}$"}
+WHEN = {"type": "string", "description": "ISO 8601 time or Unix seconds"}
+AUTHED = (400, 401, 403, 408, 431, 503)  # any authorised call: bad input, auth, the key store down
+WITH_BODY = (*AUTHED, 413)
+
+
+def _op(summary: str, responses: dict[str, Any], *errors: int, body: str | None = None, params: list[Any] | None = None,
+        public: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {**responses, **_errors(*errors)}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(body)}}}
+    if params:
+        op["parameters"] = params
+    if public:
+        op["security"] = []
+    return op
+
+
+def _generation(summary: str, body: str, result: str) -> dict[str, Any]:
+    ok = {"description": "The completion (JSON), or SSE chunks ending with `data: [DONE]` when `stream` is true",
+          "content": {JSON: {"schema": _ref(result)}, "text/event-stream": {"schema": STR}}}
+    return _op(summary, {"200": ok}, *WITH_BODY, 404, 429, body=body)
+
+
+def _paths() -> dict[str, Any]:
+    account = [_path("account_id", ID)]
+    key = [_path("key_id", ID)]
+    invoice = [_path("invoice_id", ID)]
+    invoice_page = {"200": {"description": "The invoice as an HTML page or a PDF file",
+                            "content": {"text/html": {"schema": STR}, "application/pdf": {"schema": {"type": "string", "format": "binary"}}}}}
+    return {
+        "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion")},
+        "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "Completion")},
+        "/v1/embeddings": {"post": _op("Embeddings (base64: little-endian float32)", {"200": _json(EMBEDDINGS)}, *WITH_BODY, 404, 429,
+                                       body="EmbeddingRequest")},
+        "/v1/models": {"get": _op("Models this key may use", {"200": _json(_ref("ModelList"))}, *AUTHED)},
+        "/v1/models/{model_id}": {"get": _op("One model", {"200": _json(_ref("Model"))}, *AUTHED, 404, params=[_path("model_id", STR)])},
+        "/v1/usage": {"get": _op("The caller's usage from the hourly aggregates", {"200": _json(_ref("UsageReport"))}, *AUTHED, params=[
+            _query("start", WHEN), _query("end", WHEN), _query("group_by", STR, "day, model, key, joined by commas"),
+            _query("account_id", INT, "admin keys: any account; customer keys: only their own"),
+        ])},
+        "/v1/invoices": {"get": _op("The caller's invoices", {"200": _json(_list_of("Invoice"))}, *AUTHED)},
+        "/v1/invoices/{invoice_id}": {"get": _op("One of the caller's invoices", {"200": _json(_ref("Invoice"))}, *AUTHED, 404, params=invoice)},
+        "/v1/invoices/{invoice_id}/{fmt}": {"get": _op("One of the caller's invoices as a page or PDF", invoice_page, *AUTHED, 404,
+                                                       params=[*invoice, FORMAT])},
+        "/healthz": {"get": _op("The process is up", {"200": _json(_obj({"status": STR}))}, public=True)},
+        "/readyz": {"get": _op("Every model is loaded", {"200": _json(_obj({"status": STR, "models": {"type": "array", "items": STR}}))}, 503,
+                               public=True)},
+        "/metrics": {"get": _op("Prometheus metrics", {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": STR}}}},
+                                public=True)},
+        "/openapi.json": {"get": _op("This document", {"200": _json({"type": "object"})}, public=True)},
+        "/admin/accounts": {
+            "post": _op("Create an account", {"201": _json(_ref("Account"), "Created")}, *WITH_BODY, 409, body="CreateAccount"),
+            "get": _op("List accounts", {"200": _json(_list_of("Account"))}, *AUTHED),
+        },
+        "/admin/accounts/{account_id}": {
+            "get": _op("One account", {"200": _json(_ref("Account"))}, *AUTHED, 404, params=account),
+            "patch": _op("Set an account's limits and scheduling class", {"200": _json(_ref("Account"))}, *WITH_BODY, 404,
+                         body="PatchAccount", params=account),
+        },
+        "/admin/accounts/{account_id}/billing": {"get": _op("Billing state and unpaid invoices", {"200": _json(_ref("BillingAccount"))},
+                                                            *AUTHED, 404, params=account)},
+        "/admin/accounts/{account_id}/prices": {
+            "get": _op("Price overrides and prices in force", {"200": _json(_ref("AccountPrices"))}, *AUTHED, 404, params=account),
+            "post": _op("Add a price override version", {"201": _json(_ref("PriceOverride"), "Created")}, *WITH_BODY, 404, 409,
+                        body="AddOverride", params=account),
+        },
+        "/admin/prices": {
+            "get": _op("Price versions", {"200": _json(_list_of("Price"))}, *AUTHED, params=[_query("model", STR)]),
+            "post": _op("Add a price version", {"201": _json(_ref("Price"), "Created")}, *WITH_BODY, 409, body="AddPrice"),
+        },
+        "/admin/keys": {
+            "post": _op("Create a key (the secret is in this answer only)", {"201": _json(_ref("Key"), "Created")}, *WITH_BODY, 404,
+                        body="CreateKey"),
+            "get": _op("List keys (never secrets)", {"200": _json(_list_of("Key"))}, *AUTHED, params=[_query("account_id", ID)]),
+        },
+        "/admin/keys/{key_id}": {
+            "get": _op("One key", {"200": _json(_ref("Key"))}, *AUTHED, 404, params=key),
+            "delete": _op("Revoke a key", {"200": _json(_ref("Key"))}, *AUTHED, 404, params=key),
+            "patch": _op("Set a key's limits", {"200": _json(_ref("Key"))}, *WITH_BODY, 404, body="PatchLimits", params=key),
+        },
+        "/admin/usage": {"get": _op("Ledger sums and entries", {"200": _json(_ref("AdminUsage"))}, *AUTHED, params=[
+            _query("account_id", ID), _query("start", WHEN), _query("end", WHEN), _query("limit", ID),
+        ])},
+        "/admin/invoices": {"get": _op("Invoices", {"200": _json(_list_of("Invoice"))}, *AUTHED, params=[
+            _query("account_id", ID), _query("period", PERIOD),
+        ])},
+        "/admin/invoices/close": {"post": _op(
+            "Close a month", {"200": _json(_ref("BillingPeriod")), "202": _json(_ref("BillingPeriod"), "Closing in the background")},
+            *WITH_BODY, body="CloseRequest")},
+        "/admin/invoices/{invoice_id}": {"get": _op("One invoice", {"200": _json(_ref("Invoice"))}, *AUTHED, 404, params=invoice)},
+        "/admin/invoices/{invoice_id}/{fmt}": {"get": _op("One invoice as a page or PDF", invoice_page, *AUTHED, 404,
+                                                          params=[*invoice, FORMAT])},
+        "/admin/invoices/{invoice_id}/sync": {"post": _op("Push an invoice to Stripe", {"200": _json({"type": "object"})}, *AUTHED, 404, 502,
+                                                          params=invoice)},
+        "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,
+                                                       params=[_path("period", PERIOD)])},
+        "/webhooks/stripe": {"post": {
+            **_op("Stripe events (signed)", {"200": _json(_obj({"received": BOOL}))}, 400, 404, 408, 413, 431, 502, public=True),
+            "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object"}}}},
+            "parameters": [{"name": "Stripe-Signature", "in": "header", "required": False, "schema": STR}],
+        }},
+    }
+
+
+TOKENS = {"type": "array", "minItems": 1, "items": INT}
+EMBEDDING_REQUEST = _obj({
+    "model": {"type": "string", "minLength": 1},
+    "input": {"anyOf": [
+        {"type": "string", "minLength": 1}, TOKENS,
+        {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKENS]}},
+    ]},
+}, {
+    "encoding_format": _nullable({"enum": ["float", "base64"]}),
+    "dimensions": _nullable({"type": "integer", "minimum": 1}),
+})
+EMBEDDINGS = _obj({
+    "object": {"const": "list"}, "model": STR,
+    "data": {"type": "array", "items": _obj({"object": {"const": "embedding"}, "index": INT,
+                                             "embedding": {"anyOf": [{"type": "array", "items": NUM}, STR]}})},
+    "usage": _obj({"prompt_tokens": INT, "total_tokens": INT}),
+})
+
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "ChatCompletionRequest": ChatCompletionRequest,
+    "CompletionRequest": CompletionRequest,
+    "CreateAccount": admin.CreateAccount,
+    "CreateKey": admin.CreateKey,
+    "AddPrice": admin.AddPrice,
+    "CloseRequest": billing_api.CloseRequest,
+    "AddOverride": billing_api.AddOverride,
+}
+
+
+def _times(node: Any) -> Any:
+    """pydantic's datetime fields also take Unix seconds: say so."""
+    if isinstance(node, dict):
+        if node.get("format") == "date-time":
+            return {"type": ["string", "number"], "description": "ISO 8601 time or Unix seconds"}
+        return {k: _times(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_times(v) for v in node]
+    return node
+
+
+def _request_schemas() -> dict[str, Any]:
+    schemas: dict[str, Any] = {
+        "PatchLimits": _obj({"limits": LIMITS}),
+        "PatchAccount": {
+            "type": "object", "anyOf": [{"required": ["limits"]}, {"required": ["priority"]}],
+            "properties": {"limits": LIMITS, "priority": _nullable({"type": "string", "maxLength": 32, "description": "a scheduling class"})},
+        },
+        "EmbeddingRequest": EMBEDDING_REQUEST,
+    }
+    for name, model in REQUEST_MODELS.items():
+        schema = _times(model.model_json_schema(ref_template="#/components/schemas/{model}"))
+        schemas.update(schema.pop("$defs", {}))
+        schema["title"] = name
+        schemas[name] = schema
+    return schemas
+
+
+@lru_cache(maxsize=4)
+def document(served: frozenset[str] | None = None) -> dict[str, Any]:
+    """The whole document, or only the paths in `served` (what this app mounts)."""
+    paths = {p: ops for p, ops in _paths().items() if served is None or p in served}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Tollgate",
+            "version": "0.1.0",
+            "description": "A token-metered, OpenAI-compatible LLM gateway. Errors are always "
+                           "`{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`; every response carries `x-request-id`.",
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "An API key, `sk-...`; `/admin/` needs an admin key"}},
+            "schemas": {**RESPONSES, **_request_schemas()},
+        },
+        "security": [{"bearer": []}],
+        "paths": paths,
+    }
+
+
+def route_path(path: str) -> str:
+    """Starlette's `/v1/models/{model_id:path}` as OpenAPI's `/v1/models/{model_id}`."""
+    return re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", path)
+
+
+async def openapi_document(request: Request) -> Response:
+    served = frozenset(route_path(r.path) for r in request.app.routes if isinstance(r, Route))
+    return Response(orjson.dumps(document(served)), media_type=JSON)

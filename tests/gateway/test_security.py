@@ -1,0 +1,293 @@
+"""Security (issue 8): keys only as keyed hashes at rest and never in logs, metrics or error bodies;
+customer keys kept off every admin endpoint and out of other accounts' data (every route that takes
+an id); timeouts on every outbound call; CORS off; security headers on pages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from starlette.routing import Route
+
+from billing.db import create_engine
+from billing.prices import PriceBook
+from gateway.logs import JsonFormatter
+from tests.billing.invoice_helpers import usage
+from tests.conftest import MODEL, Gateway, run_coro, start_gateway
+from tests.fakes.engine import FakeEngine
+from tests.gateway.test_dashboard_security import TOKEN, browser
+
+PAST = "2026-10"
+IN_PAST = datetime(2026, 10, 15, 12, tzinfo=timezone.utc)
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(JsonFormatter())
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.split(".")[0] not in ("httpx", "httpcore"):  # the test's own HTTP client, not the server
+            self.lines.append(self.format(record))
+
+
+@pytest.fixture(scope="module")
+def secure_gw(fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    server, gw = start_gateway(fresh_pg_database(), FakeEngine(MODEL), tmp_path_factory.mktemp("gw-security"))
+    try:
+        yield gw
+    finally:
+        server.__exit__()
+
+
+@pytest.fixture(scope="module")
+def two_accounts(secure_gw: Gateway) -> dict[str, Any]:
+    """Accounts a and b, a key each, and an invoice each for a closed month."""
+
+    async def setup() -> dict[str, Any]:
+        a, b = await secure_gw.new_key(), await secure_gw.new_key()
+        db = create_engine(secure_gw.db_url)
+        try:
+            await PriceBook(db).add(MODEL, "1.000", "2.000", datetime(2026, 9, 1, tzinfo=timezone.utc), backdate=True)
+            for key in (a, b):
+                await usage(db, key["account_id"], MODEL, 1000, 500, IN_PAST)
+        finally:
+            await db.dispose()
+        async with secure_gw.admin_client() as admin:
+            closed = await admin.post("/admin/invoices/close", json={"period": PAST, "wait": True})
+            assert closed.status_code == 200, closed.text
+            invoices = (await admin.get(f"/admin/invoices?period={PAST}")).json()["data"]
+        by_account = {i["account_id"]: i["id"] for i in invoices}
+        return {"a": a, "b": b, "a_invoice": by_account[a["account_id"]], "b_invoice": by_account[b["account_id"]]}
+
+    return run_coro(setup())  # type: ignore[no-any-return]
+
+
+def as_key(gw: Gateway, key: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def fill(path: str, ids: dict[str, Any]) -> str:
+    return re.sub(r"\{(\w+)(:\w+)?\}", lambda m: str(ids[m.group(1)]), path)
+
+
+def id_routes(gw: Gateway) -> set[tuple[str, str]]:
+    return {(m, r.path) for r in gw.app.routes if isinstance(r, Route) and "{" in r.path for m in (r.methods or ()) if m != "HEAD"}
+
+
+async def test_customer_keys_never_reach_admin_endpoints(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
+    b = two_accounts["b"]
+    ids = {"account_id": b["account_id"], "key_id": b["id"], "invoice_id": two_accounts["b_invoice"], "fmt": "pdf", "period": PAST}
+    tried = 0
+    async with as_key(secure_gw, two_accounts["a"]["key"]) as c:
+        for route in secure_gw.app.routes:
+            if not isinstance(route, Route) or not route.path.startswith("/admin"):
+                continue
+            for method in (route.methods or set()) - {"HEAD"}:
+                r = await c.request(method, fill(route.path, ids), json={} if method in ("POST", "PATCH") else None)
+                assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required", (method, route.path, r.text)
+                tried += 1
+    assert tried >= 20
+    async with secure_gw.admin_client() as admin:  # and nothing happened to b
+        assert (await admin.get(f"/admin/keys/{b['id']}")).json()["revoked_at"] is None
+
+
+async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
+    a, b = two_accounts["a"], two_accounts["b"]
+    checked: set[tuple[str, str]] = set()
+    async with as_key(secure_gw, a["key"]) as c:
+        for suffix in ("", "/html", "/pdf"):
+            own = await c.get(f"/v1/invoices/{two_accounts['a_invoice']}{suffix}")
+            assert own.status_code == 200  # the same call works on its own invoice
+            other = await c.get(f"/v1/invoices/{two_accounts['b_invoice']}{suffix}")
+            assert other.status_code == 404 and str(b["account_id"]) not in other.text.replace(str(two_accounts["b_invoice"]), "")
+            checked.add(("GET", "/v1/invoices/{invoice_id}" + ("/{fmt:str}" if suffix else "")))
+        listed = (await c.get("/v1/invoices")).json()["data"]
+        assert [i["id"] for i in listed] == [two_accounts["a_invoice"]]
+        assert (await c.get(f"/v1/usage?account_id={a['account_id']}")).status_code == 200
+        refused = await c.get(f"/v1/usage?account_id={b['account_id']}")
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "account_not_allowed"
+        assert (await c.get("/v1/usage")).json()["account_id"] == a["account_id"]
+        checked.add(("GET", "/v1/models/{model_id:path}"))  # per key, not per account: see test_completions
+    narrow = await secure_gw.new_key(a["account_id"], models=["another-model"])
+    async with as_key(secure_gw, narrow["key"]) as c:
+        assert (await c.get(f"/v1/models/{MODEL}")).status_code == 404
+
+    # The dashboards: a customer's session gets no admin page or form, whatever id it names.
+    s = browser(secure_gw)
+    form = s.get("/dashboard/login")
+    assert s.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": a["key"]}).status_code == 303
+    token = TOKEN.search(s.get("/dashboard/account").text).group(1)
+    ids = {"account_id": b["account_id"], "key_id": b["id"]}
+    for method, path in sorted(id_routes(secure_gw)):
+        if not path.startswith("/dashboard"):
+            continue
+        data = {"csrf_token": token, "name": "x", "models": "m", "rpm": "1"} if method == "POST" else None
+        r = s.request(method, fill(path, ids), data=data)
+        assert r.status_code == 403, (method, path, r.status_code)
+        checked.add((method, path))
+    async with secure_gw.admin_client() as admin:
+        after = (await admin.get(f"/admin/keys/{b['id']}")).json()
+        assert after["revoked_at"] is None and after["limits"] == {} and after["models"] is None
+    admin_only = {(m, p) for m, p in id_routes(secure_gw) if p.startswith("/admin")}  # covered by the test above
+    assert id_routes(secure_gw) - admin_only <= checked, "a route that takes an id has no cross-account check here"
+
+
+async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
+    captured = Captured()
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(captured)
+    root.setLevel(logging.DEBUG)
+    exposed: list[str] = []  # every byte a client or scraper saw, except the one answer that hands out a secret
+    try:
+        a = two_accounts["a"]["key"]
+        limited = await secure_gw.new_key()
+        revoked = await secure_gw.new_key()
+        async with secure_gw.admin_client() as admin:
+            await admin.patch(f"/admin/keys/{limited['id']}", json={"limits": {"rpm": 1}})
+            await admin.delete(f"/admin/keys/{revoked['id']}")
+            created = await admin.post("/admin/keys", json={"account_id": two_accounts["a"]["account_id"]})
+            for path in ("/admin/keys", f"/admin/keys/{limited['id']}", "/admin/accounts", "/admin/usage", "/admin/invoices"):
+                r = await admin.get(path)
+                exposed.append(r.text + str(r.headers))
+        secrets = [a, limited["key"], revoked["key"], created.json()["key"], secure_gw.admin_key]
+        ghost = "sk-" + uuid.uuid4().hex + uuid.uuid4().hex  # key-shaped, unknown
+        secrets.append(ghost)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+        flows: list[tuple[str, str, str, Any, dict[str, str]]] = [
+            (a, "POST", "/v1/chat/completions", chat, {}),
+            (a, "POST", "/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}}, {}),
+            (a, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}, {}),
+            (a, "GET", "/v1/models", None, {}), (a, "GET", "/v1/usage?group_by=model,key", None, {}),
+            (a, "GET", "/v1/invoices", None, {}), (a, "GET", f"/v1/invoices/{two_accounts['a_invoice']}/html", None, {}),
+            (a, "POST", "/v1/chat/completions", {**chat, "model": a}, {}),  # the key as a model name: 404 echoing it
+            (a, "POST", "/v1/chat/completions", {**chat, "user": a, "messages": [{"role": "user", "content": a}]}, {}),
+            (a, "POST", "/v1/chat/completions", {**chat, "max_tokens": a}, {}),  # 400 naming the bad value
+            (a, "GET", f"/v1/models/{a}", None, {}), (a, "GET", f"/v1/usage?start={a}", None, {}),
+            (a, "GET", f"/v1/invoices/{a}/pdf", None, {}), (a, "GET", f"/nowhere/{a}?key={a}", None, {}),
+            (a, "POST", "/v1/chat/completions", b"{" + a.encode(), {"content-type": "application/json"}),
+            (a, "POST", "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * 2_000_000}]}, {}),
+            (a, "POST", "/admin/accounts", {"name": a}, {}),
+            (ghost, "GET", "/v1/models", None, {}), (revoked["key"], "POST", "/v1/chat/completions", chat, {}),
+            (limited["key"], "POST", "/v1/chat/completions", chat, {}), (limited["key"], "POST", "/v1/chat/completions", chat, {}),
+            (secure_gw.admin_key, "PATCH", f"/admin/keys/{limited['id']}", {"limits": {"rpm": a}}, {}),
+            (secure_gw.admin_key, "GET", f"/admin/keys/{secure_gw.admin_key}", None, {}),
+            ("", "GET", "/v1/models", None, {"Authorization": f"Basic {a}"}),
+            ("", "GET", "/v1/models", None, {"Authorization": f"Bearer {a} {a}"}),
+        ]
+        statuses = set()
+        async with httpx.AsyncClient(base_url=secure_gw.base_url, timeout=30) as c:
+            for key, method, path, body, headers in flows:
+                hdrs = {"Authorization": f"Bearer {key}"} if key else {}
+                hdrs.update(headers)
+                kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
+                r = await c.request(method, path, headers=hdrs, **kwargs)
+                statuses.add(r.status_code)
+                exposed.append(r.text + str(r.headers))
+            exposed.append((await c.get("/metrics")).text)
+        assert {200, 400, 401, 403, 404, 413, 429} <= statuses  # successes, errors and quota rejections all ran
+        s = browser(secure_gw)  # dashboard logins, right and wrong
+        for key in (a, ghost, secure_gw.admin_key):
+            form = s.get("/dashboard/login")
+            r = s.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": key})
+            exposed.append(r.text + str(r.headers) + s.get("/dashboard").text)
+        await asyncio.sleep(0.5)  # let the ledger writer and access log finish
+    finally:
+        root.removeHandler(captured)
+        root.setLevel(old_level)
+
+    at_rest = [p.read_bytes().decode("latin-1") for p in Path(secure_gw.settings.data_dir).rglob("*") if p.is_file()]
+    db = create_engine(secure_gw.db_url)
+    try:
+        async with db.connect() as conn:
+            tables = (await conn.execute(sa.text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'"))).scalars().all()
+            for table in tables:
+                rows = (await conn.execute(sa.text(f'SELECT * FROM "{table}"'))).all()
+                at_rest.append(repr(rows))
+    finally:
+        await db.dispose()
+    haystacks = {"logs": "\n".join(captured.lines), "responses and metrics": "\n".join(exposed), "storage": "\n".join(at_rest)}
+    assert len(captured.lines) > 20 and len(tables) >= 5
+    for where, text in haystacks.items():
+        for secret in secrets:
+            assert secret not in text, f"a raw key appears in {where}"
+            assert secret[3:] not in text, f"a raw key's secret part appears in {where}"
+
+
+def blackhole() -> tuple[socket.socket, int]:
+    """A listener that accepts connections and never says a word."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv, srv.getsockname()[1]
+
+
+async def test_every_outbound_call_has_a_deadline() -> None:
+    from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope
+    from billing.limits import Limits
+    from billing.config import BillingConfig
+    from billing.stripe_sync import stripe_client
+
+    srv, port = blackhole()
+    try:
+        db = create_engine(f"postgresql://postgres@127.0.0.1:{port}/x")  # Postgres that never answers
+        started = time.monotonic()
+        with pytest.raises(Exception):
+            async with db.connect() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+        assert time.monotonic() - started < 8  # the connect timeout (5 s), not forever
+        await db.dispose()
+
+        lim = RedisLimiter(f"redis://127.0.0.1:{port}/0", LedgerTotals(create_engine("sqlite:///:memory:")), timeout=0.05)
+        started = time.monotonic()
+        with pytest.raises(QuotaUnavailable):
+            await lim.reserve("r", [Scope("key", 1, Limits(rpm=5))], 1, 0)
+        assert time.monotonic() - started < 1
+        await lim.close()
+    finally:
+        srv.close()
+    # Stripe: the SDK's HTTP client has a finite timeout; the engines' pools set theirs (tests/engines).
+    client = stripe_client(BillingConfig.from_mapping({"TOLLGATE_STRIPE_API_KEY": "sk_test_x"}))
+    assert 0 < client._requestor._client._timeout <= 80  # type: ignore[attr-defined]
+
+
+async def test_cors_is_off_and_pages_carry_security_headers(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(base_url=secure_gw.base_url, timeout=30) as c:
+        pre = await c.options("/v1/chat/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization",
+        })
+        assert pre.status_code in (404, 405) and not any(h.startswith("access-control-") for h in pre.headers)
+        r = await c.get("/v1/models", headers={"Origin": "https://evil.example", "Authorization": f"Bearer {two_accounts['a']['key']}"})
+        assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers)
+        assert r.headers["x-content-type-options"] == "nosniff"
+        login = await c.get("/dashboard/login")
+        page = await c.get(f"/v1/invoices/{two_accounts['a_invoice']}/html", headers={"Authorization": f"Bearer {two_accounts['a']['key']}"})
+        for response in (login, page):
+            assert response.headers["content-type"].startswith("text/html")
+            assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+            assert response.headers["x-frame-options"] == "DENY" and response.headers["x-content-type-options"] == "nosniff"
+            assert "referrer-policy" in response.headers

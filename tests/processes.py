@@ -1,0 +1,153 @@
+"""Processes the reliability tests may stop, kill and restart: a private Postgres cluster (never the
+shared one on 5432) and `tollgate serve` subprocesses."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.conftest import SECRET, run_coro
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def postgres_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
+
+
+class PrivatePostgres:
+    """A throwaway cluster on a free port in a temp dir (run as the `postgres` OS user when we are root)."""
+
+    def __init__(self) -> None:
+        bindir = postgres_bin()
+        if bindir is None:
+            pytest.skip("initdb/pg_ctl not installed")
+        self.bin = bindir
+        self.port = free_port()
+        self.root = Path(tempfile.mkdtemp(prefix="tollgate-pg-"))
+        self.data = self.root / "data"
+        self.as_postgres = os.geteuid() == 0
+        if self.as_postgres:
+            shutil.chown(self.root, "postgres", "postgres")
+        self._pg(["initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+
+    def _pg(self, argv: list[str], check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        cmd = [str(self.bin / argv[0]), *argv[1:]]
+        if self.as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        return subprocess.run(cmd, check=check, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off -c max_connections=100"
+        self._pg(["pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "-t", "60", "start"])
+
+    def stop(self, mode: str = "fast") -> None:
+        self._pg(["pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop"], check=False)
+
+    def url(self, db: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{db}"
+
+    def create_database(self, name: str) -> str:
+        async def make() -> None:
+            conn = await asyncpg.connect(host="127.0.0.1", port=self.port, user="postgres", database="postgres")
+            try:
+                await conn.execute(f'CREATE DATABASE "{name}"')
+            finally:
+                await conn.close()
+
+        run_coro(make())
+        return self.url(name)
+
+    def destroy(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class GatewayProcess:
+    """`tollgate serve` in a subprocess, so a test can SIGKILL it and start it again on the same data."""
+
+    def __init__(self, db_url: str, data_dir: Path, admin_key: str, **env: str) -> None:
+        self.db_url = db_url
+        self.data_dir = data_dir
+        self.admin_key = admin_key
+        self.port = free_port()
+        self.env = {
+            **os.environ, "DATABASE_URL": db_url, "TOLLGATE_SECRET": SECRET, "TOLLGATE_PORT": str(self.port),
+            "TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ADMIN_KEY": admin_key, "TOLLGATE_REDIS_TIMEOUT_MS": "250", **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.logs: list[Path] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> "GatewayProcess":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir / f"serve-{len(self.logs)}.log"
+        self.logs.append(log)
+        exe = Path(sys.executable).with_name("tollgate")
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([str(exe), "serve", "--log-level", "info"], env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(self.base_url + "/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway did not become ready"
+            time.sleep(0.2)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            self.proc = None
+
+    def log_text(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+    def admin(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=30)
+
+    async def new_key(self, **fields: Any) -> dict[str, Any]:
+        import uuid
+
+        async with self.admin() as c:
+            account = (await c.post("/admin/accounts", json={"name": f"acct-{uuid.uuid4().hex[:8]}"})).json()
+            r = await c.post("/admin/keys", json={"account_id": account["id"], **fields})
+            assert r.status_code == 201, r.text
+            return r.json()
