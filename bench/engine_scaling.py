@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import secrets
 import socket
 import statistics
@@ -173,17 +174,18 @@ def run_checks(rows: list[dict[str, float]]) -> list[dict[str, Any]]:
     return checks
 
 
-def print_table(rows: list[dict[str, float]], checks: list[dict[str, Any]], rounds: int) -> None:
+def print_table(result: dict[str, Any]) -> None:
     header = ["concurrency", "direct tok/s", "gateway tok/s", "gateway/direct", "scaling direct", "scaling gateway"]
-    print(f"\nmedian of {rounds} round(s)")
+    load = result["loadavg_at_start"][0]
+    print(f"\nmedian of {result['rounds']} round(s), {result['max_tokens']} max tokens, {result['cpus']} CPUs, load average at start {load:.2f}")
     print(" | ".join(header))
     print(" | ".join("-" * len(h) for h in header))
-    for r in rows:
+    for r in result["summary"]:
         cells = [f"{r['concurrency']:.0f}", f"{r['direct_tok_s']:.1f}", f"{r['gateway_tok_s']:.1f}",
                  f"{r['gateway_over_direct']:.2f}", f"{r['direct_scaling']:.2f}x", f"{r['gateway_scaling']:.2f}x"]
         print(" | ".join(c.rjust(len(h)) for c, h in zip(cells, header)))
     print()
-    for check in checks:
+    for check in result["checks"]:
         print(f"{'PASS' if check['passed'] else 'FAIL'}  {check['name']}")
 
 
@@ -202,6 +204,7 @@ async def run_rounds(modes: dict[str, StreamFn], args: argparse.Namespace) -> di
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    load_at_start = os.getloadavg()
     engine = HFEngine(model_id=DEFAULT_MODEL_ID, device=args.device, max_batch_size=max(32, max(args.concurrency)))
     await engine.start()
     try:
@@ -211,12 +214,12 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             key = await customer_key(db_url, secret)
             settings = Settings(database_url=db_url, server_secret=secret, data_dir=Path(tmp))
             with ServerThread(create_app(settings, engines={engine.model_id: engine})) as server:
-                client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=key, max_retries=0, timeout=600)
-                modes = {"direct": direct_streamer(engine), "gateway": gateway_streamer(client, engine.model_id)}
-                for stream in modes.values():  # warm-up: first-call costs (HTTP pool, key lookup, kernels)
-                    await measure(stream, max(args.concurrency), 8)
-                samples = await run_rounds(modes, args)
-                await client.close()
+                base_url = f"http://127.0.0.1:{server.port}/v1"
+                async with AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600) as client:
+                    modes = {"direct": direct_streamer(engine), "gateway": gateway_streamer(client, engine.model_id)}
+                    for stream in modes.values():  # warm-up: first-call costs (HTTP pool, key lookup, kernels)
+                        await measure(stream, max(args.concurrency), 8)
+                    samples = await run_rounds(modes, args)
     finally:
         await engine.stop()
     rows = summarize(samples, args.concurrency)
@@ -226,6 +229,8 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": load_at_start,  # other work on the machine skews every number
         "summary": rows,
         "checks": run_checks(rows),
         "samples": {m: {str(c): s for c, s in by_c.items()} for m, by_c in samples.items()},
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     args.concurrency = sorted(set(args.concurrency))
     logging.basicConfig(level=logging.WARNING)
     result = asyncio.run(run_bench(args))
-    print_table(result["summary"], result["checks"], args.rounds)
+    print_table(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.json}")

@@ -49,6 +49,7 @@ class UsageRecord:
     ttft_ms: float | None = None
     estimated: bool = False
     cost_nanos: int | None = None
+    cached: bool = False  # issue 10: served from the response cache
     created_at: datetime = field(default_factory=utcnow)
 
 

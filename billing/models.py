@@ -23,6 +23,8 @@ class Account(SQLModel, table=True):
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )
+    # The plan's scheduling class (engines/scheduler.py), e.g. "batch"; NULL means the top class.
+    priority: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
 
 
 class ApiKey(SQLModel, table=True):
@@ -91,6 +93,7 @@ class LedgerEntry(SQLModel, table=True):
     # Cost in nano-USD (1e-9) at the price in force when the request ran; NULL when unpriced.
     cost_nanos: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
     queue_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
+    cached: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False, server_default=sa.false()))  # issue 10
     ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
     created_at: datetime = Field(

@@ -80,6 +80,8 @@ class QueueEvent:
     model: str
     priority: str
     wait_s: float
+    request_id: str
+    account_id: int | None
 
 
 class _Ticket:
@@ -449,7 +451,9 @@ class ScheduledEngine(Engine):
         self._served = {a: v for a, v in self._served.items() if a in keep or v > self._vclock}
 
     def _emit(self, kind: str, ticket: _Ticket, now: float) -> None:
-        event = QueueEvent(kind, self.model_id, self.classes[ticket.rank].name, max(0.0, now - ticket.enqueued))
+        event = QueueEvent(
+            kind, self.model_id, self.classes[ticket.rank].name, max(0.0, now - ticket.enqueued), ticket.request_id, ticket.account
+        )
         for listener in self.listeners:
             try:
                 listener(event)
@@ -465,8 +469,9 @@ def schedule_engines(
     served: dict[str, Engine], make: Callable[[Engine], ScheduledEngine]
 ) -> tuple[dict[str, Engine], list[ScheduledEngine]]:
     """Puts a scheduler in front of every engine that runs requests: a model's fallback chain gets
-    its candidates wrapped (in place), a bare engine is wrapped itself. An engine shared by several
-    models or aliases gets one scheduler. Returns the served map and the schedulers."""
+    its candidates wrapped (in place), a bare engine is wrapped itself, a routing model is left as
+    it is. An engine shared by several models or aliases gets one scheduler. Returns the served map
+    and the schedulers."""
     made: dict[int, ScheduledEngine] = {}
 
     def wrap(engine: Engine) -> Engine:
@@ -476,9 +481,13 @@ def schedule_engines(
             made[id(engine)] = make(engine)
         return made[id(engine)]
 
+    from engines.router import RouterEngine
+
     out: dict[str, Engine] = {}
     for name, engine in served.items():
-        if isinstance(engine, FallbackEngine):
+        if isinstance(engine, RouterEngine):  # runs nothing itself: its models are scheduled as served
+            out[name] = engine
+        elif isinstance(engine, FallbackEngine):
             engine.candidates[:] = [wrap(c) for c in engine.candidates]
             out[name] = engine
         else:

@@ -53,6 +53,17 @@ class PatchLimits(_Model):
         return None
 
 
+class PatchAccount(_Model):
+    limits: dict[str, Any] | None = None
+    priority: str | None = Field(default=None, max_length=32)  # the scheduling class; null: the top class
+
+    def check_supported(self) -> None:
+        if not self.model_fields_set & {"limits", "priority"}:
+            raise InvalidRequest("give limits, priority or both", param="limits")
+        if "limits" in self.model_fields_set and self.limits is None:
+            raise InvalidRequest("limits must be an object", param="limits", code="invalid_value")
+
+
 class AddPrice(_Model):
     model: str = Field(min_length=1, max_length=128)
     input_per_million: StrictStr | StrictInt  # strict: JSON true is no price
@@ -96,9 +107,12 @@ def _path_id(request: Request, name: str = "key_id", what: str = "key") -> int:
     return value
 
 
-async def _patched_limits(request: Request, apply: Any, scope_kind: str, scope_id: int, what: str) -> Response:
+async def _patched_limits(
+    request: Request, apply: Any, scope_kind: str, scope_id: int, what: str, body: Any = None
+) -> Response:
     state = request.app.state
-    body = parse(PatchLimits, await read_json(request, state.settings.max_body_bytes))
+    if body is None:
+        body = parse(PatchLimits, await read_json(request, state.settings.max_body_bytes))
     try:
         updated = await apply(scope_id, body.limits)
     except InvalidLimits as exc:
@@ -120,7 +134,18 @@ async def patch_account(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
     account_id = _path_id(request, "account_id", "account")
-    return await _patched_limits(request, state.keys.set_account_limits, "account", account_id, "account")
+    body = parse(PatchAccount, await read_json(request, state.settings.max_body_bytes))
+    classes = [c.name for c in state.settings.priority_classes]
+    if body.priority is not None and body.priority not in classes:
+        raise InvalidRequest(f"priority must be one of {', '.join(classes)} (or null)", param="priority", code="invalid_value")
+    if body.limits is not None:
+        limited = await _patched_limits(request, state.keys.set_account_limits, "account", account_id, "account", body)
+        if "priority" not in body.model_fields_set:
+            return limited
+    updated = await state.keys.set_account_priority(account_id, body.priority)
+    if updated is None:
+        raise NotFound("No such account.", param="id")
+    return json_response(updated)
 
 
 async def get_account(request: Request) -> Response:

@@ -25,8 +25,11 @@ from billing.ledger import LedgerWriter, release_interrupted
 from billing.prices import PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine
+from engines.scheduler import ScheduledEngine, schedule_engines
 from gateway import admin, dashboard
 from gateway import billing_api
+from gateway import embeddings_api, response_cache  # issue 10
+from engines.router import route_body  # issue 10
 from gateway.config import Settings
 from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound, ServiceUnavailable
 from gateway.http import authenticate, read_json
@@ -48,8 +51,18 @@ def json_response(payload: Any, status_code: int = 200, headers: dict[str, str] 
 
 
 def build_engines(settings: Settings) -> dict[str, Engine]:
+    if settings.models_file:
+        from engines.registry import ModelsConfigError, load_models
+
+        try:
+            return load_models(settings.models_file).build()
+        except ModelsConfigError as exc:
+            raise SystemExit(f"error in the models file:\n{exc}") from None
     if settings.engine_backend != "hf":
-        raise SystemExit(f"unknown engine backend {settings.engine_backend!r} (available: hf)")
+        raise SystemExit(
+            f"TOLLGATE_ENGINE={settings.engine_backend!r}: without a models file only the hf backend is served; "
+            "describe trtllm and openai models in a models.yaml (TOLLGATE_MODELS or --models)"
+        )
     from engines.hf import HFEngine
 
     engine = HFEngine(
@@ -60,6 +73,7 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
         max_queue=settings.max_queue,
         kv_cache_tokens=settings.kv_cache_tokens,
         max_batch_tokens=settings.max_batch_tokens,
+        cuda_graphs=settings.cuda_graphs,
         warmup=settings.warmup,
     )
     return {engine.model_id: engine}
@@ -72,6 +86,25 @@ def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
         journal = LedgerJournal(settings.data_dir / "journal", fsync_interval=settings.ledger_fsync_interval)
     ledger = LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog)
     return ledger, (ledger.recover() if journal is not None else Recovered())
+
+
+def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, Engine], list[ScheduledEngine]]:
+    """The gateway's queue in front of every engine (docs/scheduling.md); off: the engines as they are."""
+    if not settings.scheduler:
+        return served, []
+    classes = settings.priority_classes
+
+    def make(engine: Engine) -> ScheduledEngine:
+        return ScheduledEngine(
+            engine,
+            capacity=settings.scheduler_capacity or None,
+            capacity_tokens=settings.scheduler_capacity_tokens or None,
+            reserve=settings.scheduler_reserve,
+            classes=classes,
+            max_queue=settings.scheduler_max_queue,
+        )
+
+    return schedule_engines(served, make)
 
 
 def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
@@ -92,16 +125,22 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     state = request.app.state
     request_id = request_id_of(request)  # made by RequestContext; also the ledger row's id
     principal = await authenticate(request, state.keys)
-    body = parse(model, await read_json(request, state.settings.max_body_bytes))
+    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    raw = await read_json(request, state.settings.max_body_bytes)
+    raw = route_body(state.service.engines, raw, kind)  # issue 10: a virtual model (`auto`) names a real one
+    body = parse(model, raw, passthrough=_passes_through(state.service, raw))
     service: CompletionService = state.service
     if kind == "chat":
         gen = service.prepare_chat(principal, body, request_id)
     else:
         gen = service.prepare_text(principal, body, request_id)
+    cached = await response_cache.replay(request, gen)  # issue 10: a hit is metered and served from the cache
+    if cached is not None:
+        return cached
     await service.admit(gen)
     # Admitted from here on: the metered stream settles the quota and writes the ledger row.
     headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
-    return GenerationResponse(gen, service.metered(gen), headers)
+    return GenerationResponse(gen, response_cache.recording(request, gen, service.metered(gen)), headers)  # issue 10
 
 
 async def chat_completions(request: Request) -> Any:
@@ -116,10 +155,18 @@ def _model_card(engine: Engine) -> dict[str, Any]:
     return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": engine.owned_by}
 
 
+def _passes_through(service: CompletionService, raw: Any) -> bool:
+    """Whether the requested model's engine forwards fields it does not use (see Engine.passthrough)."""
+    name = raw.get("model") if isinstance(raw, dict) else None
+    engine = service.engines.get(name) if isinstance(name, str) else None
+    return bool(engine is not None and engine.passthrough)
+
+
 async def list_models(request: Request) -> Response:
     principal = await authenticate(request, request.app.state.keys)
     engines: dict[str, Engine] = request.app.state.service.engines
-    data = [_model_card(e) for mid, e in engines.items() if principal.may_use(mid)]
+    # Aliases resolve to the same engine under another key; the list names each model once.
+    data = [_model_card(e) for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
     return json_response({"object": "list", "data": data})
 
 
@@ -127,7 +174,7 @@ async def get_model(request: Request) -> Response:
     principal = await authenticate(request, request.app.state.keys)
     model_id = request.path_params["model_id"]
     engine = request.app.state.service.engines.get(model_id)
-    if engine is None or not principal.may_use(model_id):
+    if engine is None or not (principal.may_use(model_id) or principal.may_use(engine.model_id)):
         raise NotFound(f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
     return json_response(_model_card(engine))
 
@@ -193,7 +240,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
             db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds, stale_seconds=settings.key_stale_seconds
         )
         app.state.ledger = ledger
-        served = engines if engines is not None else build_engines(settings)
+        served, schedulers = schedule(engines if engines is not None else build_engines(settings), settings)
         prices = PriceBook(db)
         limiter = build_limiter(settings, db, ledger)
         releasing = asyncio.create_task(release_interrupted(ledger, limiter.settle, recovered, wait=30.0))
@@ -202,9 +249,12 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         app.state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
         # Observability and dashboards (issue 6).
         app.state.metrics = Metrics(served, ledger)
+        app.state.metrics.watch_queues(schedulers)
         ledger.add_listener(app.state.metrics.observe_usage)
         app.state.service.on_quota_rejected.append(app.state.metrics.quota_rejected)
         app.state.sessions = SessionStore(db, app.state.keys)
+        await embeddings_api.start(app)  # issue 10
+        await response_cache.start(app)  # issue 10
         await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
         loading: list[asyncio.Task[None]] = []
         if owns_engines:
@@ -215,6 +265,8 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
             yield
         finally:
             await billing_api.stop(app)
+            await embeddings_api.stop(app)  # issue 10
+            await response_cache.stop(app)  # issue 10
             releasing.cancel()
             for task in loading:
                 task.cancel()
@@ -239,6 +291,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *dashboard.routes,
         *billing_api.routes,
+        *embeddings_api.routes,  # issue 10
     ]
     return Starlette(
         routes=routes,

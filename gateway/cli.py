@@ -52,7 +52,11 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
     host = args.host or settings.host
     port = args.port or settings.port
-    settings = settings.with_overrides(host=host, port=port)
+    settings = settings.with_overrides(host=host, port=port, models_file=args.models or settings.models_file)
+    if settings.models_file and check_models_file(settings.models_file, quiet=not args.check):
+        return 2  # refuse to start on a bad models file, before anything loads
+    if args.check:
+        return 0
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrations.upgrade(settings.resolved_database_url)
     created = _with_keys(settings, lambda keys: keys.ensure_admin_key(settings.admin_key))
@@ -61,7 +65,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         print("Created the first admin key. It is shown only this once; store it now:")
         print(f"    {created}")
         print("=" * 72, flush=True)
-    print(f"Tollgate serving {settings.model_id} on http://{host}:{port}/v1", flush=True)
+    print(f"Tollgate serving {settings.models_file or settings.model_id} on http://{host}:{port}/v1", flush=True)
     configure_logging(args.log_format, args.log_level)  # JSON lines with request ids; uvicorn logs through it
     http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
     uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, loop="auto", http=http,
@@ -138,6 +142,30 @@ def cmd_keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def check_models_file(path: str, quiet: bool) -> int:
+    """Validates a models.yaml; prints every problem as file:line: field: message."""
+    from engines.registry import ModelsConfigError, load_models
+
+    try:
+        table = load_models(path)
+    except ModelsConfigError as exc:
+        print(f"error: {path} is not a usable models file:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    if not quiet:
+        for spec in table.specs.values():
+            extra = "".join(f" {k}={v}" for k, v in (("aliases", spec.aliases), ("fallbacks", spec.fallbacks)) if v)
+            print(f"{spec.id}: {spec.backend}{'' if spec.public else ' (not public)'}{extra}")
+    return 0
+
+
+def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
+    from bench import serve_bench
+
+    return serve_bench.report(args, serve_bench.run(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tollgate", description="Token-metered OpenAI-compatible LLM gateway.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -145,9 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="migrate, make sure an admin key exists, and serve the gateway")
     serve.add_argument("--host", help="bind address (default TOLLGATE_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default TOLLGATE_PORT or 8000)")
+    serve.add_argument("--models", help="models.yaml: the models to serve (default TOLLGATE_MODELS; else the embedded hf model)")
+    serve.add_argument("--check", action="store_true", help="only validate the models file, list its models and exit")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--log-format", default="json", choices=["json", "text"], help="log lines as JSON (default) or text")
     serve.set_defaults(func=cmd_serve)
+
+    from bench.serve_bench import add_arguments as bench_arguments
+
+    bench = sub.add_parser("bench", help="serving benchmark against OpenAI-compatible base URLs (Tollgate or an engine)")
+    bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
 
     mig = sub.add_parser("migrate", help="apply database migrations (DATABASE_URL, else the SQLite file)")
     mig.add_argument("--revision", help="target revision (default: head, or base with --downgrade)")

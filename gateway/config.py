@@ -6,6 +6,10 @@ import os
 import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engines.scheduler import PriorityClass
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 
@@ -42,11 +46,20 @@ class Settings:
     model_id: str = DEFAULT_MODEL_ID
     model_path: str | None = None  # HF checkpoint dir or .gguf file; None: the bundled SmolLM2
     engine_backend: str = "hf"
+    models_file: str | None = None  # models.yaml; None: serve model_id with the hf engine
     device: str = "cpu"
     max_batch_size: int = 32
     max_queue: int = 256
     kv_cache_tokens: int = 16384  # KV cache capacity of the hf engine; 0 = size from free memory
     max_batch_tokens: int = 1024  # tokens per continuous-batching step (prefill chunk)
+    cuda_graphs: bool = True  # hf engine on CUDA only
+    # The gateway's queue in front of every engine (docs/scheduling.md).
+    scheduler: bool = True
+    scheduler_capacity: int = 0  # requests let into an engine at once; 0: its batch size / its replicas' slots
+    scheduler_capacity_tokens: int = 0  # prompt + max_tokens let in at once; 0: no limit
+    scheduler_reserve: int = 1  # slots held for a top-class account with nothing running
+    scheduler_classes: str = "interactive:30,batch:600"  # highest first, each with its longest expected wait (s)
+    scheduler_max_queue: int = 10_000  # waiting requests per engine beyond which new ones are refused
     max_body_bytes: int = 1 << 20
     key_cache_seconds: float = 1.0
     redis_prefix: str = "tg:q:"
@@ -62,6 +75,12 @@ class Settings:
     max_header_bytes: int = 64 * 1024
     warmup: bool = True
     extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def priority_classes(self) -> tuple[PriorityClass, ...]:
+        from engines.scheduler import parse_classes
+
+        return parse_classes(self.scheduler_classes)
 
     @property
     def sqlite_path(self) -> Path:
@@ -95,6 +114,16 @@ def _fail_mode(raw: str) -> bool:
     return raw == "open"
 
 
+def _classes(raw: str) -> str:
+    from engines.scheduler import parse_classes
+
+    try:
+        parse_classes(raw)
+    except ValueError as exc:
+        raise SystemExit(f"TOLLGATE_SCHEDULER_CLASSES: {exc}") from None
+    return raw
+
+
 def load_settings() -> Settings:
     env = os.environ
     return Settings(
@@ -108,11 +137,19 @@ def load_settings() -> Settings:
         model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
         model_path=env.get("TOLLGATE_MODEL_PATH") or None,
         engine_backend=env.get("TOLLGATE_ENGINE", "hf"),
+        models_file=env.get("TOLLGATE_MODELS") or None,
         device=env.get("TOLLGATE_DEVICE", "cpu"),
         max_batch_size=_env_int("TOLLGATE_MAX_BATCH_SIZE", 32),
         max_queue=_env_int("TOLLGATE_MAX_QUEUE", 256),
         kv_cache_tokens=_env_int("TOLLGATE_KV_CACHE_TOKENS", 16384),
         max_batch_tokens=_env_int("TOLLGATE_MAX_BATCH_TOKENS", 1024),
+        scheduler=env.get("TOLLGATE_SCHEDULER", "1") not in ("0", "false", "no"),
+        scheduler_capacity=_env_int("TOLLGATE_SCHEDULER_CAPACITY", 0),
+        scheduler_capacity_tokens=_env_int("TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
+        scheduler_reserve=_env_int("TOLLGATE_SCHEDULER_RESERVE", 1),
+        scheduler_classes=_classes(env.get("TOLLGATE_SCHEDULER_CLASSES", "interactive:30,batch:600")),
+        scheduler_max_queue=_env_int("TOLLGATE_SCHEDULER_MAX_QUEUE", 10_000),
+        cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
         max_body_bytes=_env_int("TOLLGATE_MAX_BODY_BYTES", 1 << 20),
         key_cache_seconds=_env_float("TOLLGATE_KEY_CACHE_SECONDS", 1.0),
         redis_prefix=env.get("TOLLGATE_REDIS_PREFIX", "tg:q:"),

@@ -2,8 +2,9 @@
 
 Per-request figures come from the ledger writer's listener (one call per metered request, the
 same record the ledger gets); gauges of live state (engine queue and in-flight requests, ledger
-backlog and lag) are read at scrape time. Labels are model ids, statuses, limit names and route
-names only: never keys, accounts or anything a client can make up.
+backlog and lag, the schedulers' queues) are read at scrape time; time in the queue comes from
+the schedulers' listeners. Labels are model ids, statuses, limit names, route names and priority
+class names only: never keys, accounts or anything a client can make up.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from starlette.responses import Response
 
 from billing.ledger import LedgerWriter, UsageRecord
 from engines.base import Engine
+from engines.scheduler import QueueEvent, ScheduledEngine
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class _LiveState(Collector):
@@ -56,6 +59,30 @@ class _LiveState(Collector):
         )
 
 
+class _QueueState(Collector):
+    """The schedulers' queues (engines/scheduler.py), read at scrape time."""
+
+    def __init__(self, schedulers: list[ScheduledEngine]) -> None:
+        self._schedulers = schedulers
+
+    def collect(self) -> Iterator[Any]:
+        waiting = GaugeMetricFamily(
+            "tollgate_queue_waiting", "Requests waiting in the gateway's queue for an engine slot.", labels=["model", "priority"]
+        )
+        running = GaugeMetricFamily("tollgate_queue_running", "Requests the scheduler has let into the engine.", labels=["model"])
+        capacity = GaugeMetricFamily("tollgate_queue_capacity", "Requests the scheduler lets into the engine at once.", labels=["model"])
+        for scheduler in self._schedulers:
+            state = scheduler.snapshot()
+            for priority, count in state["waiting"].items():
+                waiting.add_metric([state["model"], priority], count)
+            running.add_metric([state["model"]], state["running"])
+            if state["capacity"] is not None:
+                capacity.add_metric([state["model"]], state["capacity"])
+        yield waiting
+        yield running
+        yield capacity
+
+
 class Metrics:
     def __init__(self, engines: Mapping[str, Engine], ledger: LedgerWriter) -> None:
         self.registry = CollectorRegistry()
@@ -77,6 +104,14 @@ class Metrics:
         self.quota_rejections = Counter(
             "tollgate_quota_rejections", "Requests refused by a quota or rate limit, by limit.", ["limit"], registry=reg
         )
+        self.queue_wait = Histogram(
+            "tollgate_queue_wait_seconds", "Time in the gateway's queue before an engine took the request, by priority class.",
+            ["model", "priority"], buckets=QUEUE_BUCKETS, registry=reg,
+        )
+        self.queue_abandoned = Counter(
+            "tollgate_queue_abandoned", "Requests whose client left while they waited in the queue (no engine saw them).",
+            ["model", "priority"], registry=reg,
+        )
         reg.register(_LiveState(engines, ledger))
 
     def observe_usage(self, record: UsageRecord) -> None:
@@ -88,6 +123,17 @@ class Metrics:
         self.latency.labels(model).observe(record.total_ms / 1000.0)
         if record.ttft_ms is not None:
             self.ttft.labels(model).observe(record.ttft_ms / 1000.0)
+
+    def watch_queues(self, schedulers: list[ScheduledEngine]) -> None:
+        for scheduler in schedulers:
+            scheduler.listeners.append(self.queue_event)
+        self.registry.register(_QueueState(schedulers))
+
+    def queue_event(self, event: QueueEvent) -> None:
+        if event.kind == "dispatched":
+            self.queue_wait.labels(event.model, event.priority).observe(event.wait_s)
+        elif event.kind == "abandoned":
+            self.queue_abandoned.labels(event.model, event.priority).inc()
 
     def quota_rejected(self, limit_name: str) -> None:
         self.quota_rejections.labels(limit_name).inc()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from gateway.errors import InvalidRequest
 
@@ -64,6 +64,11 @@ class _SamplingFields(_Model):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)  # the JSON body as the client sent it
+
+    @property
+    def raw_body(self) -> dict[str, Any]:
+        return self._raw
 
     @field_validator("stop")
     @classmethod
@@ -80,17 +85,20 @@ class _SamplingFields(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def check_supported(self) -> None:
+    def check_supported(self, passthrough: bool = False) -> None:
+        """Refuses what the engine cannot honour; a pass-through engine's upstream judges the rest."""
         if self.n not in (None, 1):
             raise InvalidRequest("n > 1 is not supported; send separate requests", param="n", code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if passthrough:
+            return
         if self.presence_penalty:
             raise InvalidRequest("presence_penalty is not supported", param="presence_penalty", code="unsupported_parameter")
         if self.frequency_penalty:
             raise InvalidRequest("frequency_penalty is not supported", param="frequency_penalty", code="unsupported_parameter")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -105,8 +113,10 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, passthrough: bool = False) -> None:
+        super().check_supported(passthrough)
+        if passthrough:
+            return
         if self.logprobs or self.top_logprobs:
             raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
         if self.tools:
@@ -117,6 +127,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequest(
                 "response_format other than text is not supported", param="response_format", code="unsupported_parameter"
             )
+
+    def raw_messages(self) -> list[dict[str, Any]]:
+        """The messages exactly as sent (tool calls, content parts and all), for pass-through engines."""
+        raw = self._raw.get("messages")
+        return list(raw) if isinstance(raw, list) else [m.model_dump(exclude_none=True) for m in self.messages]
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role if m.role != "developer" else "system", "content": m.text(i)} for i, m in enumerate(self.messages)]
@@ -130,14 +145,16 @@ class CompletionRequest(_SamplingFields):
     best_of: StrictInt | None = None
     logprobs: StrictInt | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, passthrough: bool = False) -> None:
+        super().check_supported(passthrough)
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of > 1 is not supported", param="best_of", code="unsupported_parameter")
+        if passthrough:
+            return
         if self.echo:
             raise InvalidRequest("echo is not supported", param="echo", code="unsupported_parameter")
         if self.suffix:
             raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of > 1 is not supported", param="best_of", code="unsupported_parameter")
         if self.logprobs is not None:
             raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
 
@@ -158,8 +175,9 @@ class CompletionRequest(_SamplingFields):
         return only  # type: ignore[return-value]
 
 
-def parse(model: type[_Model], body: Any) -> Any:
-    """Validates a decoded JSON body, mapping the first problem to a 400 naming its field."""
+def parse(model: type[_Model], body: Any, *, passthrough: bool = False) -> Any:
+    """Validates a decoded JSON body, mapping the first problem to a 400 naming its field.
+    `passthrough`: the model's engine forwards the fields it does not use to a server that does."""
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
@@ -173,7 +191,11 @@ def parse(model: type[_Model], body: Any) -> Any:
         else:
             message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
         raise InvalidRequest(message, param=param or None, code="invalid_value" if kind != "missing" else "missing_required_parameter") from None
-    request.check_supported()
+    request._raw = body
+    if passthrough:
+        request.check_supported(passthrough=True)
+    else:
+        request.check_supported()  # every parsed model has it (admin bodies too), without the flag
     return request
 
 

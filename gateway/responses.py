@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from engines.base import FINISH_CANCELLED, FINISH_ERROR, EngineError, EngineOutput, EngineOverloadedError
-from gateway.errors import APIError, EngineOverloaded, ServiceUnavailable
+from engines.base import FINISH_CANCELLED, FINISH_ERROR, EngineError, EngineOutput, EngineOverloadedError, EngineRequestRejected
+from gateway.errors import APIError, EngineOverloaded, InvalidRequest, ServiceUnavailable
 from gateway.serving import Generation, usage_body
 
 log = logging.getLogger("tollgate.responses")
@@ -49,7 +49,9 @@ class ChunkRenderer:
             return None
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
 
-    def delta(self, text: str, finish_reason: str | None) -> bytes:
+    def delta(self, text: str, finish_reason: str | None, raw_choice: dict[str, Any] | None = None) -> bytes:
+        if raw_choice is not None:  # a pass-through engine's choice, relayed as it came
+            return self._chunk([raw_choice])
         if self.gen.kind == "chat":
             delta = {"content": text} if text else {}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -60,9 +62,11 @@ class ChunkRenderer:
     def usage(self) -> bytes:
         return self._chunk([], usage=usage_body(self.gen))
 
-    def body(self, text: str) -> bytes:
+    def body(self, text: str, raw_choice: dict[str, Any] | None = None) -> bytes:
         finish = self.gen.finish_reason
-        if self.gen.kind == "chat":
+        if raw_choice is not None:
+            choice = raw_choice
+        elif self.gen.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -81,6 +85,10 @@ class ChunkRenderer:
 def _error_for(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineRequestRejected):  # the upstream judged the request invalid
+        err = InvalidRequest(str(exc), param=exc.param, code=exc.code)
+        err.status_code = exc.status_code
+        return err
     if isinstance(exc, EngineOverloadedError):
         return EngineOverloaded("The engine is at capacity; retry shortly.", headers={"Retry-After": "1"})
     if isinstance(exc, EngineError):
@@ -142,8 +150,9 @@ class GenerationResponse:
                     err = ServiceUnavailable(f"The engine failed this request: {out.error}", code="engine_error")
                     await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE, "more_body": False})
                     return
-                if out.text or out.finished:
-                    await send({"type": "http.response.body", "body": self.render.delta(out.text, out.finish_reason), "more_body": True})
+                if out.text or out.finished or out.raw_choice:
+                    chunk = self.render.delta(out.text, out.finish_reason, out.raw_choice)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if out.finished:
                     break
                 out = await anext(self.outputs, None)
@@ -159,9 +168,11 @@ class GenerationResponse:
 
     async def _send_body(self, send: Send) -> None:
         pieces: list[str] = []
+        raw_choice: dict[str, Any] | None = None
         try:
             async for out in self.outputs:
                 pieces.append(out.text)
+                raw_choice = out.raw_choice or raw_choice
                 if out.finished:
                     break
         except Exception as exc:
@@ -172,7 +183,7 @@ class GenerationResponse:
         if self.gen.finish_reason == FINISH_ERROR:
             await self._send_error(send, ServiceUnavailable(f"The engine failed this request: {self.gen.error}", code="engine_error"))
             return
-        body = self.render.body("".join(pieces))
+        body = self.render.body("".join(pieces), raw_choice)
         await send({"type": "http.response.start", "status": 200, "headers": self._headers(b"application/json")})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -112,7 +112,8 @@ class CompletionService:
     async def _reserve(self, gen: Generation) -> None:
         """Reserves prompt + max_tokens (and its price) on the key and its account, or refuses."""
         if self.prices is not None:
-            gen.price = await self.prices.current(gen.model)
+            # The account's override (custom price or multiplier) applies when it has one.
+            gen.price = await self.prices.current_for(gen.principal.account_id, gen.model)
         if self.limiter is None:
             return
         worst_tokens = gen.prompt_tokens + gen.engine_request.max_tokens
@@ -157,7 +158,7 @@ class CompletionService:
         engine = self.engines.get(model)
         if engine is None:
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
-        if not principal.may_use(model):
+        if not (principal.may_use(model) or principal.may_use(engine.model_id)):  # an alias or its model
             raise PermissionDenied(f"This API key may not use the model {model!r}.", param="model", code="model_not_allowed")
         if not engine.ready:
             raise EngineNotReady(f"The model {model!r} is still loading; retry shortly.", headers={"Retry-After": "5"})
@@ -165,7 +166,7 @@ class CompletionService:
 
     def prepare_chat(self, principal: Principal, request: ChatCompletionRequest, request_id: str) -> Generation:
         engine = self.engine_for(request.model, principal)
-        messages = request.chat_messages()
+        messages = request.raw_messages() if engine.passthrough else request.chat_messages()
         try:
             prompt_ids = engine.encode_chat(messages)
         except Exception as exc:  # a template may reject a role order
@@ -203,8 +204,6 @@ class CompletionService:
                 f"the prompt has {len(prompt_ids)} tokens.",
                 param="messages" if kind == "chat" else "prompt",
             )
-        if not engine.has_capacity():
-            raise EngineOverloaded("The engine is at capacity; retry shortly.", headers={"Retry-After": "1"})
         temperature = 1.0 if request.temperature is None else request.temperature
         sampling = SamplingParams(
             temperature=temperature,
@@ -217,7 +216,16 @@ class CompletionService:
             max_tokens=min(max_tokens, room) if max_tokens is not None else room,
             sampling=sampling,
             prompt_token_ids=prompt_ids,
+            extra=request.raw_body or None,
+            account_id=principal.account_id,
+            priority=principal.priority,
         )
+        refused = engine.refusal(engine_request)  # the scheduler's admission control, before any quota is held
+        if refused is not None:
+            headers = {"Retry-After": str(refused.retry_after)}
+            if refused.own_backlog:  # the caller's own queued requests are the wait
+                raise RateLimited(str(refused), code="too_many_queued_requests", headers=headers)
+            raise EngineOverloaded(str(refused), headers=headers)
         return Generation(
             request_id=request_id,
             principal=principal,
@@ -257,11 +265,11 @@ class CompletionService:
             yield last
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
-        if gen.ttft_ms is None and out.token_ids:
+        if gen.ttft_ms is None and (out.token_ids or out.text or out.raw_choice):
             gen.ttft_ms = (time.perf_counter() - gen.started) * 1000.0
         gen.prompt_tokens = out.prompt_tokens or gen.prompt_tokens
         gen.completion_tokens = out.completion_tokens
-        gen.estimated = gen.estimated or out.estimated
+        gen.estimated = out.estimated  # the latest counts say whether they are estimates
         if out.queue_ms is not None:
             gen.queue_ms = out.queue_ms
         if out.finished:

@@ -12,6 +12,7 @@ import pytest
 from engines.base import FINISH_CANCELLED, FINISH_STOP, Engine, EngineOutput, EngineOverloadedError, EngineRequest
 from engines.fallback import FallbackEngine
 from engines.openai_pool import OpenAIPoolEngine
+from engines.router import RouterEngine
 from engines.scheduler import PriorityClass, QueueEvent, ScheduledEngine, parse_classes, schedule_engines
 
 
@@ -198,7 +199,9 @@ async def test_queue_time_is_added_to_the_engines_own() -> None:
     first, second = tasks[0].result()[-1], tasks[1].result()[-1]
     assert first.queue_ms == pytest.approx(5.0)  # the engine's own 5 ms, no gateway wait
     assert second.queue_ms == pytest.approx(2505.0)
-    assert [(e.kind, e.priority, e.wait_s) for e in events] == [("dispatched", "interactive", 0.0), ("dispatched", "batch", 2.5)]
+    assert [(e.kind, e.priority, e.wait_s, e.request_id, e.account_id) for e in events] == [
+        ("dispatched", "interactive", 0.0, "first", 1), ("dispatched", "batch", 2.5, "second", 2)
+    ]
 
 
 async def test_a_full_queue_refuses_at_once() -> None:
@@ -251,11 +254,12 @@ async def test_every_engine_behind_a_model_gets_one_scheduler() -> None:
     bare = GatedEngine("bare")
     first = FallbackEngine("first", [own, shared])
     second = FallbackEngine("second", [shared])
+    router = RouterEngine("auto", [], "first", {"first": first, "second": second})
     served, schedulers = schedule_engines(
-        {"first": first, "alias": first, "second": second, "bare": bare, "bare-alias": bare},
+        {"first": first, "alias": first, "second": second, "bare": bare, "bare-alias": bare, "auto": router},
         lambda e: ScheduledEngine(e, capacity=1),
     )
-    assert len(schedulers) == 3
+    assert len(schedulers) == 3 and served["auto"] is router  # a router runs nothing itself
     assert first.candidates[1] is second.candidates[0]  # one queue for the shared engine
     assert served["bare"] is served["bare-alias"] and isinstance(served["bare"], ScheduledEngine)
     assert served["first"] is first and all(isinstance(c, ScheduledEngine) for c in first.candidates)

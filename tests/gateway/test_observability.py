@@ -63,7 +63,7 @@ async def test_metrics_count_requests_tokens_latency_and_rejections(gateway: Gat
         assert f"# TYPE {family.removesuffix('_total')}" in text
     assert key["key"] not in text and limited["key"] not in text and gateway.admin_key not in text
     labels = {name for series in after.values() for key_ in series for name, _ in key_}
-    assert labels <= {"model", "status", "route", "code", "limit", "le"}  # never keys or accounts
+    assert labels <= {"model", "status", "route", "code", "limit", "le", "priority"}  # never keys or accounts (priority: a class name from the settings)
 
 
 CLIENT_LOGGERS = {"httpx", "httpx2", "httpcore", "openai"}

@@ -1,0 +1,192 @@
+"""Time to first token per account with the gateway's scheduler on and off, in one run.
+
+    .venv/bin/python bench/fairness.py [--capacity 4] [--flood 60] [--light 5] [--tokens 16] [--every 2.0]
+
+One hf engine (the embedded SmolLM2 on CPU, batch size `--capacity`) serves three gateways in
+turn, each on a fresh SQLite ledger: the scheduler off (the engine's own first-come-first-served
+queue), on with one reserved slot (the default), and on without a reserve. In each, account A
+floods `--flood` streaming requests at once; a second later account B, a light user, sends
+`--light` requests one every `--every` seconds. Printed: TTFT p50/p99 per account, A's tokens/s,
+and B's TTFT against B alone on the idle engine. Run it from the repository root; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import uvicorn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from billing import migrate  # noqa: E402
+from billing.db import create_engine  # noqa: E402
+from billing.keys import KeyStore  # noqa: E402
+from engines.hf import HFEngine  # noqa: E402
+from gateway.app import create_app  # noqa: E402
+from gateway.config import DEFAULT_MODEL_ID, Settings  # noqa: E402
+
+SECRET = "bench-fairness-secret"
+
+
+class Server:
+    """A gateway app under uvicorn in a thread, on a free port."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "Server":
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        self.sock.close()
+
+
+def keys_for(db_url: str, names: list[str]) -> list[str]:
+    async def make() -> list[str]:
+        db = create_engine(db_url)
+        try:
+            store = KeyStore(db, SECRET.encode())
+            out = []
+            for name in names:
+                account = await store.create_account(name)
+                out.append(str((await store.create_key(account["id"]))["key"]))
+            return out
+        finally:
+            await db.dispose()
+
+    return asyncio.run(make())
+
+
+async def stream(client: httpx.AsyncClient, key: str, max_tokens: int, text: str) -> tuple[float, list[float]]:
+    """(time sent, arrival of each content chunk)."""
+    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    sent, times = time.perf_counter(), []
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                choices = orjson.loads(line[6:]).get("choices") or []
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    times.append(time.perf_counter())
+    return sent, times
+
+
+async def workload(base: str, a: str, b: str, args: argparse.Namespace) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=args.flood + args.light + 10)
+    async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
+        await stream(client, b, 4, "Hello.")  # warms the key cache and quota scopes
+        await stream(client, a, 4, "Hello.")
+        idle = [await stream(client, b, args.tokens, f"Tell me fact {i} about the moon.") for i in range(3)]
+        started = time.perf_counter()
+        flood = [asyncio.create_task(stream(client, a, args.tokens, f"Tell me fact {i} about the sea.")) for i in range(args.flood)]
+        await asyncio.sleep(1.0)
+        light = []
+        for i in range(args.light):
+            light.append(asyncio.create_task(stream(client, b, args.tokens, f"Tell me fact {i} about the moon.")))
+            await asyncio.sleep(args.every)
+        a_runs, b_runs = await asyncio.gather(*flood), await asyncio.gather(*light)
+        ended = time.perf_counter()
+    a_tokens = sum(len(t) for _, t in a_runs)
+    return {
+        "a_ttft": [t[0] - s for s, t in a_runs],
+        "b_ttft": [t[0] - s for s, t in b_runs],
+        "b_idle_ttft": [t[0] - s for s, t in idle],
+        "a_tokens_per_s": a_tokens / (max(t[-1] for _, t in a_runs) - started),
+        "seconds": ended - started,
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_mode(engine: HFEngine, label: str, overrides: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="tollgate-fairness-"))
+    db_url = f"sqlite:///{tmp / 'tollgate.db'}"
+    migrate.upgrade(db_url)
+    a, b = keys_for(db_url, ["flooder", "light"])
+    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, **overrides)
+    with Server(create_app(settings, engines={engine.model_id: engine})) as server:
+        result = asyncio.run(workload(f"http://127.0.0.1:{server.port}", a, b, args))
+    result["mode"] = label
+    print(f"  {label}: done in {result['seconds']:.0f}s", flush=True)
+    return result
+
+
+async def warm_up(engine: HFEngine, capacity: int) -> None:
+    """Runs every batch size once: the first batch of a new size is much slower on CPU."""
+    from engines.base import EngineRequest
+
+    async def one(i: int, n: int) -> None:
+        request = EngineRequest(request_id=f"warm-{n}-{i}", max_tokens=4, prompt_token_ids=engine.encode_text(f"Warm up {i}."))
+        async for _ in engine.stream(request):
+            pass
+
+    for n in range(1, capacity + 2):
+        await asyncio.gather(*(one(i, n) for i in range(n)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capacity", type=int, default=4, help="the engine's batch size: requests it runs at once")
+    parser.add_argument("--flood", type=int, default=60, help="requests account A sends at once")
+    parser.add_argument("--light", type=int, default=5, help="requests account B sends, one every --every seconds")
+    parser.add_argument("--every", type=float, default=2.0)
+    parser.add_argument("--tokens", type=int, default=16, help="max_tokens of every request")
+    args = parser.parse_args(argv)
+
+    engine = HFEngine(model_id=DEFAULT_MODEL_ID, max_batch_size=args.capacity, max_queue=args.flood + args.light + 16)
+    asyncio.run(engine.start())
+    asyncio.run(warm_up(engine, args.capacity))
+    patient = {"scheduler_classes": "interactive:3600,batch:3600"}  # the flood queues, nothing is refused
+    modes = [
+        ("scheduler off", {"scheduler": False}),
+        ("on, reserve 1", {"scheduler_reserve": 1, **patient}),
+        ("on, reserve 0", {"scheduler_reserve": 0, **patient}),
+    ]
+    print(f"hf engine, batch size {args.capacity}; A floods {args.flood} x {args.tokens} tokens, "
+          f"B sends {args.light} one every {args.every:g}s", flush=True)
+    try:
+        results = [run_mode(engine, label, overrides, args) for label, overrides in modes]
+    finally:
+        asyncio.run(engine.stop())
+
+    off = results[0]
+    print()
+    print(f"{'mode':<16} {'A p50':>8} {'A p99':>8} {'B p50':>8} {'B p99':>8} {'B idle p50':>10} {'B p50/idle':>10} {'A tok/s':>8} {'A tok/s vs off':>14}")
+    for r in results:
+        b_idle = statistics.median(r["b_idle_ttft"])
+        print(
+            f"{r['mode']:<16} {pct(r['a_ttft'], .5):>7.2f}s {pct(r['a_ttft'], .99):>7.2f}s {pct(r['b_ttft'], .5):>7.2f}s "
+            f"{pct(r['b_ttft'], .99):>7.2f}s {b_idle:>9.2f}s {pct(r['b_ttft'], .5) / b_idle:>9.1f}x {r['a_tokens_per_s']:>8.1f} "
+            f"{r['a_tokens_per_s'] / off['a_tokens_per_s']:>13.2f}x"
+        )
+    print("\nTTFT in seconds from sending; B idle: B alone on the idle engine just before the flood, same mode.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
