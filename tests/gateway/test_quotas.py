@@ -186,6 +186,10 @@ async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_f
     assert all(r.status_code == 429 and r.response.json()["error"]["type"] == "insufficient_quota" for r in results if isinstance(r, Exception))
     c = await settled(gw, "key", key["id"])
     assert c["month_nanos"] == 4 * cost
+    deadline = time.monotonic() + 10
+    while await gw.ledger_count(key_id=key["id"]) < 4:  # settled counters do not mean the rows' batch has landed
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
     db = create_engine(gw.db_url)
     try:
         async with db.connect() as conn:
