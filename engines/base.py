@@ -9,6 +9,7 @@ Closing the iterator early (or `cancel()`) cancels the engine request and frees 
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,11 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
+
+
+# transformers' from_pretrained patches process-global state while it builds a model (meta-device
+# initialisation); two loads in parallel threads can leave one model's tensors on `meta`.
+MODEL_LOAD_LOCK = threading.Lock()
 
 
 class EngineError(Exception):

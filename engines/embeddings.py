@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineError
+from engines.base import MODEL_LOAD_LOCK, EngineError
 
 log = logging.getLogger("tollgate.engines.embeddings")
 
@@ -117,8 +117,9 @@ class EmbeddingModel:
         from transformers import AutoModel, AutoTokenizer
 
         path = self.model_path or minilm_path()
-        self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        model = AutoModel.from_pretrained(str(path), local_files_only=True)
+        with MODEL_LOAD_LOCK:  # never while another model is being built (engines/base.py)
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            model = AutoModel.from_pretrained(str(path), local_files_only=True)
         model.eval()
         self._model = model.to(self.device)
         self.dimensions = int(model.config.hidden_size)

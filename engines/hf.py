@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import (
+    MODEL_LOAD_LOCK,
     FINISH_CANCELLED,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -60,6 +61,11 @@ def converted_dir(gguf: Path, cache_dir: Path) -> Path:
 
 def load_model_and_tokenizer(model_path: str | None, cache_dir: Path, device: str) -> tuple[Any, Any]:
     """Loads a HF checkpoint dir, or a GGUF file converted once and cached as safetensors."""
+    with MODEL_LOAD_LOCK:
+        return _load_model_and_tokenizer(model_path, cache_dir, device)
+
+
+def _load_model_and_tokenizer(model_path: str | None, cache_dir: Path, device: str) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -245,6 +245,9 @@ class CompletionService:
             async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
                 async for out in outputs:
                     self._observe(gen, out)
+                    if gen.cancel_requested and not out.finished:
+                        # The client left before the engine saw the request: closing the stream cancels it.
+                        break
                     if out.finished:
                         last = out  # held back until the row is journaled: a client that saw the end has its row
                         break
