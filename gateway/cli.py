@@ -133,6 +133,57 @@ def cmd_keys_list(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+LIMIT_FLAGS = ("rpm", "tpm", "max_concurrent", "monthly_tokens", "monthly_spend")
+
+
+def _limit_changes(args: argparse.Namespace) -> dict[str, Any]:
+    changes: dict[str, Any] = {name: None for name in args.clear or []}
+    for name in LIMIT_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            changes[name] = value if name == "monthly_spend" else int(value)
+    return changes
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rpm", type=int, help="requests per minute")
+    parser.add_argument("--tpm", type=int, help="tokens per minute")
+    parser.add_argument("--max-concurrent", dest="max_concurrent", type=int, help="requests in flight")
+    parser.add_argument("--monthly-tokens", dest="monthly_tokens", type=int, help="tokens per calendar month (UTC)")
+    parser.add_argument("--monthly-spend", dest="monthly_spend", help="USD per calendar month, a decimal like 25.00")
+    parser.add_argument("--clear", nargs="+", choices=LIMIT_FLAGS, help="remove these limits")
+
+
+def _set_limits(settings: Settings, apply: Callable[[KeyStore], Awaitable[Any]], what: str) -> int:
+    from billing.limits import InvalidLimits
+
+    try:
+        updated = _with_keys(settings, apply)
+    except InvalidLimits as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if updated is None:
+        print(f"error: no such {what}", file=sys.stderr)
+        return 1
+    _print(updated)
+    return 0
+
+
+def cmd_keys_limits(settings: Settings, args: argparse.Namespace) -> int:
+    changes = _limit_changes(args)
+    return _set_limits(settings, lambda keys: keys.set_key_limits(args.id, changes), "key")
+
+
+def cmd_accounts_limits(settings: Settings, args: argparse.Namespace) -> int:
+    changes = _limit_changes(args)
+
+    async def apply(keys: KeyStore) -> Any:
+        account = await keys.get_account(name=args.name)
+        return None if account is None else await keys.set_account_limits(account["id"], changes)
+
+    return _set_limits(settings, apply, "account")
+
+
 def cmd_keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
     revoked = _with_keys(settings, lambda keys: keys.revoke_key(args.id))
     if revoked is None:
@@ -195,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     a_create.add_argument("name")
     a_create.set_defaults(func=cmd_accounts_create)
     accounts.add_parser("list", help="list accounts").set_defaults(func=cmd_accounts_list)
+    a_limits = accounts.add_parser("limits", help="set or clear an account's limits (caps all its keys together)")
+    a_limits.add_argument("name")
+    _add_limit_flags(a_limits)
+    a_limits.set_defaults(func=cmd_accounts_limits)
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="action", required=True, metavar="ACTION")
     k_create = keys.add_parser("create", help="create a key for an account (the secret is printed once)")
@@ -209,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     k_revoke = keys.add_parser("revoke", help="revoke a key by id")
     k_revoke.add_argument("id", type=int)
     k_revoke.set_defaults(func=cmd_keys_revoke)
+    k_limits = keys.add_parser("limits", help="set or clear a key's limits")
+    k_limits.add_argument("id", type=int)
+    _add_limit_flags(k_limits)
+    k_limits.set_defaults(func=cmd_keys_limits)
     cli_ops.register(sub)
     cli_billing.register(sub)  # invoices, prices (issue 5)
     return parser

@@ -50,3 +50,18 @@ def test_accounts_and_keys(data_dir: Path) -> None:
     assert tollgate(data_dir, "keys", "revoke", "999").returncode == 1
     assert tollgate(data_dir, "keys", "create", "--account", "nobody").returncode == 1
     assert (data_dir / "secret").stat().st_mode & 0o077 == 0
+
+
+def test_limits_from_the_cli(data_dir: Path) -> None:
+    assert tollgate(data_dir, "accounts", "create", "lim").returncode == 0
+    key = json.loads(tollgate(data_dir, "keys", "create", "--account", "lim").stdout)
+    done = tollgate(data_dir, "keys", "limits", str(key["id"]), "--rpm", "60", "--monthly-spend", "25.50")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["limits"] == {"rpm": 60, "monthly_spend": "25.50"}
+    cleared = json.loads(tollgate(data_dir, "keys", "limits", str(key["id"]), "--clear", "rpm").stdout)
+    assert cleared["limits"] == {"monthly_spend": "25.50"}
+    bad = tollgate(data_dir, "keys", "limits", str(key["id"]), "--monthly-spend", "abc")
+    assert bad.returncode == 1 and "monthly_spend" in bad.stderr
+    account = tollgate(data_dir, "accounts", "limits", "lim", "--monthly-tokens", "1000000")
+    assert json.loads(account.stdout)["limits"] == {"monthly_tokens": 1000000}
+    assert tollgate(data_dir, "accounts", "limits", "nobody", "--rpm", "1").returncode == 1
