@@ -118,7 +118,9 @@ class GatewayProcess:
                     return self
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "gateway did not become ready"
+            if time.monotonic() >= deadline:
+                self.kill()  # never leave a half-started gateway behind
+                raise AssertionError("gateway did not become ready: " + log.read_text()[-2000:])
             time.sleep(0.2)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
