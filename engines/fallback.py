@@ -167,7 +167,9 @@ class FallbackEngine(Engine):
         return min(refusals, key=lambda r: r.retry_after)
 
     def cancel(self, request_id: str) -> None:
-        if request_id not in self._routes:
+        if request_id not in self._routes:  # not streaming: an engine may hold a place for it (a scheduler)
+            for engine in self.candidates:
+                engine.cancel(request_id)
             return
         self._cancelled.add(request_id)  # no further engine is tried for it
         engine = self._routes[request_id]

@@ -15,6 +15,9 @@ gateway, not inside the engine:
                `max_queue` requests waiting, is refused before it is queued, with Retry-After;
                one admitted holds its place until it arrives (a burst sees itself coming)
     cancel     a waiting request whose client left is dropped; the engine never sees it
+    hand-off   a request in its last step (max_tokens - 1 generated) gives its slot to the next one,
+               which is then inside the engine when it ends (engines with a hard limit, such as a
+               pool, still take it only once they have room)
 
 Time in the queue is added to `EngineOutput.queue_ms` (so the ledger row records it) and told
 to listeners (the per-class histogram in gateway/metrics.py).
@@ -39,7 +42,7 @@ log = logging.getLogger("tollgate.engines.scheduler")
 
 UNLIMITED = 1 << 30
 EWMA = 0.2  # weight of the newest sample in the running averages
-HOLD_S = 10.0  # a place promised at admission lapses if the request does not arrive by then
+HOLD_S = 3.0  # a place promised at admission lapses if the request does not arrive by then (refused by its quota, answered from a cache)
 MAX_REMEMBERED_ACCOUNTS = 10_000
 
 
@@ -130,6 +133,7 @@ class ScheduledEngine(Engine):
         self._held: dict[str, tuple[Any, int, float]] = {}  # admitted, not yet arrived: id -> (account, rank, lapses at)
         self._running = 0
         self._running_tokens = 0
+        self._ending = 0  # handed their slot on, still in the engine for their last step
         self._in_flight: dict[Any, int] = {}  # account -> requests running
         self._served: dict[Any, float] = {}  # account -> virtual time: tokens served
         self._vclock = 0.0  # the virtual time of the latest dispatch; idle accounts come back at it
@@ -323,9 +327,18 @@ class ScheduledEngine(Engine):
                 async for out in outputs:
                     out.queue_ms = queue_ms + (out.queue_ms or 0.0)
                     last = out
+                    if ticket.state == "running" and not out.finished and out.completion_tokens >= request.max_tokens - 1:
+                        # Its last step is under way: hand the slot on now, so that the next request
+                        # is inside the engine when this one ends rather than a step or two later.
+                        self._ending += 1
+                        self._release(ticket, out, ending=True)
                     yield out
         finally:
-            self._release(ticket, last)
+            if ticket.state == "running":
+                self._release(ticket, last)
+            elif ticket.state == "done":
+                self._ending -= 1
+                self._dispatch()  # a handed-off slot: an engine with a hard limit (a pool) has room only now
 
     def cancel(self, request_id: str) -> None:
         self._held.pop(request_id, None)
@@ -357,7 +370,7 @@ class ScheduledEngine(Engine):
         cap = self.capacity()
         regular = self._regular(cap)
         while self._running < cap and any(self._waiting):
-            if self._running and not self.inner.has_capacity():
+            if (self._running or self._ending) and not self.inner.has_capacity():
                 return  # the engine is full from elsewhere (another model shares it): wait for a release
             ticket = self._next(urgent_only=self._running >= regular)
             if ticket is None:
@@ -423,7 +436,7 @@ class ScheduledEngine(Engine):
         elif ticket.state == "running":
             self._release(ticket, None)
 
-    def _release(self, ticket: _Ticket, last: EngineOutput | None) -> None:
+    def _release(self, ticket: _Ticket, last: EngineOutput | None, *, ending: bool = False) -> None:
         if ticket.state != "running":
             return
         ticket.state = "done"
@@ -438,7 +451,8 @@ class ScheduledEngine(Engine):
             self._in_flight.pop(account, None)
         served = (last.prompt_tokens + last.completion_tokens) if last is not None else 0
         self._served[account] = self._served.get(account, 0.0) + served - ticket.cost  # the estimate, corrected
-        if last is not None and last.finish_reason in (FINISH_STOP, FINISH_LENGTH) and ticket.dispatched is not None:
+        ended = ending or (last is not None and last.finish_reason in (FINISH_STOP, FINISH_LENGTH))
+        if last is not None and ended and ticket.dispatched is not None:
             self.hold_s = _average(self.hold_s, self._clock() - ticket.dispatched)
             self._completion = _average(self._completion, float(last.completion_tokens))
         if len(self._served) > MAX_REMEMBERED_ACCOUNTS:

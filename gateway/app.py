@@ -121,6 +121,15 @@ def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
     return MemoryLimiter(totals, hold_seconds=settings.quota_hold_seconds)
 
 
+async def _admit(service: CompletionService, gen: Any) -> None:
+    """Quota admission; a refused request gives back the place the scheduler held for it at prepare."""
+    try:
+        await service.admit(gen)
+    except BaseException:
+        gen.engine.cancel(gen.request_id)
+        raise
+
+
 async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     state = request.app.state
     request_id = request_id_of(request)  # made by RequestContext; also the ledger row's id
@@ -136,8 +145,9 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
         gen = service.prepare_text(principal, body, request_id)
     cached = await response_cache.replay(request, gen)  # issue 10: a hit is metered and served from the cache
     if cached is not None:
+        gen.engine.cancel(request_id)  # never reaches the engine: gives back the place the scheduler held
         return cached
-    await service.admit(gen)
+    await _admit(service, gen)
     # Admitted from here on: the metered stream settles the quota and writes the ledger row.
     headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
     return GenerationResponse(gen, response_cache.recording(request, gen, service.metered(gen)), headers)  # issue 10

@@ -324,3 +324,73 @@ async def test_who_is_told_to_slow_down() -> None:
     assert mine is not None and mine.own_backlog  # its own running request is the wait: 429
     assert theirs is not None and not theirs.own_backlog  # someone else's: 503
     await drain(inner, tasks)
+
+
+class SteppedEngine(GatedEngine):
+    """Each request yields one token per `step()` from the step after it arrived, the last with
+    its finish reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.ticks: list[asyncio.Event] = []
+        self.full = False  # has_capacity(): False models a pool whose replicas are all busy
+
+    def has_capacity(self) -> bool:
+        return not self.full
+
+    def _tick(self, n: int) -> asyncio.Event:
+        while len(self.ticks) < n:
+            self.ticks.append(asyncio.Event())
+        return self.ticks[n - 1]
+
+    async def step(self) -> None:
+        self.steps += 1
+        self._tick(self.steps).set()
+        await settle()
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self.seen.append(request.request_id)
+        start = self.steps
+        for n in range(1, request.max_tokens + 1):
+            await self._tick(start + n).wait()
+            yield EngineOutput("x", [7], FINISH_STOP if n == request.max_tokens else None, 3, n)
+
+
+async def test_a_request_in_its_last_step_hands_its_slot_on() -> None:
+    inner = SteppedEngine()
+    sched = ScheduledEngine(inner, capacity=1, reserve=0)
+    tasks = await submit(sched, req("first", 1, max_tokens=3), req("next", 2, max_tokens=2))
+    await inner.step()
+    assert inner.seen == ["first"]
+    await inner.step()  # first has 2 of 3 tokens: its last step is under way
+    assert inner.seen == ["first", "next"] and sched.snapshot()["running"] == 1
+    await inner.step()
+    await inner.step()
+    await asyncio.gather(*tasks)
+    assert sched.snapshot()["running"] == 0 and sched.hold_s is not None
+
+
+async def test_an_engine_without_room_gets_the_handed_off_slot_when_the_request_ends() -> None:
+    inner = SteppedEngine()
+    sched = ScheduledEngine(inner, capacity=1, reserve=0)
+    tasks = await submit(sched, req("first", 1, max_tokens=2), req("next", 2, max_tokens=1))
+    inner.full = True  # e.g. every replica of a pool at its max_concurrency
+    await inner.step()
+    assert inner.seen == ["first"]  # handed off, but the engine has no room yet
+    inner.full = False
+    await inner.step()
+    await settle()
+    assert inner.seen == ["first", "next"]
+    await inner.step()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_place_held_at_admission_is_given_back_through_the_chain() -> None:
+    inner = GatedEngine()
+    sched = ScheduledEngine(inner, capacity=1, reserve=0, max_queue=1)
+    chain = FallbackEngine("m", [sched])
+    assert chain.refusal(req("r", 1)) is None
+    assert chain.refusal(req("other", 2)) is not None  # the one place is held for r
+    chain.cancel("r")  # r was refused by its quota: what the gateway does then
+    assert chain.refusal(req("other", 2)) is None
