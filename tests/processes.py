@@ -94,7 +94,8 @@ class GatewayProcess:
         self.port = free_port()
         self.env = {
             **os.environ, "DATABASE_URL": db_url, "TOLLGATE_SECRET": SECRET, "TOLLGATE_PORT": str(self.port),
-            "TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ADMIN_KEY": admin_key, "TOLLGATE_REDIS_TIMEOUT_MS": "250", **env,
+            "TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ADMIN_KEY": admin_key, "TOLLGATE_REDIS_TIMEOUT_MS": "250",
+            "TOLLGATE_WARMUP": "0", **env,
         }
         self.proc: subprocess.Popen[bytes] | None = None
         self.logs: list[Path] = []
