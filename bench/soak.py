@@ -24,6 +24,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -258,6 +259,7 @@ async def run(args: argparse.Namespace) -> Report:
         await settle(gw, report, load, args)
     finally:
         gw.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
     return report
 
 
