@@ -192,6 +192,9 @@ def bootstrap(db_url: str, secret: str) -> str:
 
 
 def start_gateway(db_url: str, engine: HFEngine, tmp: Path, **overrides: Any) -> tuple[ServerThread, Gateway]:
+    # Slow shared CI cores must not turn the scheduler's expected-wait refusals into quota-test noise;
+    # the scheduling tests pass their own classes.
+    overrides.setdefault("scheduler_classes", "interactive:600,batch:3600")
     admin_key = bootstrap(db_url, SECRET)
     settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, **overrides)
     app = create_app(settings, engines={engine.model_id: engine})
