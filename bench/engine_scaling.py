@@ -162,7 +162,7 @@ def run_checks(rows: list[dict[str, float]]) -> list[dict[str, Any]]:
     low, high = rows[0], rows[-1]
     worst = min(rows, key=lambda r: r["gateway_over_direct"])
     checks = [{
-        "name": f"gateway >= {MIN_GATEWAY_RATIO:.0%} of direct (worst at {worst['concurrency']:.0f} streams: {worst['gateway_over_direct']:.0%})",
+        "name": f"gateway >= {MIN_GATEWAY_RATIO:.0%} of direct (worst at concurrency {worst['concurrency']:.0f}: {worst['gateway_over_direct']:.0%})",
         "passed": worst["gateway_over_direct"] >= MIN_GATEWAY_RATIO,
     }]
     if high is not low:
