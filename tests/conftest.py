@@ -224,6 +224,7 @@ def redis_gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: py
     server, gw = start_gateway(
         fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-redis"), redis_url=REDIS_URL, redis_prefix=prefix,
         redis_timeout=0.25,  # the suite shares 2 cores with the model; production default is 50 ms
+        scheduler=False,  # quotas are tested alone here; the scheduler has its own gateways (test_scheduling.py)
     )
     try:
         yield gw
