@@ -19,10 +19,10 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from billing.db import create_engine
-from billing.keys import KeyStore
+from billing.keys import KeyStore, Principal
 from billing.journal import LedgerJournal, Recovered
 from billing.ledger import LedgerWriter, release_interrupted
-from billing.prices import PriceBook
+from billing.prices import EffectivePrice, PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine
 from engines.scheduler import ScheduledEngine, schedule_engines
@@ -161,8 +161,20 @@ async def completions(request: Request) -> Any:
     return await _generate(request, CompletionRequest, "text")
 
 
-def _model_card(engine: Engine) -> dict[str, Any]:
-    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": engine.owned_by}
+def _model_card(engine: Engine, price: EffectivePrice | None = None) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": engine.owned_by}
+    if price is not None:
+        # What the caller's account pays now (its overrides applied), exact decimal strings.
+        card["pricing"] = {
+            "input_per_million": format(price.input_per_million, "f"),
+            "output_per_million": format(price.output_per_million, "f"),
+            "currency": price.currency,
+        }
+    return card
+
+
+async def _priced_card(request: Request, principal: Principal, engine: Engine) -> dict[str, Any]:
+    return _model_card(engine, await request.app.state.prices.current_for(principal.account_id, engine.model_id))
 
 
 def _passes_through(service: CompletionService, raw: Any) -> bool:
@@ -176,7 +188,7 @@ async def list_models(request: Request) -> Response:
     principal = await authenticate(request, request.app.state.keys)
     engines: dict[str, Engine] = request.app.state.service.engines
     # Aliases resolve to the same engine under another key; the list names each model once.
-    data = [_model_card(e) for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
+    data = [await _priced_card(request, principal, e) for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
     return json_response({"object": "list", "data": data})
 
 
@@ -186,7 +198,7 @@ async def get_model(request: Request) -> Response:
     engine = request.app.state.service.engines.get(model_id)
     if engine is None or not (principal.may_use(model_id) or principal.may_use(engine.model_id)):
         raise NotFound(f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
-    return json_response(_model_card(engine))
+    return json_response(await _priced_card(request, principal, engine))
 
 
 async def healthz(request: Request) -> Response:

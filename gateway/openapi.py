@@ -79,7 +79,9 @@ RESPONSES: dict[str, dict[str, Any]] = {
         "choices": {"type": "array", "items": _obj({"index": INT, "finish_reason": _nullable(STR)}, {"text": STR})},
         "usage": USAGE,
     }),
-    "Model": _obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR}),
+    "Model": _obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR}, {
+        "pricing": _obj({"input_per_million": STR, "output_per_million": STR, "currency": STR}),
+    }),
     "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}),
     "Account": _obj({"id": INT, "object": {"const": "account"}, "name": STR, "limits": {"type": "object"}, "created_at": STR}),
     "Key": _obj({
