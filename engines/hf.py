@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,28 @@ def _save_converted(model: Any, tokenizer: Any, target: Path) -> None:
         tmp.rename(target)
     except OSError:  # another process finished first
         pass
+
+
+def _deliver_on(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue[Any]) -> Callable[[Any], None]:
+    """A result handler that puts into `outputs` on `loop`, the loop the request runs on.
+
+    transformers' OutputRouter.deliver_batch runs a whole batch's handlers on the loop of the
+    last handler it looked up; with requests from two event loops in one batch (two gateways on
+    one engine, as the test suite runs them, or an app that serves from several threads), the
+    other loop's queue would be fed from a foreign thread and its waiter never woken: a hang.
+    """
+
+    def deliver(output: Any) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            outputs.put_nowait(output)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+    return deliver
 
 
 class HFEngine(Engine):
@@ -253,7 +275,7 @@ class HFEngine(Engine):
         sampling = request.sampling
         temperature = GREEDY_TEMPERATURE if sampling.greedy else float(sampling.temperature)
         self._live[rid] = outputs
-        self._manager.register_result_handler(rid, outputs.put_nowait)
+        self._manager.register_result_handler(rid, _deliver_on(asyncio.get_running_loop(), outputs))
         self._manager.add_request(
             list(prompt_ids),
             request_id=rid,

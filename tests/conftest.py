@@ -224,7 +224,6 @@ def redis_gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: py
     server, gw = start_gateway(
         fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-redis"), redis_url=REDIS_URL, redis_prefix=prefix,
         redis_timeout=0.25,  # the suite shares 2 cores with the model; production default is 50 ms
-        scheduler=False,  # quotas are tested alone here; the scheduler has its own gateways (test_scheduling.py)
     )
     try:
         yield gw
@@ -247,6 +246,33 @@ def sqlite_gateway(engine: HFEngine, tmp_path_factory: pytest.TempPathFactory) -
 async def customer(gateway: Gateway) -> dict[str, Any]:
     """A new account with one key (dict from POST /admin/keys, secret under "key")."""
     return await gateway.new_key()
+
+
+@pytest.fixture(autouse=True)
+async def close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Closes every openai.AsyncOpenAI a test made, on the test's own loop, when it ends.
+
+    The tests share one event loop. An SDK client left open is closed later by the garbage
+    collector (its transports' sockets closed behind the loop's back); when that happens during
+    another test's burst of connections, sockets that reuse those descriptors lose their reader
+    registration and their requests hang until the client's timeout, although the gateway has
+    answered (seen with 200 concurrent requests: the answers sat unread in the sockets)."""
+    from openai import AsyncOpenAI
+
+    made: list[AsyncOpenAI] = []
+    original = AsyncOpenAI.__init__
+
+    def tracking_init(self: AsyncOpenAI, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(AsyncOpenAI, "__init__", tracking_init)
+    yield
+    for client in made:
+        try:
+            await client.close()
+        except RuntimeError:
+            pass  # made and used on another loop (a server thread's): nothing of ours to close
 
 
 @pytest.fixture
