@@ -6,6 +6,8 @@ the event loop between bursts as request handlers would; the writer drains them 
 (`INSERT ... ON CONFLICT DO NOTHING RETURNING` plus the aggregate upserts, one transaction per
 batch). rows/s = rows / (first record -> flush done); the rows are then counted in the database.
 With --journal, each record() also appends to the local journal as the gateway does by default.
+Each round runs the gateway's insert (one `INSERT ... SELECT FROM unnest(arrays)` per batch) and,
+for comparison in the same run, SQLAlchemy's executemany insert it replaced (`--no-compare` skips it).
 
     python bench/ledger_writer.py --rows 100000 --batch-size 1000 --rounds 3
 """
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import fresh_database  # noqa: E402
 from billing.db import create_engine  # noqa: E402
+from billing import ledger  # noqa: E402
 from billing.ledger import LedgerWriter, UsageRecord  # noqa: E402
 from billing.migrate import upgrade  # noqa: E402
 
@@ -87,6 +90,8 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=200, help="rows recorded between event-loop yields")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--journal", action="store_true", help="also append every row to a local journal, as the gateway does")
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time SQLAlchemy's executemany insert in each round (default on)")
     parser.add_argument("--json", default="bench/results/ledger_writer.json")
     args = parser.parse_args()
     try:
@@ -97,21 +102,33 @@ def main() -> None:
         pass
 
     rates: list[float] = []
+    before: list[float] = []
     with fresh_database() as db, tempfile.TemporaryDirectory(prefix="ledger-bench-") as tmp:
         upgrade(db)
         for i in range(args.rounds):
-            rate = asyncio.run(one_round(db, args.rows, args.batch_size, args.burst, Path(tmp) if args.journal else None))
+            journal = Path(tmp) if args.journal else None
+            ledger.PG_ARRAY_INSERT = True
+            rate = asyncio.run(one_round(db, args.rows, args.batch_size, args.burst, journal))
             rates.append(rate)
-            print(f"round {i + 1}: {args.rows} rows in {args.rows / rate:6.2f} s = {rate:9,.0f} rows/s", flush=True)
+            line = f"round {i + 1}: {args.rows} rows in {args.rows / rate:6.2f} s = {rate:9,.0f} rows/s"
+            if args.compare:
+                ledger.PG_ARRAY_INSERT = False
+                old = asyncio.run(one_round(db, args.rows, args.batch_size, args.burst, journal))
+                before.append(old)
+                line += f"; executemany {old:9,.0f} rows/s ({rate / old:.2f}x)"
+            print(line, flush=True)
         in_db = asyncio.run(count_rows(db))
     median = statistics.median(rates)
-    expected = args.rounds * args.rows
+    expected = args.rounds * args.rows * (2 if args.compare else 1)
     print(f"\nLedgerWriter into Postgres, batch {args.batch_size}{', journal on' if args.journal else ''}: "
           f"median {median:,.0f} rows/s (target >= {TARGET:,}: {'PASS' if median >= TARGET else 'FAIL'}); "
           f"rows in the database {in_db:,} of {expected:,} ({'ok' if in_db == expected else 'MISSING'}); shared machine")
+    if before:
+        print(f"executemany (before): median {statistics.median(before):,.0f} rows/s; "
+              f"ratio of medians {median / statistics.median(before):.2f}x")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
-        "rows_per_s_median": median, "rounds": rates, "rows": args.rows, "batch_size": args.batch_size,
+        "rows_per_s_median": median, "rounds": rates, "executemany_rounds": before, "rows": args.rows, "batch_size": args.batch_size,
         "journal": args.journal, "rows_in_db": in_db, "expected_rows": expected}, indent=2))
 
 

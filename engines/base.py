@@ -22,8 +22,11 @@ FINISH_ERROR = "error"
 
 
 # transformers' from_pretrained patches process-global state while it builds a model (meta-device
-# initialisation); two loads in parallel threads can leave one model's tensors on `meta`.
-MODEL_LOAD_LOCK = threading.Lock()
+# initialisation); two loads in parallel threads can leave one model's tensors on `meta`. Its lazy
+# module also fails imports made by two threads at once ("cannot import name 'AutoModelForCausalLM'
+# from 'transformers'", seen when the chat and embedding models started together), so every
+# `from transformers import ...` made while the engines start happens under this lock too.
+MODEL_LOAD_LOCK = threading.RLock()
 
 
 class EngineError(Exception):

@@ -114,10 +114,10 @@ class EmbeddingModel:
     def _load(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        from transformers import AutoModel, AutoTokenizer
-
         path = self.model_path or minilm_path()
-        with MODEL_LOAD_LOCK:  # never while another model is being built (engines/base.py)
+        with MODEL_LOAD_LOCK:  # never while another model is being built or imported (engines/base.py)
+            from transformers import AutoModel, AutoTokenizer
+
             self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             model = AutoModel.from_pretrained(str(path), local_files_only=True)
         model.eval()

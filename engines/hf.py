@@ -193,8 +193,9 @@ class HFEngine(Engine):
         log.info("model %s ready in %.1fs", self.model_id, time.perf_counter() - started)
 
     def _make_manager(self) -> Any:
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        with MODEL_LOAD_LOCK:  # transformers' lazy imports race with another thread's (engines/base.py)
+            from transformers import GenerationConfig
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         eos = self._tokenizer.eos_token_id
         gen_eos = self._model.generation_config.eos_token_id

@@ -159,9 +159,12 @@ class TokenCounter:
 
             self._tiktoken = tiktoken.get_encoding(TIKTOKEN_ENCODINGS[self.spec])
         elif Path(self.spec).is_dir():
-            from transformers import AutoTokenizer
+            from engines.base import MODEL_LOAD_LOCK
 
-            self._hf = AutoTokenizer.from_pretrained(self.spec, local_files_only=True)
+            with MODEL_LOAD_LOCK:  # transformers' lazy imports race with another thread's
+                from transformers import AutoTokenizer
+
+                self._hf = AutoTokenizer.from_pretrained(self.spec, local_files_only=True)
         else:
             raise ValueError(f"tokenizer {self.spec!r} is neither {' nor '.join(TIKTOKEN_ENCODINGS)} nor a local tokenizer directory")
 
