@@ -110,6 +110,14 @@ async def workload(base: str, a: str, b: str, args: argparse.Namespace) -> dict[
             await asyncio.sleep(args.every)
         a_runs, b_runs = await asyncio.gather(*flood), await asyncio.gather(*light)
         ended = time.perf_counter()
+    # A's token rate while B's requests were in flight against just before B's first one: what
+    # B's presence costs A, under the same policy (the reserve's own cost is in "vs off").
+    a_times = [t for _, ts in a_runs for t in ts]
+    b_first, b_last = min(s for s, _ in b_runs), max(ts[-1] for _, ts in b_runs)
+    a_first = min(a_times)
+    before = sum(a_first <= t < b_first for t in a_times) / max(b_first - a_first, 1e-9)
+    during = sum(b_first <= t < b_last for t in a_times) / max(b_last - b_first, 1e-9)
+    b_tokens = sum(len(ts) for _, ts in b_runs)
     a_tokens = sum(len(t) for _, t in a_runs)
     all_tokens = a_tokens + sum(len(t) for _, t in b_runs)
     last = max(t[-1] for _, t in a_runs + b_runs)
@@ -120,6 +128,9 @@ async def workload(base: str, a: str, b: str, args: argparse.Namespace) -> dict[
         "a_tokens_per_s": a_tokens / (max(t[-1] for _, t in a_runs) - started),
         "all_tokens_per_s": all_tokens / (last - started),
         "seconds": ended - started,
+        "a_rate_before_b": before,
+        "a_rate_during_b": during,
+        "b_share_during": b_tokens / max(b_tokens + sum(b_first <= t < b_last for t in a_times), 1),
     }
 
 
@@ -163,6 +174,8 @@ def merged(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "b_idle_ttft": [t for r in runs for t in r["b_idle_ttft"]],
         "a_tokens_per_s": statistics.median(r["a_tokens_per_s"] for r in runs),
         "all_tokens_per_s": statistics.median(r["all_tokens_per_s"] for r in runs),
+        "a_during_over_before": statistics.median(r["a_rate_during_b"] / r["a_rate_before_b"] for r in runs),
+        "b_share_during": statistics.median(r["b_share_during"] for r in runs),
     }
 
 
@@ -174,9 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=2.0)
     parser.add_argument("--tokens", type=int, default=16, help="max_tokens of every request")
     parser.add_argument("--rounds", type=int, default=1, help="run the modes this many times, alternating; each figure is the median")
+    parser.add_argument("--device", default="cpu", help="torch device of the hf engine, e.g. cuda (default cpu)")
+    parser.add_argument("--model-path", help="a checkpoint directory instead of the embedded SmolLM2 (e.g. bench/gpu_fairness.sh's)")
+    parser.add_argument("--json", type=Path, help="also write the per-mode figures here")
     args = parser.parse_args(argv)
 
-    engine = HFEngine(model_id=DEFAULT_MODEL_ID, max_batch_size=args.capacity, max_queue=args.flood + args.light + 16)
+    engine = HFEngine(model_id=DEFAULT_MODEL_ID, model_path=args.model_path, device=args.device,
+                      max_batch_size=args.capacity, max_queue=args.flood + args.light + 16)
     asyncio.run(engine.start())
     asyncio.run(warm_up(engine, args.capacity))
     patient = {"scheduler_classes": "interactive:3600,batch:3600"}  # the flood queues, nothing is refused
@@ -185,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         ("on, reserve 1", {"scheduler_reserve": 1, **patient}),
         ("on, reserve 0", {"scheduler_reserve": 0, **patient}),
     ]
-    print(f"hf engine, batch size {args.capacity}; A floods {args.flood} x {args.tokens} tokens, "
+    print(f"hf engine on {args.device}, batch size {args.capacity}; A floods {args.flood} x {args.tokens} tokens, "
           f"B sends {args.light} one every {args.every:g}s", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in modes}
     try:
@@ -199,17 +216,23 @@ def main(argv: list[str] | None = None) -> int:
     off = results[0]
     print()
     print(f"{'mode':<16} {'A p50':>8} {'A p99':>8} {'B p50':>8} {'B p99':>8} {'B idle p50':>10} {'B p50/idle':>10} "
-          f"{'A tok/s':>8} {'vs off':>7} {'all tok/s':>9} {'vs off':>7}")
+          f"{'A tok/s':>8} {'vs off':>7} {'all tok/s':>9} {'vs off':>7} {'A during/before B':>17} {'B share':>7}")
     for r in results:
         b_idle = statistics.median(r["b_idle_ttft"])
         print(
             f"{r['mode']:<16} {pct(r['a_ttft'], .5):>7.2f}s {pct(r['a_ttft'], .99):>7.2f}s {pct(r['b_ttft'], .5):>7.2f}s "
-            f"{pct(r['b_ttft'], .99):>7.2f}s {b_idle:>9.2f}s {pct(r['b_ttft'], .5) / b_idle:>9.1f}x {r['a_tokens_per_s']:>8.1f} "
+            f"{pct(r['b_ttft'], .99):>7.2f}s {b_idle:>9.2f}s {pct(r['b_ttft'], .5) / b_idle:>9.2f}x {r['a_tokens_per_s']:>8.1f} "
             f"{r['a_tokens_per_s'] / off['a_tokens_per_s']:>6.2f}x {r['all_tokens_per_s']:>9.1f} "
-            f"{r['all_tokens_per_s'] / off['all_tokens_per_s']:>6.2f}x"
+            f"{r['all_tokens_per_s'] / off['all_tokens_per_s']:>6.2f}x {r['a_during_over_before']:>16.2f}x {r['b_share_during'] * 100:>6.1f}%"
         )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(orjson.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "modes": results,
+                                           "rounds": runs}, option=orjson.OPT_INDENT_2).decode())
     print("\nTTFT in seconds from sending; B idle: B alone on the idle engine just before the flood, same mode.\n"
-          "A tok/s: A's tokens over A's run (B's share comes out of it); all tok/s: every token over the whole run.")
+          "A tok/s: A's tokens over A's run (B's share comes out of it); all tok/s: every token over the whole run.\n"
+          "A during/before B: A's tokens/s while B's requests ran over A's just before B's first, same mode; B share: B's part of\n"
+          "all tokens while B ran (the issue: A is not reduced by more than that).")
     return 0
 
 
