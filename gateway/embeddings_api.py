@@ -181,7 +181,7 @@ async def create_embeddings(request: Request) -> Response:
     tokens = sum(len(x) for x in ids)
 
     metering.refuse_if_backlogged(state)
-    price = await metering.price_of(state, model.model_id)
+    price = await metering.price_of(state, model.model_id, principal.account_id)
     nanos = price.cost_nanos(tokens, 0) if price else 0
     hold = await metering.reserve(state, principal, request_id, tokens, nanos)
     started = time.perf_counter()

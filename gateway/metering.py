@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from billing.keys import Principal
-from billing.prices import PriceVersion
+from billing.prices import EffectivePrice
 from billing.quota import Hold, QuotaExceeded, QuotaUnavailable, Scope
 from gateway.errors import RateLimited, ServiceUnavailable
 
@@ -18,9 +19,16 @@ log = logging.getLogger("tollgate.metering")
 _settling: set[asyncio.Task[Any]] = set()
 
 
-async def price_of(state: Any, model: str) -> PriceVersion | None:
+async def price_of(state: Any, model: str, account_id: int) -> EffectivePrice | None:
+    """What `account_id` pays for `model` now: its override, else its multiplier, else the base
+    price (the same rule completions and invoices use)."""
     prices = getattr(state, "prices", None)
-    return await prices.current(model) if prices is not None else None
+    return await prices.current_for(account_id, model) if prices is not None else None
+
+
+def share_of(nanos: int, share: Decimal) -> int:
+    """`share` of a cost in whole nano-USD, rounded half up once."""
+    return int((Decimal(nanos) * share).quantize(Decimal(1), ROUND_HALF_UP))
 
 
 def refuse_if_backlogged(state: Any) -> None:

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import orjson
@@ -51,7 +52,7 @@ _STATE_KEY = "tollgate_cache_key"
 @dataclass
 class CacheConfig:
     ttl_seconds: float = 3600.0
-    hit_price: float = 0.0  # share of the normal cost billed for a hit
+    hit_price: Decimal = Decimal(0)  # share of the normal cost billed for a hit (exact: money is never a float)
     models: frozenset[str] = frozenset()  # cached by default (besides models.yaml `cache: true`)
     max_entries: int = 10_000  # in-process store only
     max_entry_bytes: int = 1_000_000
@@ -62,9 +63,20 @@ class CacheConfig:
         models = frozenset(m.strip() for m in env.get("TOLLGATE_CACHE_MODELS", "").split(",") if m.strip())
         return cls(
             ttl_seconds=float(env.get("TOLLGATE_CACHE_TTL", "3600")),
-            hit_price=float(env.get("TOLLGATE_CACHE_HIT_PRICE", "0")),
+            hit_price=parse_hit_price(env.get("TOLLGATE_CACHE_HIT_PRICE", "0")),
             models=models,
         )
+
+
+def parse_hit_price(raw: str) -> Decimal:
+    """TOLLGATE_CACHE_HIT_PRICE: the share of the normal cost a hit pays, a decimal in [0, 1]."""
+    try:
+        value = Decimal(raw.strip())
+    except InvalidOperation:
+        raise SystemExit(f"TOLLGATE_CACHE_HIT_PRICE: {raw!r} is not a decimal number (e.g. 0 or 0.25)") from None
+    if not value.is_finite() or not 0 <= value <= 1:
+        raise SystemExit(f"TOLLGATE_CACHE_HIT_PRICE: {raw!r} must be between 0 and 1")
+    return value
 
 
 class MemoryStore:
@@ -204,8 +216,8 @@ async def replay(request: Request, gen: Generation) -> Any:
 
     metering.refuse_if_backlogged(state)
     prompt, completion = int(entry["prompt_tokens"]), int(entry["completion_tokens"])
-    gen.price = await metering.price_of(state, gen.model)
-    nanos = round(gen.price.cost_nanos(prompt, completion) * cache.config.hit_price) if gen.price else 0
+    gen.price = await metering.price_of(state, gen.model, gen.principal.account_id)
+    nanos = metering.share_of(gen.price.cost_nanos(prompt, completion), cache.config.hit_price) if gen.price else 0
     gen.hold = await metering.reserve(state, gen.principal, gen.request_id, prompt + completion, nanos)
     gen.prompt_tokens = prompt
     headers = {"x-request-id": gen.request_id, **(gen.hold.headers if gen.hold else {}), HEADER: "hit"}

@@ -18,7 +18,7 @@ from typing import Any
 
 from billing.keys import Principal
 from billing.ledger import LedgerWriter, UsageRecord
-from billing.prices import PriceBook, PriceVersion
+from billing.prices import EffectivePrice, PriceBook
 from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
 from engines.base import (
     FINISH_CANCELLED,
@@ -71,7 +71,7 @@ class Generation:
     error: str | None = None
     cancel_requested: bool = False
     hold: Hold | None = None
-    price: PriceVersion | None = None
+    price: EffectivePrice | None = None
 
     @property
     def model(self) -> str:

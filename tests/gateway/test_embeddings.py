@@ -132,3 +132,22 @@ async def test_priced_like_completions(gateway: Gateway, client_for: Any) -> Non
     resp, rid = await embed_raw(client_for(key["key"]), input="priced input text", encoding_format="float")
     row = await gateway.ledger_row(rid)
     assert row["cost_nanos"] == resp.usage.prompt_tokens * 20  # $0.02 / 1M tokens = 20 nano-USD per token
+
+
+async def test_priced_at_the_accounts_override(gateway: Gateway, client_for: Any) -> None:
+    """A reseller's multiplier applies to embeddings as to completions (and to its invoices)."""
+    async with gateway.admin_client() as admin:
+        r = await admin.post("/admin/prices", json={"model": EMB, "input_per_million": "0.020", "output_per_million": "0"})
+        assert r.status_code == 201, r.text
+        account = await gateway.new_account()
+        r = await admin.post(f"/admin/accounts/{account['id']}/prices", json={"model": EMB, "multiplier": "0.5"})
+        assert r.status_code == 201, r.text
+    client = client_for((await gateway.new_key(account["id"]))["key"])
+    deadline = asyncio.get_running_loop().time() + 15  # the serving price book refreshes every few seconds
+    while True:
+        resp, rid = await embed_raw(client, input="discounted input text", encoding_format="float")
+        row = await gateway.ledger_row(rid)
+        if row["cost_nanos"] == resp.usage.prompt_tokens * 10 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert row["cost_nanos"] == resp.usage.prompt_tokens * 10  # half of 20 nano-USD per token

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from decimal import ROUND_HALF_UP, Decimal
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,11 +67,11 @@ async def test_hit_after_miss_is_billed_by_the_rule_and_counted(cache_gw: Gatewa
     assert (row2["prompt_tokens"], row2["completion_tokens"]) == (row1["prompt_tokens"], row1["completion_tokens"])
     assert row2["cost_nanos"] == 0  # default rule: hits are free
 
-    cache_config.hit_price = 0.5
+    cache_config.hit_price = Decimal("0.5")
     third, h3 = await chat(client, msgs)
     assert h3["x-tollgate-cache"] == "hit"
     row3 = await cache_gw.ledger_row(h3["x-request-id"])
-    assert row3["cached"] is True and row3["cost_nanos"] == round(row1["cost_nanos"] * 0.5)
+    assert row3["cached"] is True and row3["cost_nanos"] == int((Decimal(row1["cost_nanos"]) * Decimal("0.5")).quantize(Decimal(1), ROUND_HALF_UP))
 
     async with httpx.AsyncClient(base_url=cache_gw.base_url) as h:
         text = (await h.get("/metrics")).text
