@@ -43,6 +43,7 @@ from engines.openai_stream import (
     delta_is_empty,
     normalized_finish,
 )
+from engines.upstream_http import LeanExchange, UpstreamPool
 
 log = logging.getLogger("tollgate.engines.openai")
 
@@ -233,7 +234,7 @@ class _Live:
 
     def __init__(self) -> None:
         self.cancelled = False
-        self.exchange: _Exchange | None = None
+        self.exchange: _Exchange | LeanExchange | None = None
 
 
 def _json_object(data: str) -> dict[str, Any] | None:
@@ -283,6 +284,7 @@ class OpenAIPoolEngine(Engine):
         cooldown: float = 30.0,
         max_connections: int | None = None,
         keepalive_expiry: float = 30.0,
+        lean_client: bool = True,
     ) -> None:
         if not replicas:
             raise ValueError("an openai pool needs at least one replica URL")
@@ -305,6 +307,10 @@ class OpenAIPoolEngine(Engine):
         self._max_connections = max_connections or max_concurrency * len(replicas)
         self._keepalive_expiry = keepalive_expiry
         self._client: httpx.AsyncClient | None = None
+        # Streamed POSTs to http:// replicas go through the lean client (engines/upstream_http.py);
+        # https replicas and health checks through httpx.
+        self._lean: UpstreamPool | None = None
+        self._use_lean = lean_client
         self._health_task: asyncio.Task[None] | None = None
         self._live: dict[str, _Live] = {}
         self._ready = False
@@ -333,6 +339,9 @@ class OpenAIPoolEngine(Engine):
             ),
             follow_redirects=False,
         )
+        if self._use_lean:
+            self._lean = UpstreamPool(connect_timeout=self.connect_timeout, keepalive_expiry=self._keepalive_expiry,
+                                      max_idle=self._max_connections)
         if self.health_path:
             await self.check_health()
             self._health_task = asyncio.create_task(self._health_loop(), name=f"health-{self.model_id}")
@@ -349,6 +358,9 @@ class OpenAIPoolEngine(Engine):
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+        if self._lean is not None:
+            lean, self._lean = self._lean, None
+            await lean.aclose()
 
     # health -----------------------------------------------------------------------------------
     def health_url(self, replica: Replica) -> str:
@@ -477,7 +489,13 @@ class OpenAIPoolEngine(Engine):
         assert self._client is not None
         loop = asyncio.get_running_loop()
         path = "/chat/completions" if chat else "/completions"
-        exchange = live.exchange = _Exchange(self._client, replica.url + path, body, self._headers())
+        url = replica.url + path
+        exchange: _Exchange | LeanExchange
+        if self._lean is not None and UpstreamPool.handles(url):
+            exchange = self._lean.exchange(url, body, self._headers())
+        else:
+            exchange = _Exchange(self._client, url, body, self._headers())
+        live.exchange = exchange
         if live.cancelled:
             exchange.interrupt()
         relay = request.extra is not None

@@ -1,0 +1,91 @@
+"""The lean upstream client (engines/upstream_http.py) against a real HTTP server: the scripted
+OpenAI-compatible upstream under uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import orjson
+
+from engines.upstream_http import UpstreamPool
+from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
+from tests.fakes.upstream import Behaviour
+
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                     "stream_options": {"include_usage": True}})
+HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+
+
+async def drain(exchange: Any) -> list[tuple[str, Any]]:
+    items = []
+    while True:
+        kind, value = await asyncio.wait_for(exchange.queue.get(), 10)
+        items.append((kind, value))
+        if kind in ("eof", "status", "error"):
+            await exchange.close(grace=1.0)
+            return items
+
+
+async def test_streams_events_and_reuses_one_connection(upstreams: Any) -> None:
+    server, url = upstreams()
+    pool = UpstreamPool(connect_timeout=2, keepalive_expiry=30)
+    try:
+        for _ in range(5):
+            items = await drain(pool.exchange(url + "/chat/completions", BODY, HEADERS))
+            data = [orjson.loads(v) for k, v in items if k == "data" and v != "[DONE]"]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in data if c.get("choices"))
+            assert text == "The capital of France is Paris."
+            assert any(c.get("usage") for c in data) and items[-2] == ("data", "[DONE]") and items[-1] == ("eof", None)
+        assert pool.opened == 1  # keep-alive: every request after the first reused the connection
+        assert len(server.requests) == 5 and server.requests[0].body["stream"] is True
+    finally:
+        await pool.aclose()
+
+
+async def test_an_error_status_is_read_whole(upstreams: Any) -> None:
+    server, url = upstreams()
+    server.default = Behaviour(status=429, error_message="slow down")
+    pool = UpstreamPool(connect_timeout=2, keepalive_expiry=30)
+    try:
+        (kind, (status, raw)), = await drain(pool.exchange(url + "/chat/completions", BODY, HEADERS))
+        assert kind == "status" and status == 429 and b"slow down" in raw
+    finally:
+        await pool.aclose()
+
+
+async def test_a_closed_exchange_mid_stream_does_not_go_back_to_the_pool(upstreams: Any) -> None:
+    server, url = upstreams()
+    server.default = Behaviour(tokens=["x"] * 50, token_delay=0.05)
+    pool = UpstreamPool(connect_timeout=2, keepalive_expiry=30)
+    try:
+        exchange = pool.exchange(url + "/chat/completions", BODY, HEADERS)
+        assert (await asyncio.wait_for(exchange.queue.get(), 10))[0] == "data"
+        await exchange.close()  # the client left: the rest of the body is not read
+        for _ in range(100):
+            if server.requests[0].disconnected_at is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert server.requests[0].disconnected_at is not None  # the upstream saw the connection go
+        server.default = Behaviour()
+        assert (await drain(pool.exchange(url + "/chat/completions", BODY, HEADERS)))[-1] == ("eof", None)
+        assert pool.opened == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_a_dropped_connection_and_a_refused_one_are_errors(upstreams: Any) -> None:
+    server, url = upstreams()
+    server.default = Behaviour(drop_after=2)
+    pool = UpstreamPool(connect_timeout=2, keepalive_expiry=30)
+    try:
+        items = await drain(pool.exchange(url + "/chat/completions", BODY, HEADERS))
+        assert [k for k, _ in items].count("data") >= 1 and items[-1][0] == "error"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # nothing listens here once closed
+        items = await drain(pool.exchange(f"http://127.0.0.1:{port}/v1/chat/completions", BODY, HEADERS))
+        assert items[0][0] == "error" and "ConnectError" in items[0][1]
+    finally:
+        await pool.aclose()
