@@ -214,6 +214,7 @@ def check_models_file(path: str, quiet: bool) -> int:
 def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
     from bench import serve_bench
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the report
     return serve_bench.report(args, serve_bench.run(args))
 
 
