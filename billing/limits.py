@@ -35,7 +35,8 @@ class Limits:
 
     @property
     def empty(self) -> bool:
-        return all(getattr(self, f.name) is None for f in fields(self))
+        return (self.rpm is None and self.tpm is None and self.max_concurrent is None
+                and self.monthly_tokens is None and self.monthly_spend is None)
 
     @property
     def monthly_spend_nanos(self) -> int | None:

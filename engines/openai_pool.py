@@ -510,10 +510,13 @@ class OpenAIPoolEngine(Engine):
         clean_end = False
         try:
             while True:
-                wait = deadline - loop.time() if not yielded else self.idle_timeout
                 try:
-                    async with asyncio.timeout(max(wait, 0.0)):
-                        kind, value = await exchange.queue.get()
+                    if not exchange.queue.empty():  # already here: no deadline to arm
+                        kind, value = exchange.queue.get_nowait()
+                    else:
+                        wait = deadline - loop.time() if not yielded else self.idle_timeout
+                        async with asyncio.timeout(max(wait, 0.0)):
+                            kind, value = await exchange.queue.get()
                 except TimeoutError:
                     reason = f"no data for {self.idle_timeout:g}s" if yielded else f"no first token within {self.first_token_timeout:g}s"
                     kind, value = "error", reason

@@ -34,7 +34,6 @@ from gateway.config import Settings
 from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import RequestContext, request_id_of
-from gateway.hardening import SecurityHeaders, SingleQueryValues
 from gateway.metrics import Metrics, metrics_endpoint
 from gateway.openapi import openapi_document
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
@@ -318,7 +317,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
     return Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(RequestContext), Middleware(SecurityHeaders), Middleware(SingleQueryValues)],
+        middleware=[Middleware(RequestContext)],  # ids, logs, metrics, security headers, query guard: one layer
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: unexpected_error},
     )
 

@@ -2,9 +2,12 @@
 
     guarded_http_protocol()   uvicorn's httptools protocol with a deadline for receiving each request
                               (slowloris: 408 and the connection closed) and a cap on header bytes (431)
-    SecurityHeaders           plain ASGI: `nosniff` on every response; HTML pages without their own
-                              policy get a strict CSP, no framing and no referrer
-    SingleQueryValues         a query parameter given twice is a 400, not whichever copy a handler reads
+    secure()                  `nosniff` on every response; HTML pages without their own policy get a
+                              strict CSP, no framing and no referrer
+    repeated_query_parameter() a query parameter given twice is a 400, not whichever copy a handler reads
+
+The last two run inside gateway/logs.py's RequestContext, the app's one middleware layer (one
+`send` wrapper per request instead of three: docs/performance.md).
 
 Request bodies are capped by `read_json` (413); malformed JSON, invalid UTF-8 and JSON nested
 deeper than orjson's limit are 400s there.
@@ -17,7 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from starlette.datastructures import MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.errors import APIError, HeadersTooLarge, InvalidRequest, RequestTimeout
@@ -135,40 +138,21 @@ def guarded_http_protocol(*, read_timeout: float = 30.0, max_header_bytes: int =
     )
 
 
-class SingleQueryValues:
+def repeated_query_parameter(scope: Scope) -> APIError | None:
     """Every query parameter of this API takes one value: a repeated one (`?account_id=1&account_id=2`,
     parameter pollution) is a 400 rather than whichever copy a handler happens to read."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("query_string"):
-            names = [name for name, _ in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)]
-            repeated = sorted({n for n in names if names.count(n) > 1})
-            if repeated:
-                err = InvalidRequest(f"query parameter {repeated[0]!r} is given more than once", param=repeated[0])
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    if not scope.get("query_string"):
+        return None
+    names = [name for name, _ in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        return InvalidRequest(f"query parameter {repeated[0]!r} is given more than once", param=repeated[0])
+    return None
 
 
-class SecurityHeaders:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                headers.setdefault("x-content-type-options", "nosniff")
-                if headers.get("content-type", "").startswith("text/html") and "content-security-policy" not in headers:
-                    for name, value in PAGE_HEADERS.items():
-                        headers.setdefault(name, value)
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
+def secure(headers: MutableHeaders) -> None:
+    """`nosniff` on every response; HTML pages without their own policy get the strict page headers."""
+    headers.setdefault("x-content-type-options", "nosniff")
+    if headers.get("content-type", "").startswith("text/html") and "content-security-policy" not in headers:
+        for name, value in PAGE_HEADERS.items():
+            headers.setdefault(name, value)

@@ -23,6 +23,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.hardening import repeated_query_parameter, secure
+
 request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
 client_request_id_var: ContextVar[str | None] = ContextVar("tollgate_client_request_id", default=None)
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -91,7 +93,8 @@ def _route_name(scope: Scope) -> str:
 
 
 class RequestContext:
-    """Plain ASGI (keeps streaming and context variables intact): ids, access log, HTTP metrics."""
+    """Plain ASGI (keeps streaming and context variables intact), the app's one middleware: request
+    ids, access log, HTTP metrics, security headers and the repeated-query-parameter guard."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -116,10 +119,15 @@ class RequestContext:
                     headers.append("x-request-id", rid)
                 if crid is not None:
                     headers.append("x-client-request-id", crid)
+                secure(headers)
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_ids)
+            refused = repeated_query_parameter(scope)
+            if refused is not None:
+                await refused.response()(scope, receive, send_with_ids)
+            else:
+                await self.app(scope, receive, send_with_ids)
         finally:
             route = _route_name(scope)
             path = KEY_LIKE.sub("sk-***", scope["path"])  # a key pasted into a URL stays out of the logs

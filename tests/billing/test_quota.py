@@ -210,3 +210,13 @@ def test_limits_patch_semantics() -> None:
     changed = limits.patched({"rpm": None, "tpm": 5})
     assert changed.view() == {"tpm": 5, "monthly_spend": "25.50"}
     assert Limits.from_json(changed.to_json()) == changed
+
+
+def test_limits_are_empty_only_with_no_limit_set() -> None:
+    from dataclasses import fields
+
+    from billing.limits import Limits
+
+    assert Limits().empty
+    for f in fields(Limits):  # a limit added later must make `empty` false too
+        assert not Limits(**{f.name: 1}).empty, f.name
