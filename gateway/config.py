@@ -73,6 +73,7 @@ class Settings:
     key_stale_seconds: float = 300.0  # serve a cached key this long while the database is unreachable
     request_read_timeout: float = 30.0  # seconds to receive a request's headers and body
     max_header_bytes: int = 64 * 1024
+    metrics_token: str | None = None  # set: GET /metrics wants `Authorization: Bearer <token>`
     warmup: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -162,5 +163,6 @@ def load_settings() -> Settings:
         key_stale_seconds=_env_float("TOLLGATE_KEY_STALE_SECONDS", 300.0),
         request_read_timeout=_env_float("TOLLGATE_REQUEST_READ_SECONDS", 30.0),
         max_header_bytes=_env_int("TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
+        metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
         warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
     )

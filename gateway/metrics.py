@@ -9,6 +9,7 @@ class names only: never keys, accounts or anything a client can make up.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from starlette.responses import Response
 from billing.ledger import LedgerWriter, UsageRecord
 from engines.base import Engine
 from engines.scheduler import QueueEvent, ScheduledEngine
+from gateway.errors import AuthenticationFailed
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -146,5 +148,13 @@ class Metrics:
 
 
 async def metrics_endpoint(request: Request) -> Response:
+    """Prometheus text. Open by default (a scraper's network only, README); with
+    TOLLGATE_METRICS_TOKEN set, only for `Authorization: Bearer <that token>`."""
+    token = request.app.state.settings.metrics_token
+    if token:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            return AuthenticationFailed("GET /metrics needs the metrics token: Authorization: Bearer <token>.",
+                                        headers={"WWW-Authenticate": "Bearer"}).response()
     metrics: Metrics = request.app.state.metrics
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

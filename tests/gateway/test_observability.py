@@ -116,3 +116,24 @@ async def test_json_logs_carry_request_ids_and_never_keys(gateway: Gateway, clie
     assert all({"ts", "level", "logger", "msg"} <= set(e) for e in entries)
     assert any(e["path"] == "/v1/models/sk-***" for e in access)  # a key pasted into a URL is masked
     assert not any(key["key"][3:] in line for line in server_lines)
+
+
+def test_a_metrics_token_guards_the_scrape(gateway: Gateway) -> None:
+    import dataclasses
+
+    token = "scrape-secret-42"
+    app = gateway.app
+    open_settings = app.state.settings
+    app.state.settings = dataclasses.replace(open_settings, metrics_token=token)
+    try:
+        url = gateway.base_url + "/metrics"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"}):
+            r = httpx.get(url, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            error = r.json()["error"]
+            assert error["code"] == "invalid_api_key" and token not in r.text
+        r = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert r.status_code == 200 and "tollgate_http_responses_total" in r.text
+    finally:
+        app.state.settings = open_settings
+    assert httpx.get(gateway.base_url + "/metrics", timeout=30).status_code == 200  # unset: open, as before
