@@ -252,11 +252,12 @@ async def customer(gateway: Gateway) -> dict[str, Any]:
 async def close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Closes every openai.AsyncOpenAI a test made, on the test's own loop, when it ends.
 
-    The tests share one event loop. An SDK client left open is closed later by the garbage
-    collector (its transports' sockets closed behind the loop's back); when that happens during
-    another test's burst of connections, sockets that reuse those descriptors lose their reader
-    registration and their requests hang until the client's timeout, although the gateway has
-    answered (seen with 200 concurrent requests: the answers sat unread in the sockets)."""
+    The tests share one event loop. With SDK clients left open across tests, a later burst of
+    200 concurrent requests hung until the client's timeout although the gateway had answered:
+    the answers sat unread in client sockets whose transports were no longer registered with the
+    loop (reproduced without the gateway, against a plain app; gone when clients are closed). The
+    likely trigger is left-open clients being collected during a later burst that reuses their
+    descriptors."""
     from openai import AsyncOpenAI
 
     made: list[AsyncOpenAI] = []
