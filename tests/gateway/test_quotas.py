@@ -49,17 +49,27 @@ async def settled(gw: Gateway, kind: str, scope_id: int, timeout: float = 10.0) 
         await asyncio.sleep(0.05)
 
 
-async def ledger_tokens(gw: Gateway, column: str, value: int) -> tuple[int, int]:
+async def ledger_tokens(gw: Gateway, column: str, value: int, *, rows: int | None = None, tokens: int | None = None,
+                        timeout: float = 10.0) -> tuple[int, int]:
+    """(rows, tokens) in the ledger for a key or account. Rows are written by a background batch
+    writer after the request settles; given the expected `rows` or `tokens`, waits (up to
+    `timeout`) for the writer to catch up before answering, so a slow batch is not a mismatch."""
     db = create_engine(gw.db_url)
+    deadline = time.monotonic() + timeout
     try:
-        async with db.connect() as conn:
-            row = (
-                await conn.execute(
-                    sa.text(f"SELECT count(*), coalesce(sum(prompt_tokens + completion_tokens), 0) FROM ledger_entries WHERE {column} = :v"),
-                    {"v": value},
-                )
-            ).one()
-        return int(row[0]), int(row[1])
+        while True:
+            async with db.connect() as conn:
+                row = (
+                    await conn.execute(
+                        sa.text(f"SELECT count(*), coalesce(sum(prompt_tokens + completion_tokens), 0) FROM ledger_entries WHERE {column} = :v"),
+                        {"v": value},
+                    )
+                ).one()
+            found = int(row[0]), int(row[1])
+            caught_up = (rows is None or found[0] >= rows) and (tokens is None or found[1] >= tokens)
+            if caught_up or time.monotonic() > deadline:
+                return found
+            await asyncio.sleep(0.05)
     finally:
         await db.dispose()
 
@@ -103,7 +113,7 @@ async def test_200_concurrent_requests_never_overspend_a_key(gw: Gateway, client
         assert "monthly_tokens" in body["message"]
         assert int(exc.response.headers["retry-after"]) > 0
     c = await settled(gw, "key", key["id"])
-    count, tokens = await ledger_tokens(gw, "key_id", key["id"])
+    count, tokens = await ledger_tokens(gw, "key_id", key["id"], rows=len(ok) + 1, tokens=c["month_tokens"])
     assert count == len(ok) + 1
     assert tokens <= budget
     assert c["month_tokens"] == tokens
@@ -120,7 +130,7 @@ async def test_account_limit_shared_by_five_keys(gw: Gateway, client_for: Any) -
     refused = [r for r in results if isinstance(r, Exception)]
     assert refused and all(r.status_code == 429 for r in refused)
     c = await settled(gw, "account", account["id"])
-    _count, tokens = await ledger_tokens(gw, "account_id", account["id"])
+    _count, tokens = await ledger_tokens(gw, "account_id", account["id"], tokens=c["month_tokens"])
     assert tokens <= budget
     assert c["month_tokens"] == tokens
 
