@@ -15,19 +15,17 @@ import json
 import logging
 import os
 import secrets
-import socket
 import statistics
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from openai import AsyncOpenAI
 
+from bench.harness import ServerThread
 from billing import migrate
 from billing.db import create_engine
 from billing.keys import KeyStore
@@ -102,32 +100,6 @@ async def measure(stream: StreamFn, concurrency: int, max_tokens: int) -> dict[s
 
 
 # gateway ------------------------------------------------------------------------------------------
-class ServerThread:
-    """uvicorn serving an app on an ephemeral port in a thread with its own event loop."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("gateway did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
-
-
 async def customer_key(db_url: str, secret: str) -> str:
     """Migrates a fresh database and returns a customer key (next to the usual admin key)."""
     migrate.upgrade(db_url)

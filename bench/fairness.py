@@ -16,22 +16,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import uvicorn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import ServerThread  # noqa: E402
 from billing import migrate  # noqa: E402
 from billing.db import create_engine  # noqa: E402
 from billing.keys import KeyStore  # noqa: E402
@@ -40,28 +38,6 @@ from gateway.app import create_app  # noqa: E402
 from gateway.config import DEFAULT_MODEL_ID, Settings  # noqa: E402
 
 SECRET = "bench-fairness-secret"
-
-
-class Server:
-    """A gateway app under uvicorn in a thread, on a free port."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "Server":
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
-        self.sock.close()
 
 
 def keys_for(db_url: str, names: list[str]) -> list[str]:
@@ -145,7 +121,7 @@ def run_mode(engine: HFEngine, label: str, overrides: dict[str, Any], args: argp
     migrate.upgrade(db_url)
     a, b = keys_for(db_url, ["flooder", "light"])
     settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, **overrides)
-    with Server(create_app(settings, engines={engine.model_id: engine})) as server:
+    with ServerThread(create_app(settings, engines={engine.model_id: engine})) as server:
         result = asyncio.run(workload(f"http://127.0.0.1:{server.port}", a, b, args))
     result["mode"] = label
     print(f"  {label}: done in {result['seconds']:.0f}s, A {result['a_tokens_per_s']:.1f} tokens/s, all {result['all_tokens_per_s']:.1f}", flush=True)

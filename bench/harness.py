@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 
 ROOT = Path(__file__).resolve().parent.parent
 PG = os.environ.get("TOLLGATE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -120,3 +122,30 @@ def make_key(base: str, admin: str, *, limits: dict[str, Any] | None = None) -> 
         r = httpx.patch(f"{base}/admin/keys/{key['id']}", json={"limits": limits}, headers=h)
         r.raise_for_status()
     return str(key["key"])
+
+
+class ServerThread:
+    """An ASGI app under uvicorn on an ephemeral port, in a thread with its own event loop (the
+    in-process benches: engine_scaling.py, fairness.py)."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()

@@ -269,9 +269,11 @@ class Pricing:
     output_per_million: Decimal
 
     def cost_nanos(self, prompt_tokens: int, completion_tokens: int) -> int:
-        """Nano-USD for one request, rounded half up once, as the ledger rounds."""
-        exact = Decimal(prompt_tokens) * self.input_per_million + Decimal(completion_tokens) * self.output_per_million
-        return int((exact * 1000).quantize(Decimal(1), ROUND_HALF_UP))
+        """Nano-USD for one request, by the ledger's own rule (billing.prices: half up, once)."""
+        from billing.prices import EffectivePrice
+
+        price = EffectivePrice("", self.input_per_million, self.output_per_million, "USD", None, None)
+        return price.cost_nanos(prompt_tokens, completion_tokens)
 
 
 def parse_pricing(raw: Any, where: str) -> Pricing:
