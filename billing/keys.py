@@ -3,6 +3,7 @@ HMAC-SHA256 under the server secret, plus a short visible prefix."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -110,6 +111,8 @@ class KeyStore:
         self._cache_seconds = cache_seconds
         self._stale_seconds = stale_seconds  # a cached answer outlives a database outage this long
         self._cache: dict[str, tuple[float, Principal | None]] = {}
+        self._refreshing: dict[str, asyncio.Future[Principal | None]] = {}
+        self._generation = 0
 
     # accounts -------------------------------------------------------------------------------
     async def create_account(self, name: str) -> dict[str, Any]:
@@ -197,7 +200,7 @@ class KeyStore:
             await conn.execute(
                 KEYS.update().where(KEYS.c.id == key_id, KEYS.c.revoked_at.is_(None)).values(revoked_at=utcnow())
             )
-        self._cache.clear()
+        self._invalidate()
         return await self.get_key(key_id)
 
     async def set_key_limits(self, key_id: int, changes: Any) -> dict[str, Any] | None:
@@ -208,7 +211,7 @@ class KeyStore:
         limits = Limits().patched(current["limits"]).patched(changes)
         async with self._engine.begin() as conn:
             await conn.execute(KEYS.update().where(KEYS.c.id == key_id).values(limits=limits.to_json()))
-        self._cache.clear()
+        self._invalidate()
         return await self.get_key(key_id)
 
     async def set_account_limits(self, account_id: int, changes: Any) -> dict[str, Any] | None:
@@ -218,14 +221,14 @@ class KeyStore:
         limits = Limits().patched(current["limits"]).patched(changes)
         async with self._engine.begin() as conn:
             await conn.execute(ACCOUNTS.update().where(ACCOUNTS.c.id == account_id).values(limits=limits.to_json()))
-        self._cache.clear()
+        self._invalidate()
         return await self.get_account(account_id=account_id)
 
     async def set_account_priority(self, account_id: int, priority: str | None) -> dict[str, Any] | None:
         """Sets the account's scheduling class (None: the top class); None when there is no such account."""
         async with self._engine.begin() as conn:
             result = await conn.execute(ACCOUNTS.update().where(ACCOUNTS.c.id == account_id).values(priority=priority))
-        self._cache.clear()
+        self._invalidate()
         return await self.get_account(account_id=account_id) if result.rowcount else None
 
     async def has_admin_key(self) -> bool:
@@ -247,22 +250,55 @@ class KeyStore:
 
     # authentication -------------------------------------------------------------------------
     async def authenticate(self, key: str) -> Principal | None:
-        """The principal for a presented key, cached for a short time (revocation shows within it)."""
+        """The principal for a presented key, cached for a short time (revocation shows within it).
+
+        One database query per key at a time: callers that miss together share it. In the last
+        quarter of an entry's life one background query renews it while callers keep the cached
+        answer, so a busy key never makes its requests wait for the database; an entry is never
+        served past its time, so a revocation made elsewhere still shows within `cache_seconds`."""
         digest = hash_key(self._secret, key)
         now = time.monotonic()
         hit = self._cache.get(digest)
-        if hit is not None and now - hit[0] < self._cache_seconds:
-            return hit[1]
+        if hit is not None:
+            age = now - hit[0]
+            if age < self._cache_seconds:
+                if age > 0.75 * self._cache_seconds:
+                    self._refresh(digest, hit)
+                return hit[1]
+        return await asyncio.shield(self._refresh(digest, hit))
+
+    def _refresh(self, digest: str, hit: tuple[float, Principal | None] | None) -> asyncio.Future[Principal | None]:
+        pending = self._refreshing.get(digest)
+        if pending is None:
+            pending = asyncio.ensure_future(self._lookup(digest, hit))
+            self._refreshing[digest] = pending
+            pending.add_done_callback(lambda f: self._refreshed(digest, f))
+        return pending
+
+    def _refreshed(self, digest: str, future: asyncio.Future[Principal | None]) -> None:
+        if self._refreshing.get(digest) is future:
+            del self._refreshing[digest]
+        if not future.cancelled():
+            future.exception()  # a background renewal's failure is not an error: the entry still counts
+
+    async def _lookup(self, digest: str, hit: tuple[float, Principal | None] | None) -> Principal | None:
+        generation = self._generation
         try:
             principal = await self._principal_from_db(digest)
         except Exception as exc:  # the database is unreachable: keys seen recently keep working
-            if hit is not None and now - hit[0] < self._stale_seconds:
+            if hit is not None and time.monotonic() - hit[0] < self._stale_seconds:
                 return hit[1]
             raise KeyStoreUnavailable(type(exc).__name__) from None
-        if len(self._cache) > 100_000:
-            self._cache.clear()
-        self._cache[digest] = (now, principal)
+        if generation == self._generation:  # not read across a revocation or a limit change
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            self._cache[digest] = (time.monotonic(), principal)
         return principal
+
+    def _invalidate(self) -> None:
+        """A key or account changed here: forget every cached answer, and any read now in flight."""
+        self._generation += 1
+        self._cache.clear()
 
     async def _principal_from_db(self, digest: str) -> Principal | None:
         query = (

@@ -94,6 +94,10 @@ class EngineOutput:
     # A pass-through engine's choice object, in the shape the client's response uses (a chunk's
     # choice with `delta` when streaming, the whole choice with `message` otherwise): relayed as is.
     raw_choice: dict[str, Any] | None = None
+    # The engine already holds the next output and yields it without waiting: a consumer may keep
+    # this one and write both at once. Never set on the last output; an engine that sets it yields an
+    # output without it (an empty one if need be) before it waits for anything.
+    more: bool = False
 
     @property
     def finished(self) -> bool:

@@ -506,6 +506,7 @@ class OpenAIPoolEngine(Engine):
         usage: dict[str, Any] | None = None
         finish: dict[str, Any] | None = None
         yielded = False
+        held = False  # the last output yielded was marked `more`
         deadline = loop.time() + self.first_token_timeout
         clean_end = False
         try:
@@ -513,6 +514,11 @@ class OpenAIPoolEngine(Engine):
                 try:
                     if not exchange.queue.empty():  # already here: no deadline to arm
                         kind, value = exchange.queue.get_nowait()
+                    elif held:
+                        # The consumer may be holding outputs marked `more`: release them before waiting.
+                        held = False
+                        yield EngineOutput("", [], None, prompt_estimate, completion_estimate, estimated=True)
+                        continue
                     else:
                         wait = deadline - loop.time() if not yielded else self.idle_timeout
                         async with asyncio.timeout(max(wait, 0.0)):
@@ -540,9 +546,10 @@ class OpenAIPoolEngine(Engine):
                                     text = self._text_of(choice, chat)
                                     completion_estimate += 1  # servers stream about a token a chunk; the final count is exact or counted
                                     yielded = True
+                                    held = not exchange.queue.empty()  # more events already here
                                     yield EngineOutput(
                                         text, [], None, prompt_estimate, completion_estimate, estimated=True,
-                                        raw_choice=choice if streaming else None,
+                                        raw_choice=choice if streaming else None, more=held,
                                     )
                             continue
                         kind, value = "error", "error event: " + upstream_error_message(orjson.dumps(chunk))[0]

@@ -238,6 +238,50 @@ async def unexpected_error(request: Request, exc: Exception) -> Response:
     return APIError("The server had an error while processing your request.").response()
 
 
+async def _error_response(scope: Any, exc: Exception) -> Any:
+    """What Starlette's exception handlers would answer, for the routes dispatched without them."""
+    request = Request(scope)
+    if isinstance(exc, APIError):
+        return exc.response()
+    if isinstance(exc, HTTPException):
+        return await http_error(request, exc)
+    return await unexpected_error(request, exc)
+
+
+def _endpoint_app(endpoint: Any) -> Any:
+    """A request-response endpoint as a bare ASGI app (no router, no exception middleware)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        scope["endpoint"] = endpoint  # the route label in logs and metrics, as the router sets it
+        response = await endpoint(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+    return app
+
+
+class Gateway(Starlette):
+    """Starlette, with the generation routes dispatched before the router.
+
+    `POST /v1/chat/completions` and `POST /v1/completions` are most of the traffic. They skip
+    Starlette's middleware stack, router scan and exception layers (eight ASGI frames that every
+    streamed chunk resumes through) and run under the same RequestContext (ids, logs, metrics,
+    security headers) with the same error answers. Anything else, other methods on those paths
+    included, goes through Starlette as before."""
+
+    def __init__(self, *, hot: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._hot = {path: RequestContext(_endpoint_app(endpoint), on_error=_error_response) for path, endpoint in hot.items()}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            app = self._hot.get(scope["path"])
+            if app is not None:
+                scope["app"] = self
+                await app(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def database_unreachable(exc: BaseException) -> bool:
     if isinstance(exc, (OperationalError, InterfaceError)) or (isinstance(exc, DBAPIError) and exc.connection_invalidated):
         return True
@@ -246,7 +290,7 @@ def database_unreachable(exc: BaseException) -> bool:
     )
 
 
-def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> Starlette:
+def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> Gateway:
     """Builds the app. Engines passed in are owned by the caller (not started or stopped here)."""
     owns_engines = engines is None
 
@@ -314,7 +358,8 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         *billing_api.routes,
         *embeddings_api.routes,  # issue 10
     ]
-    return Starlette(
+    return Gateway(
+        hot={"/v1/chat/completions": chat_completions, "/v1/completions": completions},
         routes=routes,
         lifespan=lifespan,
         middleware=[Middleware(RequestContext)],  # ids, logs, metrics, security headers, query guard: one layer

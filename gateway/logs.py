@@ -96,8 +96,11 @@ class RequestContext:
     """Plain ASGI (keeps streaming and context variables intact), the app's one middleware: request
     ids, access log, HTTP metrics, security headers and the repeated-query-parameter guard."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, on_error: Any = None) -> None:
         self.app = app
+        # With `on_error(scope, exc) -> ASGI response`, an exception before the response started is
+        # answered here (the generation routes, dispatched without Starlette's error middleware).
+        self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,12 +111,14 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = rid
         tokens = (request_id_var.set(rid), client_request_id_var.set(crid))
         status = 500
+        responded = False
         started = time.perf_counter()
 
         async def send_with_ids(message: Message) -> None:
-            nonlocal status
+            nonlocal status, responded
             if message["type"] == "http.response.start":
                 status = message["status"]
+                responded = True
                 headers = MutableHeaders(scope=message)
                 if "x-request-id" not in headers:
                     headers.append("x-request-id", rid)
@@ -128,6 +133,10 @@ class RequestContext:
                 await refused.response()(scope, receive, send_with_ids)
             else:
                 await self.app(scope, receive, send_with_ids)
+        except Exception as exc:
+            if self.on_error is None or responded:
+                raise
+            await (await self.on_error(scope, exc))(scope, receive, send_with_ids)
         finally:
             route = _route_name(scope)
             path = KEY_LIKE.sub("sk-***", scope["path"])  # a key pasted into a URL stays out of the logs

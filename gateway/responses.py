@@ -139,32 +139,37 @@ class GenerationResponse:
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         opening = self.render.first()
-        if opening:
-            await send({"type": "http.response.body", "body": opening, "more_body": True})
         out = first
+        pending: list[bytes] = []  # chunks of outputs marked `more`: written with the next one, in one send
+        if opening:
+            pending.append(opening)
         try:
             while out is not None:
                 if out.finish_reason == FINISH_CANCELLED:
                     return
                 if out.finish_reason == FINISH_ERROR:
                     err = ServiceUnavailable(f"The engine failed this request: {out.error}", code="engine_error")
-                    await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE, "more_body": False})
+                    pending.append(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+                    await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
                     return
                 if out.text or out.finished or out.raw_choice:
-                    chunk = self.render.delta(out.text, out.finish_reason, out.raw_choice)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    pending.append(self.render.delta(out.text, out.finish_reason, out.raw_choice))
                 if out.finished:
                     break
+                if pending and not out.more:
+                    await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+                    pending.clear()
                 out = await anext(self.outputs, None)
         except OSError:
             raise
         except Exception as exc:
             log.exception("stream %s failed", self.gen.request_id)
             err = _error_for(exc)
-            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE, "more_body": False})
+            pending.append(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+            await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
             return
-        tail = self.render.usage() + DONE if self.gen.include_usage else DONE
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        pending.append(self.render.usage() + DONE if self.gen.include_usage else DONE)
+        await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
 
     async def _send_body(self, send: Send) -> None:
         pieces: list[str] = []

@@ -1,0 +1,87 @@
+"""KeyStore's cache of key lookups against a real Postgres: one query per key at a time, renewal
+ahead of expiry without making callers wait, and a revocation shown within `cache_seconds`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from billing import migrate
+from billing.db import create_engine
+from billing.keys import KeyStore
+
+SECRET = b"key-cache-test-secret"
+
+
+@pytest.fixture
+async def db(fresh_pg_database: Any) -> AsyncIterator[Any]:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    engine = create_engine(url)
+    yield engine
+    await engine.dispose()
+
+
+class CountingStore(KeyStore):
+    """The real store, counting the database lookups it makes."""
+
+    lookups = 0
+
+    async def _principal_from_db(self, digest: str) -> Any:
+        self.lookups += 1
+        return await super()._principal_from_db(digest)
+
+
+async def test_callers_that_miss_together_share_one_query(db: Any) -> None:
+    store = CountingStore(db, SECRET, cache_seconds=5.0)
+    account = await store.create_account("shared-miss")
+    key = (await store.create_key(account["id"]))["key"]
+    principals = await asyncio.gather(*(store.authenticate(key) for _ in range(64)))
+    assert store.lookups == 1
+    assert {p.account_id for p in principals} == {account["id"]}
+    assert await store.authenticate("sk-not-a-key-at-all") is None and store.lookups == 2
+
+
+async def test_a_busy_key_is_renewed_ahead_without_waiting(db: Any) -> None:
+    store = CountingStore(db, SECRET, cache_seconds=0.4)
+    account = await store.create_account("renewed")
+    key = (await store.create_key(account["id"]))["key"]
+    await store.authenticate(key)
+    assert store.lookups == 1
+    await asyncio.sleep(0.32)  # in the last quarter of the entry's life
+    principal = await store.authenticate(key)  # answered from the cache at once; a renewal is scheduled
+    assert principal is not None and store.lookups == 1
+    await asyncio.sleep(0.05)
+    assert store.lookups == 2
+    # The renewal landed: well past the first entry's expiry, still no new lookup.
+    await asyncio.sleep(0.2)
+    assert await store.authenticate(key) is not None and store.lookups == 2
+
+
+async def test_a_revocation_elsewhere_shows_within_cache_seconds(db: Any) -> None:
+    ttl = 0.5
+    gateway = KeyStore(db, SECRET, cache_seconds=ttl)  # the serving process
+    admin = KeyStore(db, SECRET, cache_seconds=ttl)  # another process revokes
+    account = await admin.create_account("revoked-elsewhere")
+    created = await admin.create_key(account["id"])
+    assert not (await gateway.authenticate(created["key"])).revoked
+    await admin.revoke_key(created["id"])
+    revoked_at = time.monotonic()
+    while not (await gateway.authenticate(created["key"])).revoked:  # busy: renewals ahead of expiry
+        assert time.monotonic() - revoked_at <= ttl + 0.1
+        await asyncio.sleep(0.01)
+
+
+async def test_a_change_here_is_not_overwritten_by_a_read_in_flight(db: Any) -> None:
+    store = KeyStore(db, SECRET, cache_seconds=30.0)
+    account = await store.create_account("in-flight")
+    created = await store.create_key(account["id"])
+    lookup = asyncio.ensure_future(store.authenticate(created["key"]))  # reads the key as it is now
+    await asyncio.sleep(0)
+    await store.revoke_key(created["id"])  # clears the cache while that read may be in flight
+    await lookup
+    assert (await store.authenticate(created["key"])).revoked
