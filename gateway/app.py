@@ -83,7 +83,7 @@ def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
     journal = None
     if settings.ledger_journal:
         journal = LedgerJournal(settings.data_dir / "journal", fsync_interval=settings.ledger_fsync_interval)
-    ledger = LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog)
+    ledger = LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger)
     return ledger, (ledger.recover() if journal is not None else Recovered())
 
 

@@ -68,3 +68,36 @@ async def test_writer_keeps_rows_until_the_table_exists(fresh_pg_database: Any) 
         assert await count(db) == 1
     finally:
         await db.dispose()
+
+
+async def test_rows_arriving_within_the_linger_share_one_insert(fresh_pg_database: Any, monkeypatch: Any) -> None:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    db = create_engine(url)
+    inserts: list[int] = []
+    real = write_records
+
+    async def counting(engine: Any, batch: list[UsageRecord]) -> Any:
+        inserts.append(len(batch))
+        return await real(engine, batch)
+
+    monkeypatch.setattr("billing.ledger.write_records", counting)
+    try:
+        writer = LedgerWriter(db, linger=0.2)
+        writer.start()
+        for _ in range(20):  # one row every 5 ms, as a light load sends them
+            writer.record(record())
+            await asyncio.sleep(0.005)
+        await writer.flush(timeout=10)
+        assert sum(inserts) == 20 and len(inserts) == 1  # all inside the first row's 200 ms window
+        eager = LedgerWriter(db)  # linger 0: each row that finds the writer idle goes at once
+        eager.start()
+        for _ in range(5):
+            eager.record(record())
+            await eager.flush(timeout=10)
+        assert len(inserts) == 6
+        await writer.close()
+        await eager.close()
+        assert await count(db) == 25
+    finally:
+        await db.dispose()
