@@ -37,6 +37,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -174,11 +175,34 @@ def listening_pid(port: int) -> int:
     raise RuntimeError(f"no process listens on port {port}")
 
 
+def gateway_root(pid: int) -> psutil.Process:
+    """The `tollgate serve` process at the top (with --workers, the supervisor of the listening workers)."""
+    proc = psutil.Process(pid)
+    while (parent := proc.parent()) is not None and "serve" in parent.cmdline() and any("tollgate" in a for a in parent.cmdline()):
+        proc = parent
+    return proc
+
+
+def tree_cpu_seconds(root: psutil.Process) -> float:
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def profile(base: str, key: str, stream: bool, connections: int, seconds: int, out: Path) -> dict[str, Any]:
     """py-spy (raw/collapsed stacks) on the Tollgate process while the load generator drives it."""
-    pid = listening_pid(urlparse(base).port or 80)
+    pid = gateway_root(listening_pid(urlparse(base).port or 80)).pid
     spy = ROOT / ".venv" / "bin" / "py-spy"
-    rec = subprocess.Popen([str(spy), "record", "--format", "raw", "--rate", "250", "--nonblocking",
+    # --nonblocking (default) samples without pausing the process: cheap, but stacks read while the
+    # interpreter runs are sometimes torn (frames credited to the wrong caller). TOLLGATE_PROFILE_BLOCKING=1
+    # pauses it per sample: slower under the profiler, exact stacks.
+    blocking = os.environ.get("TOLLGATE_PROFILE_BLOCKING") == "1"
+    rec = subprocess.Popen([str(spy), "record", "--format", "raw", "--rate", "250", *([] if blocking else ["--nonblocking"]), "--subprocesses",
                             "-d", str(seconds + 1), "-p", str(pid), "-o", str(out)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
@@ -240,6 +264,7 @@ def main() -> None:
                         help="after the rounds, py-spy Tollgate for S seconds per mode at the largest connection count")
     parser.add_argument("--rev", help="run Tollgate from this git revision (a `git archive` snapshot) instead of "
                         "the working tree, e.g. HEAD while uncommitted edits are in progress")
+    parser.add_argument("--workers", type=int, default=1, help="Tollgate server processes (tollgate serve --workers)")
     parser.add_argument("--json", default="bench/results/overhead.json")
     args = parser.parse_args()
     conns = [int(c) for c in args.connections.split(",")]
@@ -254,7 +279,7 @@ def main() -> None:
     with ExitStack() as stack:
         db = stack.enter_context(fresh_database())
         upstream = stack.enter_context(mock_upstream())
-        tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": f"tgbench:o:{uuid.uuid4().hex[:6]}:"}
+        tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": f"tgbench:o:{uuid.uuid4().hex[:6]}:", "TOLLGATE_WORKERS": str(args.workers)}
         if args.rev:
             tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(args.rev)))
         tg_base, admin = stack.enter_context(gateway(db, upstream, extra_env=tg_env))
@@ -265,10 +290,17 @@ def main() -> None:
         if "litellm" in targets:
             bases["litellm"] = stack.enter_context(litellm_proxy(upstream))
 
+        tg_process = gateway_root(listening_pid(urlparse(tg_base).port or 80))
+
         def run_one(target: str, stream: bool, c: int, seconds: int) -> dict[str, Any]:
             base, key = bases[target]
+            before = tree_cpu_seconds(tg_process)
             r = drive(base, key, stream, c, seconds)
             if target == "tollgate":
+                # CPU the gateway's processes spent per request served: steadier than req/s on a noisy
+                # machine (what it costs, not what the scheduler let it have).
+                spent = tree_cpu_seconds(tg_process) - before
+                r["cpu_us_per_request"] = spent / max(r["requests"], 1) * 1e6
                 ok_total["tollgate"] += r["ok"]
                 ok_total["requests"] += r["requests"]
                 ok_total["connections"] += c
@@ -284,8 +316,9 @@ def main() -> None:
                     for target in order:
                         r = run_one(target, mode == "stream", c, args.seconds)
                         runs[target][mode][c].append(r)
+                        cpu = f"  cpu {r['cpu_us_per_request']:6.0f} us/req" if "cpu_us_per_request" in r else ""
                         print(f"round {i + 1} {mode:9} c={c:<3} {target:8}: {r['rps']:9.0f} req/s  p50 {r['p50_ms']:8.2f} ms  "
-                              f"p99 {r['p99_ms']:8.2f} ms  non-2xx {r['non2xx']}  socket errors {r['socket_errors']}", flush=True)
+                              f"p99 {r['p99_ms']:8.2f} ms  non-2xx {r['non2xx']}  socket errors {r['socket_errors']}{cpu}", flush=True)
         if args.profile:
             out_dir = ROOT / "bench" / "results"
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -308,7 +341,7 @@ def main() -> None:
     summary["profiles"] = profiles
     summary["settings"] = {"rounds": args.rounds, "seconds": args.seconds, "connections": conns,
                            "generator": runs["direct"][MODES[0]][conns[0]][0]["generator"], "cpus": os.cpu_count(),
-                           "python": platform.python_version(), "tollgate_source": args.rev or "working tree", "machine": "shared with other work (noisy)"}
+                           "python": platform.python_version(), "tollgate_source": args.rev or "working tree", "tollgate_workers": args.workers, "machine": "shared with other work (noisy)"}
     summary["runs"] = runs
     print_table(summary, targets, conns)
     for mode, p in profiles.items():
@@ -332,6 +365,8 @@ def summarize(runs: dict[str, Any], targets: list[str], conns: list[int]) -> dic
                 rs = runs[t][m][c]
                 med = {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
                 med["non2xx"] = sum(r["non2xx"] for r in rs)
+                if t == "tollgate":
+                    med["cpu_us_per_request"] = statistics.median(r["cpu_us_per_request"] for r in rs)
                 out["medians"].setdefault(t, {}).setdefault(m, {})[str(c)] = med
     for t in targets:
         for m in MODES:
@@ -354,14 +389,18 @@ def _div(a: float, b: float) -> float:
 
 def print_table(summary: dict[str, Any], targets: list[str], conns: list[int]) -> None:
     s = summary["settings"]
-    print(f"\nmedians of {s['rounds']} rounds x {s['seconds']} s, {s['generator']}, {s['cpus']} CPUs (shared machine)")
-    print(f"{'path':9} {'mode':9} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'non-2xx':>7}")
+    print(f"\nmedians of {s['rounds']} rounds x {s['seconds']} s, {s['generator']}, {s['cpus']} CPUs, "
+          f"Tollgate with {s['tollgate_workers']} worker process(es)")
+    print(f"{'path':9} {'mode':9} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'non-2xx':>7}"
+          f" {'cpu us/req':>10}")
     for m in MODES:
         for c in conns:
             for t in targets:
                 x = summary["medians"][t][m][str(c)]
                 added = ("" if t == "direct" else f"{x['added_p50_ms']:8.2f}", "" if t == "direct" else f"{x['added_p99_ms']:8.2f}")
-                print(f"{t:9} {m:9} {c:>5} {x['rps']:>9.0f} {x['p50_ms']:>8.2f} {x['p99_ms']:>8.2f} {added[0]:>8} {added[1]:>8} {x['non2xx']:>7}")
+                cpu = f"{x['cpu_us_per_request']:10.0f}" if "cpu_us_per_request" in x else ""
+                print(f"{t:9} {m:9} {c:>5} {x['rps']:>9.0f} {x['p50_ms']:>8.2f} {x['p99_ms']:>8.2f} {added[0]:>8} {added[1]:>8} {x['non2xx']:>7}"
+                      f" {cpu:>10}")
     if "ratios_tollgate_over_litellm" in summary:
         print("\nTollgate / LiteLLM (req/s ratio; added-p50 ratio LiteLLM/Tollgate)   target >= 20x req/s")
         for m in MODES:

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.journal import LedgerJournal, Recovered, record_fields, row_of
+from billing.journal import JournalLocked, LedgerJournal, Recovered, record_fields, row_of
 from billing.models import LedgerEntry, utcnow
 from billing.quota import Hold
 from billing.usage import add_to_aggregates
@@ -165,16 +167,22 @@ class LedgerWriter:
         """Opens the journal and queues the rows earlier runs left unwritten (before `start()`)."""
         assert self.journal is not None
         recovered = self.journal.open()
-        rows = [*recovered.replayed, *(row for row, _hold in recovered.interrupted)]
-        for row in rows:
-            self._pending.append(record_fields(row, UsageRecord))
-        self._submitted += len(rows)
+        rows = self.requeue(recovered)
         if rows or recovered.torn_lines:
             log.warning(
                 "ledger journal: replaying %d unwritten rows, %d interrupted requests (%d torn lines)",
                 len(recovered.replayed), len(recovered.interrupted), recovered.torn_lines,
             )
         return recovered
+
+    def requeue(self, recovered: Recovered) -> list[dict[str, Any]]:
+        """Queues the rows a journal's earlier run left unwritten (replayed and interrupted ones)."""
+        rows = [*recovered.replayed, *(row for row, _hold in recovered.interrupted)]
+        for row in rows:
+            self._pending.append(record_fields(row, UsageRecord))
+        self._submitted += len(rows)
+        self._wake.set()
+        return rows
 
     def add_listener(self, listener: Callable[[UsageRecord], None]) -> None:
         """Calls `listener(record)` synchronously in `record()`; a failing listener is logged, never raised."""
@@ -270,6 +278,33 @@ async def release_interrupted(
             log.warning("could not release the hold of interrupted request %s: %s", row["request_id"], type(exc).__name__)
     log.warning("ledger journal: released %d quota holds of interrupted requests", released)
     return released
+
+
+async def adopt_journal(
+    ledger: LedgerWriter, settle: Callable[[Hold, int, int], Awaitable[bool]], directory: Path, *, wait: float = 30.0
+) -> bool:
+    """Finishes the journal a process that no longer runs left behind (a worker of a server since
+    restarted with fewer workers): its unwritten rows go to the database through `ledger` (exactly
+    once, by request_id), its interrupted requests' holds are released, then the directory goes.
+    False (and the directory kept for the next start) when it is locked or the rows could not be written."""
+    journal = LedgerJournal(directory)
+    try:
+        recovered = journal.open()
+    except JournalLocked:
+        return False
+    try:
+        rows = ledger.requeue(recovered)
+        try:
+            await ledger.flush(timeout=wait)
+        except asyncio.TimeoutError:
+            log.warning("ledger journal %s: rows not written yet; kept for the next start", directory)
+            return False
+        await release_interrupted(ledger, settle, recovered, wait=wait)
+        log.warning("ledger journal %s of a worker no longer running: %d rows written", directory, len(rows))
+    finally:
+        journal.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return True
 
 
 async def usage_rows(

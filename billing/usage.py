@@ -11,6 +11,7 @@ exact value): reading them never scans ledger rows, whatever the period.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -97,7 +98,9 @@ def deltas(records: Iterable[UsageRecord]) -> tuple[list[dict[str, Any]], list[d
     return usage_rows, latency_rows
 
 
-def _adding_upsert(dialect_name: str, table: sa.Table, keys: Sequence[str], added: Sequence[str]) -> Any:
+@functools.lru_cache(maxsize=16)
+def _adding_upsert(dialect_name: str, table: sa.Table, keys: tuple[str, ...], added: tuple[str, ...]) -> Any:
+    """Built once per (dialect, table): constructing the statement cost more than running it."""
     insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(dialect_name)
     if insert is None:
         raise ValueError(f"unsupported dialect {dialect_name}")

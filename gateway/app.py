@@ -7,6 +7,7 @@ import contextlib
 import errno
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -20,8 +21,8 @@ from starlette.routing import Route
 
 from billing.db import create_engine
 from billing.keys import KeyStore, Principal
-from billing.journal import LedgerJournal, Recovered
-from billing.ledger import LedgerWriter, release_interrupted
+from billing.journal import JournalLocked, LedgerJournal, Recovered
+from billing.ledger import LedgerWriter, adopt_journal, release_interrupted
 from billing.prices import EffectivePrice, PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine
@@ -54,9 +55,12 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
         from engines.registry import ModelsConfigError, load_models
 
         try:
-            return load_models(settings.models_file).build()
+            built = load_models(settings.models_file).build()
         except ModelsConfigError as exc:
             raise SystemExit(f"error in the models file:\n{exc}") from None
+        if settings.workers > 1:
+            share_replicas(built, settings.workers)
+        return built
     if settings.engine_backend != "hf":
         raise SystemExit(
             f"TOLLGATE_ENGINE={settings.engine_backend!r}: without a models file only the hf backend is served; "
@@ -78,13 +82,48 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
     return {engine.model_id: engine}
 
 
+def share_replicas(engines: dict[str, Engine], workers: int) -> None:
+    """Each of `workers` processes sends a replica its share of the requests the replica takes at
+    once (`max_concurrency`, rounded up), so that together they do not overload it."""
+    from engines.openai_pool import OpenAIPoolEngine
+
+    seen: set[int] = set()
+    for chain in engines.values():
+        for engine in getattr(chain, "candidates", [chain]):
+            if isinstance(engine, OpenAIPoolEngine) and id(engine) not in seen:
+                seen.add(id(engine))
+                engine.pool.max_concurrency = max(1, -(-engine.pool.max_concurrency // workers))
+
+
 def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
     """The ledger writer; with the journal on, rows an earlier run left unwritten are queued first."""
-    journal = None
-    if settings.ledger_journal:
-        journal = LedgerJournal(settings.data_dir / "journal", fsync_interval=settings.ledger_fsync_interval)
-    ledger = LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger)
-    return ledger, (ledger.recover() if journal is not None else Recovered())
+    if not settings.ledger_journal:
+        return LedgerWriter(db, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger), Recovered()
+    # One journal directory per process. With several workers each takes the first one no other
+    # worker holds (journal, journal-1, ...): a worker that replaces a dead one recovers its rows.
+    names = ["journal"] + [f"journal-{i}" for i in range(1, settings.workers)]
+    for i, name in enumerate(names):
+        journal = LedgerJournal(settings.data_dir / name, fsync_interval=settings.ledger_fsync_interval)
+        ledger = LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger)
+        try:
+            return ledger, ledger.recover()
+        except JournalLocked:
+            if i == len(names) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def orphan_journals(settings: Settings) -> list[Path]:
+    """Journal directories of workers beyond the current count (the server ran with more before):
+    no worker claims them now, so their rows are finished here (billing.ledger.adopt_journal)."""
+    if not settings.ledger_journal:
+        return []
+    found = []
+    for path in settings.data_dir.glob("journal-*"):
+        suffix = path.name.removeprefix("journal-")
+        if path.is_dir() and suffix.isdigit() and int(suffix) >= settings.workers:
+            found.append(path)
+    return sorted(found)
 
 
 def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, Engine], list[ScheduledEngine]]:
@@ -96,7 +135,7 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
     def make(engine: Engine) -> ScheduledEngine:
         return ScheduledEngine(
             engine,
-            capacity=settings.scheduler_capacity or None,
+            capacity=-(-settings.scheduler_capacity // settings.workers) or None,  # each worker's share
             capacity_tokens=settings.scheduler_capacity_tokens or None,
             reserve=settings.scheduler_reserve,
             classes=classes,
@@ -207,6 +246,9 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     engines: dict[str, Engine] = request.app.state.service.engines
     pending = [mid for mid, e in engines.items() if not e.ready]
+    embedding = getattr(request.app.state, "embeddings_loading", None)
+    if embedding is not None and not embedding.done():  # a load that failed is logged and not waited for
+        pending += list(request.app.state.embeddings.models)
     if pending:
         return EngineNotReady(f"models still loading: {', '.join(pending)}", headers={"Retry-After": "5"}).response()
     return json_response({"status": "ready", "models": list(engines)})
@@ -309,6 +351,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
         prices = PriceBook(db)
         limiter = build_limiter(settings, db, ledger)
         releasing = asyncio.create_task(release_interrupted(ledger, limiter.settle, recovered, wait=30.0))
+        adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]
         app.state.prices = prices
         app.state.limiter = limiter
         app.state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
@@ -333,6 +376,8 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
             await embeddings_api.stop(app)  # issue 10
             await response_cache.stop(app)  # issue 10
             releasing.cancel()
+            for task in adopting:
+                task.cancel()
             for task in loading:
                 task.cancel()
             if owns_engines:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
@@ -44,6 +45,19 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune_gc() -> None:
+    """What is alive once the server is built (modules, the app) stays alive: freeze it out of the
+    collector's scans, so that the collections request garbage triggers scan only request garbage."""
+    import gc
+    import os
+
+    gc.collect()
+    gc.freeze()
+    threshold = os.environ.get("TOLLGATE_GC_GEN0")
+    if threshold:
+        gc.set_threshold(int(threshold), *gc.get_threshold()[1:])
+
+
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -67,10 +81,71 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         print("=" * 72, flush=True)
     print(f"Tollgate serving {settings.models_file or settings.model_id} on http://{host}:{port}/v1", flush=True)
     configure_logging(args.log_format, args.log_level)  # JSON lines with request ids; uvicorn logs through it
+    workers = args.workers or settings.workers
+    if workers > 1:
+        refused = workers_refused(settings)
+        if refused:
+            print(f"error: --workers {workers}: {refused}", file=sys.stderr)
+            return 2
+        _serve_workers(settings, args, workers)
+        return 0
     http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=args.log_level, loop="auto", http=http,
+    app = create_app(settings)
+    _tune_gc()
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
                 log_config=None, access_log=False, proxy_headers=False)  # nothing reads the client address
     return 0
+
+
+def workers_refused(settings: Settings) -> str | None:
+    """Why these settings cannot run as several processes (None: they can). Quotas and the ledger
+    stay exact across workers only where every worker shares them, and an in-process model would
+    load once per worker."""
+    if not settings.models_file:
+        return "several workers need remote engines (a models file of `openai` backends); the embedded model would load once per worker"
+    from engines.registry import load_models
+
+    local = sorted(spec.id for spec in load_models(settings.models_file).specs.values() if spec.backend in ("hf", "trtllm"))
+    if local:
+        return f"the models {', '.join(local)} run in-process and would load once per worker; serve them with one worker"
+    if not settings.redis_url:
+        return "several workers share quotas through Redis: set REDIS_URL"
+    if not settings.resolved_database_url.startswith("postgresql"):
+        return "several workers write one ledger: set DATABASE_URL to Postgres (SQLite takes one writer)"
+    return None
+
+
+def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -> None:
+    """uvicorn's process manager: `workers` processes accept on one socket, each building its app
+    from the environment (`worker_app`), restarted if one dies. Counters and histograms of
+    /metrics are summed across them (prometheus_client's multiprocess mode)."""
+    import shutil
+
+    import uvicorn
+
+    metrics_dir = (settings.data_dir / f"metrics-{settings.port}").resolve()
+    shutil.rmtree(metrics_dir, ignore_errors=True)  # counters start at zero with the server, as with one process
+    metrics_dir.mkdir(parents=True)
+    os.environ.update({
+        "TOLLGATE_HOST": settings.host, "TOLLGATE_PORT": str(settings.port), "TOLLGATE_MODELS": str(settings.models_file),
+        "TOLLGATE_WORKERS": str(workers), "TOLLGATE_LOG_FORMAT": args.log_format, "TOLLGATE_LOG_LEVEL": args.log_level,
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+    })
+    configure_logging(args.log_format, args.log_level)
+    uvicorn.run("gateway.cli:worker_app", factory=True, workers=workers, host=settings.host, port=settings.port,
+                log_level=args.log_level, loop="auto", http="gateway.hardening:EnvGuardedHttpToolsProtocol",
+                log_config=None, access_log=False, proxy_headers=False)
+
+
+def worker_app() -> Any:
+    """One worker's app (`tollgate serve --workers N`): settings from the environment the parent set."""
+    from gateway.app import create_app
+
+    settings = load_settings()
+    configure_logging(os.environ.get("TOLLGATE_LOG_FORMAT", "json"), os.environ.get("TOLLGATE_LOG_LEVEL", "info"))
+    app = create_app(settings)
+    _tune_gc()
+    return app
 
 
 def cmd_accounts_create(settings: Settings, args: argparse.Namespace) -> int:
@@ -227,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default TOLLGATE_PORT or 8000)")
     serve.add_argument("--models", help="models.yaml: the models to serve (default TOLLGATE_MODELS; else the embedded hf model)")
     serve.add_argument("--check", action="store_true", help="only validate the models file, list its models and exit")
+    serve.add_argument("--workers", type=int, help="server processes sharing the port (default TOLLGATE_WORKERS or 1); "
+                       "more than one needs remote engines, Postgres and Redis")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--log-format", default="json", choices=["json", "text"], help="log lines as JSON (default) or text")
     serve.set_defaults(func=cmd_serve)

@@ -76,6 +76,7 @@ class Settings:
     max_header_bytes: int = 64 * 1024
     metrics_token: str | None = None  # set: GET /metrics wants `Authorization: Bearer <token>`
     warmup: bool = True
+    workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -167,4 +168,5 @@ def load_settings() -> Settings:
         max_header_bytes=_env_int("TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
         metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
         warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
+        workers=max(1, _env_int("TOLLGATE_WORKERS", 1)),
     )

@@ -16,6 +16,7 @@ deeper than orjson's limit are 400s there.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -136,6 +137,14 @@ def guarded_http_protocol(*, read_timeout: float = 30.0, max_header_bytes: int =
     return type(
         "GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"read_timeout": read_timeout, "max_header_bytes": max_header_bytes}
     )
+
+
+class EnvGuardedHttpToolsProtocol(GuardedHttpToolsProtocol):
+    """The guarded protocol by import string, for worker processes (`tollgate serve --workers N`):
+    its limits come from the environment each worker starts with."""
+
+    read_timeout = float(os.environ.get("TOLLGATE_REQUEST_READ_SECONDS") or 30.0)
+    max_header_bytes = int(os.environ.get("TOLLGATE_MAX_HEADER_BYTES") or 64 * 1024)
 
 
 def repeated_query_parameter(scope: Scope) -> APIError | None:

@@ -10,11 +10,13 @@ class names only: never keys, accounts or anything a client can make up.
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -114,7 +116,8 @@ class Metrics:
             "tollgate_queue_abandoned", "Requests whose client left while they waited in the queue (no engine saw them).",
             ["model", "priority"], registry=reg,
         )
-        reg.register(_LiveState(engines, ledger))
+        self._live: list[Collector] = [_LiveState(engines, ledger)]
+        reg.register(self._live[0])
 
     def observe_usage(self, record: UsageRecord) -> None:
         """Ledger listener: called once per metered request."""
@@ -129,7 +132,8 @@ class Metrics:
     def watch_queues(self, schedulers: list[ScheduledEngine]) -> None:
         for scheduler in schedulers:
             scheduler.listeners.append(self.queue_event)
-        self.registry.register(_QueueState(schedulers))
+        self._live.append(_QueueState(schedulers))
+        self.registry.register(self._live[-1])
 
     def queue_event(self, event: QueueEvent) -> None:
         if event.kind == "dispatched":
@@ -144,7 +148,16 @@ class Metrics:
         self.http.labels(route, str(code)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not shared:
+            return generate_latest(self.registry)
+        # Several workers (`tollgate serve --workers N`): counters and histograms summed over every
+        # worker's files; the live gauges (in flight, queues, ledger backlog) are this worker's.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, shared)
+        for collector in self._live:
+            registry.register(collector)
+        return generate_latest(registry)
 
 
 async def metrics_endpoint(request: Request) -> Response:

@@ -191,3 +191,51 @@ async def test_backlog_policy_refuses_only_when_set(tmp_path: Path) -> None:
             await writer.close(timeout=0.2)
     finally:
         await db.dispose()
+
+
+async def test_a_journal_no_worker_claims_is_finished_and_removed(fresh_pg_database: Any, tmp_path: Path) -> None:
+    """A server that ran with more workers left `journal-3`: a worker of the smaller server writes its
+    rows, releases its interrupted holds, and removes it (billing.ledger.adopt_journal)."""
+    from billing.ledger import adopt_journal
+    from gateway.app import orphan_journals
+    from gateway.config import Settings
+
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    db = create_engine(url)
+    try:
+        for name in ("journal", "journal-1", "journal-3", "journal-x"):
+            (tmp_path / name).mkdir()
+        assert orphan_journals(Settings(data_dir=tmp_path, workers=2)) == [tmp_path / "journal-3"]
+        assert orphan_journals(Settings(data_dir=tmp_path, workers=4)) == []
+
+        gone = LedgerJournal(tmp_path / "journal-3")
+        gone.open()
+        unwritten = [record() for _ in range(3)]
+        for r in unwritten:
+            gone.final(row_of(r))
+        in_flight = record(status="interrupted", completion_tokens=0, prompt_tokens=11, cost_nanos=11)
+        hold = Hold(in_flight.request_id, (Scope("key", 1, Limits()),), 30, 5, 1, "202611")
+        gone.admitted(row_of(in_flight), hold.to_json())
+        crash(gone)
+
+        live = LedgerJournal(tmp_path / "journal-1")
+        live.open()  # a running worker's journal is never taken
+        writer = LedgerWriter(db, journal=LedgerJournal(tmp_path / "journal"))
+        writer.recover()
+        writer.start()
+        settled: list[tuple[str, int]] = []
+
+        async def settle(h: Hold, tokens: int, nanos: int) -> bool:
+            settled.append((h.request_id, tokens))
+            return True
+
+        assert await adopt_journal(writer, settle, tmp_path / "journal-1") is False and (tmp_path / "journal-1").is_dir()
+        assert await adopt_journal(writer, settle, tmp_path / "journal-3", wait=10) is True
+        assert not (tmp_path / "journal-3").exists()
+        assert await count(db) == 4 and await count(db, request_id=in_flight.request_id, status="interrupted") == 1
+        assert settled == [(in_flight.request_id, 11)]
+        live.close()
+        await writer.close()
+    finally:
+        await db.dispose()

@@ -1,0 +1,126 @@
+"""`tollgate serve --workers N`: several server processes on one port, with limits and the ledger
+exact across them (shared Redis and Postgres), a journal directory each, /metrics summed over all of
+them, and a clear refusal where several processes cannot be exact."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import openai
+from openai import AsyncOpenAI
+
+from gateway.cli import workers_refused
+from gateway.config import Settings
+from tests.conftest import REDIS_URL, run_coro
+from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
+from tests.processes import GatewayProcess
+
+MODELS = """models:
+  - id: remote
+    backend: openai
+    context_length: 4096
+    replicas: ["{url}"]
+    health_path: null
+"""
+
+
+def _models(tmp_path: Path, text: str) -> str:
+    path = tmp_path / f"models-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_settings_that_cannot_run_as_several_workers_are_refused(tmp_path: Path) -> None:
+    remote = _models(tmp_path, MODELS.format(url="http://127.0.0.1:9/v1"))
+    local = _models(tmp_path, "models:\n  - id: small\n    backend: hf\n    context_length: 2048\n")
+    pg, redis = "postgresql://postgres@127.0.0.1:5432/test", "redis://127.0.0.1:6379/0"
+    assert "remote engines" in str(workers_refused(Settings(database_url=pg, redis_url=redis)))
+    assert "small" in str(workers_refused(Settings(models_file=local, database_url=pg, redis_url=redis)))
+    assert "REDIS_URL" in str(workers_refused(Settings(models_file=remote, database_url=pg)))
+    assert "Postgres" in str(workers_refused(Settings(models_file=remote, redis_url=redis, data_dir=tmp_path)))
+    assert workers_refused(Settings(models_file=remote, database_url=pg, redis_url=redis)) is None
+
+
+def _admin(gw: GatewayProcess) -> httpx.Client:
+    return httpx.Client(base_url=gw.base_url, headers={"Authorization": f"Bearer {gw.admin_key}"}, timeout=30)
+
+
+def _sum_metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_pg_database: Any, tmp_path: Path) -> None:
+    _server, url = upstreams()
+    admin_key = "sk-admin-" + uuid.uuid4().hex
+    gw = GatewayProcess(
+        fresh_pg_database(), tmp_path / "data", admin_key, REDIS_URL=REDIS_URL,
+        TOLLGATE_REDIS_PREFIX=f"tgtest:w:{uuid.uuid4().hex[:8]}:", TOLLGATE_WORKERS="2",
+        TOLLGATE_MODELS=_models(tmp_path, MODELS.format(url=url)), TOLLGATE_EMBEDDINGS="off",
+    ).start()
+    try:
+        assert gw.proc is not None
+        spawned = [p for p in psutil.Process(gw.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(spawned) == 2  # uvicorn's worker processes
+        # Each worker holds its own journal directory.
+        deadline = time.monotonic() + 30
+        while not ((gw.data_dir / "journal").is_dir() and (gw.data_dir / "journal-1").is_dir()):
+            assert time.monotonic() < deadline, list(gw.data_dir.iterdir())
+            time.sleep(0.2)
+
+        with _admin(gw) as admin:
+            account = admin.post("/admin/accounts", json={"name": "workers"}).json()
+            key = admin.post("/admin/keys", json={"account_id": account["id"]}).json()
+            assert admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"rpm": 20}}).status_code == 200
+
+        async def fire(n: int) -> list[int]:
+            async def one() -> int:
+                # A fresh connection per request: the kernel spreads them over both workers.
+                async with httpx.AsyncClient(base_url=gw.base_url + "/v1", timeout=60,
+                                             headers={"Authorization": f"Bearer {key['key']}"}) as c:
+                    r = await c.post("/chat/completions", json={"model": "remote", "max_tokens": 8,
+                                                                 "messages": [{"role": "user", "content": "hi"}]})
+                    return r.status_code
+            return list(await asyncio.gather(*(one() for _ in range(n))))
+
+        statuses = run_coro(fire(60))
+        assert statuses.count(200) == 20 and statuses.count(429) == 40  # one limit for the key, across both
+
+        async def sdk_call() -> Any:
+            client = AsyncOpenAI(base_url=gw.base_url + "/v1", api_key=key["key"], max_retries=0)
+            try:
+                return await client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "hi"}])
+            finally:
+                await client.close()
+
+        with pytest.raises(openai.RateLimitError) as refused:  # the SDK sees the shared limit too
+            run_coro(sdk_call())
+        assert refused.value.status_code == 429 and refused.value.body["code"] == "rpm"
+
+        with _admin(gw) as admin:
+            deadline = time.monotonic() + 30
+            while True:  # rows reach the database within the writers' linger
+                usage = admin.get("/v1/usage", params={"account_id": account["id"]}).json()
+                if usage.get("totals", {}).get("requests") == 20 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert usage["totals"]["requests"] == 20, usage
+            # Any worker answers /metrics with the counts of both.
+            for _ in range(4):
+                text = httpx.get(gw.base_url + "/metrics", timeout=10).text
+                assert _sum_metric(text, "tollgate_requests_total", model="remote", status="completed") == 20
+                assert _sum_metric(text, "tollgate_quota_rejections_total", limit="rpm") == 41
+    finally:
+        gw.stop()
