@@ -183,6 +183,17 @@ def gateway_root(pid: int) -> psutil.Process:
     return proc
 
 
+def wait_idle(root: psutil.Process, timeout: float = 180.0) -> None:
+    """Until the gateway's processes use under 5% of a CPU over a second."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = tree_cpu_seconds(root)
+        time.sleep(1.0)
+        if tree_cpu_seconds(root) - before < 0.05:
+            return
+    print("warning: the gateway never went idle before the load", flush=True)
+
+
 def tree_cpu_seconds(root: psutil.Process) -> float:
     total = 0.0
     for p in [root, *root.children(recursive=True)]:
@@ -291,6 +302,7 @@ def main() -> None:
             bases["litellm"] = stack.enter_context(litellm_proxy(upstream))
 
         tg_process = gateway_root(listening_pid(urlparse(tg_base).port or 80))
+        wait_idle(tg_process)  # models still loading in the background (embeddings) would eat the first cells
 
         def run_one(target: str, stream: bool, c: int, seconds: int) -> dict[str, Any]:
             base, key = bases[target]
