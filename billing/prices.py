@@ -15,6 +15,7 @@ rounds half up to whole nano-USD once per request.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import decimal
 import logging
@@ -236,12 +237,22 @@ class PriceBook:
         self._engine = engine
         self._refresh_seconds = refresh_seconds
         self._loaded_at = float("-inf")
+        self._loading: asyncio.Future[None] | None = None
         self._by_model: dict[str, list[PriceVersion]] = {}
         self._overrides: dict[tuple[int, str], list[OverrideVersion]] = {}
 
     async def refresh(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._loaded_at < self._refresh_seconds:
             return
+        if force:
+            await self._load(force=True)
+            return
+        # Requests that find the book stale together share one read.
+        if self._loading is None or self._loading.done():
+            self._loading = asyncio.ensure_future(self._load(force=False))
+        await asyncio.shield(self._loading)
+
+    async def _load(self, force: bool) -> None:
         try:
             async with self._engine.connect() as conn:
                 rows = (await conn.execute(sa.select(PRICES).order_by(PRICES.c.model, PRICES.c.effective_from))).all()

@@ -246,9 +246,6 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     engines: dict[str, Engine] = request.app.state.service.engines
     pending = [mid for mid, e in engines.items() if not e.ready]
-    embedding = getattr(request.app.state, "embeddings_loading", None)
-    if embedding is not None and not embedding.done():  # a load that failed is logged and not waited for
-        pending += list(request.app.state.embeddings.models)
     if pending:
         return EngineNotReady(f"models still loading: {', '.join(pending)}", headers={"Retry-After": "5"}).response()
     return json_response({"status": "ready", "models": list(engines)})

@@ -1,5 +1,6 @@
-"""KeyStore's cache of key lookups against a real Postgres: one query per key at a time, renewal
-ahead of expiry without making callers wait, and a revocation shown within `cache_seconds`."""
+"""Caches on the request path against a real Postgres: KeyStore (one query per key at a time, renewal
+ahead of expiry without making callers wait, a revocation shown within `cache_seconds`) and the
+PriceBook (one read for all requests that find it stale)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,23 @@ async def test_a_change_here_is_not_overwritten_by_a_read_in_flight(db: Any) -> 
     await store.revoke_key(created["id"])  # clears the cache while that read may be in flight
     await lookup
     assert (await store.authenticate(created["key"])).revoked
+
+
+async def test_requests_that_find_the_price_book_stale_share_one_read(db: Any) -> None:
+    from billing.prices import PriceBook
+
+    class CountingBook(PriceBook):
+        reads = 0
+
+        async def _load(self, force: bool) -> None:
+            self.reads += 1
+            await super()._load(force)
+
+    book = CountingBook(db, refresh_seconds=0.2)
+    await book.add("m", "1.000", "2.000")
+    before = book.reads
+    prices = await asyncio.gather(*(book.current_for(1, "m") for _ in range(64)))
+    assert book.reads - before <= 1 and {str(p.input_per_million) for p in prices} == {"1.000"}
+    await asyncio.sleep(0.25)  # stale again: 64 callers, one read
+    await asyncio.gather(*(book.current_for(1, "m") for _ in range(64)))
+    assert book.reads - before <= 2

@@ -195,7 +195,8 @@ async def test_two_gateway_processes_share_budgets_exactly(
     assert served and len(served) < 100
     assert all(r.status_code == 429 for r in a + b if isinstance(r, Exception))
     c = await settled(redis_gateway, "key", key["id"])
-    count, tokens = await ledger_tokens(redis_gateway, "key_id", key["id"])
+    # The other process's rows arrive through its own writer: wait for them before comparing.
+    count, tokens = await ledger_tokens(redis_gateway, "key_id", key["id"], rows=len(served) + 1)
     assert count == len(served) + 1  # one row per admitted request, across both processes
     assert tokens <= budget and c["month_tokens"] == tokens
 
