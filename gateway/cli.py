@@ -71,6 +71,15 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         return 2  # refuse to start on a bad models file, before anything loads
     if args.check:
         return 0
+    workers = args.workers if args.workers is not None else settings.workers
+    if workers < 1:
+        print(f"error: --workers must be at least 1, got {workers}", file=sys.stderr)
+        return 2
+    settings = settings.with_overrides(workers=workers)
+    refused = workers_refused(settings) if workers > 1 else None
+    if refused:
+        print(f"error: --workers {workers}: {refused}", file=sys.stderr)
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrations.upgrade(settings.resolved_database_url)
     created = _with_keys(settings, lambda keys: keys.ensure_admin_key(settings.admin_key))
@@ -81,12 +90,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         print("=" * 72, flush=True)
     print(f"Tollgate serving {settings.models_file or settings.model_id} on http://{host}:{port}/v1", flush=True)
     configure_logging(args.log_format, args.log_level)  # JSON lines with request ids; uvicorn logs through it
-    workers = args.workers or settings.workers
     if workers > 1:
-        refused = workers_refused(settings)
-        if refused:
-            print(f"error: --workers {workers}: {refused}", file=sys.stderr)
-            return 2
         _serve_workers(settings, args, workers)
         return 0
     http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)

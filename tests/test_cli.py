@@ -65,3 +65,16 @@ def test_limits_from_the_cli(data_dir: Path) -> None:
     account = tollgate(data_dir, "accounts", "limits", "lim", "--monthly-tokens", "1000000")
     assert json.loads(account.stdout)["limits"] == {"monthly_tokens": 1000000}
     assert tollgate(data_dir, "accounts", "limits", "nobody", "--rpm", "1").returncode == 1
+
+
+def test_serve_refuses_workers_it_cannot_keep_exact(tmp_path: Path) -> None:
+    """Refused before anything is created: the embedded model would load once per worker, and
+    a SQLite ledger and in-process quotas would not be shared."""
+    embedded = tollgate(tmp_path, "serve", "--workers", "2")
+    assert embedded.returncode == 2 and "remote engines" in embedded.stderr
+    models = tmp_path / "models.yaml"
+    models.write_text('models:\n  - id: remote\n    backend: openai\n    context_length: 4096\n    replicas: ["http://127.0.0.1:9/v1"]\n')
+    shared = tollgate(tmp_path, "serve", "--workers", "2", "--models", str(models))
+    assert shared.returncode == 2 and ("REDIS_URL" in shared.stderr or "Postgres" in shared.stderr)
+    assert not (tmp_path / "tollgate.db").exists()  # nothing migrated for a server that does not start
+    assert tollgate(tmp_path, "serve", "--workers", "0").returncode == 2
