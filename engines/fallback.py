@@ -195,6 +195,8 @@ class FallbackEngine(Engine):
         room = engine.context_length - len(ids or [])
         if room < 1:
             return None
+        if ids is request.prompt_token_ids and request.max_tokens <= room:
+            return request  # as it came (the primary, usually): no copy
         return dataclasses.replace(request, prompt_token_ids=ids, max_tokens=min(request.max_tokens, room))
 
     @staticmethod

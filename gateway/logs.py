@@ -139,14 +139,15 @@ class RequestContext:
             await (await self.on_error(scope, exc))(scope, receive, send_with_ids)
         finally:
             route = _route_name(scope)
-            path = KEY_LIKE.sub("sk-***", scope["path"])  # a key pasted into a URL stays out of the logs
-            access_log.info(
-                "%s %s %d", scope["method"], path, status,
-                extra={"fields": {
-                    "method": scope["method"], "path": path, "route": route, "status": status,
-                    "duration_ms": round((time.perf_counter() - started) * 1000.0, 2),
-                }},
-            )
+            if access_log.isEnabledFor(logging.INFO):
+                path = KEY_LIKE.sub("sk-***", scope["path"])  # a key pasted into a URL stays out of the logs
+                access_log.info(
+                    "%s %s %d", scope["method"], path, status,
+                    extra={"fields": {
+                        "method": scope["method"], "path": path, "route": route, "status": status,
+                        "duration_ms": round((time.perf_counter() - started) * 1000.0, 2),
+                    }},
+                )
             metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
             if metrics is not None:
                 metrics.http_response(route, status)
