@@ -110,12 +110,41 @@ def _adding_upsert(dialect_name: str, table: sa.Table, keys: tuple[str, ...], ad
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _pg_upsert_sql(table: sa.Table, columns: tuple[tuple[str, str], ...], keys: tuple[str, ...]) -> str:
+    """The Postgres upsert of `_adding_upsert` as one statement over arrays (`unnest`), for asyncpg."""
+    names = [c for c, _ in columns]
+    added = [c for c in names if c not in keys]
+    arrays = ", ".join(f"${i}::{t}[]" for i, (_, t) in enumerate(columns, 1))
+    sets = ", ".join(f"{c} = {table.name}.{c} + EXCLUDED.{c}" for c in added)
+    return (f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({arrays}) "
+            f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {sets}")
+
+
+_PG_USAGE_COLUMNS = (
+    ("hour", "timestamptz"), ("account_id", "int4"), ("key_id", "int4"), ("model", "text"),
+    *((c, "int8") for c in COUNTS), *((c, "float8") for c in SUMS),
+)
+_PG_LATENCY_COLUMNS = (("hour", "timestamptz"), ("model", "text"), ("metric", "text"), ("bucket", "int2"), ("count", "int8"))
+
+
 async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord]) -> None:
     """Adds newly inserted ledger rows to the aggregates, inside the caller's transaction."""
     if not records:
         return
     usage_rows, latency_rows = deltas(records)
     dialect = conn.dialect.name
+    if dialect == "postgresql" and conn.dialect.driver == "asyncpg":
+        # Straight through asyncpg, one statement per table: SQLAlchemy's executemany path cost
+        # more CPU than the rest of writing a batch (docs/performance.md).
+        driver = (await conn.get_raw_connection()).driver_connection
+        for table, columns, keys, rows in (
+            (HOURLY, _PG_USAGE_COLUMNS, ("hour", "account_id", "key_id", "model"), usage_rows),
+            (LATENCY, _PG_LATENCY_COLUMNS, ("hour", "model", "metric", "bucket"), latency_rows),
+        ):
+            if rows:
+                await driver.execute(_pg_upsert_sql(table, columns, keys), *([r[c] for r in rows] for c, _ in columns))
+        return
     await conn.execute(
         _adding_upsert(dialect, HOURLY, ("hour", "account_id", "key_id", "model"), COUNTS + SUMS), usage_rows
     )
