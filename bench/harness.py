@@ -65,6 +65,26 @@ def fresh_database() -> Iterator[str]:
         asyncio.run(_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+def delete_redis_keys(prefix: str) -> int:
+    """Removes what a bench run left under its Redis prefix (quota counters, `settled:` markers)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS)
+    removed = 0
+    try:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=prefix + "*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += client.unlink(*batch)
+                batch.clear()
+        if batch:
+            removed += client.unlink(*batch)
+    finally:
+        client.close()
+    return removed
+
+
 @contextmanager
 def process(args: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     out = open(log, "wb") if log else subprocess.DEVNULL

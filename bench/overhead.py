@@ -42,7 +42,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import loadgen  # noqa: E402
-from bench.harness import REDIS, ROOT, free_port, fresh_database, gateway, make_key, mock_upstream, process, wait_http  # noqa: E402
+from bench.harness import REDIS, ROOT, delete_redis_keys, free_port, fresh_database, gateway, make_key, mock_upstream, process, wait_http  # noqa: E402
 
 LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6, "monthly_tokens": 10**14, "monthly_spend": "1000000"}
 LITELLM_VENV = ROOT / ".venv-litellm"
@@ -290,7 +290,9 @@ def main() -> None:
     with ExitStack() as stack:
         db = stack.enter_context(fresh_database())
         upstream = stack.enter_context(mock_upstream())
-        tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": f"tgbench:o:{uuid.uuid4().hex[:6]}:", "TOLLGATE_WORKERS": str(args.workers)}
+        prefix = f"tgbench:o:{uuid.uuid4().hex[:6]}:"
+        stack.callback(delete_redis_keys, prefix)
+        tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_WORKERS": str(args.workers)}
         if args.rev:
             tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(args.rev)))
         tg_base, admin = stack.enter_context(gateway(db, upstream, extra_env=tg_env))

@@ -696,7 +696,9 @@ class RedisLimiter(Limiter):
 
     async def invalidate(self, scope: Scope) -> None:
         try:
-            keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}{scope.name}:synced:*")]
+            # SCAN walks the whole keyspace: 1000 keys a round trip, not Redis's default of 10
+            # (each request leaves a day-long `settled:` marker, so a busy Redis holds millions).
+            keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}{scope.name}:synced:*", count=1000)]
             if keys:
                 await self._redis.delete(*keys)
         except Exception as exc:
@@ -718,7 +720,7 @@ class RedisLimiter(Limiter):
 
     async def flush_all(self) -> None:
         """Deletes every counter under the prefix (tests and operators use it to simulate a loss)."""
-        keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}*")]
+        keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}*", count=1000)]
         if keys:
             await self._redis.delete(*keys)
 
