@@ -319,7 +319,7 @@ class MemoryLimiter(Limiter):
         if hold.degraded or not hold.scopes or hold.request_id in self._settled:
             return False
         now = time.time()
-        self._settled[hold.request_id] = now + 86400
+        self._settled[hold.request_id] = now + max(60.0, self.hold_seconds)  # as long as Redis keeps its marker
         if len(self._settled) > 100_000:
             self._settled = {r: t for r, t in self._settled.items() if t > now}
         for scope in hold.scopes:
@@ -439,7 +439,8 @@ return {'ok', remaining}
 SETTLE_LUA = _LUA_COMMON + """
 local rid = ARGV[2]; local month = ARGV[3]; local tok = tonumber(ARGV[4]); local nanos = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
-if not redis.call('SET', p .. 'settled:' .. rid, '1', 'NX', 'EX', 86400) then return 0 end
+local keep = tonumber(ARGV[7 + n]) or 86400
+if not redis.call('SET', p .. 'settled:' .. rid, '1', 'NX', 'EX', keep) then return 0 end
 for i = 0, n - 1 do
   local k = p .. ARGV[7 + i] .. ':'
   local v = redis.call('HGET', k .. 'holds', rid)
@@ -686,7 +687,11 @@ class RedisLimiter(Limiter):
         self._live.pop(hold.request_id, None)
         if hold.degraded or not hold.scopes:
             return False
-        args = [self.prefix, hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes]]
+        # The settle-once marker lives as long as a hold does (a repeat of a settlement comes from
+        # the immediate retry, never later: an interrupted request's release only follows a process
+        # that never settled it), not a day: a day of markers is ~86M keys at 1,000 requests/s.
+        keep = max(60, int(self.hold_seconds))
+        args = [self.prefix, hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep]
         try:
             return bool(await self._call(self._settle_script, args))
         except QuotaUnavailable:
@@ -697,7 +702,7 @@ class RedisLimiter(Limiter):
     async def invalidate(self, scope: Scope) -> None:
         try:
             # SCAN walks the whole keyspace: 1000 keys a round trip, not Redis's default of 10
-            # (each request leaves a day-long `settled:` marker, so a busy Redis holds millions).
+            # (each request leaves a `settled:` marker for the hold time, so a busy Redis holds many).
             keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}{scope.name}:synced:*", count=1000)]
             if keys:
                 await self._redis.delete(*keys)

@@ -220,3 +220,27 @@ def test_limits_are_empty_only_with_no_limit_set() -> None:
     assert Limits().empty
     for f in fields(Limits):  # a limit added later must make `empty` false too
         assert not Limits(**{f.name: 1}).empty, f.name
+
+
+async def test_the_settle_once_marker_lives_as_long_as_a_hold(ledger_url: str) -> None:
+    """Settling twice still counts once, and the marker that ensures it is gone after the hold time
+    (not a day: at 1,000 requests/s a day of markers is ~86M Redis keys)."""
+    import redis.asyncio as redis_asyncio
+
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    db = create_engine(ledger_url)
+    lim = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=0.5, hold_seconds=120)
+    client = redis_asyncio.Redis.from_url(REDIS_URL)
+    try:
+        key = scope(monthly_tokens=1000)
+        hold = await lim.reserve(rid(), [key], 100, 0)
+        assert await lim.settle(hold, 40, 0) is True
+        assert await lim.settle(hold, 40, 0) is False  # the repeat is a no-op
+        assert (await lim.counters(key))["month_tokens"] == 40
+        ttl = await client.ttl(f"{prefix}settled:{hold.request_id}")
+        assert 60 <= ttl <= 120
+    finally:
+        await lim.flush_all()
+        await lim.close()
+        await client.aclose()
+        await db.dispose()
