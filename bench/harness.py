@@ -145,15 +145,18 @@ def make_key(base: str, admin: str, *, limits: dict[str, Any] | None = None) -> 
 
 
 class ServerThread:
-    """An ASGI app under uvicorn on an ephemeral port, in a thread with its own event loop (the
-    in-process benches: engine_scaling.py, fairness.py)."""
+    """An ASGI app under uvicorn on an ephemeral port, in a thread with its own event loop, speaking
+    the protocol `tollgate serve` runs (the in-process benches, and the tests through tests/conftest.py)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **protocol_limits: Any) -> None:
+        from gateway.hardening import guarded_http_protocol
+
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+        http = guarded_http_protocol(**protocol_limits)  # the protocol `tollgate serve` runs
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, http=http))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":

@@ -101,16 +101,19 @@ def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
         return LedgerWriter(db, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger), Recovered()
     # One journal directory per process. With several workers each takes the first one no other
     # worker holds (journal, journal-1, ...): a worker that replaces a dead one recovers its rows.
-    names = ["journal"] + [f"journal-{i}" for i in range(1, settings.workers)]
-    for i, name in enumerate(names):
+    def writer(name: str) -> LedgerWriter:
         journal = LedgerJournal(settings.data_dir / name, fsync_interval=settings.ledger_fsync_interval)
-        ledger = LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger)
+        return LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger)
+
+    names = ["journal"] + [f"journal-{i}" for i in range(1, settings.workers)]
+    for name in names[:-1]:
+        ledger = writer(name)
         try:
             return ledger, ledger.recover()
         except JournalLocked:
-            if i == len(names) - 1:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    ledger = writer(names[-1])
+    return ledger, ledger.recover()  # JournalLocked here: every directory is held
 
 
 def orphan_journals(settings: Settings) -> list[Path]:

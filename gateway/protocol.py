@@ -193,10 +193,8 @@ def parse(model: type[_Model], body: Any, *, passthrough: bool = False) -> Any:
         else:
             message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
         raise InvalidRequest(message, param=param or None, code="invalid_value" if kind != "missing" else "missing_required_parameter") from None
-    if isinstance(request, _SamplingFields):
+    if isinstance(request, _SamplingFields):  # only generation requests keep the body they came as
         request.__pydantic_private__["_raw"] = body  # type: ignore[index]  # `request._raw = body`, minus pydantic's __setattr__
-    else:
-        request._raw = body
     if passthrough:
         request.check_supported(passthrough=True)
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 import uuid
@@ -18,15 +17,14 @@ import asyncpg
 import httpx
 import pytest
 import sqlalchemy as sa
-import uvicorn
 
+from bench.harness import ServerThread  # noqa: F401  (one server thread for benches and tests; re-exported)
 from billing import migrate
 from billing.db import create_engine
 from billing.keys import KeyStore
 from engines.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_ID, Settings
-from gateway.hardening import guarded_http_protocol
 
 PG_HOST = os.environ.get("TOLLGATE_TEST_PGHOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("TOLLGATE_TEST_PGPORT", "5432"))
@@ -146,33 +144,6 @@ class Gateway:
                 return int((await conn.execute(sa.text(f"SELECT count(*) FROM ledger_entries WHERE {clause}"), where)).scalar_one())
         finally:
             await db.dispose()
-
-
-class ServerThread:
-    """uvicorn serving an app on an ephemeral port in a thread with its own event loop."""
-
-    def __init__(self, app: Any, **protocol_limits: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        http = guarded_http_protocol(**protocol_limits)  # the protocol `tollgate serve` runs
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, http=http))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("gateway did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
 
 
 def bootstrap(db_url: str, secret: str) -> str:
