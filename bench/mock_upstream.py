@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 
-CHUNKS = 16
+CHUNKS = int(os.environ.get("MOCK_CHUNKS", "16"))  # content chunks per streamed answer (the bench's default 16)
 PROMPT_TOKENS = 12
 
 

@@ -94,10 +94,13 @@ class EngineOutput:
     # A pass-through engine's choice object, in the shape the client's response uses (a chunk's
     # choice with `delta` when streaming, the whole choice with `message` otherwise): relayed as is.
     raw_choice: dict[str, Any] | None = None
-    # The engine already holds the next output and yields it without waiting: a consumer may keep
-    # this one and write both at once. Never set on the last output; an engine that sets it yields an
-    # output without it (an empty one if need be) before it waits for anything.
-    more: bool = False
+    # Outputs that arrived together with this one, in order, carried by it so that the chain of
+    # engines and the response handle one object for the lot: each is relayed as its own chunk
+    # before this one. Their counts are folded into this one's (cumulative) counts.
+    before: list["EngineOutput"] | None = None
+    # When the first output token of this request arrived (time.perf_counter()), for an engine
+    # that yields nothing until the end (a pool collecting a non-streamed answer): the TTFT.
+    first_token_at: float | None = None
 
     @property
     def finished(self) -> bool:

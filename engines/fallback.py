@@ -240,7 +240,7 @@ class FallbackEngine(Engine):
                     busy_only = busy_only and isinstance(exc, EngineOverloadedError)
                     reasons.append(f"{engine.model_id}: {exc or type(exc).__name__}")
                     continue
-                if first.finish_reason == FINISH_ERROR:
+                if first.finish_reason == FINISH_ERROR and not first.before:  # failed before any output
                     await outputs.aclose()
                     self._routes[rid] = None
                     busy_only = False

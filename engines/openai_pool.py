@@ -485,7 +485,7 @@ class OpenAIPoolEngine(Engine):
     async def _attempt(
         self, replica: Replica, body: bytes, request: EngineRequest, chat: bool, live: _Live
     ) -> AsyncIterator[EngineOutput]:
-        """One replica's try. Raises `_Retryable` only while nothing has been yielded."""
+        """One replica's try. Raises `_Retryable` only while no output has come from this replica."""
         assert self._client is not None
         loop = asyncio.get_running_loop()
         path = "/chat/completions" if chat else "/completions"
@@ -500,13 +500,16 @@ class OpenAIPoolEngine(Engine):
             exchange.interrupt()
         relay = request.extra is not None
         streaming = relay and bool(request.extra and request.extra.get("stream"))
+        # A client that gets one body from a pass-through engine needs nothing before the end: the
+        # merged choice carries it all, so the chunks are only accumulated (and counted) here.
+        collect = relay and not streaming
         merged = ChoiceAccumulator(chat)
         prompt_estimate = self._prompt_estimate(request, chat)
         completion_estimate = 0
         usage: dict[str, Any] | None = None
         finish: dict[str, Any] | None = None
-        yielded = False
-        held = False  # the last output yielded was marked `more`
+        first_at: float | None = None  # when the first output token arrived
+        batch: list[EngineOutput] = []  # outputs read, not yet yielded: they leave together as one
         deadline = loop.time() + self.first_token_timeout
         clean_end = False
         try:
@@ -514,17 +517,18 @@ class OpenAIPoolEngine(Engine):
                 try:
                     if not exchange.queue.empty():  # already here: no deadline to arm
                         kind, value = exchange.queue.get_nowait()
-                    elif held:
-                        # The consumer may be holding outputs marked `more`: release them before waiting.
-                        held = False
-                        yield EngineOutput("", [], None, prompt_estimate, completion_estimate, estimated=True)
+                    elif batch:
+                        # About to wait for the network: what arrived so far leaves now, as one output.
+                        out = batch.pop()
+                        out.before, batch = batch or None, []
+                        yield out
                         continue
                     else:
-                        wait = deadline - loop.time() if not yielded else self.idle_timeout
+                        wait = deadline - loop.time() if first_at is None else self.idle_timeout
                         async with asyncio.timeout(max(wait, 0.0)):
                             kind, value = await exchange.queue.get()
                 except TimeoutError:
-                    reason = f"no data for {self.idle_timeout:g}s" if yielded else f"no first token within {self.first_token_timeout:g}s"
+                    reason = f"no data for {self.idle_timeout:g}s" if first_at is not None else f"no first token within {self.first_token_timeout:g}s"
                     kind, value = "error", reason
                 if kind == "data":
                     if value.strip() == DONE:
@@ -543,14 +547,14 @@ class OpenAIPoolEngine(Engine):
                                 if choice.get("finish_reason"):
                                     finish = choice
                                 elif self._carries_output(choice, chat):
-                                    text = self._text_of(choice, chat)
                                     completion_estimate += 1  # servers stream about a token a chunk; the final count is exact or counted
-                                    yielded = True
-                                    held = not exchange.queue.empty()  # more events already here
-                                    yield EngineOutput(
-                                        text, [], None, prompt_estimate, completion_estimate, estimated=True,
-                                        raw_choice=choice if streaming else None, more=held,
-                                    )
+                                    if first_at is None:
+                                        first_at = time.perf_counter()
+                                    if not collect:
+                                        batch.append(EngineOutput(
+                                            self._text_of(choice, chat), [], None, prompt_estimate, completion_estimate,
+                                            estimated=True, raw_choice=choice if streaming else None,
+                                        ))
                             continue
                         kind, value = "error", "error event: " + upstream_error_message(orjson.dumps(chunk))[0]
                 if kind == "cancel":
@@ -571,13 +575,18 @@ class OpenAIPoolEngine(Engine):
                     else:
                         raw = merged.choice() if relay else None
                     text = self._text_of(finish, chat) if finish else ""
-                    yield self._final(reason, text, raw, prompt_estimate, merged, usage)
+                    final = self._final(reason, text, raw, prompt_estimate, merged, usage)
+                    final.before, final.first_token_at = batch or None, first_at
+                    yield final
                     return
-                # an error: retry elsewhere while nothing has been yielded, else end the stream with it
+                # an error: retry elsewhere while no output has come from this replica, else end the
+                # stream with it (after what came: the client has it or is about to)
                 self.pool.failed(replica, value)
-                if not yielded:
+                if first_at is None:
                     raise _Retryable(f"{replica.label}: {value}")
-                yield self._final(FINISH_ERROR, "", None, prompt_estimate, merged, usage, error=f"upstream {replica.label}: {value}")
+                final = self._final(FINISH_ERROR, "", None, prompt_estimate, merged, usage, error=f"upstream {replica.label}: {value}")
+                final.before = batch or None
+                yield final
                 return
         finally:
             self.pool.release(replica)

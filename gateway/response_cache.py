@@ -278,6 +278,9 @@ async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: As
     usable = True
     async with aclosing(outputs) as it:  # type: ignore[type-var]
         async for out in it:
+            for part in out.before or ():
+                texts.append(part.text)
+                usable = usable and part.raw_choice is None
             texts.append(out.text)
             usable = usable and out.raw_choice is None and out.error is None
             if out.finished and usable and out.finish_reason in (FINISH_STOP, FINISH_LENGTH) and not gen.cancel_requested:

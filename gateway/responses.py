@@ -140,23 +140,24 @@ class GenerationResponse:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         opening = self.render.first()
         out = first
-        pending: list[bytes] = []  # chunks of outputs marked `more`: written with the next one, in one send
-        if opening:
-            pending.append(opening)
+        pending: list[bytes] = [opening] if opening else []  # the chunks of one output leave in one send
+        delta = self.render.delta
         try:
             while out is not None:
                 if out.finish_reason == FINISH_CANCELLED:
                     return
+                for part in out.before or ():  # outputs that arrived together with this one
+                    pending.append(delta(part.text, None, part.raw_choice))
                 if out.finish_reason == FINISH_ERROR:
                     err = ServiceUnavailable(f"The engine failed this request: {out.error}", code="engine_error")
                     pending.append(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
                     await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
                     return
                 if out.text or out.finished or out.raw_choice:
-                    pending.append(self.render.delta(out.text, out.finish_reason, out.raw_choice))
+                    pending.append(delta(out.text, out.finish_reason, out.raw_choice))
                 if out.finished:
                     break
-                if pending and not out.more:
+                if pending:
                     await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
                     pending.clear()
                 out = await anext(self.outputs, None)
@@ -176,6 +177,9 @@ class GenerationResponse:
         raw_choice: dict[str, Any] | None = None
         try:
             async for out in self.outputs:
+                for part in out.before or ():
+                    pieces.append(part.text)
+                    raw_choice = part.raw_choice or raw_choice
                 pieces.append(out.text)
                 raw_choice = out.raw_choice or raw_choice
                 if out.finished:

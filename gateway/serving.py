@@ -268,8 +268,11 @@ class CompletionService:
             yield last
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
-        if gen.ttft_ms is None and (out.token_ids or out.text or out.raw_choice):
-            gen.ttft_ms = (time.perf_counter() - gen.started) * 1000.0
+        if gen.ttft_ms is None:
+            if out.first_token_at is not None:  # an engine that yields only at the end says when it began
+                gen.ttft_ms = (out.first_token_at - gen.started) * 1000.0
+            elif out.token_ids or out.text or out.raw_choice or out.before:
+                gen.ttft_ms = (time.perf_counter() - gen.started) * 1000.0
         gen.prompt_tokens = out.prompt_tokens or gen.prompt_tokens
         gen.completion_tokens = out.completion_tokens
         gen.estimated = out.estimated  # the latest counts say whether they are estimates

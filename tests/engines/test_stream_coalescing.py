@@ -1,7 +1,8 @@
-"""Chunks that arrived together leave together: the `openai` backend marks outputs it already holds
-the next of (`EngineOutput.more`), the SSE response writes those in one send, and nothing is held
-while the upstream is silent. The upstream here is a raw asyncio server that sends its events in
-two bursts with a pause between them."""
+"""Chunks that arrived together leave together: the `openai` backend folds the outputs it read in one
+go into one (`EngineOutput.before`), the SSE response relays each as its own chunk in one send, and
+nothing is held while the upstream is silent; a non-streamed answer is collected and leaves once, at
+the end. The upstream here is a raw asyncio server that sends its events in two bursts with a pause
+between them."""
 
 from __future__ import annotations
 
@@ -46,38 +47,57 @@ async def _bursty_upstream(first: list[bytes], second: list[bytes]) -> tuple[asy
     return server, f"http://127.0.0.1:{port}/v1"
 
 
-# The first burst ends with an event that carries no output (an empty delta): c is marked `more`,
-# and the engine must still release it before it waits.
+# The first burst ends with an event that carries no output (an empty delta): a, b and c must still
+# leave before the engine waits for the second burst.
 FIRST = [_chunk("a"), _chunk("b"), _chunk("c"), _chunk(None)]
 SECOND = [_chunk("d"), _chunk(None, "stop"),
           _event({"id": "u", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}),
           b"data: [DONE]\n\n"]
 
 
-async def test_outputs_already_here_are_marked_and_released_before_a_wait() -> None:
+def _parts(out: EngineOutput) -> list[str]:
+    return [p.text for p in out.before or ()] + [out.text]
+
+
+async def _run(stream: bool) -> list[tuple[EngineOutput, float]]:
     server, url = await _bursty_upstream(FIRST, SECOND)
     engine = OpenAIPoolEngine(model_id="m", replicas=[url], context_length=4096, health_path=None, retries=0)
     await engine.start()
     try:
-        request = EngineRequest(request_id="r1", max_tokens=16, prompt_token_ids=[1, 2, 3],
-                                extra={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
-        started = time.monotonic()
-        seen: list[tuple[str, bool, float]] = []
-        async for out in engine.stream(request):
-            seen.append((out.text, out.more, time.monotonic() - started))
-        texts = [t for t, _more, _at in seen if t]
-        assert texts == ["a", "b", "c", "d"]
-        # a, b and c: the next event was already read, so each may be held.
-        first_burst = [(t, more) for t, more, at in seen if at < PAUSE / 2]
-        assert [(t, more) for t, more in first_burst if t] == [("a", True), ("b", True), ("c", True)]
-        # Before the engine waits for the second burst, an output without `more` has been yielded,
-        # so a consumer holding a, b and c writes them during the pause, not after it.
-        assert first_burst[-1] == ("", False), f"nothing released before the pause: {seen}"
-        assert seen[-1][1] is False  # the last output never asks to be held
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        if stream:
+            body["stream"] = True
+        request = EngineRequest(request_id="r1", max_tokens=16, prompt_token_ids=[1, 2, 3], extra=body)
+        started = time.perf_counter()
+        return [(out, time.perf_counter() - started) async for out in engine.stream(request)]
     finally:
         await engine.stop()
         server.close()
         await server.wait_closed()
+
+
+async def test_outputs_read_together_leave_as_one_before_a_wait() -> None:
+    seen = await _run(stream=True)
+    assert len(seen) == 2, [(_parts(o), o.finish_reason) for o, _ in seen]
+    (first, first_at), (last, last_at) = seen
+    # a, b and c arrived together: one output carries them, and it left before the pause.
+    assert _parts(first) == ["a", "b", "c"] and not first.finished and first_at < PAUSE / 2
+    assert [p.raw_choice["delta"]["content"] for p in first.before or ()] == ["a", "b"]  # relayed as they came
+    assert first.completion_tokens == 3
+    # d, the finish and the usage came after the pause, together: the final output carries d.
+    assert _parts(last) == ["d", ""] and last.finish_reason == FINISH_STOP and last_at >= PAUSE
+    assert (last.prompt_tokens, last.completion_tokens, last.estimated) == (3, 4, False)
+
+
+async def test_a_non_streamed_answer_leaves_once_and_says_when_it_began() -> None:
+    started = time.perf_counter()
+    seen = await _run(stream=False)
+    assert len(seen) == 1
+    out, at = seen[0]
+    assert out.finish_reason == FINISH_STOP and at >= PAUSE and out.before is None
+    assert out.raw_choice is not None and out.raw_choice["message"]["content"] == "abcd"
+    assert out.first_token_at is not None and out.first_token_at - started < PAUSE / 2  # the TTFT, not the total
+    assert (out.prompt_tokens, out.completion_tokens) == (3, 4)
 
 
 class _Outputs:
@@ -98,7 +118,7 @@ class _Outputs:
         self.items.clear()
 
 
-async def test_the_sse_response_writes_held_chunks_in_one_send() -> None:
+async def test_the_sse_response_relays_each_part_and_writes_an_output_in_one_send() -> None:
     class _Engine:
         model_id = "m"
 
@@ -108,8 +128,8 @@ async def test_the_sse_response_writes_held_chunks_in_one_send() -> None:
     gen = Generation(request_id="r2", principal=None, engine=_Engine(), engine_request=None,  # type: ignore[arg-type]
                      kind="chat", stream=True, include_usage=True, prompt_tokens=3)
     outputs = [
-        EngineOutput("a", more=True), EngineOutput("b", more=True), EngineOutput("c"),
-        EngineOutput("d", more=True), EngineOutput("", finish_reason=FINISH_STOP, completion_tokens=4),
+        EngineOutput("c", before=[EngineOutput("a"), EngineOutput("b")]),
+        EngineOutput("", finish_reason=FINISH_STOP, completion_tokens=4, before=[EngineOutput("d")]),
     ]
     gen.finish_reason = FINISH_STOP
     sent: list[dict[str, Any]] = []
