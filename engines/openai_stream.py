@@ -86,14 +86,43 @@ class ChoiceAccumulator:
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
-        self.body: dict[str, Any] = {}
+        self._body: dict[str, Any] = {}
+        # Top-level text fields (content, text, reasoning) as their pieces, joined once when read:
+        # concatenating a string per chunk would copy the answer so far every time.
+        self._pieces: dict[str, list[str]] = {}
         self.logprobs: dict[str, Any] | None = None
         self.finish_reason: str | None = None
 
+    @property
+    def body(self) -> dict[str, Any]:
+        """The merged fields: text fields joined, the rest merged as they came."""
+        for key, pieces in self._pieces.items():
+            self._body[key] = "".join(pieces)
+            del pieces[1:]
+            pieces[0] = self._body[key]
+        return self._body
+
     def add(self, choice: dict[str, Any]) -> None:
-        part = choice.get("delta") if self.chat else {"text": choice.get("text")}
-        for key, value in (part or {}).items():
-            _merge_value(self.body, key, value)
+        if self.chat:
+            part = choice.get("delta") or {}
+        else:
+            text = choice.get("text")
+            part = {"text": text} if text is not None else {}
+        for key, value in part.items():
+            if value is None:
+                continue
+            if isinstance(value, str) and key not in ("role", "type", "id", "name"):
+                pieces = self._pieces.get(key)
+                if pieces is not None:
+                    pieces.append(value)
+                    continue
+                current = self._body.get(key)
+                if current is None or isinstance(current, str):
+                    self._pieces[key] = [current, value] if current else [value]
+                    continue
+            elif key in self._pieces:  # a text field that turns into something else: merge from its text
+                self._body[key] = "".join(self._pieces.pop(key))
+            _merge_value(self._body, key, value)
         if choice.get("logprobs") is not None:
             if self.logprobs is None:
                 self.logprobs = {}
@@ -125,6 +154,8 @@ class ChoiceAccumulator:
 
 def delta_is_empty(delta: dict[str, Any]) -> bool:
     """A chunk's delta that carries nothing (the role-only opening chunk most servers send)."""
+    if delta.get("content"):  # the usual token chunk
+        return False
     return all(k == "role" or v in (None, "", [], {}) for k, v in delta.items())
 
 

@@ -92,7 +92,7 @@ class _Ticket:
 
     __slots__ = ("request_id", "account", "rank", "cost", "kv_tokens", "seq", "enqueued", "dispatched", "granted", "state")
 
-    def __init__(self, request: EngineRequest, rank: int, cost: int, seq: int, now: float) -> None:
+    def __init__(self, request: EngineRequest, rank: int, cost: int, seq: int, now: float, *, waits: bool = True) -> None:
         self.request_id = request.request_id
         self.account = request.account_id
         self.rank = rank
@@ -101,7 +101,8 @@ class _Ticket:
         self.seq = seq
         self.enqueued = now
         self.dispatched: float | None = None
-        self.granted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: run; False: dropped
+        # True: run; False: dropped. None: granted on arrival, it never waited.
+        self.granted: asyncio.Future[bool] | None = asyncio.get_running_loop().create_future() if waits else None
         self.state = "waiting"  # -> running -> done, or -> dropped
 
 
@@ -268,11 +269,22 @@ class ScheduledEngine(Engine):
     def refusal(self, request: EngineRequest) -> EngineOverloadedError | None:
         """The admission decision; an admitted request holds its place until `stream()` (or
         `cancel()`, or HOLD_S seconds)."""
-        self._lapse_holds()
-        refused = self._check(request)
+        if self._held:
+            self._lapse_holds()
+        refused = None if self._room_now() else self._check(request)
         if refused is None:
             self._held[request.request_id] = (request.account_id, self.rank_of(request), self._clock() + HOLD_S)
         return refused
+
+    def _room_now(self) -> bool:
+        """The common case, decided without the queue arithmetic: nothing waits, and a regular slot
+        is free for a new request and for every one admitted before it. `_check` would admit it
+        with no wait (callers fall back to it whenever this says no)."""
+        if any(self._waiting) or self._capacity_tokens or len(self._held) >= self.max_queue:
+            return False
+        if self._running + len(self._held) >= self._regular(self.capacity()):
+            return False
+        return self.inner.healthy and self.inner.has_capacity()
 
     def _lapse_holds(self) -> None:
         now = self._clock()
@@ -312,11 +324,14 @@ class ScheduledEngine(Engine):
             if refused is not None:
                 raise refused
         ticket = self._enqueue(request)
-        try:
-            run = await ticket.granted
-        except BaseException:  # the consumer went away while the request waited
-            self._leave(ticket)
-            raise
+        if ticket.granted is None:
+            run = True
+        else:
+            try:
+                run = await ticket.granted
+            except BaseException:  # the consumer went away while the request waited
+                self._leave(ticket)
+                raise
         queue_ms = ((ticket.dispatched if run else self._clock()) - ticket.enqueued) * 1000.0  # type: ignore[operator]
         if not run:  # dropped while waiting: the engine never saw it
             yield EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or ()), 0, queue_ms=queue_ms)
@@ -359,12 +374,28 @@ class ScheduledEngine(Engine):
             # Back from idle: start at the current virtual time, no credit for the time away.
             self._served[account] = max(self._served.get(account, 0.0), self._vclock)
         self._seq += 1
+        if self._free_slot(account, rank):  # nobody to let go first: straight in, no queue, no future
+            ticket = _Ticket(request, rank, self._cost(request), self._seq, self._clock(), waits=False)
+            self._tickets[ticket.request_id] = ticket
+            self._start(ticket)
+            return ticket
         ticket = _Ticket(request, rank, self._cost(request), self._seq, self._clock())
         self._lines[rank].setdefault(account, deque()).append(ticket)
         self._waiting[rank] += 1
         self._tickets[ticket.request_id] = ticket
         self._dispatch()
         return ticket
+
+    def _free_slot(self, account: Any, rank: int) -> bool:
+        """Whether `_dispatch` would grant a new request at once: nothing waits, a slot it may take
+        is free, and the engine has room (token capacity: always the full path)."""
+        if any(self._waiting) or self._capacity_tokens:
+            return False
+        cap = self.capacity()
+        limit = cap if self._urgent(account, rank) else self._regular(cap)
+        if self._running >= limit:
+            return False
+        return not (self._running or self._ending) or self.inner.has_capacity()
 
     def _dispatch(self) -> None:
         cap = self.capacity()
@@ -404,10 +435,15 @@ class ScheduledEngine(Engine):
 
     def _grant(self, ticket: _Ticket) -> None:
         self._unqueue(ticket)
+        assert ticket.granted is not None
         if ticket.granted.done():  # its waiter was cancelled a moment ago
             ticket.state = "dropped"
             self._tickets.pop(ticket.request_id, None)
             return
+        self._start(ticket)
+        ticket.granted.set_result(True)
+
+    def _start(self, ticket: _Ticket) -> None:
         ticket.state = "running"
         ticket.dispatched = self._clock()
         self._running += 1
@@ -417,7 +453,6 @@ class ScheduledEngine(Engine):
         served = self._served.get(account, 0.0)
         self._vclock = max(self._vclock, served)
         self._served[account] = served + ticket.cost
-        ticket.granted.set_result(True)
         self._emit("dispatched", ticket, ticket.dispatched)
 
     def _drop(self, ticket: _Ticket) -> None:
@@ -425,7 +460,7 @@ class ScheduledEngine(Engine):
         self._unqueue(ticket)
         ticket.state = "dropped"
         self._tickets.pop(ticket.request_id, None)
-        if not ticket.granted.done():
+        if ticket.granted is not None and not ticket.granted.done():
             ticket.granted.set_result(False)
         self._emit("abandoned", ticket, self._clock())
         self._dispatch()  # a dropped head of line may have held back a smaller request (token capacity)

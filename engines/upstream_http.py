@@ -114,15 +114,24 @@ class UpstreamPool:
     def handles(url: str) -> bool:
         return url.startswith("http://")
 
-    async def connection(self, host: str, port: int) -> _Connection:
-        key = (host, port)
-        idle = self._idle.get(key)
+    def idle_connection(self, host: str, port: int) -> _Connection | None:
+        """The most recently used live idle connection to (host, port), or None."""
+        idle = self._idle.get((host, port))
+        if not idle:
+            return None
         now = time.monotonic()
         while idle:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
                 return conn
             conn.close()
+        return None
+
+    async def connection(self, host: str, port: int) -> _Connection:
+        key = (host, port)
+        conn = self.idle_connection(host, port)
+        if conn is not None:
+            return conn
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout):
             _, protocol = await loop.create_connection(lambda: _Connection(self, key), host, port)
@@ -167,7 +176,13 @@ class LeanExchange:
         lines += [f"{name}: {value}" for name, value in headers.items()]
         self._head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         self._body = body
-        self.task = asyncio.get_running_loop().create_task(self._start(host, port))
+        conn = pool.idle_connection(host, port)
+        self.task: asyncio.Task[None] | None = None
+        if conn is not None:  # the usual case: a kept-alive connection, the request goes out now
+            self._conn = conn
+            conn.send(self, self._head, body)
+        else:
+            self.task = asyncio.get_running_loop().create_task(self._start(host, port))
 
     async def _start(self, host: str, port: int) -> None:
         try:
@@ -247,7 +262,7 @@ class LeanExchange:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()  # mid-response: the rest of it is not read
-        if not self.task.done():
+        if self.task is not None and not self.task.done():
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task

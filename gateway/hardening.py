@@ -20,7 +20,6 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl
 
-from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -159,9 +158,19 @@ def repeated_query_parameter(scope: Scope) -> APIError | None:
     return None
 
 
-def secure(headers: MutableHeaders) -> None:
-    """`nosniff` on every response; HTML pages without their own policy get the strict page headers."""
-    headers.setdefault("x-content-type-options", "nosniff")
-    if headers.get("content-type", "").startswith("text/html") and "content-security-policy" not in headers:
-        for name, value in PAGE_HEADERS.items():
-            headers.setdefault(name, value)
+_PAGE_RAW = [(name.encode(), value.encode()) for name, value in PAGE_HEADERS.items()]
+
+
+def secure(raw: list[tuple[bytes, bytes]], extra: list[tuple[bytes, bytes]] = []) -> list[tuple[bytes, bytes]]:  # noqa: B006 (read only)
+    """A response's raw headers with `extra` (names not already there) and `nosniff` added; HTML pages
+    without their own policy also get the strict page headers. ASGI header names are lower-case."""
+    names = {name.lower() for name, _ in raw}
+    out = list(raw)
+    out += [h for h in extra if h[0] not in names]
+    if b"x-content-type-options" not in names:
+        out.append((b"x-content-type-options", b"nosniff"))
+    if b"content-security-policy" not in names:
+        ctype = next((v for n, v in raw if n.lower() == b"content-type"), b"")
+        if ctype.startswith(b"text/html"):
+            out += [h for h in _PAGE_RAW if h[0] not in names]
+    return out

@@ -117,6 +117,7 @@ class Metrics:
             ["model", "priority"], registry=reg,
         )
         self._per_model: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._children: dict[tuple[Any, ...], Any] = {}
         self._live: list[Collector] = [_LiveState(engines, ledger)]
         reg.register(self._live[0])
 
@@ -129,7 +130,7 @@ class Metrics:
                 self.input_tokens.labels(model), self.output_tokens.labels(model), self.latency.labels(model), self.ttft.labels(model),
             )
         input_tokens, output_tokens, latency, ttft = children
-        self.requests.labels(model, record.status).inc()
+        self._child(self.requests, model, record.status).inc()
         input_tokens.inc(record.prompt_tokens)
         output_tokens.inc(record.completion_tokens)
         latency.observe(record.total_ms / 1000.0)
@@ -144,7 +145,7 @@ class Metrics:
 
     def queue_event(self, event: QueueEvent) -> None:
         if event.kind == "dispatched":
-            self.queue_wait.labels(event.model, event.priority).observe(event.wait_s)
+            self._child(self.queue_wait, event.model, event.priority).observe(event.wait_s)
         elif event.kind == "abandoned":
             self.queue_abandoned.labels(event.model, event.priority).inc()
 
@@ -152,7 +153,16 @@ class Metrics:
         self.quota_rejections.labels(limit_name).inc()
 
     def http_response(self, route: str, code: int) -> None:
-        self.http.labels(route, str(code)).inc()
+        self._child(self.http, route, code).inc()
+
+    def _child(self, metric: Any, *labels: Any) -> Any:
+        """`metric.labels(*labels)`, resolved once per label set (`labels()` costs a lock and string
+        work per call). Label values are bounded: models, routes, codes, statuses, classes."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*(str(v) for v in labels))
+        return child
 
     def render(self) -> bytes:
         shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
