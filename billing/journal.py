@@ -152,7 +152,8 @@ class LedgerJournal:
             if written != len(line):  # a short write to a regular file means the disk is full
                 raise OSError(f"short write ({written} of {len(line)} bytes)")
             self._size += written
-            self._dirty.set()
+            if not self._dirty.is_set():  # set() takes the event's lock each time; most appends find it set
+                self._dirty.set()
         except OSError as exc:
             self.write_errors += 1
             log.error("ledger journal write failed (row kept in memory only): %s", exc)

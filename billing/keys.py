@@ -4,6 +4,7 @@ HMAC-SHA256 under the server secret, plus a short visible prefix."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -43,7 +44,14 @@ def generate_key() -> str:
 
 
 def hash_key(secret: bytes, key: str) -> str:
-    return hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()
+    mac = _keyed(secret).copy()  # the key schedule is done once per secret, not per call
+    mac.update(key.encode())
+    return mac.hexdigest()
+
+
+@functools.lru_cache(maxsize=4)
+def _keyed(secret: bytes) -> "hmac.HMAC":
+    return hmac.new(secret, digestmod=hashlib.sha256)
 
 
 def looks_like_key(key: str) -> bool:

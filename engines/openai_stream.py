@@ -205,7 +205,7 @@ class TokenCounter:
 
     def encode_text(self, text: str) -> list[int]:
         if self._tiktoken is not None:
-            return list(self._tiktoken.encode(text, disallowed_special=()))
+            return self._tiktoken.encode_ordinary(text)  # special-token text counted as text, as encode(disallowed_special=()) does
         return [int(t) for t in self._hf(text, add_special_tokens=False)["input_ids"]]
 
     def count(self, text: str) -> int:
