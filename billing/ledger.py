@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from billing.journal import JournalLocked, LedgerJournal, Recovered, record_fields, row_of
 from billing.models import LedgerEntry, utcnow
 from billing.quota import Hold
-from billing.usage import add_to_aggregates
+from billing.usage import add_to_aggregates, add_to_aggregates_pg
 
 log = logging.getLogger("tollgate.ledger")
 
@@ -84,9 +84,65 @@ PG_ARRAY_INSERT = True  # False: SQLAlchemy's executemany (bench/ledger_writer.p
 
 async def _insert_postgres(conn: Any, records: list[UsageRecord]) -> set[str]:
     raw = await conn.get_raw_connection()
-    driver = raw.driver_connection  # asyncpg's connection, inside the caller's transaction
+    return await _insert_pg_driver(raw.driver_connection, records)  # asyncpg's connection, inside the caller's transaction
+
+
+async def _insert_pg_driver(driver: Any, records: list[UsageRecord]) -> set[str]:
     columns = [[getattr(r, name) for r in records] for name, _ in _PG_COLUMNS]
     return {row[0] for row in await driver.fetch(_PG_INSERT, *columns)}
+
+
+def _fresh(records: list[UsageRecord], inserted: set[str]) -> list[UsageRecord]:
+    """The records whose rows this batch inserted (a request_id twice in one batch counts once)."""
+    fresh = []
+    for r in records:
+        if r.request_id in inserted:
+            inserted.discard(r.request_id)
+            fresh.append(r)
+    return fresh
+
+
+class PgSession:
+    """The ledger writer's own Postgres connection, held between batches (asyncpg under SQLAlchemy's
+    pool): a batch is one transaction of three statements, without the pool checkout, liveness
+    ping and SQLAlchemy transaction that cost more CPU than the statements themselves at the batch
+    sizes light load makes (docs/performance.md). Any failure drops the connection; the next batch
+    takes a fresh one."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._conn: Any = None  # the AsyncConnection held
+        self._driver: Any = None
+
+    @staticmethod
+    def applies(engine: AsyncEngine) -> bool:
+        return PG_ARRAY_INSERT and engine.dialect.name == "postgresql" and engine.dialect.driver == "asyncpg"
+
+    async def write(self, records: list[UsageRecord]) -> int:
+        if not records:
+            return 0
+        if self._driver is None:
+            self._conn = await self.engine.connect()
+            self._driver = (await self._conn.get_raw_connection()).driver_connection
+        try:
+            async with self._driver.transaction():
+                fresh = _fresh(records, await _insert_pg_driver(self._driver, records))
+                await add_to_aggregates_pg(self._driver, fresh)
+        except BaseException:
+            await self.close(broken=True)
+            raise
+        return len(fresh)
+
+    async def close(self, *, broken: bool = False) -> None:
+        conn, self._conn, self._driver = self._conn, None, None
+        if conn is None:
+            return
+        try:
+            if broken:
+                await conn.invalidate()  # never handed to anyone again
+            await conn.close()
+        except Exception as exc:
+            log.debug("ledger connection close: %s", type(exc).__name__)
 
 
 async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> int:
@@ -100,11 +156,7 @@ async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> int:
         else:
             stmt = insert_ignoring_duplicates(engine.dialect.name).returning(LEDGER.c.request_id)
             inserted = set((await conn.execute(stmt, [asdict(r) for r in records])).scalars())
-        fresh = []
-        for r in records:
-            if r.request_id in inserted:
-                inserted.discard(r.request_id)  # a request_id twice in one batch is inserted once
-                fresh.append(r)
+        fresh = _fresh(records, inserted)
         await add_to_aggregates(conn, fresh)
     return len(fresh)
 
@@ -137,6 +189,7 @@ class LedgerWriter:
         self._closing = False
         self._listeners: list[Callable[[UsageRecord], None]] = []
         self.write_errors = 0
+        self._session = PgSession(engine) if PgSession.applies(engine) else None
 
     @property
     def backlog(self) -> int:
@@ -224,6 +277,8 @@ class LedgerWriter:
                 log.error("ledger writer: %d rows not written at shutdown (kept in the journal)", self.backlog)
                 self._task.cancel()
             self._task = None
+        if self._session is not None:
+            await self._session.close()
         if self.journal is not None:
             self.journal.close()
 
@@ -240,7 +295,10 @@ class LedgerWriter:
                 await asyncio.sleep(self._linger)
             batch = self._pending[: self._batch_size]
             try:
-                await write_records(self._engine, batch)
+                if self._session is not None:
+                    await self._session.write(batch)
+                else:
+                    await write_records(self._engine, batch)
             except Exception as exc:  # the database is down or refusing: keep the rows, retry
                 self.write_errors += 1
                 log.error("ledger write failed (%d rows kept, retrying): %s", len(batch), type(exc).__name__)

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import LedgerWriter, UsageRecord, write_records
+from billing.ledger import LedgerWriter, PgSession, UsageRecord, write_records
 
 
 def record(**overrides: Any) -> UsageRecord:
@@ -75,13 +75,13 @@ async def test_rows_arriving_within_the_linger_share_one_insert(fresh_pg_databas
     migrate.upgrade(url)
     db = create_engine(url)
     inserts: list[int] = []
-    real = write_records
+    real = PgSession.write  # the writer's path on Postgres: its own held connection
 
-    async def counting(engine: Any, batch: list[UsageRecord]) -> Any:
+    async def counting(session: Any, batch: list[UsageRecord]) -> Any:
         inserts.append(len(batch))
-        return await real(engine, batch)
+        return await real(session, batch)
 
-    monkeypatch.setattr("billing.ledger.write_records", counting)
+    monkeypatch.setattr(PgSession, "write", counting)
     try:
         writer = LedgerWriter(db, linger=0.2)
         writer.start()
