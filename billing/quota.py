@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import calendar
+import functools
 import logging
 import math
 import time
@@ -50,10 +51,16 @@ class Scope:
     def name(self) -> str:
         return f"{self.kind[0]}{self.id}"
 
-    def limit_args(self) -> list[int]:
-        lim = self.limits
-        values = (lim.rpm, lim.tpm, lim.max_concurrent, lim.monthly_tokens, lim.monthly_spend_nanos)
-        return [UNLIMITED if v is None else int(v) for v in values]
+    def limit_args(self) -> tuple[int, ...]:
+        return _limit_args(self.limits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _limit_args(lim: Limits) -> tuple[int, ...]:
+    """A key's limits as the scripts take them, once per distinct Limits (the spend limit is Decimal
+    arithmetic; keys' limits change rarely and the principal cache hands out the same object)."""
+    values = (lim.rpm, lim.tpm, lim.max_concurrent, lim.monthly_tokens, lim.monthly_spend_nanos)
+    return tuple(UNLIMITED if v is None else int(v) for v in values)
 
 
 @dataclass

@@ -32,6 +32,7 @@ class ChunkRenderer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.body_object = "chat.completion" if chat else "text_completion"
+        self._head: bytes | None = None  # `data: {"id":...,"choices":[` of this response's chunks
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         chunk = {
@@ -51,13 +52,18 @@ class ChunkRenderer:
 
     def delta(self, text: str, finish_reason: str | None, raw_choice: dict[str, Any] | None = None) -> bytes:
         if raw_choice is not None:  # a pass-through engine's choice, relayed as it came
-            return self._chunk([raw_choice])
-        if self.gen.kind == "chat":
+            choice = raw_choice
+        elif self.gen.kind == "chat":
             delta = {"content": text} if text else {}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._chunk([choice])
+        # What every chunk of this response shares is encoded once: `_chunk` with one choice, byte for byte.
+        head = self._head
+        if head is None:
+            whole = self._chunk([None])
+            head = self._head = whole[: whole.rindex(b"[null]") + 1]
+        return head + orjson.dumps(choice) + b"]}\n\n"
 
     def usage(self) -> bytes:
         return self._chunk([], usage=usage_body(self.gen))

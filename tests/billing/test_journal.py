@@ -151,6 +151,8 @@ async def test_writer_replays_a_crashed_run_exactly_once(fresh_pg_database: Any,
         first.admitted(in_flight, hold.to_json())
         first._task.cancel()  # type: ignore[union-attr]
         crash(first.journal)  # type: ignore[arg-type]
+        if first._session is not None:  # the crashed process's database connection goes with it
+            await first._session.close(broken=True)
 
         second = LedgerWriter(db, journal=LedgerJournal(tmp_path))
         recovered = second.recover()
