@@ -180,7 +180,12 @@ class LeanExchange:
         self.task: asyncio.Task[None] | None = None
         if conn is not None:  # the usual case: a kept-alive connection, the request goes out now
             self._conn = conn
-            conn.send(self, self._head, body)
+            try:
+                conn.send(self, self._head, body)
+            except Exception as exc:  # a transport that broke while idle: the pool moves on
+                self._conn = None
+                conn.close()
+                self._end(("error", f"WriteError: {type(exc).__name__}"))
         else:
             self.task = asyncio.get_running_loop().create_task(self._start(host, port))
 

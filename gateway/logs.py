@@ -10,10 +10,10 @@ bodies and query strings are never logged, so keys cannot leak through here.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
-import os
 from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import Any
