@@ -75,7 +75,7 @@ def parse_classes(text: str) -> tuple[PriorityClass, ...]:
     return tuple(classes)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__
 class QueueEvent:
     """What listeners hear: a request left the queue for the engine, or its client left first."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import time
 from collections import deque
@@ -156,6 +157,17 @@ class UpstreamPool:
         self._idle.clear()
 
 
+@functools.lru_cache(maxsize=256)
+def _request_parts(url: str, headers: tuple[tuple[str, str], ...]) -> tuple[str, int, bytes, bytes]:
+    """(host, port, the request head up to the content length's value, the rest of the head): the
+    same for every request to one URL with the same headers, so built once."""
+    parts = urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    start = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-length: ".encode("latin-1")
+    rest = "".join(f"\r\n{name}: {value}" for name, value in (("connection", "keep-alive"), *headers)) + "\r\n\r\n"
+    return parts.hostname or "127.0.0.1", parts.port or 80, start, rest.encode("latin-1")
+
+
 class LeanExchange:
     """One streamed POST; also the httptools callback object for its response."""
 
@@ -169,12 +181,8 @@ class LeanExchange:
         self._sse = SSEDecoder()
         self._done = asyncio.Event()  # the response was read to its end, or the exchange failed
         self._ended = False
-        parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        lines = [f"POST {path} HTTP/1.1", f"host: {parts.netloc}", f"content-length: {len(body)}", "connection: keep-alive"]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
-        self._head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        host, port, start, rest = _request_parts(url, tuple(headers.items()))
+        self._head = start + b"%d" % len(body) + rest
         self._body = body
         conn = pool.idle_connection(host, port)
         self.task: asyncio.Task[None] | None = None
