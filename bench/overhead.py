@@ -115,6 +115,24 @@ def snapshot(rev: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def tollgate_as_in_production(stack: ExitStack, upstream: str, env: dict[str, str], rev: str | None = None) -> tuple[str, str, str]:
+    """`tollgate serve` in front of `upstream` as this bench runs it: a fresh Postgres database for
+    its ledger, Redis quotas under a prefix of its own (deleted when `stack` closes), a key with
+    limits set and a price on the model (every row has a cost); `rev`: a git revision's code
+    instead of the working tree. Returns (database URL, base URL, key)."""
+    db = stack.enter_context(fresh_database())
+    prefix = f"tgbench:o:{uuid.uuid4().hex[:6]}:"
+    stack.callback(delete_redis_keys, prefix)
+    tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, **env}
+    if rev:
+        tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(rev)))
+    base, admin = stack.enter_context(gateway(db, upstream, extra_env=tg_env))
+    key = make_key(base, admin, limits=LIMITS)
+    httpx.post(f"{base}/admin/prices", headers={"Authorization": f"Bearer {admin}"},
+               json={"model": "mock", "input_per_million": "0.150", "output_per_million": "0.600"}).raise_for_status()
+    return db, base, key
+
+
 # ---------------------------------------------------------------- load generation
 
 def drive(base: str, key: str | None, stream: bool, connections: int, seconds: int) -> dict[str, Any]:
@@ -288,17 +306,8 @@ def main() -> None:
         t: {m: {c: [] for c in conns} for m in MODES} for t in targets}
     profiles: dict[str, Any] = {}
     with ExitStack() as stack:
-        db = stack.enter_context(fresh_database())
         upstream = stack.enter_context(mock_upstream())
-        prefix = f"tgbench:o:{uuid.uuid4().hex[:6]}:"
-        stack.callback(delete_redis_keys, prefix)
-        tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_WORKERS": str(args.workers)}
-        if args.rev:
-            tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(args.rev)))
-        tg_base, admin = stack.enter_context(gateway(db, upstream, extra_env=tg_env))
-        tg_key = make_key(tg_base, admin, limits=LIMITS)
-        httpx.post(f"{tg_base}/admin/prices", headers={"Authorization": f"Bearer {admin}"},
-                   json={"model": "mock", "input_per_million": "0.150", "output_per_million": "0.600"}).raise_for_status()
+        db, tg_base, tg_key = tollgate_as_in_production(stack, upstream, {"TOLLGATE_WORKERS": str(args.workers)}, args.rev)
         bases: dict[str, tuple[str, str | None]] = {"direct": (upstream.rsplit("/v1", 1)[0], None), "tollgate": (tg_base, tg_key)}
         if "litellm" in targets:
             bases["litellm"] = stack.enter_context(litellm_proxy(upstream))

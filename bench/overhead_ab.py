@@ -1,7 +1,8 @@
 """Two (or more) gateways side by side, one run: what a change does to the gateway's own cost.
 
-Each variant is a `tollgate serve` set up as bench/overhead.py sets it up (API key auth, Redis
-quotas with limits, Postgres ledger with its journal, metrics on) in front of the same mock
+Each variant is a `tollgate serve` set up as bench/overhead.py sets it up (its
+`tollgate_as_in_production`: API key auth, Redis quotas with limits, a priced model, Postgres
+ledger with its journal, metrics on) in front of the same mock
 upstream; all of them run at once and the load generator (wrk, bench/loadgen.py without it) drives
 them in turn, cell by cell, the order reversed every other round. On a machine whose speed drifts
 by 10-20% over minutes, that interleaving is what makes differences of a few percent visible:
@@ -31,8 +32,8 @@ from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import REDIS, delete_redis_keys, fresh_database, gateway, make_key, mock_upstream  # noqa: E402
-from bench.overhead import LIMITS, drive, gateway_root, listening_pid, snapshot, tree_cpu_seconds, wait_idle  # noqa: E402
+from bench.harness import mock_upstream  # noqa: E402
+from bench.overhead import drive, gateway_root, listening_pid, tollgate_as_in_production, tree_cpu_seconds, wait_idle  # noqa: E402
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -64,17 +65,10 @@ def main() -> None:
 
     with mock_upstream() as upstream, ExitStack() as stack:
         gateways: dict[str, tuple[str, str, Any]] = {}
-        for i, spec in enumerate(args.variants):
+        for spec in args.variants:
             source, settings = parse_variant(spec)
-            prefix = f"tg:ab{i}:"
-            env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, **settings}
-            if source != "wt":
-                env["PYTHONPATH"] = str(stack.enter_context(snapshot(source)))
-            stack.callback(delete_redis_keys, prefix)
-            db = stack.enter_context(fresh_database())
-            base, admin = stack.enter_context(gateway(db, upstream, extra_env=env))
-            root = gateway_root(listening_pid(urlparse(base).port or 80))
-            gateways[spec] = (base, make_key(base, admin, limits=LIMITS), root)
+            _db, base, key = tollgate_as_in_production(stack, upstream, settings, None if source == "wt" else source)
+            gateways[spec] = (base, key, gateway_root(listening_pid(urlparse(base).port or 80)))
         for base, key, root in gateways.values():
             wait_idle(root)
             drive(base, key, False, max(conns), 1)  # warm-up

@@ -82,14 +82,14 @@ _PG_INSERT = (
 PG_ARRAY_INSERT = True  # False: SQLAlchemy's executemany (bench/ledger_writer.py compares the two)
 
 
-async def _insert_postgres(conn: Any, records: list[UsageRecord]) -> set[str]:
-    raw = await conn.get_raw_connection()
-    return await _insert_pg_driver(raw.driver_connection, records)  # asyncpg's connection, inside the caller's transaction
-
-
-async def _insert_pg_driver(driver: Any, records: list[UsageRecord]) -> set[str]:
+async def _write_pg(driver: Any, records: list[UsageRecord]) -> int:
+    """The batch's rows and what the new ones add to the aggregates, on an asyncpg connection inside
+    the caller's transaction. Returns how many rows were new."""
     columns = [[getattr(r, name) for r in records] for name, _ in _PG_COLUMNS]
-    return {row[0] for row in await driver.fetch(_PG_INSERT, *columns)}
+    inserted = {row[0] for row in await driver.fetch(_PG_INSERT, *columns)}
+    fresh = _fresh(records, inserted)
+    await add_to_aggregates_pg(driver, fresh)
+    return len(fresh)
 
 
 def _fresh(records: list[UsageRecord], inserted: set[str]) -> list[UsageRecord]:
@@ -126,12 +126,10 @@ class PgSession:
             self._driver = (await self._conn.get_raw_connection()).driver_connection
         try:
             async with self._driver.transaction():
-                fresh = _fresh(records, await _insert_pg_driver(self._driver, records))
-                await add_to_aggregates_pg(self._driver, fresh)
+                return await _write_pg(self._driver, records)
         except BaseException:
             await self.close(broken=True)
             raise
-        return len(fresh)
 
     async def close(self, *, broken: bool = False) -> None:
         conn, self._conn, self._driver = self._conn, None, None
@@ -151,12 +149,10 @@ async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> int:
     if not records:
         return 0
     async with engine.begin() as conn:
-        if PG_ARRAY_INSERT and engine.dialect.name == "postgresql" and engine.dialect.driver == "asyncpg":
-            inserted = await _insert_postgres(conn, records)
-        else:
-            stmt = insert_ignoring_duplicates(engine.dialect.name).returning(LEDGER.c.request_id)
-            inserted = set((await conn.execute(stmt, [asdict(r) for r in records])).scalars())
-        fresh = _fresh(records, inserted)
+        if PgSession.applies(engine):
+            return await _write_pg((await conn.get_raw_connection()).driver_connection, records)
+        stmt = insert_ignoring_duplicates(engine.dialect.name).returning(LEDGER.c.request_id)
+        fresh = _fresh(records, set((await conn.execute(stmt, [asdict(r) for r in records])).scalars()))
         await add_to_aggregates(conn, fresh)
     return len(fresh)
 

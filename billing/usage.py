@@ -147,11 +147,11 @@ async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord
     """Adds newly inserted ledger rows to the aggregates, inside the caller's transaction."""
     if not records:
         return
-    usage_rows, latency_rows = deltas(records)
     dialect = conn.dialect.name
     if dialect == "postgresql" and conn.dialect.driver == "asyncpg":
         await add_to_aggregates_pg((await conn.get_raw_connection()).driver_connection, records)
         return
+    usage_rows, latency_rows = deltas(records)
     await conn.execute(
         _adding_upsert(dialect, HOURLY, ("hour", "account_id", "key_id", "model"), COUNTS + SUMS), usage_rows
     )

@@ -50,11 +50,15 @@ def normalized_finish(reason: Any) -> str:
     return reason if reason in FINISH_REASONS else "stop"
 
 
+# String fields a later chunk replaces rather than extends.
+REPLACED = ("role", "type", "id", "name")
+
+
 def _merge_value(into: dict[str, Any], key: str, value: Any) -> None:
     if value is None:
         return
     current = into.get(key)
-    if isinstance(value, str) and isinstance(current, str) and key not in ("role", "type", "id", "name"):
+    if isinstance(value, str) and isinstance(current, str) and key not in REPLACED:
         into[key] = current + value
     elif key == "tool_calls" and isinstance(value, list):
         into[key] = _merge_tool_calls(current or [], value)
@@ -97,9 +101,9 @@ class ChoiceAccumulator:
     def body(self) -> dict[str, Any]:
         """The merged fields: text fields joined, the rest merged as they came."""
         for key, pieces in self._pieces.items():
-            self._body[key] = "".join(pieces)
-            del pieces[1:]
-            pieces[0] = self._body[key]
+            if len(pieces) > 1:
+                pieces[:] = ["".join(pieces)]
+            self._body[key] = pieces[0]
         return self._body
 
     def add(self, choice: dict[str, Any]) -> None:
@@ -111,16 +115,15 @@ class ChoiceAccumulator:
         for key, value in part.items():
             if value is None:
                 continue
-            if isinstance(value, str) and key not in ("role", "type", "id", "name"):
-                pieces = self._pieces.get(key)
+            pieces = self._pieces.get(key)
+            if isinstance(value, str) and key not in REPLACED:
                 if pieces is not None:
                     pieces.append(value)
                     continue
-                current = self._body.get(key)
-                if current is None or isinstance(current, str):
-                    self._pieces[key] = [current, value] if current else [value]
+                if key not in self._body:
+                    self._pieces[key] = [value]
                     continue
-            elif key in self._pieces:  # a text field that turns into something else: merge from its text
+            elif pieces is not None:  # a text field that turns into something else: merged from its text
                 self._body[key] = "".join(self._pieces.pop(key))
             _merge_value(self._body, key, value)
         if choice.get("logprobs") is not None:

@@ -92,7 +92,7 @@ class _Ticket:
 
     __slots__ = ("request_id", "account", "rank", "cost", "kv_tokens", "seq", "enqueued", "dispatched", "granted", "state")
 
-    def __init__(self, request: EngineRequest, rank: int, cost: int, seq: int, now: float, *, waits: bool = True) -> None:
+    def __init__(self, request: EngineRequest, rank: int, cost: int, seq: int, now: float) -> None:
         self.request_id = request.request_id
         self.account = request.account_id
         self.rank = rank
@@ -101,8 +101,8 @@ class _Ticket:
         self.seq = seq
         self.enqueued = now
         self.dispatched: float | None = None
-        # True: run; False: dropped. None: granted on arrival, it never waited.
-        self.granted: asyncio.Future[bool] | None = asyncio.get_running_loop().create_future() if waits else None
+        # Made when it has to wait: True, run; False, dropped. None: it went straight in.
+        self.granted: asyncio.Future[bool] | None = None
         self.state = "waiting"  # -> running -> done, or -> dropped
 
 
@@ -271,20 +271,10 @@ class ScheduledEngine(Engine):
         `cancel()`, or HOLD_S seconds)."""
         if self._held:
             self._lapse_holds()
-        refused = None if self._room_now() else self._check(request)
+        refused = self._check(request)
         if refused is None:
             self._held[request.request_id] = (request.account_id, self.rank_of(request), self._clock() + HOLD_S)
         return refused
-
-    def _room_now(self) -> bool:
-        """The common case, decided without the queue arithmetic: nothing waits, and a regular slot
-        is free for a new request and for every one admitted before it. `_check` would admit it
-        with no wait (callers fall back to it whenever this says no)."""
-        if any(self._waiting) or self._capacity_tokens or len(self._held) >= self.max_queue:
-            return False
-        if self._running + len(self._held) >= self._regular(self.capacity()):
-            return False
-        return self.inner.healthy and self.inner.has_capacity()
 
     def _lapse_holds(self) -> None:
         now = self._clock()
@@ -294,6 +284,11 @@ class ScheduledEngine(Engine):
     def _check(self, request: EngineRequest) -> EngineOverloadedError | None:
         if not self.inner.healthy:
             return EngineOverloadedError(f"The model {self.model_id!r} has no engine in rotation; retry shortly.")
+        if (
+            not any(self._waiting) and len(self._held) < self.max_queue
+            and self._running + len(self._held) < self._regular(self.capacity()) and self.inner.has_capacity()
+        ):
+            return None  # a regular slot free for it and for every request admitted before it: no wait to weigh
         rank, account = self.rank_of(request), request.account_id
         ahead, own = self._ahead(account, rank)
         mine = own + self._in_flight.get(account, 0)  # the caller's own requests, waiting or running
@@ -374,39 +369,34 @@ class ScheduledEngine(Engine):
             # Back from idle: start at the current virtual time, no credit for the time away.
             self._served[account] = max(self._served.get(account, 0.0), self._vclock)
         self._seq += 1
-        if self._free_slot(account, rank):  # nobody to let go first: straight in, no queue, no future
-            ticket = _Ticket(request, rank, self._cost(request), self._seq, self._clock(), waits=False)
-            self._tickets[ticket.request_id] = ticket
-            self._start(ticket)
-            return ticket
         ticket = _Ticket(request, rank, self._cost(request), self._seq, self._clock())
+        self._tickets[ticket.request_id] = ticket
+        if not any(self._waiting) and self._room_for(account, rank, ticket.kv_tokens):
+            self._start(ticket)  # nobody to let go first: straight in, no queue entry, no future
+            return ticket
+        ticket.granted = asyncio.get_running_loop().create_future()
         self._lines[rank].setdefault(account, deque()).append(ticket)
         self._waiting[rank] += 1
-        self._tickets[ticket.request_id] = ticket
         self._dispatch()
         return ticket
 
-    def _free_slot(self, account: Any, rank: int) -> bool:
-        """Whether `_dispatch` would grant a new request at once: nothing waits, a slot it may take
-        is free, and the engine has room (token capacity: always the full path)."""
-        if any(self._waiting) or self._capacity_tokens:
-            return False
+    def _room_for(self, account: Any, rank: int, kv_tokens: int) -> bool:
+        """Whether a request of this account and class may go into the engine now: a slot it may take
+        is free (the reserve only for urgent ones), the engine is not full from elsewhere (another
+        model shares it), and its worst case fits the token capacity."""
         cap = self.capacity()
-        limit = cap if self._urgent(account, rank) else self._regular(cap)
-        if self._running >= limit:
+        if self._running >= (cap if self._urgent(account, rank) else self._regular(cap)):
             return False
-        return not (self._running or self._ending) or self.inner.has_capacity()
+        if (self._running or self._ending) and not self.inner.has_capacity():
+            return False
+        return not (self._capacity_tokens and self._running and self._running_tokens + kv_tokens > self._capacity_tokens)
 
     def _dispatch(self) -> None:
         cap = self.capacity()
         regular = self._regular(cap)
         while self._running < cap and any(self._waiting):
-            if (self._running or self._ending) and not self.inner.has_capacity():
-                return  # the engine is full from elsewhere (another model shares it): wait for a release
             ticket = self._next(urgent_only=self._running >= regular)
-            if ticket is None:
-                return
-            if self._capacity_tokens and self._running and self._running_tokens + ticket.kv_tokens > self._capacity_tokens:
+            if ticket is None or not self._room_for(ticket.account, ticket.rank, ticket.kv_tokens):
                 return
             self._grant(ticket)
 

@@ -161,7 +161,7 @@ def repeated_query_parameter(scope: Scope) -> APIError | None:
 _PAGE_RAW = [(name.encode(), value.encode()) for name, value in PAGE_HEADERS.items()]
 
 
-def secure(raw: list[tuple[bytes, bytes]], extra: list[tuple[bytes, bytes]] = []) -> list[tuple[bytes, bytes]]:  # noqa: B006 (read only)
+def secure(raw: list[tuple[bytes, bytes]], extra: tuple[tuple[bytes, bytes], ...] = ()) -> list[tuple[bytes, bytes]]:
     """A response's raw headers with `extra` (names not already there) and `nosniff` added; HTML pages
     without their own policy also get the strict page headers. ASGI header names are lower-case."""
     names = {name.lower() for name, _ in raw}

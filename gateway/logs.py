@@ -120,9 +120,9 @@ class RequestContext:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 responded = True
-                ids = [(b"x-request-id", rid.encode())]
+                ids = ((b"x-request-id", rid.encode()),)
                 if crid is not None:
-                    ids.append((b"x-client-request-id", crid.encode()))
+                    ids += ((b"x-client-request-id", crid.encode()),)
                 message["headers"] = secure(message.get("headers") or [], ids)
             await send(message)
 

@@ -116,7 +116,6 @@ class Metrics:
             "tollgate_queue_abandoned", "Requests whose client left while they waited in the queue (no engine saw them).",
             ["model", "priority"], registry=reg,
         )
-        self._per_model: dict[str, tuple[Any, Any, Any, Any]] = {}
         self._children: dict[tuple[Any, ...], Any] = {}
         self._live: list[Collector] = [_LiveState(engines, ledger)]
         reg.register(self._live[0])
@@ -124,18 +123,12 @@ class Metrics:
     def observe_usage(self, record: UsageRecord) -> None:
         """Ledger listener: called once per metered request."""
         model = record.model
-        children = self._per_model.get(model)
-        if children is None:  # `labels()` resolves a child per call: once per model instead
-            children = self._per_model[model] = (
-                self.input_tokens.labels(model), self.output_tokens.labels(model), self.latency.labels(model), self.ttft.labels(model),
-            )
-        input_tokens, output_tokens, latency, ttft = children
         self._child(self.requests, model, record.status).inc()
-        input_tokens.inc(record.prompt_tokens)
-        output_tokens.inc(record.completion_tokens)
-        latency.observe(record.total_ms / 1000.0)
+        self._child(self.input_tokens, model).inc(record.prompt_tokens)
+        self._child(self.output_tokens, model).inc(record.completion_tokens)
+        self._child(self.latency, model).observe(record.total_ms / 1000.0)
         if record.ttft_ms is not None:
-            ttft.observe(record.ttft_ms / 1000.0)
+            self._child(self.ttft, model).observe(record.ttft_ms / 1000.0)
 
     def watch_queues(self, schedulers: list[ScheduledEngine]) -> None:
         for scheduler in schedulers:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -43,10 +42,6 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 
 log = logging.getLogger("tollgate.serving")
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 @dataclass
