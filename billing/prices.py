@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import decimal
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -162,7 +163,20 @@ class EffectivePrice:
     def id(self) -> int | None:
         return self.price_version_id
 
+    @functools.cached_property
+    def _whole_nanos(self) -> tuple[int, int] | None:
+        """Nano-units per input and output token when both are whole numbers (every base price:
+        3 decimal places), else None (a multiplier can leave fractions of a nano-unit)."""
+        per_in = EXACT.multiply(self.input_per_million, Decimal(NANOS_PER_MILLION_UNIT))
+        per_out = EXACT.multiply(self.output_per_million, Decimal(NANOS_PER_MILLION_UNIT))
+        if per_in == per_in.to_integral_value() and per_out == per_out.to_integral_value():
+            return int(per_in), int(per_out)
+        return None
+
     def cost_nanos(self, prompt_tokens: int, completion_tokens: int) -> int:
+        whole = self._whole_nanos
+        if whole is not None:  # integer arithmetic, the same exact result
+            return prompt_tokens * whole[0] + completion_tokens * whole[1]
         exact = EXACT.add(
             EXACT.multiply(Decimal(prompt_tokens), self.input_per_million),
             EXACT.multiply(Decimal(completion_tokens), self.output_per_million),

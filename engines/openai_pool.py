@@ -237,7 +237,15 @@ class _Live:
         self.exchange: _Exchange | LeanExchange | None = None
 
 
-def _json_object(data: str) -> dict[str, Any] | None:
+DONE_BYTES = DONE.encode()
+
+
+def _is_done(data: str | bytes) -> bool:
+    """The `[DONE]` sentinel, whitespace around it allowed."""
+    return (data.strip() if isinstance(data, str) else data.strip().decode("latin-1")) == DONE
+
+
+def _json_object(data: str | bytes) -> dict[str, Any] | None:
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -530,33 +538,36 @@ class OpenAIPoolEngine(Engine):
                 except TimeoutError:
                     reason = f"no data for {self.idle_timeout:g}s" if first_at is not None else f"no first token within {self.first_token_timeout:g}s"
                     kind, value = "error", reason
-                if kind == "data":
-                    if value.strip() == DONE:
-                        kind = "eof"
-                    else:
-                        chunk = _json_object(value)
+                if kind == "events" or kind == "data":
+                    for data in value if kind == "events" else (value,):
+                        if data == DONE_BYTES or (len(data) < 16 and _is_done(data)):
+                            kind = "eof"
+                            break
+                        chunk = _json_object(data)
                         if chunk is None:
                             continue  # not an event we understand; keep reading
-                        if not (chunk.get("error") and not chunk.get("choices")):
-                            if chunk.get("usage"):
-                                usage = chunk["usage"]
-                            for choice in chunk.get("choices") or []:
-                                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                                    continue
-                                merged.add(choice)
-                                if choice.get("finish_reason"):
-                                    finish = choice
-                                elif self._carries_output(choice, chat):
-                                    completion_estimate += 1  # servers stream about a token a chunk; the final count is exact or counted
-                                    if first_at is None:
-                                        first_at = time.perf_counter()
-                                    if not collect:
-                                        batch.append(EngineOutput(
-                                            self._text_of(choice, chat), [], None, prompt_estimate, completion_estimate,
-                                            estimated=True, raw_choice=choice if streaming else None,
-                                        ))
-                            continue
-                        kind, value = "error", "error event: " + upstream_error_message(orjson.dumps(chunk))[0]
+                        choices = chunk.get("choices")
+                        if chunk.get("error") and not choices:
+                            kind, value = "error", "error event: " + upstream_error_message(orjson.dumps(chunk))[0]
+                            break
+                        usage = chunk.get("usage") or usage
+                        for choice in choices or ():
+                            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                                continue
+                            merged.add(choice)
+                            if choice.get("finish_reason"):
+                                finish = choice
+                            elif self._carries_output(choice, chat):
+                                completion_estimate += 1  # servers stream about a token a chunk; the final count is exact or counted
+                                if first_at is None:
+                                    first_at = time.perf_counter()
+                                if not collect:
+                                    batch.append(EngineOutput(
+                                        self._text_of(choice, chat), [], None, prompt_estimate, completion_estimate,
+                                        estimated=True, raw_choice=choice if streaming else None,
+                                    ))
+                    else:
+                        continue
                 if kind == "cancel":
                     yield self._final(FINISH_CANCELLED, "", None, prompt_estimate, merged, usage)
                     return

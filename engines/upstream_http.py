@@ -9,10 +9,11 @@ anyio's stream layers rather than in moving bytes. This client does only what th
     - one write per request (head and JSON body), TCP_NODELAY;
     - the response parsed by httptools (the C parser uvicorn already uses), chunked or sized
       bodies alike; a 200 body is split into SSE events as it arrives and put on the exchange's
-      queue, any other status is read whole (up to 64 KiB kept) and put as ("status", ...).
+      queue (the events of one read as one item), any other status is read whole (up to 64 KiB kept) and put as ("status", ...).
 
 It speaks to the `_Exchange` protocol of engines/openai_pool.py: a `queue` of ("data", str),
-("status", (code, bytes)), ("eof", None), ("error", str) and ("cancel", None) items,
+("events", [payload, ...]) (the events of one read together, each a str or the bytes after
+`data: `), ("status", (code, bytes)), ("eof", None), ("error", str) and ("cancel", None) items,
 `interrupt()` and `close(grace)`. https replicas keep using httpx (TLS is not this module's job).
 """
 
@@ -177,7 +178,8 @@ class LeanExchange:
         self._conn: _Connection | None = None
         self._status = 0
         self._error_body = bytearray()
-        self._pending = b""  # an incomplete SSE line
+        self._pending = b""  # an incomplete SSE event (an incomplete line once `_whole_events` is off)
+        self._whole_events = True  # events cut at blank lines while the body has no CR line ends
         self._sse = SSEDecoder()
         self._done = asyncio.Event()  # the response was read to its end, or the exchange failed
         self._ended = False
@@ -222,26 +224,58 @@ class LeanExchange:
             if len(self._error_body) < MAX_ERROR_BODY:
                 self._error_body += body[: MAX_ERROR_BODY - len(self._error_body)]
             return
-        data = self._pending + body
+        data = self._pending + body if self._pending else body
+        if self._whole_events and b"\r" not in data:
+            self._pending = self._take_events(data)
+            return
+        self._whole_events = False  # CR line ends: line by line from here on (the decoder keeps state)
         lines = data.split(b"\n")
         self._pending = lines.pop()
-        put, feed = self.queue.put_nowait, self._sse.feed
-        for raw in lines:
-            event = feed(raw.rstrip(b"\r").decode("utf-8", "replace"))
-            if event is not None:
-                put(("data", event))
+        events = [e for e in map(self._sse.feed, (raw.rstrip(b"\r").decode("utf-8", "replace") for raw in lines)) if e is not None]
+        if events:
+            self.queue.put_nowait(("events", events))
+
+    def _take_events(self, data: bytes) -> bytes:
+        """The complete events of `data` onto the queue as one item; returns the incomplete rest.
+        An event that is one `data:` line (what OpenAI, vLLM and trtllm-serve send) is cut out of
+        the bytes as it is; anything else (comments, several lines, other fields) goes through the
+        decoder. Between events the decoder holds nothing, so both ways agree."""
+        parts = data.split(b"\n\n")
+        rest = parts.pop()
+        events: list[bytes | str] = []
+        for part in parts:
+            if part[:5] == b"data:" and b"\n" not in part:
+                events.append(part[6:] if part[5:6] == b" " else part[5:])
+            else:
+                events += self._decode_event(part)
+        if events:
+            self.queue.put_nowait(("events", events))
+        return rest
+
+    def _decode_event(self, part: bytes) -> list[str]:
+        feed = self._sse.feed
+        for line in part.split(b"\n"):
+            feed(line.decode("utf-8", "replace"))
+        event = self._sse.flush()
+        return [] if event is None else [event]
 
     def on_message_complete(self) -> None:
         conn = self._conn
         keep_alive = bool(conn is not None and conn._parser is not None and conn._parser.should_keep_alive())
         if self._status == 200:
+            events: list[bytes | str] = []
             if self._pending:
-                event = self._sse.feed(self._pending.rstrip(b"\r").decode("utf-8", "replace"))
-                if event is not None:
-                    self.queue.put_nowait(("data", event))
+                if self._whole_events:
+                    events += self._decode_event(self._pending)
+                else:
+                    event = self._sse.feed(self._pending.rstrip(b"\r").decode("utf-8", "replace"))
+                    if event is not None:
+                        events.append(event)
             tail = self._sse.flush()
             if tail is not None:
-                self.queue.put_nowait(("data", tail))
+                events.append(tail)
+            if events:
+                self.queue.put_nowait(("events", events))
             item: tuple[str, Any] = ("eof", None)
         else:
             item = ("status", (self._status, bytes(self._error_body)))

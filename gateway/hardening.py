@@ -49,7 +49,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0  # URL and header bytes the parser has seen for it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # flow control keeps the real transport
+        self.transport = HeadWithBody(transport, self.loop)  # type: ignore[assignment]
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -120,6 +121,52 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head += b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
         self.transport.write(head + bytes(body))
         self.transport.close()
+
+
+class HeadWithBody:
+    """The connection's transport, except that a response head (a write that starts with a status
+    line) waits for the next write, the body's first bytes, and leaves with it in one send: uvicorn
+    writes the head and the body separately, and on loopback each send costs tens of microseconds
+    (docs/performance.md). A head that no write follows in the same event-loop turn goes out alone at
+    the start of the next; closing sends it first."""
+
+    __slots__ = ("_transport", "_loop", "_head", "_alone")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+        self._alone: asyncio.Handle | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._alone.cancel()  # type: ignore[union-attr]
+            self._transport.write(head + data)
+        elif data[:5] == b"HTTP/":
+            self._head = data
+            self._alone = self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        head, self._head = self._head, None
+        if head is not None and not self._transport.is_closing():
+            self._transport.write(head)
+
+    def close(self) -> None:
+        if self._head is not None:
+            self._alone.cancel()  # type: ignore[union-attr]
+            self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._head = None
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the transport's
+        return getattr(self._transport, name)
 
 
 def _refusing_app(err: APIError) -> ASGIApp:

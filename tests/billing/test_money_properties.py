@@ -177,3 +177,18 @@ def test_settling_twice_counts_once_in_redis(holds: list[tuple[int, int, int]], 
             await limiter.close()
 
     run_coro(scenario())
+
+
+@PROPERTY_SETTINGS
+@given(
+    inp=st.decimals(min_value=0, max_value=100, places=9), out=st.decimals(min_value=0, max_value=100, places=9),
+    prompt=TOKENS, completion=TOKENS,
+)
+def test_a_requests_cost_is_exact_nanos_half_up(inp: Decimal, out: Decimal, prompt: int, completion: int) -> None:
+    # Whole nano-units per token (integer arithmetic) or not (exact decimals): the documented rounding either way.
+    from billing.prices import EffectivePrice
+
+    for a, b in ((inp, out), (inp.quantize(Decimal("0.001")), out.quantize(Decimal("0.001")))):
+        price = EffectivePrice("m", a, b, "usd", None, None)
+        exact = (Fraction(prompt) * Fraction(a) + Fraction(completion) * Fraction(b)) * 1000
+        assert price.cost_nanos(prompt, completion) == int(exact + Fraction(1, 2))  # half up (all non-negative)

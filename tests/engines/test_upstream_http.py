@@ -18,6 +18,17 @@ BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"
 HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
+def payloads(items: list[tuple[str, Any]]) -> list[str]:
+    """The event payloads of the queue items, in order, as text ("events" items carry several)."""
+    out: list[str] = []
+    for kind, value in items:
+        if kind == "data":
+            out.append(value)
+        elif kind == "events":
+            out += [v.decode() if isinstance(v, bytes) else v for v in value]
+    return out
+
+
 async def drain(exchange: Any) -> list[tuple[str, Any]]:
     items = []
     while True:
@@ -34,10 +45,11 @@ async def test_streams_events_and_reuses_one_connection(upstreams: Any) -> None:
     try:
         for _ in range(5):
             items = await drain(pool.exchange(url + "/chat/completions", BODY, HEADERS))
-            data = [orjson.loads(v) for k, v in items if k == "data" and v != "[DONE]"]
+            events = payloads(items)
+            data = [orjson.loads(v) for v in events if v != "[DONE]"]
             text = "".join(c["choices"][0]["delta"].get("content") or "" for c in data if c.get("choices"))
             assert text == "The capital of France is Paris."
-            assert any(c.get("usage") for c in data) and items[-2] == ("data", "[DONE]") and items[-1] == ("eof", None)
+            assert any(c.get("usage") for c in data) and events[-1] == "[DONE]" and items[-1] == ("eof", None)
         assert pool.opened == 1  # keep-alive: every request after the first reused the connection
         assert len(server.requests) == 5 and server.requests[0].body["stream"] is True
     finally:
@@ -61,7 +73,7 @@ async def test_a_closed_exchange_mid_stream_does_not_go_back_to_the_pool(upstrea
     pool = UpstreamPool(connect_timeout=2, keepalive_expiry=30)
     try:
         exchange = pool.exchange(url + "/chat/completions", BODY, HEADERS)
-        assert (await asyncio.wait_for(exchange.queue.get(), 10))[0] == "data"
+        assert (await asyncio.wait_for(exchange.queue.get(), 10))[0] == "events"
         await exchange.close()  # the client left: the rest of the body is not read
         for _ in range(100):
             if server.requests[0].disconnected_at is not None:
@@ -81,7 +93,7 @@ async def test_a_dropped_connection_and_a_refused_one_are_errors(upstreams: Any)
     pool = UpstreamPool(connect_timeout=2, keepalive_expiry=30)
     try:
         items = await drain(pool.exchange(url + "/chat/completions", BODY, HEADERS))
-        assert [k for k, _ in items].count("data") >= 1 and items[-1][0] == "error"
+        assert len(payloads(items)) >= 1 and items[-1][0] == "error"
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]  # nothing listens here once closed
@@ -89,3 +101,40 @@ async def test_a_dropped_connection_and_a_refused_one_are_errors(upstreams: Any)
         assert items[0][0] == "error" and "ConnectError" in items[0][1]
     finally:
         await pool.aclose()
+
+
+async def serve_raw(pieces: list[bytes]) -> tuple[asyncio.Server, str]:
+    """A server that answers one request with these bytes, written piece by piece (a pause between)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+
+async def test_events_come_out_whole_however_the_body_is_cut_and_framed() -> None:
+    # One-line `data:` events (cut out of the bytes), a comment, a two-line event, `data:` without its
+    # space, an event cut mid-line and mid-blank-line across reads, and an unterminated last event.
+    body = (b'data: {"a":1}\n\n: keep-alive\n\ndata: {"b":\ndata: 2}\n\ndata:{"c":3}\n\nevent: x\ndata: {"d"'
+            b':4}\n\ndata: {"e":5}\n\ndata: [DONE]')
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    expected = ['{"a":1}', '{"b":\n2}', '{"c":3}', '{"d":4}', '{"e":5}', "[DONE]"]
+    # LF line ends, CRLF ones, and CRLF from the middle of the second event on
+    for framed in (body, body.replace(b"\n", b"\r\n"), body[:20] + body[20:].replace(b"\n", b"\r\n")):
+        cuts = [0, 9, 15, 40, 41, 70, len(framed)]  # mid-line, mid-blank-line, between events
+        chunks = [framed[a:b] for a, b in zip(cuts, cuts[1:])]
+        pieces = [head] + [b"%x\r\n%b\r\n" % (len(c), c) for c in chunks] + [b"0\r\n\r\n"]
+        server, url = await serve_raw(pieces)
+        pool = UpstreamPool(connect_timeout=2, keepalive_expiry=30)
+        try:
+            items = await drain(pool.exchange(url + "/chat/completions", BODY, HEADERS))
+            assert payloads(items) == expected and items[-1] == ("eof", None)
+        finally:
+            await pool.aclose()
+            server.close()
