@@ -8,6 +8,8 @@ call per admission and one per settlement, so it uses this instead:
   and appends a future to a FIFO; replies (parsed by hiredis) resolve the futures in order. A call
   on an idle connection is written at once; calls made while others are outstanding are gathered
   and written together at the end of the event loop's turn (one send for many callers);
+* a call may linger (`evalsha(..., linger=s)`, the limiter's settlements): it waits up to `s` for
+  a later call and leaves in that call's send, both replies read together; nothing waits for it;
 * one timer per call (`loop.call_at`): on expiry the caller gets `RespTimeoutError` and the FIFO
   slot stays, so the late reply is read and dropped and the replies that follow stay aligned;
 * a lost connection (or a failed write) fails every pending call with `RespConnectionError` and
@@ -122,6 +124,8 @@ class _Connection(asyncio.Protocol):
         self.reader = hiredis.Reader(encoding="utf-8", replyError=ResponseError)
         self.pending: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.outbox: list[bytes] | None = None  # requests queued for the next _flush
+        self._flush_at: asyncio.Handle | None = None  # that flush: at this turn's end, or a linger's timer
+        self._lingering = False  # whether the outbox holds only requests that may linger
         self.lost = False
         self.closed: asyncio.Future[None] = loop.create_future()
         self.active = 0.0  # when a reply last came in, or the FIFO last went from empty to busy
@@ -160,31 +164,48 @@ class _Connection(asyncio.Protocol):
 
     # -- used by ScriptRunner
 
-    def send(self, payload: bytes) -> asyncio.Future[Any]:
-        """Queues one request; the future gets its reply (an error reply as a ResponseError object)."""
+    def send(self, payload: bytes, linger: float = 0.0) -> asyncio.Future[Any]:
+        """Queues one request; the future gets its reply (an error reply as a ResponseError object).
+        `linger`: the request may wait up to this many seconds to leave with a later one (one send
+        and one reply read for both); a request without linger takes it along at the end of this turn."""
         transport = self.transport
         if self.lost or transport is None or transport.is_closing():
             self.abort("connection to Redis is closing")
             raise RespConnectionError("connection to Redis lost")
         fut = self.loop.create_future()
         pending = self.pending
-        if not pending:  # idle: nothing to batch with, write now (and nothing is in the outbox)
-            self.active = self.loop.time()
-            pending.append(fut)
-            self._write(payload)
-            return fut
         pending.append(fut)
+        if len(pending) == 1:
+            self.active = self.loop.time()  # the FIFO went from empty to busy
         outbox = self.outbox
+        if linger:
+            if outbox is None:
+                self.outbox = [payload]
+                self._flush_at = self.loop.call_later(linger, self._flush)
+                self._lingering = True
+            else:
+                outbox.append(payload)
+            return fut
         if outbox is None:
+            if len(pending) == 1:  # idle: nothing to batch with, write now
+                self._write(payload)
+                return fut
             self.outbox = [payload]
-            self.loop.call_soon(self._flush)
+            self._flush_at = self.loop.call_soon(self._flush)
         else:
-            outbox.append(payload)
+            outbox.append(payload)  # the flush at the end of this turn takes it
+            if self._lingering:  # only lingering requests waited: they leave with this one, at this turn's end
+                self._lingering = False
+                self._flush_at.cancel()  # type: ignore[union-attr]
+                self._flush_at = self.loop.call_soon(self._flush)
         return fut
 
     def _flush(self) -> None:
-        outbox = self.outbox
-        self.outbox = None
+        outbox, self.outbox = self.outbox, None
+        self._lingering = False
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         if outbox and not self.lost:
             self._write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
 
@@ -212,6 +233,9 @@ class _Connection(asyncio.Protocol):
 
     def _lose(self, reason: str) -> None:
         self.outbox = None
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         if not self.lost:
             self.lost = True
             self.owner._dropped(self)
@@ -274,15 +298,17 @@ class ScriptRunner:
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[_Connection] | None = None
 
-    async def evalsha(self, script: Script, args: Sequence[Any]) -> Any:
-        """EVALSHA sha 0 args...; EVAL source 0 args... if Redis does not have the script yet."""
+    async def evalsha(self, script: Script, args: Sequence[Any], linger: float = 0.0) -> Any:
+        """EVALSHA sha 0 args...; EVAL source 0 args... if Redis does not have the script yet.
+        `linger`: the call may wait that long to share a send with a later call (see _Connection.send);
+        its deadline starts when it leaves."""
         conn = self._conn
         if conn is None or conn.loop is not asyncio.get_running_loop():
             conn = await self._connect()
         loop = conn.loop
-        deadline = None if self.timeout is None else loop.time() + self.timeout
+        deadline = None if self.timeout is None else loop.time() + self.timeout + linger
         tail = _pack(b"*%d\r\n" % (len(args) + 3) + script._evalsha, args)
-        reply = await self._request(conn, tail, deadline)
+        reply = await self._request(conn, tail, deadline, linger)
         if type(reply) is ResponseError:
             if not str(reply).startswith("NOSCRIPT"):
                 raise reply
@@ -304,8 +330,8 @@ class ScriptRunner:
         return reply
 
     @staticmethod
-    async def _request(conn: _Connection, payload: bytes, deadline: float | None) -> Any:
-        fut = conn.send(payload)
+    async def _request(conn: _Connection, payload: bytes, deadline: float | None, linger: float = 0.0) -> Any:
+        fut = conn.send(payload, linger)
         if deadline is None:
             return await fut
         timer = conn.loop.call_at(deadline, _expire, conn, fut)

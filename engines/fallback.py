@@ -251,10 +251,8 @@ class FallbackEngine(Engine):
                 try:
                     yield first
                     if not first.finished:
-                        async for out in outputs:
+                        async for out in outputs:  # read to its end: the engine's stream ends after its final output
                             yield out
-                            if out.finished:
-                                break
                 finally:
                     await outputs.aclose()
                 return

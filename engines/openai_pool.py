@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -479,8 +480,11 @@ class OpenAIPoolEngine(Engine):
                     break
                 tried.append(replica)
                 try:
-                    async for out in self._attempt(replica, body, request, chat, live):
-                        yield out
+                    # Closed here, not left to the garbage collector: an async generator dropped while
+                    # suspended is closed by the loop's finalizer hook (a thread-safe wake-up and a task).
+                    async with aclosing(self._attempt(replica, body, request, chat, live)) as attempt:
+                        async for out in attempt:
+                            yield out
                     return
                 except _Retryable as failure:
                     failures.append(failure)

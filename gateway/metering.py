@@ -61,7 +61,7 @@ def settle(state: Any, hold: Hold | None, tokens: int, nanos: int) -> None:
     limiter = getattr(state, "limiter", None)
     if limiter is None or hold is None:
         return
-    task = asyncio.get_running_loop().create_task(limiter.settle(hold, tokens, nanos))
+    task = asyncio.get_running_loop().create_task(limiter.settle(hold, tokens, nanos, background=True))
     _settling.add(task)
     task.add_done_callback(_settled)
 

@@ -134,7 +134,7 @@ class CompletionService:
             return
         nanos = gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else 0
         task = asyncio.get_running_loop().create_task(
-            self.limiter.settle(gen.hold, gen.prompt_tokens + gen.completion_tokens, nanos)
+            self.limiter.settle(gen.hold, gen.prompt_tokens + gen.completion_tokens, nanos, background=True)
         )
         self._settling.add(task)
         task.add_done_callback(self._settled)
@@ -239,13 +239,18 @@ class CompletionService:
         try:
             async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
                 async for out in outputs:
+                    if last is not None:
+                        break  # an engine that goes on after its final output: nothing after it counts
                     self._observe(gen, out)
                     if gen.cancel_requested and not out.finished:
                         # The client left before the engine saw the request: closing the stream cancels it.
                         break
                     if out.finished:
-                        last = out  # held back until the row is journaled: a client that saw the end has its row
-                        break
+                        # Held back until the row is journaled: a client that saw the end has its row. The
+                        # stream is read on to its end (right after this): every layer finishes by itself
+                        # instead of being closed while suspended.
+                        last = out
+                        continue
                     yield out
         except EngineError as exc:
             status = "error"

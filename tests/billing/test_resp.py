@@ -42,6 +42,46 @@ async def test_concurrent_calls_are_pipelined_and_each_gets_its_own_reply(runner
     assert runner._conn is not None and not runner._conn.pending  # one connection, FIFO drained
 
 
+class CountingWrites:
+    """The connection's transport, counting its writes."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport, self.writes = transport, 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+async def test_a_lingering_call_leaves_with_the_next_call_or_alone_after_its_linger(runner: ScriptRunner) -> None:
+    key = f"tgtest:linger:{uuid.uuid4().hex}"
+    incr = unique_script("return redis.call('INCR', ARGV[1])")
+    read = unique_script("return redis.call('GET', ARGV[1])")
+    await runner.evalsha(read, [key])  # connected, and both scripts loaded (no NOSCRIPT round trip below)
+    await runner.evalsha(incr, [key + ":warm"])
+    assert runner._conn is not None
+    counting = runner._conn.transport = CountingWrites(runner._conn.transport)  # type: ignore[assignment]
+    try:
+        started = time.monotonic()
+        settle = asyncio.ensure_future(runner.evalsha(incr, [key], linger=5.0))
+        await asyncio.sleep(0.05)
+        assert not settle.done() and counting.writes == 0  # waiting for company
+        # The next call takes it along: one write, Redis runs them in order, both answered at once.
+        assert await runner.evalsha(read, [key]) == "1"
+        assert await settle == 1 and counting.writes == 1 and time.monotonic() - started < 2.0
+        started = time.monotonic()
+        alone = await runner.evalsha(incr, [key], linger=0.05)  # nobody comes: it leaves after its linger
+        assert alone == 2 and 0.045 <= time.monotonic() - started < 2.0 and counting.writes == 2
+        # Lingering calls join each other and whatever flush comes first.
+        both = await asyncio.gather(runner.evalsha(incr, [key], linger=0.05), runner.evalsha(incr, [key], linger=5.0))
+        assert sorted(both) == [3, 4] and counting.writes == 3
+    finally:
+        await runner.execute("DEL", key, key + ":warm")
+
+
 async def test_reply_shapes_match_redis_py_decoded(runner: ScriptRunner) -> None:
     script = Script("return {1, 'x', {2, {3, 'y'}}, redis.status_reply('OK'), false, tonumber(ARGV[1])}")
     ours = await runner.evalsha(script, [42])
