@@ -3,8 +3,8 @@
 A fresh Postgres database at the head migration; a producer records UsageRecords (spread over
 50 keys and 3 models, so the hourly aggregates see realistic fan-out) in bursts, yielding to
 the event loop between bursts as request handlers would; the writer drains them in batches
-(`INSERT ... ON CONFLICT DO NOTHING RETURNING` plus the aggregate upserts, one transaction per
-batch). rows/s = rows / (first record -> flush done); the rows are then counted in the database.
+(one statement per batch: `INSERT ... ON CONFLICT DO NOTHING RETURNING` and the aggregate upserts
+of the rows it inserted, as data-modifying CTEs). rows/s = rows / (first record -> flush done); the rows are then counted in the database.
 With --journal, each record() also appends to the local journal as the gateway does by default.
 Each round runs the gateway's insert (one `INSERT ... SELECT FROM unnest(arrays)` per batch) and,
 for comparison in the same run, SQLAlchemy's executemany insert it replaced (`--no-compare` skips it).

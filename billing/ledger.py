@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from billing.journal import JournalLocked, LedgerJournal, Recovered, record_fields, row_of
 from billing.models import LedgerEntry, utcnow
 from billing.quota import Hold
-from billing.usage import add_to_aggregates, add_to_aggregates_pg
+from billing.usage import HOURLY, LATENCY, add_to_aggregates, hour_of, latency_bucket
 
 log = logging.getLogger("tollgate.ledger")
 
@@ -81,15 +81,55 @@ _PG_INSERT = (
 
 PG_ARRAY_INSERT = True  # False: SQLAlchemy's executemany (bench/ledger_writer.py compares the two)
 
+# ...and what the rows this statement inserted add to the aggregates, in the same statement: one
+# round trip and no explicit transaction (a statement is atomic) instead of BEGIN, the insert, an
+# upsert per aggregate table and COMMIT. The aggregates are summed from the insert's RETURNING, so
+# a row already in the ledger (a replayed journal) adds nothing, as `add_to_aggregates` would do.
+# Hours and histogram buckets come computed (billing.usage's functions), joined by request id.
+_PG_USAGE_ADDED = (
+    ("requests", "count(*)"), ("prompt_tokens", "sum(prompt_tokens)"), ("completion_tokens", "sum(completion_tokens)"),
+    ("cost_nanos", "coalesce(sum(cost_nanos), 0)"), ("unpriced", "count(*) FILTER (WHERE cost_nanos IS NULL)"),
+    ("errors", "count(*) FILTER (WHERE status IN ('error', 'interrupted'))"),
+    ("cancelled", "count(*) FILTER (WHERE status = 'cancelled')"), ("ttft_count", "count(ttft_ms)"),
+    ("total_ms_sum", "coalesce(sum(total_ms), 0)"), ("ttft_ms_sum", "coalesce(sum(ttft_ms), 0)"),
+)
+_N = len(_PG_COLUMNS)
+_PG_BATCH = (
+    f"WITH ins AS ({_PG_INSERT.replace('RETURNING request_id', 'RETURNING request_id, account_id, key_id, model, prompt_tokens, completion_tokens, status, total_ms, ttft_ms, cost_nanos')}), "
+    f"fresh AS (SELECT ins.*, d.hour, d.total_bucket, d.ttft_bucket FROM ins JOIN unnest(${_N + 1}::text[], "
+    f"${_N + 2}::timestamptz[], ${_N + 3}::int2[], ${_N + 4}::int2[]) AS d(request_id, hour, total_bucket, ttft_bucket) "
+    "USING (request_id)), "
+    f"usage AS (INSERT INTO {HOURLY.name} (hour, account_id, key_id, model, {', '.join(c for c, _ in _PG_USAGE_ADDED)}) "
+    f"SELECT hour, account_id, key_id, model, {', '.join(e for _, e in _PG_USAGE_ADDED)} FROM fresh "
+    "GROUP BY hour, account_id, key_id, model ORDER BY hour, account_id, key_id, model "  # one lock order in every writer
+    f"ON CONFLICT (hour, account_id, key_id, model) DO UPDATE SET "
+    f"{', '.join(f'{c} = {HOURLY.name}.{c} + EXCLUDED.{c}' for c, _ in _PG_USAGE_ADDED)}), "
+    f"latency AS (INSERT INTO {LATENCY.name} (hour, model, metric, bucket, count) "
+    "SELECT hour, model, metric, bucket, count(*) FROM (SELECT hour, model, 'total' AS metric, total_bucket AS bucket FROM fresh "
+    "UNION ALL SELECT hour, model, 'ttft', ttft_bucket FROM fresh WHERE ttft_ms IS NOT NULL) AS m "
+    "GROUP BY hour, model, metric, bucket ORDER BY hour, model, metric, bucket "
+    f"ON CONFLICT (hour, model, metric, bucket) DO UPDATE SET count = {LATENCY.name}.count + EXCLUDED.count) "
+    "SELECT count(*) FROM ins"
+)
+
 
 async def _write_pg(driver: Any, records: list[UsageRecord]) -> int:
-    """The batch's rows and what the new ones add to the aggregates, on an asyncpg connection inside
-    the caller's transaction. Returns how many rows were new."""
-    columns = [[getattr(r, name) for r in records] for name, _ in _PG_COLUMNS]
-    inserted = {row[0] for row in await driver.fetch(_PG_INSERT, *columns)}
-    fresh = _fresh(records, inserted)
-    await add_to_aggregates_pg(driver, fresh)
-    return len(fresh)
+    """The batch's rows and what the new ones add to the aggregates: one statement on an asyncpg
+    connection (atomic by itself, or inside the caller's transaction). Returns how many rows were new."""
+    unique = records
+    if len({r.request_id for r in records}) != len(records):  # a request id twice in one batch: its first row counts
+        firsts: dict[str, UsageRecord] = {}
+        for r in records:
+            firsts.setdefault(r.request_id, r)
+        unique = list(firsts.values())
+    columns = [[getattr(r, name) for r in unique] for name, _ in _PG_COLUMNS]
+    extra = (
+        columns[0],
+        [hour_of(r.created_at) for r in unique],
+        [latency_bucket(r.total_ms) for r in unique],
+        [None if r.ttft_ms is None else latency_bucket(r.ttft_ms) for r in unique],
+    )
+    return int(await driver.fetchval(_PG_BATCH, *columns, *extra))
 
 
 def _fresh(records: list[UsageRecord], inserted: set[str]) -> list[UsageRecord]:
@@ -104,7 +144,7 @@ def _fresh(records: list[UsageRecord], inserted: set[str]) -> list[UsageRecord]:
 
 class PgSession:
     """The ledger writer's own Postgres connection, held between batches (asyncpg under SQLAlchemy's
-    pool): a batch is one transaction of three statements, without the pool checkout, liveness
+    pool): a batch is one statement, without the pool checkout, liveness
     ping and SQLAlchemy transaction that cost more CPU than the statements themselves at the batch
     sizes light load makes (docs/performance.md). Any failure drops the connection; the next batch
     takes a fresh one."""
@@ -125,8 +165,7 @@ class PgSession:
             self._conn = await self.engine.connect()
             self._driver = (await self._conn.get_raw_connection()).driver_connection
         try:
-            async with self._driver.transaction():
-                return await _write_pg(self._driver, records)
+            return await _write_pg(self._driver, records)
         except BaseException:
             await self.close(broken=True)
             raise

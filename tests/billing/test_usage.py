@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from billing import migrate
 from billing.db import create_engine
 from billing.ledger import LedgerWriter, UsageRecord, write_records
-from billing.usage import Period, bucket_value, latency_bucket, latency_percentiles, month_to_date, usage_groups, usd
+from billing.usage import Period, bucket_value, deltas, latency_bucket, latency_percentiles, month_to_date, usage_groups, usd
 
 T0 = datetime(2026, 11, 3, 10, 15, tzinfo=timezone.utc)
 
@@ -91,6 +91,53 @@ async def test_aggregates_equal_ledger_sums_with_repeats(db_url: str) -> None:
         assert usd(per_account[2]["cost_nanos"]) == per_account[2]["cost_usd"]
     finally:
         await db.dispose()
+
+
+async def test_aggregate_tables_hold_exactly_what_deltas_computes(db_url: str) -> None:
+    # Postgres sums in SQL (one statement per batch, billing/ledger.py); SQLite through deltas():
+    # either way the tables hold what billing.usage.deltas() says the new rows add, bucket by bucket.
+    db = create_engine(db_url)
+    try:
+        rng = random.Random(11)
+        records = [
+            record(
+                account_id=rng.choice([1, 2]), model=rng.choice(["a", "b"]), total_ms=rng.choice([0.0, 0.5, 1.0, 2.0, rng.uniform(0, 9000)]),
+                ttft_ms=rng.choice([None, 0.2, 16.0, rng.uniform(0, 900)]), cost_nanos=rng.choice([None, rng.randint(0, 10**6)]),
+                status=rng.choice(["completed", "cancelled", "error", "interrupted"]),
+                created_at=T0 + timedelta(minutes=rng.randint(0, 300)),
+            )
+            for _ in range(300)
+        ]
+        assert await write_records(db, records[:200]) == 200
+        assert await write_records(db, records[100:] + records[150:160]) == 100  # repeats add nothing
+        usage_rows, latency_rows = deltas(records)
+        async with db.connect() as conn:
+            stored = (await conn.execute(sa.text(
+                "SELECT hour, account_id, key_id, model, requests, prompt_tokens, completion_tokens, cost_nanos, unpriced, "
+                "errors, cancelled, ttft_count, total_ms_sum, ttft_ms_sum FROM usage_hourly ORDER BY hour, account_id, key_id, model"
+            ))).all()
+            histogram = (await conn.execute(sa.text(
+                "SELECT hour, model, metric, bucket, count FROM latency_hourly ORDER BY hour, model, metric, bucket"
+            ))).all()
+        assert len(stored) == len(usage_rows)
+        for got, want in zip(stored, usage_rows):
+            assert hour_key(got[0]) == hour_key(want["hour"]) and tuple(got[1:4]) == (want["account_id"], want["key_id"], want["model"])
+            counts = ("requests", "prompt_tokens", "completion_tokens", "cost_nanos", "unpriced", "errors", "cancelled", "ttft_count")
+            assert tuple(got[4:12]) == tuple(want[c] for c in counts)
+            assert got[12] == pytest.approx(want["total_ms_sum"]) and got[13] == pytest.approx(want["ttft_ms_sum"])
+        assert [(hour_key(h), m, metric, b, n) for h, m, metric, b, n in histogram] == [
+            (hour_key(r["hour"]), r["model"], r["metric"], r["bucket"], r["count"]) for r in latency_rows]
+    finally:
+        await db.dispose()
+
+
+def hour_key(value: Any) -> str:
+    """An hour as UTC text, whether the driver returns it aware (Postgres) or naive/text (SQLite)."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H")
 
 
 async def test_writer_feeds_aggregates_and_listeners(db_url: str) -> None:
