@@ -516,6 +516,7 @@ class OpenAIPoolEngine(Engine):
         # merged choice carries it all, so the chunks are only accumulated (and counted) here.
         collect = relay and not streaming
         merged = ChoiceAccumulator(chat)
+        text_field = "content" if chat else "text"
         prompt_estimate = self._prompt_estimate(request, chat)
         completion_estimate = 0
         usage: dict[str, Any] | None = None
@@ -558,6 +559,20 @@ class OpenAIPoolEngine(Engine):
                         for choice in choices or ():
                             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                                 continue
+                            if choice.get("finish_reason") is None and choice.get("logprobs") is None:
+                                # The usual chunk: one more piece of the answer's text, nothing else.
+                                part = choice.get("delta") if chat else choice
+                                piece = part.get(text_field) if type(part) is dict and (not chat or len(part) == 1) else None
+                                if type(piece) is str and piece and merged.add_piece(text_field, piece):
+                                    completion_estimate += 1
+                                    if first_at is None:
+                                        first_at = time.perf_counter()
+                                    if not collect:
+                                        batch.append(EngineOutput(
+                                            piece, [], None, prompt_estimate, completion_estimate,
+                                            estimated=True, raw_choice=choice if streaming else None,
+                                        ))
+                                    continue
                             merged.add(choice)
                             if choice.get("finish_reason"):
                                 finish = choice

@@ -134,6 +134,18 @@ class ChoiceAccumulator:
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
 
+    def add_piece(self, key: str, text: str) -> bool:
+        """One more piece of a text field (what most chunks carry), as `add` would take it; False
+        (nothing taken) when that field is not a text field so far: `add` merges it."""
+        pieces = self._pieces.get(key)
+        if pieces is not None:
+            pieces.append(text)
+            return True
+        if key in self._body:
+            return False
+        self._pieces[key] = [text]
+        return True
+
     def choice(self) -> dict[str, Any]:
         finish = normalized_finish(self.finish_reason) if self.finish_reason else None
         if self.chat:

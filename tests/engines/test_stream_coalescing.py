@@ -150,3 +150,36 @@ async def test_the_sse_response_relays_each_part_and_writes_an_output_in_one_sen
     deltas = [orjson.loads(e[6:])["choices"][0]["delta"] for e in events[:-2]]
     assert [d.get("content") for d in deltas] == ["", "a", "b", "c", "d", None]
     assert bodies[0].count(b"data: ") == 4 and sent[-1]["more_body"] is False
+
+
+def test_text_pieces_taken_directly_merge_as_add_merges_them() -> None:
+    # engines/openai_pool.py takes a chunk that is only a piece of text with `add_piece`; the merged
+    # choice must be the one `add` makes of the same chunks, whatever comes around those pieces.
+    from engines.openai_stream import ChoiceAccumulator
+
+    chat = [
+        {"delta": {"role": "assistant", "content": ""}}, {"delta": {"content": "Hel"}}, {"delta": {"content": "lo"}},
+        {"delta": {"reasoning": "hm"}}, {"delta": {"content": " there"}},
+        {"delta": {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{"}}]}},
+        {"delta": {"content": "!"}, "logprobs": {"content": [{"token": "!", "logprob": -0.1}]}},
+        {"delta": {}, "finish_reason": "stop"},
+    ]
+    text = [{"text": "a"}, {"text": ""}, {"text": "b", "logprobs": None}, {"text": "c", "finish_reason": "length"}]
+    for is_chat, chunks in ((True, chat), (False, text)):
+        general, direct = ChoiceAccumulator(is_chat), ChoiceAccumulator(is_chat)
+        field = "content" if is_chat else "text"
+        for chunk in chunks:
+            choice = {"index": 0, "finish_reason": None, **chunk}
+            general.add(choice)
+            part = choice.get("delta") if is_chat else choice
+            piece = part.get(field) if not is_chat or len(part) == 1 else None
+            taken = (choice["finish_reason"] is None and choice.get("logprobs") is None and isinstance(piece, str)
+                     and piece != "" and direct.add_piece(field, piece))
+            if not taken:
+                direct.add(choice)
+        assert direct.choice() == general.choice()
+
+    # A field that is not text so far is left to `add`.
+    acc = ChoiceAccumulator(True)
+    acc.add({"index": 0, "delta": {"content": ["not", "text"]}})
+    assert acc.add_piece("content", "x") is False
