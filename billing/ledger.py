@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from billing.journal import JournalLocked, LedgerJournal, Recovered, record_fields, row_of
 from billing.models import LedgerEntry, utcnow
 from billing.quota import Hold
-from billing.usage import HOURLY, LATENCY, add_to_aggregates, hour_of, latency_bucket
+from billing.usage import COUNTS, HOURLY, LATENCY, SUMS, add_to_aggregates, hour_of, latency_bucket
 
 log = logging.getLogger("tollgate.ledger")
 
@@ -72,38 +72,34 @@ _PG_COLUMNS = (
     ("queue_ms", "float8"), ("ttft_ms", "float8"), ("estimated", "bool"), ("cost_nanos", "int8"), ("cached", "bool"),
     ("created_at", "timestamptz"),
 )
-_PG_INSERT = (
-    f"INSERT INTO {LEDGER.name} ({', '.join(c for c, _ in _PG_COLUMNS)}) "
-    f"SELECT * FROM unnest({', '.join(f'${i}::{t}[]' for i, (_, t) in enumerate(_PG_COLUMNS, 1))}) "
-    "ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
-)
-
-
 PG_ARRAY_INSERT = True  # False: SQLAlchemy's executemany (bench/ledger_writer.py compares the two)
-
-# ...and what the rows this statement inserted add to the aggregates, in the same statement: one
-# round trip and no explicit transaction (a statement is atomic) instead of BEGIN, the insert, an
-# upsert per aggregate table and COMMIT. The aggregates are summed from the insert's RETURNING, so
-# a row already in the ledger (a replayed journal) adds nothing, as `add_to_aggregates` would do.
-# Hours and histogram buckets come computed (billing.usage's functions), joined by request id.
-_PG_USAGE_ADDED = (
-    ("requests", "count(*)"), ("prompt_tokens", "sum(prompt_tokens)"), ("completion_tokens", "sum(completion_tokens)"),
-    ("cost_nanos", "coalesce(sum(cost_nanos), 0)"), ("unpriced", "count(*) FILTER (WHERE cost_nanos IS NULL)"),
-    ("errors", "count(*) FILTER (WHERE status IN ('error', 'interrupted'))"),
-    ("cancelled", "count(*) FILTER (WHERE status = 'cancelled')"), ("ttft_count", "count(ttft_ms)"),
-    ("total_ms_sum", "coalesce(sum(total_ms), 0)"), ("ttft_ms_sum", "coalesce(sum(ttft_ms), 0)"),
-)
+# The insert, together with what the rows it inserted add to the aggregates: one statement, so one round trip
+# and no explicit transaction (a statement is atomic) instead of BEGIN, the insert, an upsert per
+# aggregate table and COMMIT. The aggregates sum the insert's RETURNING, so a row already in the
+# ledger (a replayed journal) adds nothing, as `add_to_aggregates` would have it. Hours and
+# histogram buckets come computed (billing.usage's functions) as four more arrays, by request id.
+_PG_ADDED = {  # what a group of new rows adds to each column of the hourly table
+    "requests": "count(*)", "prompt_tokens": "sum(prompt_tokens)", "completion_tokens": "sum(completion_tokens)",
+    "cost_nanos": "coalesce(sum(cost_nanos), 0)", "unpriced": "count(*) FILTER (WHERE cost_nanos IS NULL)",
+    "errors": "count(*) FILTER (WHERE status IN ('error', 'interrupted'))",
+    "cancelled": "count(*) FILTER (WHERE status = 'cancelled')", "ttft_count": "count(ttft_ms)",
+    "total_ms_sum": "coalesce(sum(total_ms), 0)", "ttft_ms_sum": "coalesce(sum(ttft_ms), 0)",
+}
+_ADDED = COUNTS + SUMS  # KeyError at import if the table gains a column this statement does not fill
 _N = len(_PG_COLUMNS)
 _PG_BATCH = (
-    f"WITH ins AS ({_PG_INSERT.replace('RETURNING request_id', 'RETURNING request_id, account_id, key_id, model, prompt_tokens, completion_tokens, status, total_ms, ttft_ms, cost_nanos')}), "
+    f"WITH ins AS (INSERT INTO {LEDGER.name} ({', '.join(c for c, _ in _PG_COLUMNS)}) "
+    f"SELECT * FROM unnest({', '.join(f'${i}::{t}[]' for i, (_, t) in enumerate(_PG_COLUMNS, 1))}) "
+    "ON CONFLICT (request_id) DO NOTHING "
+    "RETURNING request_id, account_id, key_id, model, prompt_tokens, completion_tokens, status, total_ms, ttft_ms, cost_nanos), "
     f"fresh AS (SELECT ins.*, d.hour, d.total_bucket, d.ttft_bucket FROM ins JOIN unnest(${_N + 1}::text[], "
     f"${_N + 2}::timestamptz[], ${_N + 3}::int2[], ${_N + 4}::int2[]) AS d(request_id, hour, total_bucket, ttft_bucket) "
     "USING (request_id)), "
-    f"usage AS (INSERT INTO {HOURLY.name} (hour, account_id, key_id, model, {', '.join(c for c, _ in _PG_USAGE_ADDED)}) "
-    f"SELECT hour, account_id, key_id, model, {', '.join(e for _, e in _PG_USAGE_ADDED)} FROM fresh "
+    f"usage AS (INSERT INTO {HOURLY.name} (hour, account_id, key_id, model, {', '.join(_ADDED)}) "
+    f"SELECT hour, account_id, key_id, model, {', '.join(_PG_ADDED[c] for c in _ADDED)} FROM fresh "
     "GROUP BY hour, account_id, key_id, model ORDER BY hour, account_id, key_id, model "  # one lock order in every writer
-    f"ON CONFLICT (hour, account_id, key_id, model) DO UPDATE SET "
-    f"{', '.join(f'{c} = {HOURLY.name}.{c} + EXCLUDED.{c}' for c, _ in _PG_USAGE_ADDED)}), "
+    "ON CONFLICT (hour, account_id, key_id, model) DO UPDATE SET "
+    f"{', '.join(f'{c} = {HOURLY.name}.{c} + EXCLUDED.{c}' for c in _ADDED)}), "
     f"latency AS (INSERT INTO {LATENCY.name} (hour, model, metric, bucket, count) "
     "SELECT hour, model, metric, bucket, count(*) FROM (SELECT hour, model, 'total' AS metric, total_bucket AS bucket FROM fresh "
     "UNION ALL SELECT hour, model, 'ttft', ttft_bucket FROM fresh WHERE ttft_ms IS NOT NULL) AS m "
@@ -130,16 +126,6 @@ async def _write_pg(driver: Any, records: list[UsageRecord]) -> int:
         [None if r.ttft_ms is None else latency_bucket(r.ttft_ms) for r in unique],
     )
     return int(await driver.fetchval(_PG_BATCH, *columns, *extra))
-
-
-def _fresh(records: list[UsageRecord], inserted: set[str]) -> list[UsageRecord]:
-    """The records whose rows this batch inserted (a request_id twice in one batch counts once)."""
-    fresh = []
-    for r in records:
-        if r.request_id in inserted:
-            inserted.discard(r.request_id)
-            fresh.append(r)
-    return fresh
 
 
 class PgSession:
@@ -191,7 +177,12 @@ async def write_records(engine: AsyncEngine, records: list[UsageRecord]) -> int:
         if PgSession.applies(engine):
             return await _write_pg((await conn.get_raw_connection()).driver_connection, records)
         stmt = insert_ignoring_duplicates(engine.dialect.name).returning(LEDGER.c.request_id)
-        fresh = _fresh(records, set((await conn.execute(stmt, [asdict(r) for r in records])).scalars()))
+        inserted = set((await conn.execute(stmt, [asdict(r) for r in records])).scalars())
+        fresh = []
+        for r in records:
+            if r.request_id in inserted:
+                inserted.discard(r.request_id)  # a request_id twice in one batch is inserted once
+                fresh.append(r)
         await add_to_aggregates(conn, fresh)
     return len(fresh)
 

@@ -544,7 +544,7 @@ class CircuitBreaker:
             self.opened_at = time.monotonic()
 
 
-def _run_redis_py_script(script: Any, args: list[Any]) -> Awaitable[Any]:
+def _run_redis_py_script(script: Any, args: list[Any], linger: float = 0.0) -> Awaitable[Any]:
     return script(keys=[], args=args)  # type: ignore[no-any-return]
 
 
@@ -593,7 +593,7 @@ class RedisLimiter(Limiter):
         self._settle_script: Any
         self._seed_script: Any
         self._rehold_script: Any
-        self._invoke: Callable[[Any, list[Any]], Awaitable[Any]]
+        self._invoke: Callable[[Any, list[Any], float], Awaitable[Any]]
         if lean and resp.ScriptRunner.supports(url):
             self._runner = resp.ScriptRunner(url, timeout=timeout, connect_timeout=timeout)
             self._reserve_script, self._settle_script, self._seed_script, self._rehold_script = (
@@ -613,7 +613,7 @@ class RedisLimiter(Limiter):
 
     async def _call(self, script: Any, args: list[Any], linger: float = 0.0) -> Any:
         """One round trip, guarded by the breaker; raises QuotaUnavailable when Redis is out.
-        `linger`: the call may wait that long to leave with the next one (the lean runner only)."""
+        `linger`: the call may wait that long to leave with the next one (redis-py sends at once)."""
         if not self.breaker.allow():
             raise QuotaUnavailable("quota store unavailable (circuit open)")
         try:
@@ -622,15 +622,12 @@ class RedisLimiter(Limiter):
                 await self._redis.incr(self.prefix + "epoch")
                 self._resync_needed = False
             try:
-                if linger and self._runner is not None:
-                    result = await self._runner.evalsha(script, args, linger)
-                else:
-                    result = await self._invoke(script, args)
+                result = await self._invoke(script, args, linger)
             except (TimeoutError, asyncio.TimeoutError, RedisTimeout, RedisConnectionError, resp.RespConnectionError):
                 # One retry: a busy event loop can miss a short deadline although Redis answered, and a
                 # pooled connection to a Redis that restarted fails once before the pool reconnects.
                 # Every script is idempotent by request id, so a call that did run is not counted twice.
-                result = await self._invoke(script, args)
+                result = await self._invoke(script, args, 0.0)  # the retry goes at once
         except Exception as exc:  # connection refused, timeout, server error
             self.breaker.failure()
             log.warning("quota store call failed: %s", type(exc).__name__)

@@ -128,30 +128,23 @@ _PG_USAGE_COLUMNS = (
 _PG_LATENCY_COLUMNS = (("hour", "timestamptz"), ("model", "text"), ("metric", "text"), ("bucket", "int2"), ("count", "int8"))
 
 
-async def add_to_aggregates_pg(driver: Any, records: Sequence[UsageRecord]) -> None:
-    """The same on an asyncpg connection, inside the caller's transaction: one statement per table,
-    straight through asyncpg (SQLAlchemy's executemany path cost more CPU than the rest of writing
-    a batch, docs/performance.md)."""
-    if not records:
-        return
-    usage_rows, latency_rows = deltas(records)
-    for table, columns, keys, rows in (
-        (HOURLY, _PG_USAGE_COLUMNS, ("hour", "account_id", "key_id", "model"), usage_rows),
-        (LATENCY, _PG_LATENCY_COLUMNS, ("hour", "model", "metric", "bucket"), latency_rows),
-    ):
-        if rows:
-            await driver.execute(_pg_upsert_sql(table, columns, keys), *([r[c] for r in rows] for c, _ in columns))
-
-
 async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord]) -> None:
     """Adds newly inserted ledger rows to the aggregates, inside the caller's transaction."""
     if not records:
         return
+    usage_rows, latency_rows = deltas(records)
     dialect = conn.dialect.name
     if dialect == "postgresql" and conn.dialect.driver == "asyncpg":
-        await add_to_aggregates_pg((await conn.get_raw_connection()).driver_connection, records)
+        # Straight through asyncpg, one statement per table: SQLAlchemy's executemany path cost
+        # more CPU than the rest of writing a batch (docs/performance.md).
+        driver = (await conn.get_raw_connection()).driver_connection
+        for table, columns, keys, rows in (
+            (HOURLY, _PG_USAGE_COLUMNS, ("hour", "account_id", "key_id", "model"), usage_rows),
+            (LATENCY, _PG_LATENCY_COLUMNS, ("hour", "model", "metric", "bucket"), latency_rows),
+        ):
+            if rows:
+                await driver.execute(_pg_upsert_sql(table, columns, keys), *([r[c] for r in rows] for c, _ in columns))
         return
-    usage_rows, latency_rows = deltas(records)
     await conn.execute(
         _adding_upsert(dialect, HOURLY, ("hour", "account_id", "key_id", "model"), COUNTS + SUMS), usage_rows
     )

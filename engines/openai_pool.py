@@ -238,9 +238,6 @@ class _Live:
         self.exchange: _Exchange | LeanExchange | None = None
 
 
-DONE_BYTES = DONE.encode()
-
-
 def _is_done(data: str | bytes) -> bool:
     """The `[DONE]` sentinel, whitespace around it allowed."""
     return (data.strip() if isinstance(data, str) else data.strip().decode("latin-1")) == DONE
@@ -545,7 +542,7 @@ class OpenAIPoolEngine(Engine):
                     kind, value = "error", reason
                 if kind == "events" or kind == "data":
                     for data in value if kind == "events" else (value,):
-                        if data == DONE_BYTES or (len(data) < 16 and _is_done(data)):
+                        if len(data) < 16 and _is_done(data):
                             kind = "eof"
                             break
                         chunk = _json_object(data)
@@ -559,32 +556,31 @@ class OpenAIPoolEngine(Engine):
                         for choice in choices or ():
                             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                                 continue
+                            # The usual chunk is one more piece of the answer's text and nothing else:
+                            # taken as it is, without the general merge.
+                            piece = None
                             if choice.get("finish_reason") is None and choice.get("logprobs") is None:
-                                # The usual chunk: one more piece of the answer's text, nothing else.
                                 part = choice.get("delta") if chat else choice
-                                piece = part.get(text_field) if type(part) is dict and (not chat or len(part) == 1) else None
-                                if type(piece) is str and piece and merged.add_piece(text_field, piece):
-                                    completion_estimate += 1
-                                    if first_at is None:
-                                        first_at = time.perf_counter()
-                                    if not collect:
-                                        batch.append(EngineOutput(
-                                            piece, [], None, prompt_estimate, completion_estimate,
-                                            estimated=True, raw_choice=choice if streaming else None,
-                                        ))
+                                if type(part) is dict and (not chat or len(part) == 1):
+                                    piece = part.get(text_field)
+                            if type(piece) is str and piece and merged.add_piece(text_field, piece):
+                                text = piece
+                            else:
+                                merged.add(choice)
+                                if choice.get("finish_reason"):
+                                    finish = choice
                                     continue
-                            merged.add(choice)
-                            if choice.get("finish_reason"):
-                                finish = choice
-                            elif self._carries_output(choice, chat):
-                                completion_estimate += 1  # servers stream about a token a chunk; the final count is exact or counted
-                                if first_at is None:
-                                    first_at = time.perf_counter()
-                                if not collect:
-                                    batch.append(EngineOutput(
-                                        self._text_of(choice, chat), [], None, prompt_estimate, completion_estimate,
-                                        estimated=True, raw_choice=choice if streaming else None,
-                                    ))
+                                if not self._carries_output(choice, chat):
+                                    continue
+                                text = self._text_of(choice, chat)
+                            completion_estimate += 1  # servers stream about a token a chunk; the final count is exact or counted
+                            if first_at is None:
+                                first_at = time.perf_counter()
+                            if not collect:
+                                batch.append(EngineOutput(
+                                    text, [], None, prompt_estimate, completion_estimate,
+                                    estimated=True, raw_choice=choice if streaming else None,
+                                ))
                     else:
                         continue
                 if kind == "cancel":

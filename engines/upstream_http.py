@@ -231,7 +231,7 @@ class LeanExchange:
         self._whole_events = False  # CR line ends: line by line from here on (the decoder keeps state)
         lines = data.split(b"\n")
         self._pending = lines.pop()
-        events = [e for e in map(self._sse.feed, (raw.rstrip(b"\r").decode("utf-8", "replace") for raw in lines)) if e is not None]
+        events = self._feed(lines)
         if events:
             self.queue.put_nowait(("events", events))
 
@@ -239,7 +239,8 @@ class LeanExchange:
         """The complete events of `data` onto the queue as one item; returns the incomplete rest.
         An event that is one `data:` line (what OpenAI, vLLM and trtllm-serve send) is cut out of
         the bytes as it is; anything else (comments, several lines, other fields) goes through the
-        decoder. Between events the decoder holds nothing, so both ways agree."""
+        decoder with the blank line that ended it. Between events the decoder holds nothing, so
+        both ways agree."""
         parts = data.split(b"\n\n")
         rest = parts.pop()
         events: list[bytes | str] = []
@@ -247,33 +248,21 @@ class LeanExchange:
             if part[:5] == b"data:" and b"\n" not in part:
                 events.append(part[6:] if part[5:6] == b" " else part[5:])
             else:
-                events += self._decode_event(part)
+                events += self._feed([*part.split(b"\n"), b""])
         if events:
             self.queue.put_nowait(("events", events))
         return rest
 
-    def _decode_event(self, part: bytes) -> list[str]:
+    def _feed(self, lines: list[bytes]) -> list[str]:
+        """Lines (without their LF; a CR before it dropped) through the decoder: the events they end."""
         feed = self._sse.feed
-        for line in part.split(b"\n"):
-            feed(line.decode("utf-8", "replace"))
-        event = self._sse.flush()
-        return [] if event is None else [event]
+        return [e for e in (feed(line.rstrip(b"\r").decode("utf-8", "replace")) for line in lines) if e is not None]
 
     def on_message_complete(self) -> None:
         conn = self._conn
         keep_alive = bool(conn is not None and conn._parser is not None and conn._parser.should_keep_alive())
         if self._status == 200:
-            events: list[bytes | str] = []
-            if self._pending:
-                if self._whole_events:
-                    events += self._decode_event(self._pending)
-                else:
-                    event = self._sse.feed(self._pending.rstrip(b"\r").decode("utf-8", "replace"))
-                    if event is not None:
-                        events.append(event)
-            tail = self._sse.flush()
-            if tail is not None:
-                events.append(tail)
+            events = self._feed([*self._pending.split(b"\n"), b""])  # the body's end ends its last event
             if events:
                 self.queue.put_nowait(("events", events))
             item: tuple[str, Any] = ("eof", None)
