@@ -115,6 +115,9 @@ class AccountStates:
         self._refresh_seconds = refresh_seconds
         self._delinquent: dict[int, Delinquency] = {}
         self._task: asyncio.Task[None] | None = None
+        # One refresh at a time: a periodic read that began before a webhook's change committed
+        # must not finish after the webhook's own refresh and put the old list back.
+        self._refreshing = asyncio.Lock()
 
     def suspension(self, principal: Principal, now: datetime | None = None) -> str | None:
         """Why this key's account is suspended (naming its unpaid invoices), or None."""
@@ -128,6 +131,10 @@ class AccountStates:
         )
 
     async def refresh(self) -> None:
+        async with self._refreshing:
+            await self._load()
+
+    async def _load(self) -> None:
         async with self._db.connect() as conn:
             rows = (
                 await conn.execute(
