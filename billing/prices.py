@@ -226,6 +226,9 @@ def _override(row: Any) -> OverrideVersion:
     )
 
 
+_FOREVER = datetime.max.replace(tzinfo=timezone.utc)
+
+
 def _in_force(versions: list[Any] | None, when: datetime) -> Any:
     if not versions:
         return None
@@ -254,6 +257,9 @@ class PriceBook:
         self._loading: asyncio.Future[None] | None = None
         self._by_model: dict[str, list[PriceVersion]] = {}
         self._overrides: dict[tuple[int, str], list[OverrideVersion]] = {}
+        # (account, model) -> (what it pays now, the next instant a version of its takes effect):
+        # one EffectivePrice per pair until then or the next reload, not one per request.
+        self._current: dict[tuple[int, str], tuple[EffectivePrice | None, datetime]] = {}
 
     async def refresh(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._loaded_at < self._refresh_seconds:
@@ -286,6 +292,7 @@ class PriceBook:
             overrides.setdefault((row.account_id, row.model), []).append(_override(row))
         self._by_model = by_model
         self._overrides = overrides
+        self._current = {}
         self._loaded_at = time.monotonic()
 
     def price_at(self, model: str, when: datetime) -> PriceVersion | None:
@@ -331,8 +338,29 @@ class PriceBook:
         return sorted(self._by_model)
 
     async def current_for(self, account_id: int, model: str) -> EffectivePrice | None:
-        await self.refresh()
-        return self.price_for(account_id, model, utcnow())
+        if time.monotonic() - self._loaded_at >= self._refresh_seconds:
+            await self.refresh()
+        now = _aware(utcnow())
+        pair = (account_id, model)
+        hit = self._current.get(pair)
+        if hit is not None and now < hit[1]:
+            return hit[0]
+        price = self.price_for(account_id, model, now)
+        self._current[pair] = (price, self._next_change(account_id, model, now))
+        return price
+
+    def _next_change(self, account_id: int, model: str, now: datetime) -> datetime:
+        """The first instant after `now` at which a version that can price (account, model) takes
+        effect: its base price, its override for the model, its "*" multiplier."""
+        upcoming = [_FOREVER]
+        for versions in (self._by_model.get(model), self._overrides.get((account_id, model)),
+                         self._overrides.get((account_id, ANY_MODEL))):
+            if versions:
+                starts = [v.effective_from for v in versions]
+                i = bisect.bisect_right(starts, now)
+                if i < len(starts):
+                    upcoming.append(starts[i])
+        return min(upcoming)
 
     async def overrides(self, account_id: int) -> list[OverrideVersion]:
         await self.refresh(force=True)

@@ -115,7 +115,16 @@ def minute_of(now: float) -> int:
 
 
 def month_of(now: float) -> str:
-    return time.strftime("%Y%m", time.gmtime(now))
+    minute = int(now // 60)
+    last = _last_month
+    if last[0] == minute:  # every request asks; the month changes at most once a minute
+        return last[1]
+    month = time.strftime("%Y%m", time.gmtime(now))
+    _last_month[:] = [minute, month]
+    return month
+
+
+_last_month: list[Any] = [None, ""]
 
 
 def month_start(now: float) -> datetime:

@@ -330,7 +330,11 @@ async def test_price_override_api(db_url: str, db: Any, tmp_path: Path) -> None:
             assert (await admin.get(f"/admin/accounts/{account}/billing")).json()["state"] == "active"
     # The price book answers the same as the API: what the account pays now, and in the future.
     await book.refresh(force=True)
-    now_price = book.price_for(account, "alpha", at(12, 1))
+    # "Now" is the clock's now: the multiplier took effect when it was posted (a fixed date here
+    # would be before it on the day of that date).
+    from billing.models import utcnow
+
+    now_price = book.price_for(account, "alpha", utcnow())
     assert now_price is not None and now_price.cost_nanos(1_000, 1_000) == 1_000 * 180 + 1_000 * 720
     later = book.price_for(account, "beta", at(1, 2, year=2030))
     assert later is not None and (later.input_per_million, later.override.kind) == (Decimal("0.5"), "price")  # type: ignore[union-attr]

@@ -106,3 +106,40 @@ async def test_requests_that_find_the_price_book_stale_share_one_read(db: Any) -
     await asyncio.sleep(0.25)  # stale again: 64 callers, one read
     await asyncio.gather(*(book.current_for(1, "m") for _ in range(64)))
     assert book.reads - before <= 2
+
+
+async def test_a_price_read_per_request_changes_at_the_instant_a_scheduled_version_takes_effect(db: Any) -> None:
+    """`current_for` keeps one EffectivePrice per (account, model) between reloads, but never past
+    the next instant a base price, the account's override or its "*" multiplier takes effect."""
+    from datetime import timedelta
+
+    from billing.keys import KeyStore
+    from billing.models import utcnow
+    from billing.prices import PriceBook
+
+    store = KeyStore(db, SECRET)
+    account = (await store.create_account("scheduled-prices"))["id"]
+    other = (await store.create_account("scheduled-prices-other"))["id"]
+    book = PriceBook(db, refresh_seconds=3600.0)  # no reload during the test: only the schedule moves prices
+    await book.add("m", "1.000", "2.000")
+    base_at = utcnow() + timedelta(seconds=0.6)
+    await book.add("m", "3.000", "4.000", effective_from=base_at)
+    multiplier_at = utcnow() + timedelta(seconds=1.2)
+    await book.add_override(account, "*", multiplier="0.5", effective_from=multiplier_at)
+
+    first = await book.current_for(account, "m")
+    assert (str(first.input_per_million), str(first.output_per_million)) == ("1.000", "2.000")
+    assert await book.current_for(account, "m") is first  # kept between requests
+    assert first.cost_nanos(1000, 1000) == 3_000_000  # 0.003 USD in nano-units
+
+    while utcnow() < base_at:
+        await asyncio.sleep(0.02)
+    second = await book.current_for(account, "m")
+    assert (str(second.input_per_million), str(second.output_per_million)) == ("3.000", "4.000")
+    assert str((await book.current_for(other, "m")).input_per_million) == "3.000"
+
+    while utcnow() < multiplier_at:
+        await asyncio.sleep(0.02)
+    third = await book.current_for(account, "m")
+    assert third.cost_nanos(1000, 1000) == 3_500_000  # (3.000 + 4.000) per million x 0.5
+    assert str((await book.current_for(other, "m")).input_per_million) == "3.000"  # only the account's multiplier
