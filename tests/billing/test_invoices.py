@@ -275,7 +275,8 @@ async def test_admin_and_customer_api_json_html_pdf(db_url: str, db: Any, tmp_pa
             assert inv_a["number"] in text and "Total: $0.89 USD" in text and "2,525,000" in text
 
             # bad input: OpenAI-shaped errors with the right status, never 500
-            for body, code in (({"period": "2026-13"}, "invalid_value"), ({"period": "2026-12"}, "period_not_ended"),
+            this_month = time.strftime("%Y-%m", time.gmtime())  # the clock's month has not ended, whenever this runs
+            for body, code in (({"period": "2026-13"}, "invalid_value"), ({"period": this_month}, "period_not_ended"),
                                ({"period": 202609}, "invalid_value"), ({}, "missing_required_parameter")):
                 r = await admin.post("/admin/invoices/close", json=body)
                 assert r.status_code == 400 and r.json()["error"]["code"] == code, (body, r.text)
