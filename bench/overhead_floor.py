@@ -25,6 +25,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,12 +35,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import REDIS, free_port, mock_upstream, process, wait_http  # noqa: E402
-from bench.overhead import LIMITS, drive, tollgate_as_in_production  # noqa: E402
+from bench.harness import REDIS, delete_redis_keys, free_port, mock_upstream, process, wait_http  # noqa: E402
+from bench.overhead import LIMITS, drive, gateway_root, listening_pid, tollgate_as_in_production, tree_cpu_seconds  # noqa: E402
 
 PREFIX_ENV = "FLOOR_REDIS_PREFIX"
 
@@ -104,7 +103,7 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
         req = orjson.loads(await read_body(receive))
         prompt = len(counter.encode_chat(req["messages"]))
         max_tokens = req.get("max_tokens") or 256
-        rid = uuid.uuid4().hex
+        rid = "floor-" + uuid.uuid4().hex  # its ledger rows are told apart by this prefix
         now = time.time()
         scopes = state["scopes"]
         minute, month = minute_of(now), month_of(now)
@@ -190,24 +189,34 @@ def serve(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- the comparison
 
-def process_cpu(pid: int) -> float:
-    proc = psutil.Process(pid)
-    return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
-
-
-def server_pid(port: int) -> int:
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-            return conn.pid
-    raise RuntimeError(f"no process listens on {port}")
-
-
 def measure(base: str, key: str, seconds: int) -> dict[str, Any]:
-    pid = server_pid(int(base.rsplit(":", 1)[1]))
-    before = process_cpu(pid)
+    root = gateway_root(listening_pid(int(base.rsplit(":", 1)[1])))
+    before = tree_cpu_seconds(root)
     result = drive(base, key, False, 1, seconds)
-    result["cpu_us"] = (process_cpu(pid) - before) * 1e6 / max(1, result["requests"])
+    result["cpu_us"] = (tree_cpu_seconds(root) - before) * 1e6 / max(1, result["requests"])
     return result
+
+
+def floor_rows(database_url: str, timeout: float = 60.0) -> int:
+    """The floor's completed ledger rows once its writer has flushed (the same count twice, a second apart)."""
+    import asyncpg
+
+    async def count() -> int:
+        conn = await asyncpg.connect(database_url)
+        try:
+            return int(await conn.fetchval(
+                "SELECT count(*) FROM ledger_entries WHERE request_id LIKE 'floor-%' AND status = 'completed'"))
+        finally:
+            await conn.close()
+
+    deadline, last = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        now = asyncio.run(count())
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.0)
+    return last
 
 
 def main() -> None:
@@ -229,19 +238,20 @@ def main() -> None:
         upstream = stack.enter_context(mock_upstream())
         db, tollgate, key = tollgate_as_in_production(stack, upstream, {})
         prefix = f"tgbench:f:{uuid.uuid4().hex[:6]}:"
-        from bench.harness import delete_redis_keys
-
         stack.callback(delete_redis_keys, prefix)
         port = free_port()
         data_dir = tempfile.mkdtemp(prefix="tollgate-floor-")
+        stack.callback(shutil.rmtree, data_dir, ignore_errors=True)  # after the floor server has stopped
         cmd = [sys.executable, __file__, "--serve", str(port), "--upstream", upstream, "--database-url", db, "--key", key,
                "--data-dir", data_dir]
         proc = stack.enter_context(process(cmd, dict(os.environ, **{PREFIX_ENV: prefix}), Path(data_dir) / "floor.log"))
         floor = f"http://127.0.0.1:{port}"
         wait_http(f"{floor}/health", proc)
         targets = {"floor": floor, "tollgate": tollgate}
-        for base in targets.values():
-            drive(base, key, False, 1, 1)  # warm-up
+        floor_2xx = 0
+        for name, base in targets.items():
+            warm = drive(base, key, False, 1, 1)  # warm-up
+            floor_2xx += warm["ok"] if name == "floor" else 0
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         for r in range(args.rounds):
             order = list(targets) if r % 2 == 0 else list(reversed(targets))
@@ -250,6 +260,7 @@ def main() -> None:
                 if res["non2xx"] or res["socket_errors"]:
                     raise SystemExit(f"{name}: {res['non2xx']} non-2xx, {res['socket_errors']} socket errors")
                 runs[name].append(res)
+                floor_2xx += res["ok"] if name == "floor" else 0
                 print(f"round {r + 1} {name:8}: {res['rps']:7.0f} req/s  p50 {res['p50_ms']:5.2f} ms  cpu {res['cpu_us']:6.0f} us/req",
                       flush=True)
         summary = {name: {k: statistics.median(x[k] for x in rs) for k in ("rps", "p50_ms", "p99_ms", "cpu_us")} for name, rs in runs.items()}
@@ -258,10 +269,18 @@ def main() -> None:
             print(f"  {name:8}  {s['rps']:7.0f} req/s  p50 {s['p50_ms']:5.2f} ms  p99 {s['p99_ms']:5.2f} ms  cpu {s['cpu_us']:6.0f} us/req")
         ratio = summary["tollgate"]["cpu_us"] / summary["floor"]["cpu_us"]
         print(f"  Tollgate CPU per request / floor: x{ratio:.2f}  (layers: {summary['tollgate']['cpu_us'] - summary['floor']['cpu_us']:.0f} us/req)")
+        # The floor did the work it stands for: every answer it gave has its completed ledger row (wrk
+        # stops with at most one request in flight per run, which is metered too).
+        rows = floor_rows(db)
+        ledger_ok = floor_2xx <= rows <= floor_2xx + 1 + args.rounds
+        print(f"  floor ledger: {floor_2xx} 2xx, {rows} completed rows: {'PASS' if ledger_ok else 'FAIL'}")
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rounds": runs, "medians": summary, "cpu_ratio": ratio}, indent=2))
+        out.write_text(json.dumps({"rounds": runs, "medians": summary, "cpu_ratio": ratio,
+                                   "floor_ledger": {"ok_2xx": floor_2xx, "rows": rows, "pass": ledger_ok}}, indent=2))
         print(f"wrote {out}")
+        if not ledger_ok:
+            raise SystemExit("the floor's ledger rows do not match its answers")
 
 
 if __name__ == "__main__":
