@@ -2,8 +2,8 @@
 
 The floor server (`--serve`, started by this script in its own process) does, per request, the work
 a metered non-streaming chat completion cannot do without, with the project's own parts and none of
-the request path's layers: uvicorn (httptools, uvloop), the JSON body parsed, the key's hash looked
-up, the prompt counted with tiktoken, the quota reserved with the limiter's own Redis script through
+the request path's layers: uvicorn (httptools, uvloop), the JSON body parsed, the key's HMAC
+computed (billing.keys.hash_key) and compared, the prompt counted with tiktoken, the quota reserved with the limiter's own Redis script through
 billing.resp (one round trip), the admission journaled, the upstream asked through the lean client
 (engines.upstream_http: streamed, 16 chunks and usage, every event parsed), the body rendered and
 sent, the final row journaled and queued to the real LedgerWriter (Postgres batches), the quota
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import shutil
@@ -52,6 +51,7 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
     from billing import resp
     from billing.db import create_engine
     from billing.journal import LedgerJournal
+    from billing.keys import hash_key
     from billing.limits import Limits
     from billing.ledger import LedgerWriter, UsageRecord
     from billing.quota import RESERVE_LUA, SETTLE_LUA, RedisLimiter, LedgerTotals, Scope, minute_of, month_of
@@ -59,7 +59,9 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
     from engines.upstream_http import UpstreamPool
 
     state: dict[str, Any] = {}
-    key_hash = hashlib.sha256(key.encode()).hexdigest()
+    settling: set[asyncio.Task[Any]] = set()  # settlements in flight, held until done (as the gateway holds them)
+    secret = uuid.uuid4().bytes
+    key_hash = hash_key(secret, key)
     counter = TokenCounter("cl100k_base")  # offline, as the openai backend counts
     counter.load()
     url = upstream.rstrip("/") + "/chat/completions"
@@ -97,7 +99,7 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
     async def complete(scope: dict[str, Any], receive: Any, send: Any) -> None:
         started = time.perf_counter()
         auth = dict(scope["headers"]).get(b"authorization", b"")
-        if hashlib.sha256(auth[7:]).hexdigest() != key_hash:
+        if hash_key(secret, auth[7:].decode("latin-1")) != key_hash:
             await respond(send, 401, b'{"error":{"message":"bad key"}}')
             return
         req = orjson.loads(await read_body(receive))
@@ -157,7 +159,9 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
         state["ledger"].record(record)
         settle_args = [prefix, rid, month, record.prompt_tokens + record.completion_tokens, 0, len(scopes),
                        *[s.name for s in scopes], 900]
-        asyncio.get_running_loop().create_task(state["runner"].evalsha(settle, settle_args, 0.002))
+        task = asyncio.get_running_loop().create_task(state["runner"].evalsha(settle, settle_args, 0.002))
+        settling.add(task)
+        task.add_done_callback(settling.discard)
         await respond(send, 200, body)
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:

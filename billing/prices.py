@@ -230,10 +230,16 @@ _FOREVER = datetime.max.replace(tzinfo=timezone.utc)
 
 
 def _in_force(versions: list[Any] | None, when: datetime) -> Any:
+    return _around(versions, when)[0]
+
+
+def _around(versions: list[Any] | None, when: datetime) -> tuple[Any, datetime]:
+    """(the version in force at `when`, or None; the instant the next one takes effect, or _FOREVER)."""
     if not versions:
-        return None
-    i = bisect.bisect_right([v.effective_from for v in versions], _aware(when))
-    return versions[i - 1] if i else None
+        return None, _FOREVER
+    starts = [v.effective_from for v in versions]
+    i = bisect.bisect_right(starts, _aware(when))
+    return (versions[i - 1] if i else None), (starts[i] if i < len(starts) else _FOREVER)
 
 
 def _version(row: Any) -> PriceVersion:
@@ -340,7 +346,7 @@ class PriceBook:
     async def current_for(self, account_id: int, model: str) -> EffectivePrice | None:
         if time.monotonic() - self._loaded_at >= self._refresh_seconds:
             await self.refresh()
-        now = _aware(utcnow())
+        now = utcnow()
         pair = (account_id, model)
         hit = self._current.get(pair)
         if hit is not None and now < hit[1]:
@@ -352,15 +358,8 @@ class PriceBook:
     def _next_change(self, account_id: int, model: str, now: datetime) -> datetime:
         """The first instant after `now` at which a version that can price (account, model) takes
         effect: its base price, its override for the model, its "*" multiplier."""
-        upcoming = [_FOREVER]
-        for versions in (self._by_model.get(model), self._overrides.get((account_id, model)),
-                         self._overrides.get((account_id, ANY_MODEL))):
-            if versions:
-                starts = [v.effective_from for v in versions]
-                i = bisect.bisect_right(starts, now)
-                if i < len(starts):
-                    upcoming.append(starts[i])
-        return min(upcoming)
+        return min(_around(versions, now)[1] for versions in (
+            self._by_model.get(model), self._overrides.get((account_id, model)), self._overrides.get((account_id, ANY_MODEL))))
 
     async def overrides(self, account_id: int) -> list[OverrideVersion]:
         await self.refresh(force=True)

@@ -115,16 +115,12 @@ def minute_of(now: float) -> int:
 
 
 def month_of(now: float) -> str:
-    minute = int(now // 60)
-    last = _last_month
-    if last[0] == minute:  # every request asks; the month changes at most once a minute
-        return last[1]
-    month = time.strftime("%Y%m", time.gmtime(now))
-    _last_month[:] = [minute, month]
-    return month
+    return _month_of_minute(int(now // 60))  # every request asks; the month changes on a minute's boundary
 
 
-_last_month: list[Any] = [None, ""]
+@functools.lru_cache(maxsize=4)
+def _month_of_minute(minute: int) -> str:
+    return time.strftime("%Y%m", time.gmtime(minute * 60))
 
 
 def month_start(now: float) -> datetime:

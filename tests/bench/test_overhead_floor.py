@@ -28,5 +28,4 @@ def test_the_floor_server_does_the_work_and_the_comparison_runs(tmp_path: Path) 
     for name in ("floor", "tollgate"):
         (result,) = report["rounds"][name]
         assert result["ok"] > 0 and result["non2xx"] == 0 and result["cpu_us"] > 0
-    assert report["cpu_ratio"] == report["medians"]["tollgate"]["cpu_us"] / report["medians"]["floor"]["cpu_us"]
     assert "Tollgate CPU per request / floor" in run.stdout
