@@ -51,6 +51,17 @@ def run_coro(coro: Any) -> Any:
     return box.get("value")
 
 
+def seconds_to_room_in_minute(room: float) -> float:
+    """How long to wait until the clock's minute has `room` seconds left: per-minute limits count in
+    fixed windows (billing.quota.minute_of), so a test that expects a refusal must not straddle a boundary."""
+    left = 60.0 - time.time() % 60.0
+    return 0.0 if left >= room else left + 0.05
+
+
+async def minute_with_room(room: float = 20.0) -> None:
+    await asyncio.sleep(seconds_to_room_in_minute(room))
+
+
 def pg_url(db: str) -> str:
     return f"postgresql://{PG_USER}@{PG_HOST}:{PG_PORT}/{db}"
 

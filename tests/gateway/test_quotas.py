@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from billing.db import create_engine
 from billing.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
-from tests.conftest import MODEL, REDIS_URL, Gateway
+from tests.conftest import MODEL, REDIS_URL, Gateway, minute_with_room
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
 
@@ -159,6 +159,7 @@ async def test_max_concurrent_holds_and_disconnect_releases(gw: Gateway, client_
 async def test_rpm_limit_and_ratelimit_headers(gw: Gateway, customer: dict[str, Any] | None = None) -> None:
     key = await gw.new_key()
     await set_limits(gw, f"/admin/keys/{key['id']}", {"rpm": 2, "tpm": 100_000})
+    await minute_with_room(20)  # the three requests in one minute's window
     async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key['key']}"}, timeout=60) as c:
         body = {"model": MODEL, "messages": PROMPT, "max_tokens": 2}
         first = await c.post("/chat/completions", json=body)
