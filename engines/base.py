@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,15 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
 
+    # True when `complete()` is native: the final output of a one-body (non-streamed) request as one
+    # coroutine, without a generator per layer. The gateway uses it for clients that want one body.
+    completes: bool = False
+
+    async def complete(self, request: EngineRequest) -> EngineOutput:
+        """The request's final output, the outputs before it carried in its `before` (the same
+        outputs `stream()` yields, in one object). This default reads `stream()` to its end."""
+        return await collect(self.stream(request))
+
     @abc.abstractmethod
     def cancel(self, request_id: str) -> None:
         """Stops a running request: its stream ends with finish reason `cancelled`."""
@@ -165,3 +175,24 @@ class Engine(abc.ABC):
         """Why the engine would turn this request away now, or None. Asked before the quota is
         reserved, so a refusal costs the client nothing."""
         return None if self.has_capacity() else EngineOverloadedError("The engine is at capacity; retry shortly.")
+
+
+async def collect(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:
+    """A stream's outputs as one: its last, with the ones before it (and theirs) in `before`."""
+    earlier: list[EngineOutput] = []
+    last: EngineOutput | None = None
+    async with aclosing(outputs) as it:  # type: ignore[type-var]
+        async for out in it:  # read to its end: every layer below finishes by itself
+            if last is not None:
+                if last.finished:
+                    continue  # nothing after the final output counts
+                earlier.append(last)
+            if out.before:
+                earlier.extend(out.before)
+                out.before = None
+            last = out
+    if last is None:
+        raise EngineError("the engine ended the request without an output")
+    if earlier:
+        last.before = earlier
+    return last

@@ -212,6 +212,54 @@ class FallbackEngine(Engine):
             return engine.encode_text(prompt)
         return None
 
+    @property
+    def completes(self) -> bool:  # type: ignore[override]
+        return all(c.completes for c in self.candidates)
+
+    async def complete(self, request: EngineRequest) -> EngineOutput:
+        """`stream()` for a one-body answer: the same order of candidates and the same reasons to
+        move on, each candidate asked with its own `complete()`."""
+        rid = request.request_id
+        reasons: list[str] = []
+        busy_only = True
+        self._routes[rid] = None
+        try:
+            for engine in self.candidates:
+                if rid in self._cancelled:
+                    return EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or []), 0)
+                if not self._available(engine):
+                    continue
+                sub = self.request_for(engine, request)
+                if sub is None:
+                    continue
+                self._routes[rid] = engine
+                try:
+                    out = await engine.complete(sub)
+                except EngineRequestRejected:
+                    raise
+                except EngineError as exc:
+                    self._routes[rid] = None
+                    busy_only = busy_only and isinstance(exc, EngineOverloadedError)
+                    reasons.append(f"{engine.model_id}: {exc or type(exc).__name__}")
+                    continue
+                if out.finish_reason == FINISH_ERROR and not out.before:  # failed before any output
+                    self._routes[rid] = None
+                    busy_only = False
+                    reasons.append(f"{engine.model_id}: {out.error}")
+                    continue
+                if engine is not self.primary:
+                    log.warning("model %s served by fallback %s (%s)", self.model_id, engine.model_id, "; ".join(reasons) or "unavailable")
+                return out
+        finally:
+            self._routes.pop(rid, None)
+            self._cancelled.discard(rid)
+        raise self._exhausted(reasons, busy_only)
+
+    def _exhausted(self, reasons: list[str], busy_only: bool) -> EngineError:
+        if not reasons or busy_only:
+            return EngineOverloadedError(f"no engine of {self.model_id} can take a request now")
+        return EngineError(f"every engine of {self.model_id} failed: {reasons[-1]}")
+
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         rid = request.request_id
         reasons: list[str] = []
@@ -259,6 +307,4 @@ class FallbackEngine(Engine):
         finally:
             self._routes.pop(rid, None)
             self._cancelled.discard(rid)
-        if not reasons or busy_only:
-            raise EngineOverloadedError(f"no engine of {self.model_id} can take a request now")
-        raise EngineError(f"every engine of {self.model_id} failed: {reasons[-1]}")
+        raise self._exhausted(reasons, busy_only)

@@ -35,6 +35,7 @@ from engines.base import (
     EngineOverloadedError,
     EngineRequest,
     EngineRequestRejected,
+    collect,
 )
 from engines.openai_stream import (
     DONE,
@@ -268,6 +269,7 @@ def upstream_error_message(raw: bytes) -> tuple[str, str | None, str | None]:
 class OpenAIPoolEngine(Engine):
     owned_by = "tollgate-openai"
     passthrough = True
+    completes = True
 
     def __init__(
         self,
@@ -485,11 +487,41 @@ class OpenAIPoolEngine(Engine):
                     return
                 except _Retryable as failure:
                     failures.append(failure)
-            if not failures or all(f.busy for f in failures):
-                raise EngineOverloadedError(f"every replica of {self.model_id} is busy or ejected")
-            raise EngineError(f"no replica could serve the request: {failures[-1]}")
+            raise self._unserved(failures)
         finally:
             self._live.pop(request.request_id, None)
+
+    async def complete(self, request: EngineRequest) -> EngineOutput:
+        """`stream()` for a client that wants one body: the same tries, retries and outputs, as one
+        coroutine. A relayed non-streaming request is collected inside the attempt (its only output
+        is the final one)."""
+        if request.extra is None or request.extra.get("stream"):
+            return await collect(self.stream(request))
+        if self._client is None:
+            raise EngineError("engine is not running")
+        chat = "messages" in request.extra
+        body = orjson.dumps(self.upstream_body(request, chat))
+        live = self._live[request.request_id] = _Live()
+        tried: list[Replica] = []
+        failures: list[_Retryable] = []
+        try:
+            for _ in range(1 + self.retries):
+                replica = self.pool.pick(exclude=tried)
+                if replica is None:
+                    break
+                tried.append(replica)
+                try:
+                    return await collect(self._attempt(replica, body, request, chat, live))
+                except _Retryable as failure:
+                    failures.append(failure)
+            raise self._unserved(failures)
+        finally:
+            self._live.pop(request.request_id, None)
+
+    def _unserved(self, failures: list[_Retryable]) -> EngineError:
+        if not failures or all(f.busy for f in failures):
+            return EngineOverloadedError(f"every replica of {self.model_id} is busy or ejected")
+        return EngineError(f"no replica could serve the request: {failures[-1]}")
 
     async def _attempt(
         self, replica: Replica, body: bytes, request: EngineRequest, chat: bool, live: _Live

@@ -350,6 +350,38 @@ class ScheduledEngine(Engine):
                 self._ending -= 1
                 self._dispatch()  # a handed-off slot: an engine with a hard limit (a pool) has room only now
 
+    @property
+    def completes(self) -> bool:  # type: ignore[override]
+        return self.inner.completes
+
+    async def complete(self, request: EngineRequest) -> EngineOutput:
+        """`stream()` for a one-body answer: the same admission, queue and release around the inner
+        engine's `complete()`, as one coroutine."""
+        if self._held.pop(request.request_id, None) is None:  # not admitted here beforehand
+            refused = self._check(request)
+            if refused is not None:
+                raise refused
+        ticket = self._enqueue(request)
+        if ticket.granted is None:
+            run = True
+        else:
+            try:
+                run = await ticket.granted
+            except BaseException:  # the caller went away while the request waited
+                self._leave(ticket)
+                raise
+        queue_ms = ((ticket.dispatched if run else self._clock()) - ticket.enqueued) * 1000.0  # type: ignore[operator]
+        if not run:  # dropped while waiting: the engine never saw it
+            return EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or ()), 0, queue_ms=queue_ms)
+        last: EngineOutput | None = None
+        try:
+            last = await self.inner.complete(request)
+            last.queue_ms = queue_ms + (last.queue_ms or 0.0)
+            return last
+        finally:
+            if ticket.state == "running":
+                self._release(ticket, last)
+
     def cancel(self, request_id: str) -> None:
         self._held.pop(request_id, None)
         ticket = self._tickets.get(request_id)

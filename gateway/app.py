@@ -38,7 +38,7 @@ from gateway.logs import RequestContext, request_id_of
 from gateway.metrics import Metrics, metrics_endpoint
 from gateway.openapi import openapi_document
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
-from gateway.responses import GenerationResponse
+from gateway.responses import CompletedResponse, GenerationResponse
 from gateway.serving import CompletionService
 from gateway.sessions import SessionStore
 from gateway.usage_api import get_usage
@@ -191,6 +191,8 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     await _admit(service, gen)
     # Admitted from here on: the metered stream settles the quota and writes the ledger row.
     headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    if not gen.stream and gen.engine.completes and not response_cache.records(request):
+        return CompletedResponse(gen, service, headers)  # one body from a chain that answers as one coroutine
     return GenerationResponse(gen, response_cache.recording(request, gen, service.metered(gen)), headers)  # issue 10
 
 

@@ -264,6 +264,11 @@ def _record_hit(state: Any, gen: Generation, delivered: bool, nanos: int) -> Non
     state.ledger.record(record)
 
 
+def records(request: Request) -> bool:
+    """Whether this request's completion is to be stored (a cacheable miss)."""
+    return getattr(request.state, _STATE_KEY, None) is not None and getattr(request.app.state, "response_cache", None) is not None
+
+
 def recording(request: Request, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
     """The metered stream, storing its completion when this request was a cacheable miss."""
     key = getattr(request.state, _STATE_KEY, None)

@@ -179,20 +179,25 @@ class GenerationResponse:
         await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
 
     async def _send_body(self, send: Send) -> None:
-        pieces: list[str] = []
-        raw_choice: dict[str, Any] | None = None
+        outputs: list[EngineOutput] = []
         try:
             async for out in self.outputs:
-                for part in out.before or ():
-                    pieces.append(part.text)
-                    raw_choice = part.raw_choice or raw_choice
-                pieces.append(out.text)
-                raw_choice = out.raw_choice or raw_choice
+                outputs += out.before or ()
+                outputs.append(out)
                 if out.finished:
                     break
         except Exception as exc:
             await self._send_error(send, _error_for(exc))
             return
+        await self._send_outputs(send, outputs)
+
+    async def _send_outputs(self, send: Send, outputs: list[EngineOutput]) -> None:
+        """One JSON body from the outputs of a finished generation (or its error)."""
+        pieces: list[str] = []
+        raw_choice: dict[str, Any] | None = None
+        for out in outputs:
+            pieces.append(out.text)
+            raw_choice = out.raw_choice or raw_choice
         if self.gen.finish_reason == FINISH_CANCELLED or self.gen.cancel_requested:
             return  # nobody is listening
         if self.gen.finish_reason == FINISH_ERROR:
@@ -206,3 +211,29 @@ class GenerationResponse:
         headers = self._headers(b"application/json") + [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
         await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": orjson.dumps(err.body()), "more_body": False})
+
+
+class CompletedResponse(GenerationResponse):
+    """A one-body answer through `CompletionService.complete()`: the engine chain answers with one
+    coroutine (engines that complete natively) instead of a stream of outputs through a generator per
+    layer. The same watcher, errors and body as `GenerationResponse` for a non-streaming request."""
+
+    def __init__(self, gen: Generation, service: Any, headers: dict[str, str]) -> None:
+        self.gen = gen
+        self.service = service
+        self.headers = headers
+        self.render = ChunkRenderer(gen)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        try:
+            try:
+                final = await self.service.complete(self.gen)  # the ledger row is written when this returns
+            except Exception as exc:
+                await self._send_error(send, _error_for(exc))
+                return
+            await self._send_outputs(send, [*final.before, final] if final.before else [final])
+        except OSError:
+            self.gen.cancel()  # the client went away while we wrote to it
+        finally:
+            watcher.cancel()

@@ -3,6 +3,7 @@
     prepare()  -> model, key permissions, prompt tokens, context and capacity checks
     admit()    -> quota reservation of the worst case (one atomic step)
     metered()  -> the engine stream; its `finally` settles the quota and writes the one ledger row
+    complete() -> the same for a one-body answer from an engine that completes natively (one coroutine)
 """
 
 from __future__ import annotations
@@ -266,6 +267,27 @@ class CompletionService:
             self.ledger.record(self.usage_record(gen, status or final_status(gen)))
         if last is not None:
             yield last
+
+    async def complete(self, gen: Generation) -> EngineOutput:
+        """`metered()` for a client that wants one body, through the engine's native `complete()`:
+        the final output (earlier ones in its `before`); whatever happens, the ledger gets this
+        request's one row before the caller sees the result."""
+        status: str | None = None
+        try:
+            out = await gen.engine.complete(gen.engine_request)
+            self._observe(gen, out)
+            return out
+        except EngineError as exc:
+            status = "error"
+            gen.error = str(exc) or type(exc).__name__
+            raise
+        except Exception as exc:
+            status = "error"
+            gen.error = type(exc).__name__
+            raise
+        finally:
+            self._settle(gen)
+            self.ledger.record(self.usage_record(gen, status or final_status(gen)))
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
         if gen.ttft_ms is None:

@@ -81,7 +81,22 @@ def chat_request(engine: Engine, rid: str = "r1", max_tokens: int = 50) -> Engin
     return EngineRequest(rid, max_tokens, SamplingParams(temperature=0.0), prompt_token_ids=engine.encode_chat(QUESTION), extra=body)
 
 
+VIA = {"way": "stream"}
+
+
+@pytest.fixture(autouse=True, params=["stream", "complete"])
+def via(request: pytest.FixtureRequest) -> Any:
+    """Every test asks the chain through `stream()` and again through `complete()` (the one-body
+    coroutine): the same candidates tried, the same reasons to move on, the same outputs."""
+    VIA["way"] = request.param
+    yield request.param
+    VIA["way"] = "stream"
+
+
 async def drain(engine: Engine, request: EngineRequest) -> list[EngineOutput]:
+    if VIA["way"] == "complete":
+        out = await engine.complete(request)
+        return [*(out.before or ()), out]
     return [o async for o in engine.stream(request)]
 
 

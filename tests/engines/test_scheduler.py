@@ -78,7 +78,22 @@ def req(rid: str, account: int | None, *, prompt: int = 10, max_tokens: int = 10
     return EngineRequest(request_id=rid, max_tokens=max_tokens, prompt_token_ids=[1] * prompt, account_id=account, priority=priority)
 
 
+VIA = {"way": "stream"}
+
+
+@pytest.fixture(autouse=True, params=["stream", "complete"])
+def via(request: pytest.FixtureRequest) -> Any:
+    """Every test runs the requests through `stream()` and again through `complete()` (the one-body
+    coroutine the gateway uses for engines that complete natively): the same queue, order and release."""
+    VIA["way"] = request.param
+    yield request.param
+    VIA["way"] = "stream"
+
+
 async def consume(engine: Engine, request: EngineRequest) -> list[EngineOutput]:
+    if VIA["way"] == "complete":
+        out = await engine.complete(request)
+        return [*(out.before or ()), out]
     return [out async for out in engine.stream(request)]
 
 
@@ -357,7 +372,8 @@ class SteppedEngine(GatedEngine):
             yield EngineOutput("x", [7], FINISH_STOP if n == request.max_tokens else None, 3, n)
 
 
-async def test_a_request_in_its_last_step_hands_its_slot_on() -> None:
+@pytest.mark.parametrize("via", ["stream"])  # the hand-off watches a stream's outputs; complete() has only the final one
+async def test_a_request_in_its_last_step_hands_its_slot_on(via: str) -> None:
     inner = SteppedEngine()
     sched = ScheduledEngine(inner, capacity=1, reserve=0)
     tasks = await submit(sched, req("first", 1, max_tokens=3), req("next", 2, max_tokens=2))
@@ -394,3 +410,14 @@ async def test_a_place_held_at_admission_is_given_back_through_the_chain() -> No
     assert chain.refusal(req("other", 2)) is not None  # the one place is held for r
     chain.cancel("r")  # r was refused by its quota: what the gateway does then
     assert chain.refusal(req("other", 2)) is None
+
+
+@pytest.mark.parametrize("via", ["stream"])
+def test_only_chains_of_native_completers_complete_natively(via: str) -> None:
+    """The gateway answers one-body requests through `complete()` only where every layer has its own
+    (pools); a chain with an engine that only streams (hf, a test engine) keeps the stream path."""
+    pool = OpenAIPoolEngine(model_id="p", replicas=["http://a/v1"], context_length=4096)
+    served, _ = schedule_engines({"p": FallbackEngine("p", [pool]), "g": FallbackEngine("g", [GatedEngine(), pool])},
+                                 lambda e: ScheduledEngine(e, capacity=4, reserve=0))
+    assert served["p"].completes and not served["g"].completes
+    assert not GatedEngine().completes
