@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import orjson
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,9 +42,33 @@ def request_id_of(request: Request) -> str:
     return rid if rid else new_request_id()
 
 
-def client_request_id(headers: Headers) -> str | None:
-    raw = headers.get("x-request-id") or headers.get("x-client-request-id")
-    return raw if raw is not None and CLIENT_ID.fullmatch(raw) else None
+def client_request_id(raw_headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's own id from `x-request-id` (first) or `x-client-request-id`, when it is a plain
+    token; read from the ASGI scope's raw (lower-case) header list."""
+    own = other = None
+    for name, value in raw_headers:
+        if name == b"x-request-id":
+            if own is None:
+                own = value
+        elif name == b"x-client-request-id" and other is None:
+            other = value
+    raw = (own or other or b"").decode("latin-1")
+    return raw if raw and CLIENT_ID.fullmatch(raw) else None
+
+
+_second: list[Any] = [None, ""]  # the last whole second formatted, and its text
+
+
+def iso_ms(created: float) -> str:
+    """`created` as ISO 8601 UTC with milliseconds (what `isoformat(timespec="milliseconds")` gives),
+    the date and time of day formatted once a second."""
+    sec = int(created)
+    us = round((created - sec) * 1e6)  # as datetime rounds a timestamp: to the microsecond, half to even
+    if us >= 1_000_000:
+        sec, us = sec + 1, us - 1_000_000
+    if _second[0] != sec:
+        _second[0], _second[1] = sec, datetime.fromtimestamp(sec, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{_second[1]}.{us // 1000:03d}+00:00"
 
 
 class JsonFormatter(logging.Formatter):
@@ -53,7 +76,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": iso_ms(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -84,6 +107,37 @@ def configure_logging(fmt: str = "json", level: str = "info") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    _json_handler[0] = handler if fmt == "json" else None
+
+
+_json_handler: list[logging.StreamHandler[Any] | None] = [None]  # the handler configure_logging installed (json)
+
+
+def write_access_line(msg: str, rid: str, crid: str | None, fields: dict[str, Any]) -> bool:
+    """The access log's line, written the way the JSON handler would write the record
+    `access_log.info(msg, extra={"fields": fields})` (the same keys in the same order), without
+    building a LogRecord: every request writes one. Only while logging is as configure_logging left it
+    (its JSON handler alone on the root, nothing added on the access logger); else False, and the
+    caller logs through `logging`."""
+    handler = _json_handler[0]
+    root = logging.root
+    if handler is None or root.handlers != [handler] or handler.filters or access_log.handlers or access_log.filters \
+            or not access_log.propagate or root.filters:
+        return False
+    entry: dict[str, Any] = {"ts": iso_ms(time.time()), "level": "info", "logger": access_log.name, "msg": msg, "request_id": rid}
+    if crid is not None:
+        entry["client_request_id"] = crid
+    entry.update(fields)
+    line = orjson.dumps(entry, default=str).decode() + handler.terminator
+    handler.acquire()
+    try:
+        handler.stream.write(line)
+        handler.flush()
+    except Exception:
+        handler.release()
+        return False
+    handler.release()
+    return True
 
 
 def _route_name(scope: Scope) -> str:
@@ -108,7 +162,7 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         rid = new_request_id()
-        crid = client_request_id(Headers(scope=scope))
+        crid = client_request_id(scope["headers"])
         scope.setdefault("state", {})["request_id"] = rid
         tokens = (request_id_var.set(rid), client_request_id_var.set(crid))
         status = 500
@@ -139,14 +193,14 @@ class RequestContext:
         finally:
             route = _route_name(scope)
             if access_log.isEnabledFor(logging.INFO):
+                method = scope["method"]
                 path = KEY_LIKE.sub("sk-***", scope["path"])  # a key pasted into a URL stays out of the logs
-                access_log.info(
-                    "%s %s %d", scope["method"], path, status,
-                    extra={"fields": {
-                        "method": scope["method"], "path": path, "route": route, "status": status,
-                        "duration_ms": round((time.perf_counter() - started) * 1000.0, 2),
-                    }},
-                )
+                fields = {
+                    "method": method, "path": path, "route": route, "status": status,
+                    "duration_ms": round((time.perf_counter() - started) * 1000.0, 2),
+                }
+                if not write_access_line(f"{method} {path} {status}", rid, crid, fields):
+                    access_log.info("%s %s %d", method, path, status, extra={"fields": fields})
             metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
             if metrics is not None:
                 metrics.http_response(route, status)

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
+from datetime import datetime, timezone
 from typing import Any
 
 import httpx
 from openai import RateLimitError
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.logs import JsonFormatter
+from gateway.logs import (
+    JsonFormatter,
+    access_log,
+    client_request_id,
+    client_request_id_var,
+    configure_logging,
+    iso_ms,
+    request_id_var,
+    write_access_line,
+)
 from tests.conftest import MODEL, Gateway
 
 
@@ -137,3 +149,48 @@ def test_a_metrics_token_guards_the_scrape(gateway: Gateway) -> None:
     finally:
         app.state.settings = open_settings
     assert httpx.get(gateway.base_url + "/metrics", timeout=30).status_code == 200  # unset: open, as before
+
+
+def test_the_direct_access_line_is_the_line_logging_would_write() -> None:
+    """Every request's access line skips building a LogRecord while logging is as configure_logging
+    left it; the line is the one the JSON handler writes for the same record, key for key."""
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        configure_logging("json", "info")
+        direct = io.StringIO()
+        root.handlers[0].setStream(direct)
+        fields = {"method": "POST", "path": "/v1/chat/completions", "route": "chat_completions", "status": 200, "duration_ms": 1.25}
+        assert write_access_line("POST /v1/chat/completions 200", "a" * 32, "client-1", fields)
+        assert write_access_line("POST /v1/chat/completions 200", "b" * 32, None, fields)
+
+        via_logging = io.StringIO()
+        other = logging.StreamHandler(via_logging)
+        other.setFormatter(JsonFormatter())
+        root.addHandler(other)  # logging is no longer as configured: the direct line declines
+        assert not write_access_line("POST /v1/chat/completions 200", "c" * 32, None, fields)
+        for rid, crid in (("a" * 32, "client-1"), ("b" * 32, None)):
+            tokens = request_id_var.set(rid), client_request_id_var.set(crid)
+            access_log.info("%s %s %d", "POST", "/v1/chat/completions", 200, extra={"fields": fields})
+            request_id_var.reset(tokens[0])
+            client_request_id_var.reset(tokens[1])
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    # The configured handler got the two direct lines, then the two records through logging.
+    lines = [json.loads(line) for line in direct.getvalue().splitlines()]
+    assert len(lines) == 4 and [json.loads(line) for line in via_logging.getvalue().splitlines()] == lines[2:]
+    for a, b in zip(lines[:2], lines[2:]):
+        assert list(a) == list(b) and {k: v for k, v in a.items() if k != "ts"} == {k: v for k, v in b.items() if k != "ts"}
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", a["ts"])
+    for t in (0.0, 1_795_000_000.0, 1_795_000_000.9995, 1_795_000_000.9999996, 1_795_000_059.001, 1_795_000_060.5, 1_795_000_061.0005):
+        assert iso_ms(t) == datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def test_client_request_ids_come_from_the_raw_headers() -> None:
+    assert client_request_id([(b"host", b"x"), (b"x-request-id", b"abc-1")]) == "abc-1"
+    assert client_request_id([(b"x-client-request-id", b"c2"), (b"x-request-id", b"r1")]) == "r1"  # x-request-id first
+    assert client_request_id([(b"x-request-id", b""), (b"x-client-request-id", b"c2")]) == "c2"
+    assert client_request_id([(b"x-request-id", b"has space")]) is None
+    assert client_request_id([(b"x-request-id", b"x" * 129)]) is None
+    assert client_request_id([(b"host", b"x")]) is None
