@@ -16,6 +16,7 @@ deeper than orjson's limit are 400s there.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 from urllib.parse import parse_qsl
@@ -25,6 +26,8 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.errors import APIError, HeadersTooLarge, InvalidRequest, RequestTimeout
 
+log = logging.getLogger("tollgate.hardening")
+
 PAGE_HEADERS = {
     "content-security-policy": (
         "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
@@ -32,6 +35,41 @@ PAGE_HEADERS = {
     "x-frame-options": "DENY",
     "referrer-policy": "no-referrer",
 }
+
+
+WATCH_KEY = "tollgate.connection_watch"
+
+
+class ConnectionWatch:
+    """Put in each request's scope by the guarded protocol: a response that waits on its engine
+    without reading the request registers what to do when the client goes away, instead of running
+    a task that waits for `http.disconnect` (a task per request: ~8% of a short request's CPU)."""
+
+    __slots__ = ("lost", "_callbacks")
+
+    def __init__(self) -> None:
+        self.lost = False
+        self._callbacks: list[Any] = []
+
+    def on_lost(self, callback: Any) -> None:
+        """`callback()` when the connection is lost before the response completes (at once if it
+        already was)."""
+        if self.lost:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def forget(self) -> None:
+        self._callbacks.clear()
+
+    def fire(self) -> None:
+        self.lost = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a response's cancel must not break the protocol
+                log.exception("disconnect callback failed")
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -55,7 +93,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            watch = cycle.scope.get(WATCH_KEY)
+            if watch is not None:
+                watch.fire()
 
     def data_received(self, data: bytes) -> None:
         if self._in_headers:
@@ -66,6 +109,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[WATCH_KEY] = ConnectionWatch()  # type: ignore[literal-required]
         self._header_bytes = 0
         self._arm()
 
@@ -96,6 +140,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._in_headers, self._pending_bytes = True, 0
         super().on_message_complete()
+        # The whole request is in: reading paused for a large body resumes, so that a client that
+        # leaves is seen (its ConnectionWatch fires) while the response waits on the engine. A
+        # pipelined next request pauses it again.
+        self.flow.resume_reading()
 
     def _arm(self) -> None:
         if self._deadline is None:

@@ -1,8 +1,9 @@
 """ASGI responses for generations: SSE chunks or one JSON body.
 
-Plain ASGI on purpose: a watcher task listens for `http.disconnect` the whole time, so a client
-that leaves cancels the engine request at once (not at the next token), and the metered stream
-is always closed here, which writes its ledger row.
+Plain ASGI on purpose: the connection is watched the whole time (the guarded protocol's
+ConnectionWatch, else a task waiting for `http.disconnect`), so a client that leaves cancels the
+engine request at once (not at the next token), and the metered stream is always closed here, which
+writes its ledger row.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from engines.base import FINISH_CANCELLED, FINISH_ERROR, EngineError, EngineOutput, EngineOverloadedError, EngineRequestRejected
 from gateway.errors import APIError, EngineOverloaded, InvalidRequest, ServiceUnavailable
+from gateway.hardening import WATCH_KEY
 from gateway.serving import Generation, usage_body
 
 log = logging.getLogger("tollgate.responses")
@@ -110,7 +112,7 @@ class GenerationResponse:
         self.render = ChunkRenderer(gen)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        stop_watching = self._watch(scope, receive)
         try:
             if self.gen.stream:
                 await self._send_stream(send)
@@ -119,8 +121,18 @@ class GenerationResponse:
         except OSError:
             self.gen.cancel()  # the client went away while we wrote to it
         finally:
-            watcher.cancel()
+            stop_watching()
             await self.outputs.aclose()
+
+    def _watch(self, scope: Scope, receive: Receive) -> Any:
+        """A client that leaves cancels the generation at once: through the guarded protocol's
+        connection watch when the server runs it, else a task waiting for `http.disconnect`.
+        Returns what stops watching."""
+        watch = scope.get(WATCH_KEY)
+        if watch is not None:
+            watch.on_lost(self.gen.cancel)
+            return watch.forget
+        return asyncio.get_running_loop().create_task(self._watch_disconnect(receive)).cancel
 
     async def _watch_disconnect(self, receive: Receive) -> None:
         while True:
@@ -225,7 +237,7 @@ class CompletedResponse(GenerationResponse):
         self.render = ChunkRenderer(gen)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive))
+        stop_watching = self._watch(scope, receive)
         try:
             try:
                 final = await self.service.complete(self.gen)  # the ledger row is written when this returns
@@ -236,4 +248,4 @@ class CompletedResponse(GenerationResponse):
         except OSError:
             self.gen.cancel()  # the client went away while we wrote to it
         finally:
-            watcher.cancel()
+            stop_watching()
