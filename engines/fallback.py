@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engines.base import (
@@ -219,63 +219,31 @@ class FallbackEngine(Engine):
     async def complete(self, request: EngineRequest) -> EngineOutput:
         """`stream()` for a one-body answer: the same order of candidates and the same reasons to
         move on, each candidate asked with its own `complete()`."""
-        rid = request.request_id
-        reasons: list[str] = []
-        busy_only = True
-        self._routes[rid] = None
+        tries = _Tries(self, request)
         try:
-            for engine in self.candidates:
-                if rid in self._cancelled:
-                    return EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or []), 0)
-                if not self._available(engine):
-                    continue
-                sub = self.request_for(engine, request)
-                if sub is None:
-                    continue
-                self._routes[rid] = engine
+            for engine, sub in tries:
                 try:
                     out = await engine.complete(sub)
                 except EngineRequestRejected:
                     raise
                 except EngineError as exc:
-                    self._routes[rid] = None
-                    busy_only = busy_only and isinstance(exc, EngineOverloadedError)
-                    reasons.append(f"{engine.model_id}: {exc or type(exc).__name__}")
+                    tries.refused(engine, exc)
                     continue
                 if out.finish_reason == FINISH_ERROR and not out.before:  # failed before any output
-                    self._routes[rid] = None
-                    busy_only = False
-                    reasons.append(f"{engine.model_id}: {out.error}")
+                    tries.failed(engine, out.error)
                     continue
-                if engine is not self.primary:
-                    log.warning("model %s served by fallback %s (%s)", self.model_id, engine.model_id, "; ".join(reasons) or "unavailable")
+                tries.served(engine)
                 return out
+            if tries.cancelled:
+                return tries.cancelled_output()
         finally:
-            self._routes.pop(rid, None)
-            self._cancelled.discard(rid)
-        raise self._exhausted(reasons, busy_only)
-
-    def _exhausted(self, reasons: list[str], busy_only: bool) -> EngineError:
-        if not reasons or busy_only:
-            return EngineOverloadedError(f"no engine of {self.model_id} can take a request now")
-        return EngineError(f"every engine of {self.model_id} failed: {reasons[-1]}")
+            tries.end()
+        raise tries.exhausted()
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        rid = request.request_id
-        reasons: list[str] = []
-        busy_only = True  # every engine tried was only full, not broken
-        self._routes[rid] = None
+        tries = _Tries(self, request)
         try:
-            for engine in self.candidates:
-                if rid in self._cancelled:
-                    yield EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or []), 0)
-                    return
-                if not self._available(engine):
-                    continue
-                sub = self.request_for(engine, request)
-                if sub is None:
-                    continue
-                self._routes[rid] = engine
+            for engine, sub in tries:
                 outputs = engine.stream(sub)
                 try:
                     first = await anext(outputs)
@@ -284,18 +252,13 @@ class FallbackEngine(Engine):
                     raise
                 except (EngineError, StopAsyncIteration) as exc:
                     await outputs.aclose()
-                    self._routes[rid] = None
-                    busy_only = busy_only and isinstance(exc, EngineOverloadedError)
-                    reasons.append(f"{engine.model_id}: {exc or type(exc).__name__}")
+                    tries.refused(engine, exc)
                     continue
                 if first.finish_reason == FINISH_ERROR and not first.before:  # failed before any output
                     await outputs.aclose()
-                    self._routes[rid] = None
-                    busy_only = False
-                    reasons.append(f"{engine.model_id}: {first.error}")
+                    tries.failed(engine, first.error)
                     continue
-                if engine is not self.primary:
-                    log.warning("model %s served by fallback %s (%s)", self.model_id, engine.model_id, "; ".join(reasons) or "unavailable")
+                tries.served(engine)
                 try:
                     yield first
                     if not first.finished:
@@ -304,7 +267,63 @@ class FallbackEngine(Engine):
                 finally:
                     await outputs.aclose()
                 return
+            if tries.cancelled:
+                yield tries.cancelled_output()
+                return
         finally:
-            self._routes.pop(rid, None)
-            self._cancelled.discard(rid)
-        raise self._exhausted(reasons, busy_only)
+            tries.end()
+        raise tries.exhausted()
+
+
+class _Tries:
+    """One request's way down a chain: the candidates that can take it, in order (each with the
+    request as it needs it), and why each one it left did not serve it."""
+
+    def __init__(self, chain: FallbackEngine, request: EngineRequest) -> None:
+        self.chain = chain
+        self.request = request
+        self.reasons: list[str] = []
+        self.busy_only = True  # every engine tried was only full, not broken
+        self.cancelled = False  # the client left: no further engine is tried
+        chain._routes[request.request_id] = None
+
+    def __iter__(self) -> Iterator[tuple[Engine, EngineRequest]]:
+        chain, rid = self.chain, self.request.request_id
+        for engine in chain.candidates:
+            if rid in chain._cancelled:
+                self.cancelled = True
+                return
+            if not chain._available(engine):
+                continue
+            sub = chain.request_for(engine, self.request)
+            if sub is None:
+                continue
+            chain._routes[rid] = engine
+            yield engine, sub
+
+    def refused(self, engine: Engine, exc: BaseException) -> None:
+        self.chain._routes[self.request.request_id] = None
+        self.busy_only = self.busy_only and isinstance(exc, EngineOverloadedError)
+        self.reasons.append(f"{engine.model_id}: {exc or type(exc).__name__}")
+
+    def failed(self, engine: Engine, error: str | None) -> None:
+        self.chain._routes[self.request.request_id] = None
+        self.busy_only = False
+        self.reasons.append(f"{engine.model_id}: {error}")
+
+    def served(self, engine: Engine) -> None:
+        chain = self.chain
+        if engine is not chain.primary:
+            log.warning("model %s served by fallback %s (%s)", chain.model_id, engine.model_id, "; ".join(self.reasons) or "unavailable")
+
+    def cancelled_output(self) -> EngineOutput:
+        return EngineOutput("", [], FINISH_CANCELLED, len(self.request.prompt_token_ids or []), 0)
+
+    def end(self) -> None:
+        self.chain._routes.pop(self.request.request_id, None)
+        self.chain._cancelled.discard(self.request.request_id)
+
+    def exhausted(self) -> EngineError:
+        if not self.reasons or self.busy_only:
+            return EngineOverloadedError(f"no engine of {self.chain.model_id} can take a request now")
+        return EngineError(f"every engine of {self.chain.model_id} failed: {self.reasons[-1]}")

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -464,20 +464,30 @@ class OpenAIPoolEngine(Engine):
             return len(self.encode_chat(request.messages or []))
         return len(self.encode_text(request.prompt or ""))
 
-    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def _begin(self, request: EngineRequest) -> tuple[bool, bytes, _Live]:
+        """Whether the request is a chat, the upstream body, and its live record (for cancel)."""
         if self._client is None:
             raise EngineError("engine is not running")
         chat = self._is_chat(request)
         body = orjson.dumps(self.upstream_body(request, chat))
         live = self._live[request.request_id] = _Live()
+        return chat, body, live
+
+    def _replicas(self) -> Iterator[Replica]:
+        """The replicas to try in turn: the first pick and up to `retries` others."""
         tried: list[Replica] = []
+        for _ in range(1 + self.retries):
+            replica = self.pool.pick(exclude=tried)
+            if replica is None:
+                return
+            tried.append(replica)
+            yield replica
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        chat, body, live = self._begin(request)
         failures: list[_Retryable] = []
         try:
-            for _ in range(1 + self.retries):
-                replica = self.pool.pick(exclude=tried)
-                if replica is None:
-                    break
-                tried.append(replica)
+            for replica in self._replicas():
                 try:
                     # Closed here, not left to the garbage collector: an async generator dropped while
                     # suspended is closed by the loop's finalizer hook (a thread-safe wake-up and a task).
@@ -497,19 +507,10 @@ class OpenAIPoolEngine(Engine):
         is the final one)."""
         if request.extra is None or request.extra.get("stream"):
             return await collect(self.stream(request))
-        if self._client is None:
-            raise EngineError("engine is not running")
-        chat = "messages" in request.extra
-        body = orjson.dumps(self.upstream_body(request, chat))
-        live = self._live[request.request_id] = _Live()
-        tried: list[Replica] = []
+        chat, body, live = self._begin(request)
         failures: list[_Retryable] = []
         try:
-            for _ in range(1 + self.retries):
-                replica = self.pool.pick(exclude=tried)
-                if replica is None:
-                    break
-                tried.append(replica)
+            for replica in self._replicas():
                 try:
                     return await collect(self._attempt(replica, body, request, chat, live))
                 except _Retryable as failure:

@@ -313,7 +313,9 @@ class ScheduledEngine(Engine):
         return None
 
     # generation -------------------------------------------------------------------------------
-    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def _admit(self, request: EngineRequest) -> tuple[_Ticket, float, EngineOutput | None]:
+        """Refuses, or queues the request until it may go into the engine. Returns its ticket, the
+        time it waited (ms) and, when it was dropped while waiting, the output that ends it."""
         if self._held.pop(request.request_id, None) is None:  # not admitted here beforehand
             refused = self._check(request)
             if refused is not None:
@@ -324,12 +326,18 @@ class ScheduledEngine(Engine):
         else:
             try:
                 run = await ticket.granted
-            except BaseException:  # the consumer went away while the request waited
+            except BaseException:  # the caller went away while the request waited
                 self._leave(ticket)
                 raise
         queue_ms = ((ticket.dispatched if run else self._clock()) - ticket.enqueued) * 1000.0  # type: ignore[operator]
         if not run:  # dropped while waiting: the engine never saw it
-            yield EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or ()), 0, queue_ms=queue_ms)
+            return ticket, queue_ms, EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or ()), 0, queue_ms=queue_ms)
+        return ticket, queue_ms, None
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        ticket, queue_ms, dropped = await self._admit(request)
+        if dropped is not None:
+            yield dropped
             return
         last: EngineOutput | None = None
         try:
@@ -357,22 +365,9 @@ class ScheduledEngine(Engine):
     async def complete(self, request: EngineRequest) -> EngineOutput:
         """`stream()` for a one-body answer: the same admission, queue and release around the inner
         engine's `complete()`, as one coroutine."""
-        if self._held.pop(request.request_id, None) is None:  # not admitted here beforehand
-            refused = self._check(request)
-            if refused is not None:
-                raise refused
-        ticket = self._enqueue(request)
-        if ticket.granted is None:
-            run = True
-        else:
-            try:
-                run = await ticket.granted
-            except BaseException:  # the caller went away while the request waited
-                self._leave(ticket)
-                raise
-        queue_ms = ((ticket.dispatched if run else self._clock()) - ticket.enqueued) * 1000.0  # type: ignore[operator]
-        if not run:  # dropped while waiting: the engine never saw it
-            return EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or ()), 0, queue_ms=queue_ms)
+        ticket, queue_ms, dropped = await self._admit(request)
+        if dropped is not None:
+            return dropped
         last: EngineOutput | None = None
         try:
             last = await self.inner.complete(request)

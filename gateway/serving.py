@@ -253,18 +253,12 @@ class CompletionService:
                         last = out
                         continue
                     yield out
-        except EngineError as exc:
-            status = "error"
-            gen.error = str(exc) or type(exc).__name__
-            raise
         except Exception as exc:
             status = "error"
-            gen.error = type(exc).__name__
+            gen.error = failure_text(exc)
             raise
         finally:
-            # Reached on completion, on engine failure, and when the consumer closes us early.
-            self._settle(gen)
-            self.ledger.record(self.usage_record(gen, status or final_status(gen)))
+            self._close(gen, status)  # on completion, on engine failure, and when the consumer closes us early
         if last is not None:
             yield last
 
@@ -272,22 +266,21 @@ class CompletionService:
         """`metered()` for a client that wants one body, through the engine's native `complete()`:
         the final output (earlier ones in its `before`); whatever happens, the ledger gets this
         request's one row before the caller sees the result."""
-        status: str | None = None
+        failed = False
         try:
             out = await gen.engine.complete(gen.engine_request)
             self._observe(gen, out)
             return out
-        except EngineError as exc:
-            status = "error"
-            gen.error = str(exc) or type(exc).__name__
-            raise
         except Exception as exc:
-            status = "error"
-            gen.error = type(exc).__name__
+            failed, gen.error = True, failure_text(exc)
             raise
         finally:
-            self._settle(gen)
-            self.ledger.record(self.usage_record(gen, status or final_status(gen)))
+            self._close(gen, "error" if failed else None)
+
+    def _close(self, gen: Generation, status: str | None) -> None:
+        """The generation is over: its quota settles (in the background) and its one row is recorded."""
+        self._settle(gen)
+        self.ledger.record(self.usage_record(gen, status or final_status(gen)))
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
         if gen.ttft_ms is None:
@@ -323,6 +316,14 @@ class CompletionService:
             estimated=gen.estimated,
             cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else None,
         )
+
+
+def failure_text(exc: Exception) -> str:
+    """What the ledger row says of a failed generation: an engine's own message, else only the
+    exception's type (its text may hold anything)."""
+    if isinstance(exc, EngineError):
+        return str(exc) or type(exc).__name__
+    return type(exc).__name__
 
 
 def final_status(gen: Generation) -> str:
