@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import MODEL, Gateway
 
@@ -45,8 +46,11 @@ async def test_disconnect_after_three_chunks_records_cancelled_row(gateway: Gate
     assert row["prompt_tokens"] > 0
 
 
-async def test_disconnect_of_non_streaming_request_is_cancelled(gateway: Gateway, customer: dict[str, Any]) -> None:
-    body = {"model": MODEL, "messages": LONG, "max_tokens": 400, "temperature": 0}
+@pytest.mark.parametrize("padding", [0, 300_000], ids=["small-body", "large-body"])
+async def test_disconnect_of_non_streaming_request_is_cancelled(gateway: Gateway, customer: dict[str, Any], padding: int) -> None:
+    # A body past uvicorn's 64 KiB high-water mark pauses reading while it arrives; reading resumes
+    # once the request is whole, so the client leaving is still seen while the engine runs.
+    body = {"model": MODEL, "messages": LONG, "max_tokens": 400, "temperature": 0, **({"user": "u" * padding} if padding else {})}
     async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}, timeout=0.8) as c:
         try:
             await c.post("/chat/completions", json=body)
