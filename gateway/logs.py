@@ -9,6 +9,7 @@ bodies and query strings are never logged, so keys cannot leak through here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -56,7 +57,9 @@ def client_request_id(raw_headers: list[tuple[bytes, bytes]]) -> str | None:
     return raw if raw and CLIENT_ID.fullmatch(raw) else None
 
 
-_second: list[Any] = [None, ""]  # the last whole second formatted, and its text
+@functools.lru_cache(maxsize=4)
+def _second_text(sec: int) -> str:
+    return datetime.fromtimestamp(sec, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def iso_ms(created: float) -> str:
@@ -66,9 +69,7 @@ def iso_ms(created: float) -> str:
     us = round((created - sec) * 1e6)  # as datetime rounds a timestamp: to the microsecond, half to even
     if us >= 1_000_000:
         sec, us = sec + 1, us - 1_000_000
-    if _second[0] != sec:
-        _second[0], _second[1] = sec, datetime.fromtimestamp(sec, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{_second[1]}.{us // 1000:03d}+00:00"
+    return f"{_second_text(sec)}.{us // 1000:03d}+00:00"
 
 
 class JsonFormatter(logging.Formatter):
@@ -107,10 +108,11 @@ def configure_logging(fmt: str = "json", level: str = "info") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    _json_handler[0] = handler if fmt == "json" else None
+    global _json_handler
+    _json_handler = handler if fmt == "json" else None
 
 
-_json_handler: list[logging.StreamHandler[Any] | None] = [None]  # the handler configure_logging installed (json)
+_json_handler: logging.StreamHandler[Any] | None = None  # the handler configure_logging installed (json)
 
 
 def write_access_line(msg: str, rid: str, crid: str | None, fields: dict[str, Any]) -> bool:
@@ -119,7 +121,7 @@ def write_access_line(msg: str, rid: str, crid: str | None, fields: dict[str, An
     building a LogRecord: every request writes one. Only while logging is as configure_logging left it
     (its JSON handler alone on the root, nothing added on the access logger); else False, and the
     caller logs through `logging`."""
-    handler = _json_handler[0]
+    handler = _json_handler
     root = logging.root
     if handler is None or root.handlers != [handler] or handler.filters or access_log.handlers or access_log.filters \
             or not access_log.propagate or root.filters:
