@@ -114,15 +114,21 @@ class GenerationResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stop_watching = self._watch(scope, receive)
         try:
-            if self.gen.stream:
-                await self._send_stream(send)
-            else:
-                await self._send_body(send)
+            await self._respond(send)
         except OSError:
             self.gen.cancel()  # the client went away while we wrote to it
         finally:
             stop_watching()
-            await self.outputs.aclose()
+            await self._close()
+
+    async def _respond(self, send: Send) -> None:
+        if self.gen.stream:
+            await self._send_stream(send)
+        else:
+            await self._send_body(send)
+
+    async def _close(self) -> None:
+        await self.outputs.aclose()  # the metered stream's end writes the ledger row
 
     def _watch(self, scope: Scope, receive: Receive) -> Any:
         """A client that leaves cancels the generation at once: through the guarded protocol's
@@ -236,16 +242,13 @@ class CompletedResponse(GenerationResponse):
         self.headers = headers
         self.render = ChunkRenderer(gen)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stop_watching = self._watch(scope, receive)
+    async def _respond(self, send: Send) -> None:
         try:
-            try:
-                final = await self.service.complete(self.gen)  # the ledger row is written when this returns
-            except Exception as exc:
-                await self._send_error(send, _error_for(exc))
-                return
-            await self._send_outputs(send, [*final.before, final] if final.before else [final])
-        except OSError:
-            self.gen.cancel()  # the client went away while we wrote to it
-        finally:
-            stop_watching()
+            final = await self.service.complete(self.gen)  # the ledger row is written when this returns
+        except Exception as exc:
+            await self._send_error(send, _error_for(exc))
+            return
+        await self._send_outputs(send, [*final.before, final] if final.before else [final])
+
+    async def _close(self) -> None:
+        return None  # complete() has already ended the generation
