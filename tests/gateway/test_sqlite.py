@@ -11,7 +11,7 @@ async def test_sqlite_gateway_serves_and_meters(sqlite_gateway: Gateway, client_
     key = await sqlite_gateway.new_key()
     client = client_for(key["key"], sqlite_gateway)
     resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=10, temperature=0)
-    stream = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, stream=True, stream_options={"include_usage": True})
+    stream = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     row = await sqlite_gateway.ledger_row(resp.id.split("-", 1)[1])
     assert row["status"] == "completed"
