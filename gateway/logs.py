@@ -120,7 +120,7 @@ def write_access_line(msg: str, rid: str, crid: str | None, fields: dict[str, An
     `access_log.info(msg, extra={"fields": fields})` (the same keys in the same order), without
     building a LogRecord: every request writes one. Only while logging is as configure_logging left it
     (its JSON handler alone on the root, nothing added on the access logger); else False, and the
-    caller logs through `logging`."""
+    caller logs through `logging`. A failed write is reported like the handler's own (handleError)."""
     handler = _json_handler
     root = logging.root
     if handler is None or root.handlers != [handler] or handler.filters or access_log.handlers or access_log.filters \
@@ -135,10 +135,10 @@ def write_access_line(msg: str, rid: str, crid: str | None, fields: dict[str, An
     try:
         handler.stream.write(line)
         handler.flush()
-    except Exception:
+    except Exception:  # as StreamHandler.emit does: reported once, not written again through logging
+        handler.handleError(logging.makeLogRecord({"name": access_log.name, "msg": msg}))
+    finally:
         handler.release()
-        return False
-    handler.release()
     return True
 
 

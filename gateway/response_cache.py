@@ -271,11 +271,9 @@ def records(request: Request) -> bool:
 
 def recording(request: Request, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
     """The metered stream, storing its completion when this request was a cacheable miss."""
-    key = getattr(request.state, _STATE_KEY, None)
-    cache: ResponseCache | None = getattr(request.app.state, "response_cache", None)
-    if key is None or cache is None:
+    if not records(request):
         return outputs
-    return _recorded(cache, key, gen, outputs)
+    return _recorded(request.app.state.response_cache, getattr(request.state, _STATE_KEY), gen, outputs)
 
 
 async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:

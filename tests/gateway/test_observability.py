@@ -194,3 +194,24 @@ def test_client_request_ids_come_from_the_raw_headers() -> None:
     assert client_request_id([(b"x-request-id", b"has space")]) is None
     assert client_request_id([(b"x-request-id", b"x" * 129)]) is None
     assert client_request_id([(b"host", b"x")]) is None
+
+
+def test_a_failed_access_line_is_reported_once_not_written_twice() -> None:
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+
+    class Broken(io.StringIO):
+        def write(self, s: str) -> int:
+            raise OSError("disk full")
+
+    try:
+        configure_logging("json", "info")
+        handler = root.handlers[0]
+        handler.setStream(Broken())
+        reported: list[logging.LogRecord] = []
+        handler.handleError = reported.append  # type: ignore[method-assign]
+        assert write_access_line("POST /v1/chat/completions 200", "d" * 32, None, {"status": 200})
+        assert [r.getMessage() for r in reported] == ["POST /v1/chat/completions 200"]
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
