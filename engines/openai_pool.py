@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +45,7 @@ from engines.openai_stream import (
     delta_is_empty,
     normalized_finish,
 )
-from engines.upstream_http import LeanExchange, UpstreamPool
+from engines.upstream_http import Inbox, LeanExchange, UpstreamPool
 
 log = logging.getLogger("tollgate.engines.openai")
 
@@ -190,7 +190,7 @@ class _Exchange:
     task leaves `client.stream()` with the body unread, which closes that connection."""
 
     def __init__(self, client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> None:
-        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.queue = Inbox()
         self.task = asyncio.get_running_loop().create_task(self._read(client, url, body, headers))
 
     async def _read(self, client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> None:
@@ -242,6 +242,28 @@ class _Live:
 def _is_done(data: str | bytes) -> bool:
     """The `[DONE]` sentinel, whitespace around it allowed."""
     return (data.strip() if isinstance(data, str) else data.strip().decode("latin-1")) == DONE
+
+
+def _json_objects(events: Sequence[str | bytes]) -> tuple[list[dict[str, Any] | None], bool]:
+    """The JSON objects of the events read together, up to `[DONE]` (None for an event that is not
+    a JSON object), and whether `[DONE]` came. Decoded as one JSON array when every event is bytes:
+    one parser call instead of one per event. The array has one element per event only if each
+    event is exactly one JSON value (an event holding two values would need an empty one beside it
+    to keep the count, and an empty element does not parse), so otherwise each is decoded alone."""
+    done = False
+    for i, data in enumerate(events):
+        if len(data) < 16 and _is_done(data):
+            events, done = events[:i], True
+            break
+    if len(events) > 1 and all(type(e) is bytes for e in events):
+        try:
+            values = orjson.loads(b"[" + b",".join(events) + b"]")  # type: ignore[arg-type]
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if len(values) == len(events):
+                return [v if type(v) is dict else None for v in values], done
+    return [_json_object(e) for e in events], done
 
 
 def _json_object(data: str | bytes) -> dict[str, Any] | None:
@@ -568,17 +590,13 @@ class OpenAIPoolEngine(Engine):
                         continue
                     else:
                         wait = deadline - loop.time() if first_at is None else self.idle_timeout
-                        async with asyncio.timeout(max(wait, 0.0)):
-                            kind, value = await exchange.queue.get()
+                        kind, value = await exchange.queue.get(max(wait, 0.0))
                 except TimeoutError:
                     reason = f"no data for {self.idle_timeout:g}s" if first_at is not None else f"no first token within {self.first_token_timeout:g}s"
                     kind, value = "error", reason
                 if kind == "events" or kind == "data":
-                    for data in value if kind == "events" else (value,):
-                        if len(data) < 16 and _is_done(data):
-                            kind = "eof"
-                            break
-                        chunk = _json_object(data)
+                    chunks, done = _json_objects(value if kind == "events" else (value,))
+                    for chunk in chunks:
                         if chunk is None:
                             continue  # not an event we understand; keep reading
                         choices = chunk.get("choices")
@@ -615,7 +633,9 @@ class OpenAIPoolEngine(Engine):
                                     estimated=True, raw_choice=choice if streaming else None,
                                 ))
                     else:
-                        continue
+                        if not done:
+                            continue
+                        kind = "eof"  # `[DONE]`: what came after it in the same read is not read
                 if kind == "cancel":
                     yield self._final(FINISH_CANCELLED, "", None, prompt_estimate, merged, usage)
                     return

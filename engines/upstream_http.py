@@ -35,6 +35,50 @@ from engines.openai_stream import SSEDecoder
 MAX_ERROR_BODY = 65536
 
 
+class Inbox:
+    """An exchange's items for its one consumer: what it used of asyncio.Queue (put_nowait, empty,
+    get_nowait, get) without the queue's Event, putter line and task accounting, and a `get` with
+    a deadline of its own (a timer on the waiter instead of an `asyncio.timeout` scope around it)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[str, Any]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: tuple[str, Any]) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> tuple[str, Any]:
+        """The oldest item; IndexError when there is none."""
+        return self._items.popleft()
+
+    async def get(self, timeout: float | None = None) -> tuple[str, Any]:
+        """The oldest item, waiting for one; TimeoutError after `timeout` seconds without one."""
+        while not self._items:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        return self._items.popleft()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; the exchange using it gets the parsed response."""
 
@@ -173,16 +217,16 @@ class LeanExchange:
     """One streamed POST; also the httptools callback object for its response."""
 
     def __init__(self, pool: UpstreamPool, url: str, body: bytes, headers: dict[str, str]) -> None:
-        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.queue = Inbox()
         self._pool = pool
         self._conn: _Connection | None = None
         self._status = 0
         self._error_body = bytearray()
         self._pending = b""  # an incomplete SSE event (an incomplete line once `_whole_events` is off)
         self._whole_events = True  # events cut at blank lines while the body has no CR line ends
-        self._sse = SSEDecoder()
-        self._done = asyncio.Event()  # the response was read to its end, or the exchange failed
-        self._ended = False
+        self._sse: SSEDecoder | None = None  # made when an event needs it (most never do)
+        self._ending: asyncio.Future[None] | None = None  # what close(grace) waits on, while it does
+        self._ended = False  # the response was read to its end, or the exchange failed
         host, port, start, rest = _request_parts(url, tuple(headers.items()))
         self._head = start + b"%d" % len(body) + rest
         self._body = body
@@ -255,6 +299,8 @@ class LeanExchange:
 
     def _feed(self, lines: list[bytes]) -> list[str]:
         """Lines (without their LF; a CR before it dropped) through the decoder: the events they end."""
+        if self._sse is None:
+            self._sse = SSEDecoder()
         feed = self._sse.feed
         return [e for e in (feed(line.rstrip(b"\r").decode("utf-8", "replace")) for line in lines) if e is not None]
 
@@ -262,9 +308,10 @@ class LeanExchange:
         conn = self._conn
         keep_alive = bool(conn is not None and conn._parser is not None and conn._parser.should_keep_alive())
         if self._status == 200:
-            events = self._feed([*self._pending.split(b"\n"), b""])  # the body's end ends its last event
-            if events:
-                self.queue.put_nowait(("events", events))
+            if self._pending or self._sse is not None:  # else nothing is left to end: no decoder needed
+                events = self._feed([*self._pending.split(b"\n"), b""])  # the body's end ends its last event
+                if events:
+                    self.queue.put_nowait(("events", events))
             item: tuple[str, Any] = ("eof", None)
         else:
             item = ("status", (self._status, bytes(self._error_body)))
@@ -282,7 +329,8 @@ class LeanExchange:
         if not self._ended:
             self._ended = True
             self.queue.put_nowait(item)
-            self._done.set()
+            if self._ending is not None and not self._ending.done():
+                self._ending.set_result(None)
 
     # the consumer's side ---------------------------------------------------------------------
     def interrupt(self) -> None:
@@ -292,8 +340,9 @@ class LeanExchange:
         """Ends the exchange. With a grace period a response about to end is read to its end, so
         its connection is kept; otherwise a connection with a response still coming is closed."""
         if grace and not self._ended:
+            self._ending = asyncio.get_running_loop().create_future()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._done.wait(), grace)
+                await asyncio.wait_for(self._ending, grace)
         self._ended = True
         conn, self._conn = self._conn, None
         if conn is not None:

@@ -266,7 +266,10 @@ def _record_hit(state: Any, gen: Generation, delivered: bool, nanos: int) -> Non
 
 def records(request: Request) -> bool:
     """Whether this request's completion is to be stored (a cacheable miss)."""
-    return getattr(request.state, _STATE_KEY, None) is not None and getattr(request.app.state, "response_cache", None) is not None
+    # `request.state` keeps its values in the scope's "state" dict: read there, a request that set
+    # nothing costs no AttributeError.
+    marks = request.scope.get("state")
+    return bool(marks) and marks.get(_STATE_KEY) is not None and getattr(request.app.state, "response_cache", None) is not None
 
 
 def recording(request: Request, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:

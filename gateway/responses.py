@@ -222,13 +222,17 @@ class GenerationResponse:
             await self._send_error(send, ServiceUnavailable(f"The engine failed this request: {self.gen.error}", code="engine_error"))
             return
         body = self.render.body("".join(pieces), raw_choice)
-        await send({"type": "http.response.start", "status": 200, "headers": self._headers(b"application/json")})
+        headers = self._headers(b"application/json")
+        headers.append((b"content-length", b"%d" % len(body)))  # one body: sized, not chunked
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _send_error(self, send: Send, err: APIError) -> None:
+        body = orjson.dumps(err.body())
         headers = self._headers(b"application/json") + [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+        headers.append((b"content-length", b"%d" % len(body)))
         await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": orjson.dumps(err.body()), "more_body": False})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class CompletedResponse(GenerationResponse):

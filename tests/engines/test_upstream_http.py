@@ -138,3 +138,60 @@ async def test_events_come_out_whole_however_the_body_is_cut_and_framed() -> Non
         finally:
             await pool.aclose()
             server.close()
+
+
+def test_events_read_together_decode_as_each_alone_would() -> None:
+    from engines.openai_pool import _json_object, _json_objects
+
+    cases: list[list[Any]] = [
+        [b'{"a":1}', b'{"b":[2]}', b'{"c":"x,y]"}'],  # the usual burst: one parser call
+        [b'{"a":1},{"b":2}', b""],  # two values in one event, none in the next: the same count
+        [b'{"a":1},{"b":2}', b" ", b'{"c":3}'],
+        [b'{"a":1}', b"not json", b'{"c":3}'],
+        [b'{"a":1}', b"[1]", b"null", b"7"],  # JSON that is not an object
+        [b'{"a":1}', '{"s":"decoded by the SSE decoder"}'],  # a str among bytes
+        [b'{"a":1}', b"[DONE]", b'{"after":1}'],  # nothing after [DONE] counts
+        [b" [DONE] "],
+        [b'{"a":1}'],
+    ]
+    for events in cases:
+        done_at = next((i for i, e in enumerate(events) if e.strip() in (b"[DONE]", "[DONE]")), None)
+        before = events if done_at is None else events[:done_at]
+        assert _json_objects(events) == ([_json_object(e) for e in before], done_at is not None), events
+
+
+async def test_the_inbox_hands_items_over_in_order_and_times_out() -> None:
+    from engines.upstream_http import Inbox
+
+    inbox = Inbox()
+    assert inbox.empty()
+    try:
+        inbox.get_nowait()
+        raise AssertionError("get_nowait on an empty inbox must raise")
+    except IndexError:
+        pass
+    waiter = asyncio.ensure_future(inbox.get(5.0))
+    await asyncio.sleep(0)
+    inbox.put_nowait(("events", [b"1"]))
+    inbox.put_nowait(("eof", None))
+    assert await waiter == ("events", [b"1"])
+    assert inbox.get_nowait() == ("eof", None)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        await inbox.get(0.05)
+        raise AssertionError("an empty inbox must time out")
+    except TimeoutError:
+        pass
+    assert 0.04 <= loop.time() - started < 2
+    inbox.put_nowait(("eof", None))  # nobody waits: kept for the next get
+    assert await inbox.get(0.05) == ("eof", None)
+    # a consumer cancelled while it waits leaves no waiter behind: the next one is served
+    cancelled = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    await asyncio.gather(cancelled, return_exceptions=True)
+    later = asyncio.ensure_future(inbox.get(5.0))
+    await asyncio.sleep(0)
+    inbox.put_nowait(("cancel", None))
+    assert await later == ("cancel", None)

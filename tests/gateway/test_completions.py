@@ -38,6 +38,15 @@ async def test_chat_non_streaming_answers_and_meters(gateway: Gateway, customer:
     assert row["queue_ms"] is not None and row["queue_ms"] >= 0
 
 
+async def test_a_one_body_answer_is_sized_not_chunked(customer: dict[str, Any], client_for: Any) -> None:
+    raw = await client_for(customer["key"]).chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=5)
+    body = await raw.http_response.aread()
+    assert raw.headers["content-length"] == str(len(body))
+    assert "transfer-encoding" not in raw.headers
+    assert raw.parse().usage.completion_tokens <= 5
+
+
 async def test_chat_streaming_usage_chunk_equals_ledger_row(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
     client = client_for(customer["key"])
     stream = await client.chat.completions.create(
