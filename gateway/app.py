@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -334,8 +335,20 @@ def database_unreachable(exc: BaseException) -> bool:
     )
 
 
-def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> Gateway:
-    """Builds the app. Engines passed in are owned by the caller (not started or stopped here)."""
+def freeze_heap() -> None:
+    """Moves what is alive now out of the cyclic collector's scans (`gc.freeze()`), after a
+    collection: what starting up built (models, tokenizers, SQLAlchemy and pydantic state, the
+    embedding model's modules) lives as long as the process. Left in the oldest generation it was
+    scanned by every full collection, and request garbage promoted under load triggers one every
+    second or two: ~360k objects, ~160 ms with the event loop stopped (docs/performance.md)."""
+    gc.collect()
+    gc.freeze()
+
+
+def create_app(settings: Settings, engines: dict[str, Engine] | None = None, *, freeze_gc: bool = False) -> Gateway:
+    """Builds the app. Engines passed in are owned by the caller (not started or stopped here).
+    `freeze_gc` (the server's processes): `freeze_heap()` once started and again as each model
+    that loads in the background is in."""
     owns_engines = engines is None
 
     @contextlib.asynccontextmanager
@@ -371,6 +384,10 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None) -> 
             loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
             for task in loading:
                 task.add_done_callback(_report_load_failure)
+        if freeze_gc:
+            freeze_heap()
+            for task in [*loading, app.state.embeddings_loading]:
+                task.add_done_callback(lambda _task: freeze_heap())
         try:
             yield
         finally:

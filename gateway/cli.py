@@ -47,7 +47,8 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 def _tune_gc() -> None:
     """What is alive once the server is built (modules, the app) stays alive: freeze it out of the
-    collector's scans, so that the collections request garbage triggers scan only request garbage."""
+    collector's scans, so that the collections request garbage triggers scan only request garbage
+    (the app freezes again once started and as models load: `create_app(freeze_gc=True)`)."""
     import gc
     import os
 
@@ -94,7 +95,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         _serve_workers(settings, args, workers)
         return 0
     http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
-    app = create_app(settings)
+    app = create_app(settings, freeze_gc=True)
     _tune_gc()
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
                 log_config=None, access_log=False, proxy_headers=False)  # nothing reads the client address
@@ -147,7 +148,7 @@ def worker_app() -> Any:
 
     settings = load_settings()
     configure_logging(os.environ.get("TOLLGATE_LOG_FORMAT", "json"), os.environ.get("TOLLGATE_LOG_LEVEL", "info"))
-    app = create_app(settings)
+    app = create_app(settings, freeze_gc=True)
     _tune_gc()
     return app
 
