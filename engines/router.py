@@ -210,6 +210,8 @@ def router_of(engine: Any) -> RouterEngine | None:
         if isinstance(engine, RouterEngine):
             return engine
         engine = getattr(engine, "inner", None)
+        if engine is None:  # not a wrapper: asking None for `inner` again would only raise and catch
+            return None
     return None
 
 
