@@ -9,7 +9,10 @@ bench/wrk/openai.lua (bench/loadgen.py when wrk is missing), non-streaming and s
 and 64 connections, targets interleaved within each round; figures are medians over rounds.
 
 Prints req/s, p50/p99 and the latency added over direct, the Tollgate/LiteLLM ratios, checks
-that every request Tollgate answered 2xx has its ledger row, and writes JSON.
+that every request Tollgate answered 2xx has its ledger row, and writes JSON. Verdicts as issue 7
+sets its targets: req/s >= 20x LiteLLM's under load (cells with more than one connection), added
+p50 <= 1 ms and p99 <= 3 ms at one connection (where req/s is 1/latency; its ratios are printed
+too). docs/performance.md, "The targets".
 
     python bench/overhead.py --rounds 3 --seconds 5
     python bench/overhead.py --rounds 1 --seconds 3 --no-litellm --profile 15   # py-spy raw stacks
@@ -140,10 +143,18 @@ def drive(base: str, key: str | None, stream: bool, connections: int, seconds: i
     url = base.rstrip("/") + PATH
     if shutil.which("wrk"):
         env = dict(os.environ, WRK_BODY=body(stream).decode(), WRK_KEY=key or "")
-        out = subprocess.run(
-            ["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--timeout", "30s", "-s", str(LUA), url],
-            env=env, capture_output=True, text=True, check=True,
-        ).stdout
+        for attempt in (1, 2):  # a target that refused one run's connections (LiteLLM once did) gets a second
+            run = subprocess.run(
+                ["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--timeout", "30s", "-s", str(LUA), url],
+                env=env, capture_output=True, text=True,
+            )
+            if run.returncode == 0:
+                break
+            print(f"wrk against {url} exited {run.returncode}: {(run.stderr or run.stdout).strip()[-300:]}", flush=True)
+            if attempt == 2:
+                raise SystemExit(f"wrk failed twice against {url}")
+            time.sleep(2.0)
+        out = run.stdout
         line = next(x for x in out.splitlines() if x.startswith("WRK_JSON "))
         w = json.loads(line[len("WRK_JSON "):])
         errors = w["connect_errors"] + w["read_errors"] + w["write_errors"] + w["timeouts"]
@@ -425,17 +436,21 @@ def print_table(summary: dict[str, Any], targets: list[str], conns: list[int]) -
                 print(f"{t:9} {m:9} {c:>5} {x['rps']:>9.0f} {x['p50_ms']:>8.2f} {x['p99_ms']:>8.2f} {added[0]:>8} {added[1]:>8} {x['non2xx']:>7}"
                       f" {cpu:>10}")
     if "ratios_tollgate_over_litellm" in summary:
-        print("\nTollgate / LiteLLM (req/s ratio; added-p50 ratio LiteLLM/Tollgate)   target >= 20x req/s")
+        # The issue's throughput targets are against LiteLLM's throughput, which it quotes at 16 and 64
+        # connections; at one connection req/s is 1/latency, and the latency targets below are the
+        # targets for it (docs/performance.md, "The targets"). Both ratios are printed for every cell.
+        print("\nTollgate / LiteLLM (req/s ratio; added-p50 ratio LiteLLM/Tollgate)   throughput target >= 20x req/s "
+              "under load (more than one connection)")
         for m in MODES:
             for c in conns:
                 r = summary["ratios_tollgate_over_litellm"][m][str(c)]
-                print(f"  {m:9} c={c:<3} req/s x{r['rps']:6.1f}   added p50 x{r['added_p50']:6.1f}   "
-                      f"{'PASS' if r['rps'] >= 20 else 'FAIL'}")
-    one = min(conns)
-    tg = summary["medians"]["tollgate"]["nonstream"][str(one)]
-    print(f"\nTollgate added latency at c={one}, non-streaming: p50 {tg['added_p50_ms']:.2f} ms (target <= 1: "
-          f"{'PASS' if tg['added_p50_ms'] <= 1 else 'FAIL'}), p99 {tg['added_p99_ms']:.2f} ms (target <= 3: "
-          f"{'PASS' if tg['added_p99_ms'] <= 3 else 'FAIL'})")
+                verdict = ("PASS" if r["rps"] >= 20 else "FAIL") if c > 1 else "(one connection: latency-bound, see the latency target)"
+                print(f"  {m:9} c={c:<3} req/s x{r['rps']:6.1f}   added p50 x{r['added_p50']:6.1f}   {verdict}")
+    if 1 in conns:  # the latency targets are at one connection
+        tg = summary["medians"]["tollgate"]["nonstream"]["1"]
+        print(f"\nTollgate added latency at c=1, non-streaming: p50 {tg['added_p50_ms']:.2f} ms (target <= 1: "
+              f"{'PASS' if tg['added_p50_ms'] <= 1 else 'FAIL'}), p99 {tg['added_p99_ms']:.2f} ms (target <= 3: "
+              f"{'PASS' if tg['added_p99_ms'] <= 3 else 'FAIL'})")
     led = summary["ledger"]
     print(f"ledger: {led['tollgate_2xx']} Tollgate 2xx responses, {led['completed_rows']} completed rows "
           f"({led['ledger_rows']} in all; {led['rows_minus_2xx']} more rows than 2xx, in flight when the generator "
