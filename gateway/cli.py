@@ -46,14 +46,12 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _tune_gc() -> None:
-    """What is alive once the server is built (modules, the app) stays alive: freeze it out of the
-    collector's scans, so that the collections request garbage triggers scan only request garbage
-    (the app freezes again once started and as models load: `create_app(freeze_gc=True)`)."""
+    """TOLLGATE_GC_GEN0: the collector's gen-0 threshold, for operators who measure a gain. (What is
+    alive once the server has started is frozen out of the collector's scans by the app itself,
+    `create_app(freeze_gc=True)`, once started and again as models load.)"""
     import gc
     import os
 
-    gc.collect()
-    gc.freeze()
     threshold = os.environ.get("TOLLGATE_GC_GEN0")
     if threshold:
         gc.set_threshold(int(threshold), *gc.get_threshold()[1:])

@@ -265,9 +265,9 @@ def _record_hit(state: Any, gen: Generation, delivered: bool, nanos: int) -> Non
 
 
 def records(request: Request) -> bool:
-    """Whether this request's completion is to be stored (a cacheable miss)."""
-    # `request.state` keeps its values in the scope's "state" dict: read there, a request that set
-    # nothing costs no AttributeError.
+    """Whether this request's completion is to be stored (a cacheable miss: `replay` left its key).
+    `request.state` keeps its values in the scope's "state" dict: read there, a request that set
+    nothing costs no AttributeError."""
     marks = request.scope.get("state")
     return bool(marks) and marks.get(_STATE_KEY) is not None and getattr(request.app.state, "response_cache", None) is not None
 
@@ -276,7 +276,7 @@ def recording(request: Request, gen: Generation, outputs: AsyncIterator[EngineOu
     """The metered stream, storing its completion when this request was a cacheable miss."""
     if not records(request):
         return outputs
-    return _recorded(request.app.state.response_cache, getattr(request.state, _STATE_KEY), gen, outputs)
+    return _recorded(request.app.state.response_cache, request.scope["state"][_STATE_KEY], gen, outputs)
 
 
 async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
