@@ -17,9 +17,8 @@ from typing import Any
 
 import asyncpg
 import httpx
-import pytest
 
-from tests.conftest import SECRET, run_coro
+from tests.conftest import SECRET, missing, run_coro
 
 
 def free_port() -> int:
@@ -42,7 +41,7 @@ class PrivatePostgres:
     def __init__(self) -> None:
         bindir = postgres_bin()
         if bindir is None:
-            pytest.skip("initdb/pg_ctl not installed")
+            missing("initdb/pg_ctl not installed (apt-get install postgresql)")
         self.bin = bindir
         self.port = free_port()
         self.root = Path(tempfile.mkdtemp(prefix="tollgate-pg-"))
