@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from billing.keyformat import key_problem, looks_like_key  # noqa: F401  (the key rule; authentication imports it from here)
 from billing.limits import Limits
 from billing.models import Account, ApiKey, utcnow
 
@@ -52,10 +53,6 @@ def hash_key(secret: bytes, key: str) -> str:
 @functools.lru_cache(maxsize=4)
 def _keyed(secret: bytes) -> "hmac.HMAC":
     return hmac.new(secret, digestmod=hashlib.sha256)
-
-
-def looks_like_key(key: str) -> bool:
-    return key.startswith("sk-") and 20 <= len(key) <= 200
 
 
 @dataclass(frozen=True)
@@ -246,6 +243,8 @@ class KeyStore:
 
     async def ensure_admin_key(self, key: str | None) -> str | None:
         """Makes sure an admin key exists. Returns a newly created secret (to print once), else None."""
+        if key is not None and (problem := key_problem(key)) is not None:
+            raise ValueError(f"TOLLGATE_ADMIN_KEY {problem}: authentication would never accept it")
         account = await self.ensure_account(ADMIN_ACCOUNT)
         if key is not None:
             if await self._principal_from_db(hash_key(self._secret, key)) is None:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import html
+import logging
 from pathlib import Path
 from typing import Any
 
 from fpdf import FPDF
+
+# fpdf2 subsets the TrueType font through fontTools, which logs ~37 INFO lines per render (tables it
+# skips or keeps): nothing an operator acts on, written into the server's log and the CLI's stderr.
+# Its warnings and errors still show.
+logging.getLogger("fontTools").setLevel(logging.WARNING)
 
 # A Unicode TrueType font when the system has one; otherwise the PDF core font (Latin-1 only).
 FONT_DIRS = (Path("/usr/share/fonts/truetype/dejavu"), Path("/usr/share/fonts/dejavu"), Path("/usr/local/share/fonts"))

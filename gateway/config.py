@@ -53,6 +53,8 @@ class Settings:
     kv_cache_tokens: int = 16384  # KV cache capacity of the hf engine; 0 = size from free memory
     max_batch_tokens: int = 1024  # tokens per continuous-batching step (prefill chunk)
     cuda_graphs: bool = True  # hf engine on CUDA only
+    # The hf engine's model in a process of its own (engines/hf_process.py); on by default on CUDA.
+    engine_process: bool = False
     # The gateway's queue in front of every engine (docs/scheduling.md).
     scheduler: bool = True
     scheduler_capacity: int = 0  # requests let into an engine at once; 0: its batch size / its replicas' slots
@@ -127,6 +129,33 @@ def _classes(raw: str) -> str:
     return raw
 
 
+def _admin_key(raw: str | None) -> str | None:
+    """TOLLGATE_ADMIN_KEY, refused at start unless authentication would accept it (the one rule:
+    billing/keyformat.py). The message never quotes the key."""
+    if not raw:
+        return None
+    from billing.keyformat import key_problem
+
+    problem = key_problem(raw)
+    if problem is not None:
+        raise SystemExit(
+            f"TOLLGATE_ADMIN_KEY {problem}, so it could never log in. Choose another, e.g. "
+            "python3 -c 'import secrets; print(\"sk-\" + secrets.token_urlsafe(32))', or unset it to have one made at start."
+        )
+    return raw
+
+
+def _engine_process(raw: str, device: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return device.startswith("cuda")
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SystemExit(f"TOLLGATE_ENGINE_PROCESS must be auto, 1 or 0, got {raw!r}")
+
+
 def load_settings() -> Settings:
     env = os.environ
     return Settings(
@@ -136,12 +165,13 @@ def load_settings() -> Settings:
         database_url=env.get("DATABASE_URL") or None,
         redis_url=env.get("REDIS_URL") or None,
         server_secret=env.get("TOLLGATE_SECRET") or None,
-        admin_key=env.get("TOLLGATE_ADMIN_KEY") or None,
+        admin_key=_admin_key(env.get("TOLLGATE_ADMIN_KEY")),
         model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
         model_path=env.get("TOLLGATE_MODEL_PATH") or None,
         engine_backend=env.get("TOLLGATE_ENGINE", "hf"),
         models_file=env.get("TOLLGATE_MODELS") or None,
         device=env.get("TOLLGATE_DEVICE", "cpu"),
+        engine_process=_engine_process(env.get("TOLLGATE_ENGINE_PROCESS", "auto"), env.get("TOLLGATE_DEVICE", "cpu")),
         max_batch_size=_env_int("TOLLGATE_MAX_BATCH_SIZE", 32),
         max_queue=_env_int("TOLLGATE_MAX_QUEUE", 256),
         kv_cache_tokens=_env_int("TOLLGATE_KV_CACHE_TOKENS", 16384),

@@ -22,19 +22,16 @@ Messages never contain API keys.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
 from starlette.responses import Response
 
+from billing.keyformat import mask_keys
 
-# Anything shaped like an API key is masked in every error message, whatever echoed it.
-_KEYLIKE = re.compile(r"sk-[A-Za-z0-9_\-]{8,}")
-
-
-def redact(text: str) -> str:
-    return _KEYLIKE.sub("sk-***", text)
+# Anything shaped like an API key is masked in every error message, whatever echoed it (the same
+# rule as the logs and echoed headers: billing/keyformat.py).
+redact = mask_keys
 
 
 class APIError(Exception):

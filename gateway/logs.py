@@ -3,8 +3,14 @@
 Every request gets a server-made id (it is also the ledger row's `request_id` and is returned as
 `x-request-id`). A client may send its own `x-request-id` (or `x-client-request-id`): when it is
 a plain token (letters, digits, `._:-`, at most 128 characters) it is logged as
-`client_request_id` and echoed back as `x-client-request-id`; anything else is ignored. Headers,
-bodies and query strings are never logged, so keys cannot leak through here.
+`client_request_id` and echoed back as `x-client-request-id`, with anything in it shaped like an API
+key masked (`sk-***`: clients do send a key there by mistake); anything else is ignored. Headers,
+bodies and query strings are never logged, and a key pasted into a path is masked, so keys cannot
+leak through here.
+
+A client that leaves before its response started (a non-streamed completion it stopped waiting for)
+is logged and counted as 499, nginx's "client closed request", never as the 500 uvicorn would have
+sent to a client still there.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.hardening import repeated_query_parameter, secure
+from billing.keyformat import mask_keys
+from gateway.hardening import WATCH_KEY, repeated_query_parameter, secure
 
 request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
 client_request_id_var: ContextVar[str | None] = ContextVar("tollgate_client_request_id", default=None)
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-KEY_LIKE = re.compile(r"sk-[A-Za-z0-9_\-]{4,}")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response started
 access_log = logging.getLogger("tollgate.access")
 
 
@@ -45,7 +52,8 @@ def request_id_of(request: Request) -> str:
 
 def client_request_id(raw_headers: list[tuple[bytes, bytes]]) -> str | None:
     """The client's own id from `x-request-id` (first) or `x-client-request-id`, when it is a plain
-    token; read from the ASGI scope's raw (lower-case) header list."""
+    token, with anything in it shaped like an API key masked; read from the ASGI scope's raw
+    (lower-case) header list."""
     own = other = None
     for name, value in raw_headers:
         if name == b"x-request-id":
@@ -54,7 +62,7 @@ def client_request_id(raw_headers: list[tuple[bytes, bytes]]) -> str | None:
         elif name == b"x-client-request-id" and other is None:
             other = value
     raw = (own or other or b"").decode("latin-1")
-    return raw if raw and CLIENT_ID.fullmatch(raw) else None
+    return mask_keys(raw) if raw and CLIENT_ID.fullmatch(raw) else None
 
 
 @functools.lru_cache(maxsize=4)
@@ -170,11 +178,27 @@ class RequestContext:
         status = 500
         responded = False
         started = time.perf_counter()
+        # Whether the client has left: the guarded protocol's connection watch (`tollgate serve`),
+        # else an `http.disconnect` seen on the way to the app.
+        watch = scope.get(WATCH_KEY)
+        left = False
+        if watch is None:
+            server_receive = receive
+
+            async def receive_noting_disconnect() -> Message:
+                nonlocal left
+                message = await server_receive()
+                if message["type"] == "http.disconnect":
+                    left = True
+                return message
+
+            receive = receive_noting_disconnect
 
         async def send_with_ids(message: Message) -> None:
             nonlocal status, responded
             if message["type"] == "http.response.start":
-                status = message["status"]
+                # A response that starts after the client left reaches no one: 499, as below.
+                status = CLIENT_CLOSED_REQUEST if (watch.lost if watch is not None else left) else message["status"]
                 responded = True
                 ids = ((b"x-request-id", rid.encode()),)
                 if crid is not None:
@@ -193,10 +217,12 @@ class RequestContext:
                 raise
             await (await self.on_error(scope, exc))(scope, receive, send_with_ids)
         finally:
+            if not responded and (watch.lost if watch is not None else left):
+                status = CLIENT_CLOSED_REQUEST  # nothing was sent because nobody was listening, not a server error
             route = _route_name(scope)
             if access_log.isEnabledFor(logging.INFO):
                 method = scope["method"]
-                path = KEY_LIKE.sub("sk-***", scope["path"])  # a key pasted into a URL stays out of the logs
+                path = mask_keys(scope["path"])  # a key pasted into a URL stays out of the logs
                 fields = {
                     "method": method, "path": path, "route": route, "status": status,
                     "duration_ms": round((time.perf_counter() - started) * 1000.0, 2),
