@@ -2,20 +2,27 @@
 
 Starts the fast mock upstream (bench/mock_upstream.py), Tollgate as in production (`tollgate
 serve`: API key auth, Redis quotas with limits set on the key, Postgres ledger, metrics on) and
-LiteLLM's proxy from PyPI (`litellm[proxy]`, 127.0.0.1, no database, a master key) in front of
-the same mock. LiteLLM lives in its own virtualenv (.venv-litellm/, made on first use) so its
-dependencies never touch the project's. The same load generator drives all three: wrk with
-bench/wrk/openai.lua (bench/loadgen.py when wrk is missing), non-streaming and streaming, at 1
-and 64 connections, targets interleaved within each round; figures are medians over rounds.
+LiteLLM's proxy from PyPI (`litellm[proxy]` at the pinned LITELLM_VERSION, 127.0.0.1, no database,
+a master key) in front of the same mock, with as many worker processes as Tollgate (`--workers N`
+runs both with N). LiteLLM lives in its own virtualenv (.venv-litellm/, made or moved to the pin
+on first use) so its dependencies never touch the project's; its version is read from there into
+the JSON. The same load generator drives all three: wrk with bench/wrk/openai.lua
+(bench/loadgen.py when wrk is missing), non-streaming and streaming, at 1 and 64 connections,
+targets interleaved within each round.
 
-Prints req/s, p50/p99 and the latency added over direct, the Tollgate/LiteLLM ratios, checks
-that every request Tollgate answered 2xx has its ledger row, and writes JSON. Verdicts as issue 7
-sets its targets: req/s >= 20x LiteLLM's under load (cells with more than one connection), added
-p50 <= 1 ms and p99 <= 3 ms at one connection (where req/s is 1/latency; its ratios are printed
-too). docs/performance.md, "The targets".
+Prints, per cell, the medians over rounds of req/s, p50 and p99, the worst round's p99 (absolute:
+never a difference with direct's p99, which is noisy), and the p50 added over direct paired by
+round (median and worst round); the Tollgate/LiteLLM ratios (medians, and the worse round) only
+when both ran with the same number of workers; checks that every request Tollgate answered 2xx
+has its ledger row, and writes JSON. Verdicts as issue 7 sets its targets, each on the worse
+round: req/s >= 20x LiteLLM's under load (cells with more than one connection), added p50 <= 1 ms
+at one connection, and p99 <= 3 ms added judged as Tollgate's worst p99 minus direct's best (the
+one-connection ratios are printed too). docs/performance.md, "The targets". `--from-json PATH`
+prints that report from the rounds a run recorded, measuring nothing.
 
     python bench/overhead.py --rounds 3 --seconds 5
     python bench/overhead.py --rounds 1 --seconds 3 --no-litellm --profile 15   # py-spy raw stacks
+    python bench/overhead.py --from-json docs/results/overhead-2026-12-01-s8-w1.json
 """
 
 from __future__ import annotations
@@ -64,28 +71,55 @@ def body(stream: bool) -> bytes:
 
 # ---------------------------------------------------------------- LiteLLM in its own virtualenv
 
+# The LiteLLM every figure is measured against: pinned, so that two runs compare the same proxy, and
+# recorded in the JSON (settings.litellm_version, read from the virtualenv, not assumed).
+LITELLM_VERSION = "1.106.12"  # later releases tried here (1.108.14, 1.110.2) ask for litellm-proxy packages the index lacks
+LITELLM_REQUIREMENT = f"litellm[proxy]=={LITELLM_VERSION}"
+
+
+def installed_litellm_version() -> str | None:
+    """The litellm version installed in .venv-litellm/ (None: not installed)."""
+    python = LITELLM_VENV / "bin" / "python"
+    if not python.exists():
+        return None
+    probe = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 and probe.stdout.strip() else None
+
+
 def ensure_litellm() -> Path:
+    """.venv-litellm/ with exactly the pinned litellm[proxy] (made, or moved to the pin, on first use)."""
     exe = LITELLM_VENV / "bin" / "litellm"
-    if exe.exists():
+    found = installed_litellm_version()
+    if exe.exists() and found == LITELLM_VERSION:
         return exe
     python = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
-    print(f"creating {LITELLM_VENV} and installing litellm[proxy] (first use; a few minutes)...", flush=True)
+    doing = f"replacing litellm {found} with {LITELLM_VERSION}" if found else f"installing {LITELLM_REQUIREMENT}"
+    print(f"{LITELLM_VENV}: {doing} (a few minutes)...", flush=True)
     try:
-        subprocess.run([python, "-m", "venv", str(LITELLM_VENV)], check=True)
-        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
+        if not (LITELLM_VENV / "bin" / "pip").exists():
+            subprocess.run([python, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", LITELLM_REQUIREMENT], check=True)
     except (subprocess.CalledProcessError, OSError) as exc:
         raise SystemExit(
             f"could not install LiteLLM into {LITELLM_VENV} ({exc}).\n"
-            f"Install it by hand: python3 -m venv {LITELLM_VENV} && {LITELLM_VENV}/bin/pip install 'litellm[proxy]'\n"
+            f"Install it by hand: python3 -m venv {LITELLM_VENV} && {LITELLM_VENV}/bin/pip install '{LITELLM_REQUIREMENT}'\n"
             "or run with --no-litellm."
         ) from None
-    if not exe.exists():
-        raise SystemExit(f"{exe} missing after installing litellm[proxy]; run with --no-litellm")
+    found = installed_litellm_version()
+    if not exe.exists() or found != LITELLM_VERSION:
+        raise SystemExit(f"{LITELLM_VENV} holds litellm {found}, not {LITELLM_VERSION}, after installing it; run with --no-litellm")
     return exe
 
 
+def litellm_args(exe: Path, config: Path, port: int, workers: int) -> list[str]:
+    """LiteLLM's proxy with as many worker processes as Tollgate gets (`--workers`): the ratios
+    compare like with like."""
+    return [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", str(workers)]
+
+
 @contextmanager
-def litellm_proxy(upstream: str) -> Iterator[tuple[str, str]]:
+def litellm_proxy(upstream: str, workers: int = 1) -> Iterator[tuple[str, str]]:
     exe = ensure_litellm()
     tmp = Path(tempfile.mkdtemp(prefix="litellm-bench-"))
     port = free_port()
@@ -99,8 +133,7 @@ def litellm_proxy(upstream: str) -> Iterator[tuple[str, str]]:
     )
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "VIRTUAL_ENV")}
     env.update(LITELLM_TELEMETRY="False", LITELLM_LOG="ERROR", PATH=f"{LITELLM_VENV / 'bin'}:{env.get('PATH', '')}")
-    args = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
-    with process(args, env, tmp / "litellm.log") as proc:
+    with process(litellm_args(exe, config, port, workers), env, tmp / "litellm.log") as proc:
         try:
             wait_http(f"http://127.0.0.1:{port}/health/liveliness", proc, timeout=300)
         except RuntimeError:
@@ -306,7 +339,12 @@ def main() -> None:
                         "the working tree, e.g. HEAD while uncommitted edits are in progress")
     parser.add_argument("--workers", type=int, default=1, help="Tollgate server processes (tollgate serve --workers)")
     parser.add_argument("--json", default="bench/results/overhead.json")
+    parser.add_argument("--from-json", metavar="PATH", help="measure nothing: print the summary of the runs recorded in "
+                        "PATH (a JSON this bench wrote) as this version of the bench summarizes them")
     args = parser.parse_args()
+    if args.from_json:
+        report_from_json(Path(args.from_json))
+        return
     conns = [int(c) for c in args.connections.split(",")]
     targets = [t for t in TARGETS if not (args.no_litellm and t == "litellm")]
     if not shutil.which("wrk"):
@@ -321,7 +359,7 @@ def main() -> None:
         db, tg_base, tg_key = tollgate_as_in_production(stack, upstream, {"TOLLGATE_WORKERS": str(args.workers)}, args.rev)
         bases: dict[str, tuple[str, str | None]] = {"direct": (upstream.rsplit("/v1", 1)[0], None), "tollgate": (tg_base, tg_key)}
         if "litellm" in targets:
-            bases["litellm"] = stack.enter_context(litellm_proxy(upstream))
+            bases["litellm"] = stack.enter_context(litellm_proxy(upstream, workers=args.workers))
 
         tg_process = gateway_root(listening_pid(urlparse(tg_base).port or 80))
         wait_idle(tg_process)  # models still loading in the background (embeddings) would eat the first cells
@@ -365,7 +403,13 @@ def main() -> None:
                 profiles[mode] = {"raw": str(raw.relative_to(ROOT)), "rps_under_profiler": r["rps"], **summarize_profile(raw)}
         rows, completed = settled_ledger_counts(db)
 
-    summary = summarize(runs, targets, conns)
+    settings = {"rounds": args.rounds, "seconds": args.seconds, "connections": conns,
+                "generator": runs["direct"][MODES[0]][conns[0]][0]["generator"], "cpus": os.cpu_count(),
+                "python": platform.python_version(), "tollgate_source": args.rev or "working tree", "tollgate_workers": args.workers,
+                "litellm_workers": args.workers if "litellm" in targets else None,
+                "litellm_version": installed_litellm_version() if "litellm" in targets else None,
+                "machine": "shared with other work (noisy)"}
+    summary = summarize(runs, targets, conns, settings)
     summary["ledger"] = {
         "tollgate_2xx": ok_total["tollgate"], "ledger_rows": rows, "completed_rows": completed,
         "rows_minus_2xx": rows - ok_total["tollgate"], "in_flight_bound": ok_total["connections"],
@@ -373,9 +417,6 @@ def main() -> None:
         "every_2xx_has_a_row": ok_total["tollgate"] <= completed and rows - ok_total["tollgate"] <= ok_total["connections"],
     }
     summary["profiles"] = profiles
-    summary["settings"] = {"rounds": args.rounds, "seconds": args.seconds, "connections": conns,
-                           "generator": runs["direct"][MODES[0]][conns[0]][0]["generator"], "cpus": os.cpu_count(),
-                           "python": platform.python_version(), "tollgate_source": args.rev or "working tree", "tollgate_workers": args.workers, "machine": "shared with other work (noisy)"}
     summary["runs"] = runs
     print_table(summary, targets, conns)
     for mode, p in profiles.items():
@@ -391,30 +432,50 @@ def main() -> None:
     print(f"\nwrote {args.json}")
 
 
-def summarize(runs: dict[str, Any], targets: list[str], conns: list[int]) -> dict[str, Any]:
-    out: dict[str, Any] = {"medians": {}}
+def summarize(runs: dict[str, Any], targets: list[str], conns: list[int], settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per cell: medians over rounds of req/s, p50 and p99; the worst round's p99 (absolute, never a
+    difference: direct's own p99 is noisy, and a difference with it goes tiny or negative); the
+    added p50 paired by round (the target's p50 minus direct's in the same round, targets being
+    interleaved within a round), its median and its worst round. Tollgate/LiteLLM ratios only when
+    both ran with the same number of worker processes."""
+    settings = dict(settings or {})
+    out: dict[str, Any] = {"medians": {}, "settings": settings}
     for t in targets:
         for m in MODES:
             for c in conns:
-                rs = runs[t][m][c]
+                rs = runs[t][m][str(c)] if str(c) in runs[t][m] else runs[t][m][c]
+                direct = runs["direct"][m][str(c)] if str(c) in runs["direct"][m] else runs["direct"][m][c]
                 med = {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
+                med["p99_worst_ms"] = max(r["p99_ms"] for r in rs)
                 med["non2xx"] = sum(r["non2xx"] for r in rs)
-                if t == "tollgate":
+                if t != "direct":
+                    added = [r["p50_ms"] - d["p50_ms"] for r, d in zip(rs, direct)]
+                    med["added_p50_ms"] = statistics.median(added)
+                    med["added_p50_worst_ms"] = max(added)
+                if all("cpu_us_per_request" in r for r in rs):
                     med["cpu_us_per_request"] = statistics.median(r["cpu_us_per_request"] for r in rs)
                 out["medians"].setdefault(t, {}).setdefault(m, {})[str(c)] = med
-    for t in targets:
+    if "litellm" in targets and same_workers(settings):
+        ratios: dict[str, Any] = {}
         for m in MODES:
             for c in conns:
-                med, d = out["medians"][t][m][str(c)], out["medians"]["direct"][m][str(c)]
-                med["added_p50_ms"] = med["p50_ms"] - d["p50_ms"]
-                med["added_p99_ms"] = med["p99_ms"] - d["p99_ms"]
-    if "litellm" in targets:
-        out["ratios_tollgate_over_litellm"] = {
-            m: {str(c): {"rps": _div(out["medians"]["tollgate"][m][str(c)]["rps"], out["medians"]["litellm"][m][str(c)]["rps"]),
-                         "added_p50": _div(out["medians"]["litellm"][m][str(c)]["added_p50_ms"],
-                                           out["medians"]["tollgate"][m][str(c)]["added_p50_ms"])}
-                for c in conns} for m in MODES}
+                tg, ll = out["medians"]["tollgate"][m][str(c)], out["medians"]["litellm"][m][str(c)]
+                tg_runs = runs["tollgate"][m][str(c)] if str(c) in runs["tollgate"][m] else runs["tollgate"][m][c]
+                ll_runs = runs["litellm"][m][str(c)] if str(c) in runs["litellm"][m] else runs["litellm"][m][c]
+                ratios.setdefault(m, {})[str(c)] = {
+                    "rps": _div(tg["rps"], ll["rps"]),
+                    # the worse round: the smallest Tollgate/LiteLLM req/s ratio of any one round
+                    "rps_worst_round": min(_div(a["rps"], b["rps"]) for a, b in zip(tg_runs, ll_runs)),
+                    "added_p50": _div(ll["added_p50_ms"], tg["added_p50_ms"]),
+                }
+        out["ratios_tollgate_over_litellm"] = ratios
     return out
+
+
+def same_workers(settings: dict[str, Any]) -> bool:
+    """Whether LiteLLM ran with as many worker processes as Tollgate (runs recorded before the JSON
+    said so ran one LiteLLM worker)."""
+    return int(settings.get("litellm_workers") or 1) == int(settings.get("tollgate_workers") or 1)
 
 
 def _div(a: float, b: float) -> float:
@@ -423,39 +484,75 @@ def _div(a: float, b: float) -> float:
 
 def print_table(summary: dict[str, Any], targets: list[str], conns: list[int]) -> None:
     s = summary["settings"]
+    litellm = ""
+    if "litellm" in targets:
+        litellm = f", LiteLLM {s.get('litellm_version') or '(version not recorded)'} with {s.get('litellm_workers') or 1}"
     print(f"\nmedians of {s['rounds']} rounds x {s['seconds']} s, {s['generator']}, {s['cpus']} CPUs, "
-          f"Tollgate with {s['tollgate_workers']} worker process(es)")
-    print(f"{'path':9} {'mode':9} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'non-2xx':>7}"
-          f" {'cpu us/req':>10}")
+          f"worker processes: Tollgate {s['tollgate_workers']}{litellm}")
+    print("p99: absolute (median of rounds, and the worst round); +p50: the target's p50 minus direct's, in the same round "
+          "(median of rounds, and the worst round)")
+    print(f"{'path':9} {'mode':9} {'conns':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'worst p99':>9} {'+p50 ms':>8}"
+          f" {'worst +p50':>10} {'non-2xx':>7} {'cpu us/req':>10}")
     for m in MODES:
         for c in conns:
             for t in targets:
                 x = summary["medians"][t][m][str(c)]
-                added = ("" if t == "direct" else f"{x['added_p50_ms']:8.2f}", "" if t == "direct" else f"{x['added_p99_ms']:8.2f}")
+                added = ("", "") if t == "direct" else (f"{x['added_p50_ms']:8.2f}", f"{x['added_p50_worst_ms']:10.2f}")
                 cpu = f"{x['cpu_us_per_request']:10.0f}" if "cpu_us_per_request" in x else ""
-                print(f"{t:9} {m:9} {c:>5} {x['rps']:>9.0f} {x['p50_ms']:>8.2f} {x['p99_ms']:>8.2f} {added[0]:>8} {added[1]:>8} {x['non2xx']:>7}"
-                      f" {cpu:>10}")
+                print(f"{t:9} {m:9} {c:>5} {x['rps']:>9.0f} {x['p50_ms']:>8.2f} {x['p99_ms']:>8.2f} {x['p99_worst_ms']:>9.2f}"
+                      f" {added[0]:>8} {added[1]:>10} {x['non2xx']:>7} {cpu:>10}")
     if "ratios_tollgate_over_litellm" in summary:
         # The issue's throughput targets are against LiteLLM's throughput, which it quotes at 16 and 64
         # connections; at one connection req/s is 1/latency, and the latency targets below are the
         # targets for it (docs/performance.md, "The targets"). Both ratios are printed for every cell.
-        print("\nTollgate / LiteLLM (req/s ratio; added-p50 ratio LiteLLM/Tollgate)   throughput target >= 20x req/s "
-              "under load (more than one connection)")
+        print(f"\nTollgate / LiteLLM, both with {s['tollgate_workers']} worker process(es) (req/s ratio of the medians, and of "
+              "the worse round; added-p50 ratio LiteLLM/Tollgate)   throughput target >= 20x req/s under load "
+              "(more than one connection), judged on the worse round")
         for m in MODES:
             for c in conns:
                 r = summary["ratios_tollgate_over_litellm"][m][str(c)]
-                verdict = ("PASS" if r["rps"] >= 20 else "FAIL") if c > 1 else "(one connection: latency-bound, see the latency target)"
-                print(f"  {m:9} c={c:<3} req/s x{r['rps']:6.1f}   added p50 x{r['added_p50']:6.1f}   {verdict}")
+                verdict = ("PASS" if r["rps_worst_round"] >= 20 else "FAIL") if c > 1 else "(one connection: latency-bound, see the latency target)"
+                print(f"  {m:9} c={c:<3} req/s x{r['rps']:6.1f} (worse round x{r['rps_worst_round']:6.1f})   "
+                      f"added p50 x{r['added_p50']:6.1f}   {verdict}")
+    elif "litellm" in targets:
+        print(f"\nno Tollgate/LiteLLM ratios: LiteLLM ran with {s.get('litellm_workers') or 1} worker process(es), Tollgate with "
+              f"{s['tollgate_workers']}; they would not compare like for like")
     if 1 in conns:  # the latency targets are at one connection
-        tg = summary["medians"]["tollgate"]["nonstream"]["1"]
-        print(f"\nTollgate added latency at c=1, non-streaming: p50 {tg['added_p50_ms']:.2f} ms (target <= 1: "
-              f"{'PASS' if tg['added_p50_ms'] <= 1 else 'FAIL'}), p99 {tg['added_p99_ms']:.2f} ms (target <= 3: "
-              f"{'PASS' if tg['added_p99_ms'] <= 3 else 'FAIL'})")
-    led = summary["ledger"]
-    print(f"ledger: {led['tollgate_2xx']} Tollgate 2xx responses, {led['completed_rows']} completed rows "
-          f"({led['ledger_rows']} in all; {led['rows_minus_2xx']} more rows than 2xx, in flight when the generator "
-          f"stopped, bound {led['in_flight_bound']}): {'PASS' if led['every_2xx_has_a_row'] else 'FAIL'}")
+        tg, d = summary["medians"]["tollgate"]["nonstream"]["1"], summary["medians"]["direct"]["nonstream"]["1"]
+        best_direct_p99 = min(r["p99_ms"] for r in _cell_runs(summary, "direct", "nonstream", 1)) if summary.get("runs") else d["p99_ms"]
+        p99_bound = tg["p99_worst_ms"] - best_direct_p99
+        print(f"\nTollgate at c=1, non-streaming: added p50 {tg['added_p50_ms']:.2f} ms, worst round {tg['added_p50_worst_ms']:.2f} ms "
+              f"(target <= 1, judged on the worst round: {'PASS' if tg['added_p50_worst_ms'] <= 1 else 'FAIL'}); "
+              f"p99 Tollgate {tg['p99_worst_ms']:.2f} ms, direct {d['p99_worst_ms']:.2f} ms (absolute, worst round of each); "
+              f"Tollgate's worst p99 minus direct's best {p99_bound:.2f} ms (target <= 3: {'PASS' if p99_bound <= 3 else 'FAIL'})")
+    led = summary.get("ledger")
+    if led:
+        print(f"ledger: {led['tollgate_2xx']} Tollgate 2xx responses, {led['completed_rows']} completed rows "
+              f"({led['ledger_rows']} in all; {led['rows_minus_2xx']} more rows than 2xx, in flight when the generator "
+              f"stopped, bound {led['in_flight_bound']}): {'PASS' if led['every_2xx_has_a_row'] else 'FAIL'}")
 
+
+def _cell_runs(summary: dict[str, Any], target: str, mode: str, c: int) -> list[dict[str, Any]]:
+    cell = summary["runs"][target][mode]
+    return cell[str(c)] if str(c) in cell else cell[c]
+
+
+def report_from_json(path: Path) -> dict[str, Any]:
+    """The summary and table this bench prints, from the per-round measurements a run (of this or an
+    earlier version of the bench) recorded in its JSON: no new measurement."""
+    recorded = json.loads(Path(path).read_text())
+    runs, settings = recorded["runs"], dict(recorded["settings"])
+    targets = [t for t in TARGETS if t in runs]
+    conns = [int(c) for c in settings["connections"]]
+    if "litellm" in targets:
+        settings.setdefault("litellm_workers", 1)  # before the JSON recorded it, LiteLLM always ran one worker
+        settings.setdefault("litellm_version", None)
+    summary = summarize(runs, targets, conns, settings)
+    summary["ledger"] = recorded.get("ledger")
+    summary["runs"] = runs
+    print(f"from {path} (recorded measurements)")
+    print_table(summary, targets, conns)
+    return summary
 
 if __name__ == "__main__":
     main()
