@@ -1,6 +1,6 @@
 """`trtllm` backend: TensorRT-LLM's LLM API in this process (its PyTorch backend, 1.x).
 
-    LLM(model=<HF checkpoint dir>, tensor_parallel_size, max_batch_size, max_num_tokens,
+    LLM(model=<HF checkpoint dir>, tensor_parallel_size, max_batch_size, max_seq_len, max_num_tokens,
         kv_cache_config=KvCacheConfig(free_gpu_memory_fraction), scheduler_config=...)
     async for out in llm.generate_async(prompt_ids, sampling_params, streaming=True):
         out.outputs[0].text_diff / token_ids_diff   the increment
@@ -8,9 +8,15 @@
         outputs[0].finish_reason                     stop | length | timeout | cancelled
     out.abort()                                      on client disconnect
 
-TensorRT-LLM does the in-flight batching; this module only maps requests and outputs. The
-package is an optional extra (`tollgate[trtllm]`) imported lazily: without it, selecting this
-backend fails at start-up with one message (`require_tensorrt_llm`).
+TensorRT-LLM does the in-flight batching; this module only maps requests and outputs. The names
+used here are checked against the contract read from NVIDIA's source
+(tests/contracts/trtllm_contract.json, tests/engines/test_trtllm_contract.py). The package is an
+optional extra (`tollgate[trtllm]`) imported lazily: without it, selecting this backend fails at
+start-up with one message (`require_tensorrt_llm`).
+
+Each request's result is read by a small pump task into a queue, so the request's stream can end
+on a cancel even when TensorRT-LLM never answers again (it drops an aborted request that is still
+in its waiting queue without any output).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,7 @@ from engines.base import (
     EngineOutput,
     EngineOverloadedError,
     EngineRequest,
+    EngineRequestRejected,
 )
 from engines.text import StopMatcher
 
@@ -48,6 +56,14 @@ MISSING = (
 # TensorRT-LLM's finish reasons in OpenAI's terms. `timeout` ends a request early, as `length` does.
 FINISH_REASONS = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "timeout": FINISH_LENGTH, "cancelled": FINISH_CANCELLED}
 SCHEDULER_POLICIES = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_UTILIZATION"}
+# What Tollgate passes as max_batch_size when models.yaml sets none (TensorRT-LLM's own default is
+# 2048): the batch the engine runs and the slots Tollgate schedules are then the same number.
+DEFAULT_MAX_BATCH_SIZE = 256
+# TensorRT-LLM's max_num_tokens default (TorchLlmArgs), for an LLM whose args do not say.
+DEFAULT_MAX_NUM_TOKENS = 8192
+# After a cancel, how long a request that has produced output gets to send its own final
+# `cancelled` output (its exact counts) before the stream ends without it.
+CANCEL_GRACE_S = 1.0
 
 
 class TensorRTLLMMissing(EngineError):
@@ -67,6 +83,93 @@ def import_tensorrt_llm() -> Any:
         return importlib.import_module("tensorrt_llm")
     except ImportError as exc:
         raise TensorRTLLMMissing(f"{MISSING} (import failed: {exc})") from None
+
+
+def _is_named(exc: BaseException, name: str) -> bool:
+    """Whether the exception is (a subclass of) TensorRT-LLM's class of that name; by name, so
+    that nothing of tensorrt_llm's internals needs importing."""
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
+
+
+def engine_is_dead(exc: BaseException) -> bool:
+    """TensorRT-LLM's executor is gone: a worker died (EngineDeadError on the result) or the LLM
+    is shutting down (RuntimeError from generate_async)."""
+    if _is_named(exc, "EngineDeadError"):
+        return True
+    return isinstance(exc, RuntimeError) and "shutting down" in str(exc).lower()
+
+
+def request_is_invalid(exc: BaseException) -> bool:
+    """TensorRT-LLM refused the request itself: RequestError (e.g. a prompt over max_num_tokens),
+    or a ValueError/TypeError from its argument checks."""
+    return _is_named(exc, "RequestError") or isinstance(exc, (ValueError, TypeError))
+
+
+@dataclass(slots=True)
+class _Step:
+    """One TensorRT-LLM response, copied out of the result object it updates in place."""
+
+    text: str
+    token_ids: list[int]
+    count: int  # len(outputs[0].token_ids): cumulative, after any trimming
+    prompt_tokens: int
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    error: str | None
+    logprobs: list[Any] | None
+    cached_tokens: int | None
+
+
+_CANCELLED = object()  # the stream was cancelled; end it now
+_ENDED = object()  # the result stopped iterating without a finished output
+
+
+@dataclass(slots=True)
+class _Failure:
+    exc: BaseException
+
+
+class _Live:
+    """One request TensorRT-LLM holds: its result, the queue its pump fills, the cancel timer."""
+
+    __slots__ = ("result", "queue", "pump", "seen_output", "timer")
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.pump: asyncio.Task[None] | None = None
+        self.seen_output = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.pump is not None and not self.pump.done():
+            self.pump.cancel()
+
+
+async def _pump(live: _Live, want_logprobs: bool) -> None:
+    """Copies each step of the result into the queue (the result is one object updated in place)."""
+    result, queue = live.result, live.queue
+    try:
+        async for out in result:
+            c = out.outputs[0]
+            ids = list(c.token_ids_diff)
+            live.seen_output = live.seen_output or bool(ids)
+            queue.put_nowait(_Step(
+                c.text_diff, ids, len(c.token_ids), len(out.prompt_token_ids), out.finished, c.finish_reason,
+                c.stop_reason, getattr(out, "error", None), list(c.logprobs_diff) if want_logprobs else None,
+                getattr(out, "cached_tokens", None),
+            ))
+            if out.finished:
+                return
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - handed to the stream, which decides
+        queue.put_nowait(_Failure(exc))
+        return
+    queue.put_nowait(_ENDED)
 
 
 class TRTLLMEngine(Engine):
@@ -96,16 +199,19 @@ class TRTLLMEngine(Engine):
         self.context_length = context_length or 0
         self._configured_context = context_length
         self.tensor_parallel_size = tensor_parallel_size
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
         self.max_num_tokens = max_num_tokens
         self.kv_cache_free_gpu_memory_fraction = kv_cache_free_gpu_memory_fraction
         self.scheduler_policy = scheduler_policy
         self.llm_options = dict(llm_options or {})
-        self.capacity = (max_batch_size or 256) + max_queue
+        self.max_queue = max_queue
+        self.capacity = self.max_batch_size + max_queue
+        # The longest prompt TensorRT-LLM takes: max_num_tokens unless chunked prefill is on (None).
+        self.max_prompt_tokens: int | None = None
         self._api = api
         self._llm: Any = None
         self._tokenizer: Any = None
-        self._live: dict[str, Any] = {}  # request id -> TensorRT-LLM's result object (for abort)
+        self._live: dict[str, _Live] = {}  # request id -> what TensorRT-LLM holds for it
         self._ready = False
 
     # lifecycle --------------------------------------------------------------------------------
@@ -113,16 +219,29 @@ class TRTLLMEngine(Engine):
     def ready(self) -> bool:
         return self._ready
 
+    def _checkpoint_context(self) -> int | None:
+        config = Path(self.model_path) / "config.json"
+        if config.exists():
+            value = json.loads(config.read_text()).get("max_position_embeddings")
+            if value:
+                return int(value)
+        return None
+
     def llm_kwargs(self, api: Any) -> dict[str, Any]:
-        """The keyword arguments for `tensorrt_llm.LLM`, from this engine's settings."""
+        """The keyword arguments for `tensorrt_llm.LLM`, from this engine's settings. The batch size
+        and (when known here) the sequence length are always passed, so that the engine's capacity
+        and context are the ones Tollgate schedules and admits by."""
         llmapi = getattr(api, "llmapi", None) or importlib.import_module("tensorrt_llm.llmapi")
-        kwargs: dict[str, Any] = {"model": self.model_path, "tensor_parallel_size": self.tensor_parallel_size}
-        if self.max_batch_size is not None:
-            kwargs["max_batch_size"] = self.max_batch_size
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "max_batch_size": self.max_batch_size,
+        }
+        max_seq_len = self._configured_context or self._checkpoint_context()
+        if max_seq_len:
+            kwargs["max_seq_len"] = max_seq_len
         if self.max_num_tokens is not None:
             kwargs["max_num_tokens"] = self.max_num_tokens
-        if self._configured_context is not None:
-            kwargs["max_seq_len"] = self._configured_context
         if self.kv_cache_free_gpu_memory_fraction is not None:
             kwargs["kv_cache_config"] = llmapi.KvCacheConfig(free_gpu_memory_fraction=self.kv_cache_free_gpu_memory_fraction)
         if self.scheduler_policy is not None:
@@ -137,33 +256,47 @@ class TRTLLMEngine(Engine):
         started = time.perf_counter()
         api = self._api if self._api is not None else import_tensorrt_llm()
         self._api = api
+        kwargs = self.llm_kwargs(api)
         # Building the executor loads weights and captures CUDA graphs: minutes, off the loop.
-        self._llm = await asyncio.to_thread(lambda: api.LLM(**self.llm_kwargs(api)))
+        self._llm = await asyncio.to_thread(lambda: api.LLM(**kwargs))
         self._tokenizer = self._llm.tokenizer
-        self.context_length = self._resolve_context_length()
+        self.context_length = self._resolve_context_length(kwargs.get("max_seq_len"))
+        self.max_prompt_tokens = self._resolve_prompt_limit()
         self._ready = True
         log.info("model %s ready on TensorRT-LLM in %.1fs", self.model_id, time.perf_counter() - started)
 
-    def _resolve_context_length(self) -> int:
-        if self._configured_context:
-            return self._configured_context
+    def _resolve_context_length(self, passed: int | None) -> int:
+        if passed:
+            return int(passed)
         max_seq_len = getattr(getattr(self._llm, "args", None), "max_seq_len", None)
         if max_seq_len:
             return int(max_seq_len)
-        config = Path(self.model_path) / "config.json"
-        if config.exists():
-            value = json.loads(config.read_text()).get("max_position_embeddings")
-            if value:
-                return int(value)
         raise EngineError(f"cannot tell the context length of {self.model_path}; set context_length for {self.model_id}")
+
+    def _resolve_prompt_limit(self) -> int | None:
+        """Without chunked prefill TensorRT-LLM refuses a prompt longer than max_num_tokens."""
+        args = getattr(self._llm, "args", None)
+        if getattr(args, "enable_chunked_prefill", False):
+            return None
+        value = getattr(args, "max_num_tokens", None) or self.max_num_tokens or DEFAULT_MAX_NUM_TOKENS
+        return int(value)
 
     async def stop(self) -> None:
         self._ready = False
         if self._llm is not None:
             llm, self._llm = self._llm, None
-            for result in list(self._live.values()):
-                result.abort()
+            for live in list(self._live.values()):
+                self._abort(live.result)
             await asyncio.to_thread(llm.shutdown)
+
+    def _engine_died(self, exc: BaseException) -> EngineError:
+        """The executor is gone: this engine stops taking requests (readiness, fallbacks and the
+        router move on) and the request gets a 503."""
+        if self._ready:
+            log.error("TensorRT-LLM's executor for %s is gone (%s: %s); the model is marked not ready",
+                      self.model_id, type(exc).__name__, exc)
+        self._ready = False
+        return EngineError(f"TensorRT-LLM's executor for {self.model_id} is not running ({type(exc).__name__}: {exc})")
 
     # tokenization -----------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -180,16 +313,31 @@ class TRTLLMEngine(Engine):
         return self._ready and len(self._live) < self.capacity
 
     def slots(self) -> int | None:
-        return self.max_batch_size or 256  # 256: what `capacity` assumes when the batch size is left to TensorRT-LLM
+        return self.max_batch_size  # the batch size TensorRT-LLM was built with (always passed)
 
     def requests_in_flight(self) -> int:
         return len(self._live)
 
     def cancel(self, request_id: str) -> None:
-        """Aborts the request; TensorRT-LLM then ends its stream with `cancelled`."""
-        result = self._live.get(request_id)
-        if result is not None and not result.finished:
-            result.abort()
+        """Aborts the request and ends its stream: at once when it has produced nothing yet (it may
+        still be in TensorRT-LLM's queue, which drops it without an answer), else when TensorRT-LLM
+        answers `cancelled` or after CANCEL_GRACE_S, whichever is first."""
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        self._abort(live.result)
+        if not live.seen_output:
+            live.queue.put_nowait(_CANCELLED)
+        elif live.timer is None:
+            live.timer = asyncio.get_running_loop().call_later(CANCEL_GRACE_S, live.queue.put_nowait, _CANCELLED)
+
+    @staticmethod
+    def _abort(result: Any) -> None:
+        try:
+            if not result.finished:
+                result.abort()
+        except Exception as exc:  # noqa: BLE001 - an abort that fails must not fail the caller
+            log.warning("TensorRT-LLM abort failed: %s: %s", type(exc).__name__, exc)
 
     # generation -------------------------------------------------------------------------------
     def sampling_params(self, request: EngineRequest) -> Any:
@@ -210,62 +358,112 @@ class TRTLLMEngine(Engine):
             return self.encode_chat(request.messages)
         return self.encode_text(request.prompt or "")
 
+    @staticmethod
+    def _prompt_param(request: EngineRequest) -> str:
+        return "messages" if request.messages is not None or "messages" in (request.extra or {}) else "prompt"
+
+    def _check_prompt(self, request: EngineRequest, prompt: list[int]) -> None:
+        limit = self.max_prompt_tokens
+        if limit is not None and len(prompt) > limit:
+            raise EngineRequestRejected(
+                f"The prompt has {len(prompt)} tokens; this model takes at most {limit} prompt tokens "
+                f"(TensorRT-LLM's max_num_tokens, without chunked prefill).",
+                param=self._prompt_param(request), code="context_length_exceeded",
+            )
+
+    def _refused(self, exc: BaseException, request: EngineRequest) -> EngineError:
+        """What an exception from TensorRT-LLM before any output means for the client."""
+        if engine_is_dead(exc):
+            return self._engine_died(exc)
+        if request_is_invalid(exc):
+            return EngineRequestRejected(f"TensorRT-LLM rejected the request: {exc}", param=None, code="invalid_request")
+        return EngineError(f"TensorRT-LLM refused the request: {type(exc).__name__}: {exc}")
+
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if self._llm is None:
+        if self._llm is None or not self._ready:
             raise EngineError("engine is not running")
         if not self.has_capacity():
             raise EngineOverloadedError("engine queue is full")
         rid = request.request_id
+        prompt = self._prompt_ids(request)
+        self._check_prompt(request, prompt)
         try:
-            result = self._llm.generate_async(self._prompt_ids(request), sampling_params=self.sampling_params(request), streaming=True)
+            params = self.sampling_params(request)
+            result = self._llm.generate_async(prompt, sampling_params=params, streaming=True)
+        except EngineError:
+            raise
         except Exception as exc:
-            raise EngineError(f"TensorRT-LLM refused the request: {exc}") from exc
-        self._live[rid] = result
+            raise self._refused(exc, request) from exc
+        live = _Live(result)
+        self._live[rid] = live
+        live.pump = asyncio.get_running_loop().create_task(_pump(live, want_logprobs=False))
         stops = StopMatcher(request.sampling.stop)
-        emitted = ""  # text handed out so far
+        prompt_tokens, count, seen_ids = len(prompt), 0, 0
         finished = False
         try:
-            # TensorRT-LLM yields the same result object each step, updated in place.
-            async for out in result:
-                completion = out.outputs[0]
-                prompt_tokens = len(out.prompt_token_ids)
-                if out.finished:
+            while True:
+                item = await live.queue.get()
+                if item is _CANCELLED:
                     finished = True
-                    yield self._final(completion, emitted, request, prompt_tokens)
+                    yield EngineOutput("", [], FINISH_CANCELLED, prompt_tokens, count)
                     return
-                ids = list(completion.token_ids_diff)
-                text = stops.push(completion.text_diff)
-                emitted += text
-                if stops.stopped:  # a stop string TensorRT-LLM's token matching did not catch
+                if isinstance(item, _Failure):
                     finished = True
-                    result.abort()
-                    yield EngineOutput(text, ids, FINISH_STOP, prompt_tokens, len(completion.token_ids))
+                    raise self._failed(item.exc, request, seen_ids) from item.exc
+                if item is _ENDED:
+                    finished = True
+                    raise EngineError("TensorRT-LLM ended the stream without a finished output")
+                step: _Step = item
+                prompt_tokens, count = step.prompt_tokens or prompt_tokens, step.count
+                seen_ids += len(step.token_ids)
+                if step.finished:
+                    finished = True
+                    yield self._final(step, stops, result)
                     return
-                if text or ids:
-                    yield EngineOutput(text, ids, None, prompt_tokens, len(completion.token_ids))
-        except Exception as exc:
-            finished = True
-            raise EngineError(f"TensorRT-LLM failed the request: {exc}") from exc
+                text = stops.push(step.text)
+                if stops.stopped:  # a stop string TensorRT-LLM did not catch: cut here, stop the executor
+                    finished = True
+                    self._abort(result)
+                    yield EngineOutput(text, step.token_ids, FINISH_STOP, prompt_tokens, count)
+                    return
+                if text or step.token_ids:
+                    yield EngineOutput(text, step.token_ids, None, prompt_tokens, count)
         finally:
             self._live.pop(rid, None)
-            if not finished and not result.finished:
-                result.abort()  # the consumer left early
-        raise EngineError("TensorRT-LLM ended the stream without a finished output")
+            live.close()
+            if not finished:
+                self._abort(result)  # the consumer left early
 
-    def _final(self, completion: Any, emitted: str, request: EngineRequest, prompt_tokens: int) -> EngineOutput:
-        reason = FINISH_REASONS.get(completion.finish_reason or "", FINISH_STOP)
-        ids = list(completion.token_ids_diff)
-        count = len(completion.token_ids)  # stop tokens already trimmed by TensorRT-LLM
+    def _failed(self, exc: BaseException, request: EngineRequest, seen_ids: int) -> EngineError:
+        if engine_is_dead(exc):
+            return self._engine_died(exc)
+        if seen_ids == 0 and request_is_invalid(exc):
+            return self._refused(exc, request)
+        return EngineError(f"TensorRT-LLM failed the request: {type(exc).__name__}: {exc}")
+
+    def _final(self, step: _Step, stops: StopMatcher, result: Any) -> EngineOutput:
+        if step.finish_reason is None and step.error:
+            raise EngineError(f"TensorRT-LLM failed the request: {step.error}")
+        reason = FINISH_REASONS.get(step.finish_reason or "", FINISH_STOP)
         if reason == FINISH_CANCELLED:
-            return EngineOutput("", ids, reason, prompt_tokens, count)
-        # The final text may be shorter than what streamed (a trimmed stop string): only what
-        # extends the text already sent goes out, cut at a stop string if one is in it.
-        full = completion.text
-        tail = full[len(emitted):] if full.startswith(emitted) else ""
-        stops = StopMatcher(request.sampling.stop)
-        text = stops.push(tail)
-        if stops.stopped:
+            return EngineOutput("", step.token_ids, reason, step.prompt_tokens, step.count)
+        # The final increment: TensorRT-LLM has already cut a stop string it found in the text,
+        # and trimmed the ids of one it matched on tokens (the text keeps what streamed before).
+        text = stops.push(step.text)
+        by_stop_string = stops.stopped or isinstance(step.stop_reason, str)
+        if by_stop_string:
             reason = FINISH_STOP
+            # Held-back text is the stop string's head: never flushed. A stop TensorRT-LLM found in
+            # the text ends the result but not the executor's request, and the result does not say
+            # which of its two stop checks fired: abort (a no-op for a request the executor ended).
+            self._abort_after_finish(result)
         else:
             text += stops.flush()
-        return EngineOutput(text, ids, reason, prompt_tokens, count)
+        return EngineOutput(text, step.token_ids, reason, step.prompt_tokens, step.count)
+
+    @staticmethod
+    def _abort_after_finish(result: Any) -> None:
+        try:
+            result.abort()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("TensorRT-LLM abort failed: %s: %s", type(exc).__name__, exc)

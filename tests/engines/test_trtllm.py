@@ -4,6 +4,7 @@ reproduces the documented LLM API surface; nothing here ran on a GPU."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from typing import Any
@@ -12,7 +13,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from engines.base import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, EngineRequest, SamplingParams
+from engines.base import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, EngineError, EngineRequest, EngineRequestRejected, SamplingParams
 from engines.registry import ModelsConfigError, parse_models
 from engines.trtllm import MISSING, TensorRTLLMMissing, TRTLLMEngine, require_tensorrt_llm
 from gateway import cli
@@ -58,8 +59,9 @@ async def test_llm_is_built_from_the_settings(api: Any) -> None:
     assert (args.model, args.tensor_parallel_size, args.max_batch_size, args.max_num_tokens, args.max_seq_len) == ("/models/llama", 2, 64, 8192, 4096)
     assert args.kv_cache_config.free_gpu_memory_fraction == 0.85
     assert args.scheduler_config.capacity_scheduler_policy is double.CapacitySchedulerPolicy.MAX_UTILIZATION
-    assert args.extra == {"enable_chunked_prefill": True}
+    assert args.enable_chunked_prefill is True and engine._llm.explicit_kwargs["enable_chunked_prefill"] is True
     assert engine.ready and engine.context_length == 4096
+    assert engine.max_prompt_tokens is None  # chunked prefill: no prompt limit below the context
     await engine.stop()
     assert engine._llm is None
 
@@ -97,7 +99,7 @@ async def test_stop_string_trimmed_by_the_engine(api: Any) -> None:
     assert text == double.STORY.split(" Paris.")[0]
     assert outs[-1].finish_reason == FINISH_STOP and result.outputs[0].stop_reason == " Paris."
     assert outs[-1].completion_tokens == len(result.outputs[0].token_ids)  # trimmed count
-    assert result.request_id not in engine._llm.aborts
+    assert result.outputs[0].token_ids == [t for o in outs for t in o.token_ids]  # the stop token was never streamed
 
 
 async def test_stop_string_the_engine_cannot_see_is_cut_here(api: Any) -> None:
@@ -136,10 +138,8 @@ async def test_a_consumer_that_leaves_aborts_the_request(api: Any, monkeypatch: 
     await stream.aclose()
     result = last_request(engine)
     assert result.request_id in engine._llm.aborts
-    deadline = time.monotonic() + 2
-    while engine._llm.running:  # the executor notices the abort at its next step
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(result._task, 2)  # the executor notices the abort at its next step
+    assert engine._llm.running == 0
 
 
 async def test_timeout_finish_reads_as_length(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,6 +176,125 @@ def test_without_tensorrt_llm_the_backend_fails_at_start_up_with_one_message(tmp
     assert err.count("TensorRT-LLM") == 1 and f"{path}:3: models[0].backend" in err
     with pytest.raises(TensorRTLLMMissing):
         asyncio.run(TRTLLMEngine(model_id="llama", model_path="/models/llama").start())
+
+
+# issue 20's defects ---------------------------------------------------------------------------------
+async def until(predicate: Any, what: str) -> None:
+    """Lets the loop run until the predicate holds (no timing: bounded in loop turns)."""
+    for _ in range(10_000):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_cancel_of_a_queued_request_ends_its_stream_and_frees_its_slot(api: Any) -> None:
+    # Defect 1: TensorRT-LLM drops an aborted request still in its queue without a final output.
+    engine = await started(api, max_batch_size=1)
+    llm = engine._llm
+    llm.hold.clear()  # the one running request holds the batch: the next one waits in TensorRT-LLM's queue
+    running = engine.stream(request(engine))
+    first = asyncio.ensure_future(anext(running))
+    await until(lambda: llm.running == 1, "the first request runs")
+    queued_req = request(engine)
+    queued = asyncio.ensure_future(collect(engine, queued_req))
+    await until(lambda: len(llm.waiting) == 1, "the second request waits in the executor's queue")
+    engine.cancel(queued_req.request_id)
+    outs = await asyncio.wait_for(queued, 2)  # ends by itself, although the engine never answers it
+    assert [o.finish_reason for o in outs] == [FINISH_CANCELLED] and outs[0].completion_tokens == 0
+    assert engine.requests_in_flight() == 1 and engine.has_capacity()  # its slot is free
+    await until(lambda: llm.dropped == [2], "the executor dropped it")
+    assert llm.requests[1].outputs[0].finish_reason is None  # no `cancelled` output ever came
+    llm.hold.set()
+    assert (await first).text
+    await running.aclose()
+
+
+async def test_cancel_after_output_waits_for_the_engine_cancelled_counts(api: Any) -> None:
+    engine = await started(api)
+    llm = engine._llm
+    req = request(engine)
+    stream = engine.stream(req)
+    assert (await anext(stream)).token_ids
+    llm.hold.clear()  # the engine does not step (nor answer the abort) until released
+    engine.cancel(req.request_id)
+    nxt = asyncio.ensure_future(anext(stream))
+    await until(lambda: req.request_id in engine._live and engine._live[req.request_id].timer is not None, "grace timer")
+    llm.hold.set()
+    last = await asyncio.wait_for(nxt, 2)
+    assert last.finish_reason == FINISH_CANCELLED and last.completion_tokens == len(llm.requests[-1].outputs[0].token_ids)
+    assert await anext(stream, None) is None and engine.requests_in_flight() == 0
+
+
+async def test_prompt_over_max_num_tokens_is_a_client_error(api: Any) -> None:
+    # Defect 2: without chunked prefill TensorRT-LLM raises RequestError for such a prompt.
+    engine = await started(api, max_num_tokens=5)
+    assert engine.max_prompt_tokens == 5
+    req = request(engine)
+    assert len(req.prompt_token_ids) > 5
+    with pytest.raises(EngineRequestRejected) as info:
+        await collect(engine, req)
+    assert info.value.status_code == 400 and info.value.code == "context_length_exceeded" and "at most 5 prompt tokens" in str(info.value)
+    assert engine._llm.requests == []  # refused before it reached the engine
+    # A RequestError from generate_async itself (whatever its cause) is a 400 too, not an engine failure.
+    engine.max_prompt_tokens = None
+    with pytest.raises(EngineRequestRejected, match="max_num_tokens"):
+        await collect(engine, request(engine))
+    double.LLM.fail_next = ValueError("best_of (1) cannot be less than n (2)")
+    with pytest.raises(EngineRequestRejected, match="best_of"):
+        await collect(engine, request(engine))
+    assert engine.ready
+    chunked = await started(api, max_num_tokens=5, llm_options={"enable_chunked_prefill": True})
+    assert chunked.max_prompt_tokens is None
+    assert (await collect(chunked, request(chunked)))[-1].finish_reason == FINISH_STOP
+
+
+async def test_a_multi_token_stop_string_never_leaks_its_head(api: Any) -> None:
+    # Defect 3: " capital of" is two tokens; the engine trims their ids but its text keeps " capital".
+    engine = await started(api)
+    outs = await collect(engine, request(engine, stop=(" capital of",)))
+    result = last_request(engine)
+    assert result.outputs[0].finish_reason == "stop" and result.outputs[0].stop_reason == " capital of"
+    assert result.outputs[0].text.endswith(" capital")  # what TensorRT-LLM's final text holds
+    text = "".join(o.text for o in outs)
+    assert text == double.STORY.split(" capital of")[0] and "capital" not in text
+    assert outs[-1].finish_reason == FINISH_STOP and outs[-1].completion_tokens == len(result.outputs[0].token_ids)
+
+
+async def test_a_dead_engine_is_not_ready_and_fails_its_requests(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Defect 4: EngineDeadError on the result; afterwards generate_async says "LLM is shutting down".
+    engine = await started(api)
+    llm = engine._llm
+    stream = engine.stream(request(engine))
+    assert (await anext(stream)).text
+    llm.hold.clear()
+    llm.die()
+    with pytest.raises(EngineError, match="EngineDeadError") as info:
+        await anext(stream)
+    assert not isinstance(info.value, EngineRequestRejected)
+    assert not engine.ready and not engine.has_capacity() and engine.requests_in_flight() == 0
+    with pytest.raises(EngineError, match="not running"):
+        await collect(engine, request(engine))
+    # The other way it shows: generate_async refuses because the LLM is shutting down.
+    other = await started(api)
+    other._llm.shut_down = True
+    with pytest.raises(EngineError, match="shutting down"):
+        await collect(other, request(other))
+    assert not other.ready
+
+
+async def test_batch_size_and_sequence_length_are_always_passed(api: Any, tmp_path: Any) -> None:
+    # Defect 5: TensorRT-LLM's own default batch is 2048; Tollgate schedules 256 unless told.
+    engine = await started(api)
+    llm = engine._llm
+    assert llm.explicit_kwargs["max_batch_size"] == llm.args.max_batch_size == engine.slots() == 256
+    assert llm.explicit_kwargs["max_seq_len"] == llm.args.max_seq_len == engine.context_length == 4096
+    assert engine.capacity == 256 + 256
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    from_checkpoint = TRTLLMEngine(model_id="m", model_path=str(tmp_path), api=api)
+    await from_checkpoint.start()
+    assert from_checkpoint._llm.explicit_kwargs["max_seq_len"] == from_checkpoint.context_length == 8192
+    assert from_checkpoint.max_prompt_tokens == 8192  # TensorRT-LLM's max_num_tokens default, from llm.args
 
 
 # through the gateway --------------------------------------------------------------------------------
@@ -232,3 +351,44 @@ async def test_gateway_disconnect_aborts_the_trtllm_request(trtllm_gateway: Any,
     row = await gw.ledger_row(request_id)
     assert row["status"] == "cancelled"
     assert row["completion_tokens"] == len(llm.requests[-1].outputs[0].token_ids) >= 2
+
+
+async def test_gateway_answers_400_for_a_prompt_over_max_num_tokens(api: Any, tollgate_with: Any) -> None:
+    gw = tollgate_with("""
+    models:
+      - id: llama
+        backend: trtllm
+        model_path: /models/llama
+        context_length: 2048
+        max_num_tokens: 6
+    """)
+    key = (await gw.new_key())["key"]
+    async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        for stream in (False, True):
+            resp = await c.post("/chat/completions", json={"model": "llama", "messages": QUESTION, "stream": stream})
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded", "messages")
+            assert "at most 6 prompt tokens" in error["message"]
+    assert gw.engines()["llama"].primary._llm.requests == []
+
+
+async def test_gateway_dead_engine_answers_503_and_is_not_ready(trtllm_gateway: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "step_delay", 0.05)
+    gw = trtllm_gateway
+    key = (await gw.new_key())["key"]
+    engine = gw.engines()["llama"].primary
+    async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        assert (await c.get("/readyz")).status_code == 200
+        async with c.stream("POST", "/v1/chat/completions", json={"model": "llama", "messages": QUESTION, "stream": True}) as resp:
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if '"content":"' in line and '"content":""' not in line:
+                    break
+            engine._llm.die()
+            rest = [line async for line in lines]
+        assert any('"engine_error"' in line and "EngineDeadError" in line for line in rest)
+        assert not engine.ready
+        assert (await c.get("/readyz")).status_code == 503
+        after = await c.post("/v1/chat/completions", json={"model": "llama", "messages": QUESTION})
+        assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
