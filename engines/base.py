@@ -102,6 +102,9 @@ class EngineOutput:
     # When the first output token of this request arrived (time.perf_counter()), for an engine
     # that yields nothing until the end (a pool collecting a non-streamed answer): the TTFT.
     first_token_at: float | None = None
+    # Prompt tokens the engine served from its prefix (KV) cache, when it says (TensorRT-LLM's
+    # result.cached_tokens, an upstream's usage.prompt_tokens_details.cached_tokens); the last output's counts.
+    cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -147,6 +147,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "scheduler_policy": Field(_one_of("guaranteed_no_evict", "max_utilization")),
         "max_queue": Field(_int(0)),
         "llm_options": Field(_mapping),
+        "tool_parser": Field(_one_of("hermes", "llama3_json")),
     },
     "router": {
         "routes": Field(_routes, required=True),

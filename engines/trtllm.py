@@ -22,6 +22,7 @@ in its waiting queue without any output).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -45,6 +46,7 @@ from engines.base import (
     EngineRequestRejected,
 )
 from engines.text import StopMatcher
+from engines.tool_calls import PARSERS, ToolCall, parser_for
 
 log = logging.getLogger("tollgate.engines.trtllm")
 
@@ -61,6 +63,8 @@ SCHEDULER_POLICIES = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utiliza
 DEFAULT_MAX_BATCH_SIZE = 256
 # TensorRT-LLM's max_num_tokens default (TorchLlmArgs), for an LLM whose args do not say.
 DEFAULT_MAX_NUM_TOKENS = 8192
+# OpenAI's limit on top_logprobs (TensorRT-LLM takes up to 100).
+MAX_TOP_LOGPROBS = 20
 # After a cancel, how long a request that has produced output gets to send its own final
 # `cancelled` output (its exact counts) before the stream ends without it.
 CANCEL_GRACE_S = 1.0
@@ -103,6 +107,30 @@ def request_is_invalid(exc: BaseException) -> bool:
     """TensorRT-LLM refused the request itself: RequestError (e.g. a prompt over max_num_tokens),
     or a ValueError/TypeError from its argument checks."""
     return _is_named(exc, "RequestError") or isinstance(exc, (ValueError, TypeError))
+
+
+def chat_template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: text content parts joined, `developer` as `system`.
+    Anything but text parts is refused (ValueError: the gateway answers 400)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{i}].content[{j}]: content part type {kind!r} is not supported by this model; only 'text' parts are")
+                parts.append(part["text"])
+            m = {**m, "content": "".join(parts)}
+        if m.get("role") == "developer":
+            m = {**m, "role": "system"}
+        out.append(m)
+    return out
+
+
+def _rejected(message: str, param: str, code: str = "unsupported_parameter") -> EngineRequestRejected:
+    return EngineRequestRejected(message, param=param, code=code)
 
 
 @dataclass(slots=True)
@@ -172,8 +200,111 @@ async def _pump(live: _Live, want_logprobs: bool) -> None:
     queue.put_nowait(_ENDED)
 
 
+class _Shape:
+    """The client's view of a request that needs more than text: logprobs and/or tool calls. Each
+    output gets the OpenAI choice object it becomes (EngineOutput.raw_choice): a chunk's choice
+    with `delta` when streaming; when not, the outputs carry text only and the final one the whole
+    choice (`message`, every tool call and logprob)."""
+
+    def __init__(self, engine: TRTLLMEngine, chat: bool, stream: bool, logprobs: bool, tools: bool) -> None:
+        self.engine = engine
+        self.chat = chat
+        self.stream = stream
+        self.logprobs = logprobs
+        self.parser = parser_for(engine.tool_parser) if tools and engine.tool_parser else None
+        self.calls: list[ToolCall] = []
+        self.content: list[str] = []
+        self.entries: list[Any] = []
+        self.offset = 0  # text_offset of the next token (text completions)
+
+    @classmethod
+    def for_request(cls, engine: TRTLLMEngine, request: EngineRequest, tools: bool) -> "_Shape | None":
+        body = request.extra or {}
+        logprobs = engine.logprobs_wanted(request) is not None
+        if not logprobs and not tools:
+            return None  # plain text: the gateway renders it
+        return cls(engine, "messages" in body, body.get("stream") is True, logprobs, tools)
+
+    def _token(self, token_id: int) -> str:
+        return self.engine._tokenizer.decode([token_id])
+
+    def _entries(self, step: _Step) -> list[Any]:
+        if not self.logprobs or not step.logprobs:
+            return []
+        out = []
+        for token_id, alternatives in zip(step.token_ids, step.logprobs):
+            if isinstance(alternatives, dict):
+                ranked = sorted(alternatives.items(), key=lambda kv: (getattr(kv[1], "rank", None) or 1 << 30))
+                sampled = alternatives.get(token_id)
+                lp = float(getattr(sampled, "logprob", sampled)) if sampled is not None else float("-inf")
+            else:  # the simple format: the sampled token's logprob only
+                ranked, lp = [], float(alternatives)
+            token = self._token(token_id)
+            top = [(self._token(t), float(getattr(v, "logprob", v))) for t, v in ranked
+                   if getattr(v, "rank", None) is not None and (t != token_id or getattr(v, "rank", None) == 1)][:MAX_TOP_LOGPROBS]
+            if self.chat:
+                out.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
+                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]})
+            else:
+                out.append((token, lp, dict(top), self.offset))
+                self.offset += len(token)
+        return out
+
+    def _logprobs_body(self, entries: list[Any]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": entries}
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+    def shaped(self, out: EngineOutput, step: _Step) -> EngineOutput:
+        text, calls = out.text, []
+        if self.parser is not None:
+            text, calls = self.parser.push(text)
+            if out.finished:
+                rest, more = self.parser.finish()
+                text, calls = text + rest, calls + more
+        entries = self._entries(step)
+        first_call = len(self.calls)
+        self.calls += calls
+        out.text = text
+        finish = None
+        if out.finished:
+            finish = "tool_calls" if self.calls and out.finish_reason == FINISH_STOP else out.finish_reason
+        if self.stream:
+            if not (text or calls or entries or out.finished):
+                return out
+            if self.chat:
+                delta: dict[str, Any] = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = [c.openai(first_call + i) for i, c in enumerate(calls)]
+                out.raw_choice = {"index": 0, "delta": delta, "logprobs": self._logprobs_body(entries) if entries else None, "finish_reason": finish}
+            else:
+                out.raw_choice = {"index": 0, "text": text, "logprobs": self._logprobs_body(entries) if entries else None, "finish_reason": finish}
+            return out
+        self.content.append(text)
+        self.entries += entries
+        if out.finished:
+            content = "".join(self.content)
+            logprobs = self._logprobs_body(self.entries)
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
+                if self.calls:
+                    message["tool_calls"] = [c.openai(i) for i, c in enumerate(self.calls)]
+                    for call in message["tool_calls"]:
+                        call.pop("index")
+                out.raw_choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            else:
+                out.raw_choice = {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}
+        return out
+
+
 class TRTLLMEngine(Engine):
     owned_by = "tollgate-trtllm"
+    # The engine takes the client's fields itself (penalties, logprobs, response_format, tools):
+    # the gateway's unsupported-parameter checks are skipped and `check_fields` refuses the rest.
+    passthrough = True
 
     def __init__(
         self,
@@ -188,12 +319,16 @@ class TRTLLMEngine(Engine):
         scheduler_policy: str | None = None,
         max_queue: int = 256,
         llm_options: dict[str, Any] | None = None,
+        tool_parser: str | None = None,
         api: Any = None,
     ) -> None:
         """`api` is the `tensorrt_llm` module; None imports it at start. `llm_options` go to
         `LLM(...)` as they are (e.g. cuda_graph_config), after the settings named here."""
         if scheduler_policy is not None and scheduler_policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler_policy must be one of {', '.join(SCHEDULER_POLICIES)}")
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise ValueError(f"tool_parser must be one of {', '.join(PARSERS)}")
+        self.tool_parser = tool_parser
         self.model_id = model_id
         self.model_path = model_path
         self.context_length = context_length or 0
@@ -299,8 +434,11 @@ class TRTLLMEngine(Engine):
         return EngineError(f"TensorRT-LLM's executor for {self.model_id} is not running ({type(exc).__name__}: {exc})")
 
     # tokenization -----------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        """The messages (as the client sent them: content parts, tool calls, tool results) through the
+        model's chat template, with the tools when there are any."""
+        extra = {"tools": tools} if tools else {}
+        encoded = self._tokenizer.apply_chat_template(chat_template_messages(messages), add_generation_prompt=True, tokenize=True, **extra)
         if not isinstance(encoded, list):
             encoded = encoded["input_ids"]
         return [int(t) for t in encoded]
@@ -340,16 +478,78 @@ class TRTLLMEngine(Engine):
             log.warning("TensorRT-LLM abort failed: %s: %s", type(exc).__name__, exc)
 
     # generation -------------------------------------------------------------------------------
+    def _llmapi(self) -> Any:
+        return getattr(self._api, "llmapi", None) or importlib.import_module("tensorrt_llm.llmapi")
+
+    def check_fields(self, request: EngineRequest) -> None:
+        """Refuses, as OpenAI-shaped 400s, the client's fields TensorRT-LLM's LLM API cannot honour
+        (the gateway skips its own checks for this engine: `passthrough`)."""
+        body = request.extra or {}
+        if body.get("logit_bias"):
+            raise _rejected("logit_bias is not supported by this model", "logit_bias")
+        if body.get("echo"):
+            raise _rejected("echo is not supported by this model", "echo")
+        if body.get("suffix"):
+            raise _rejected("suffix is not supported by this model", "suffix")
+        top = body.get("top_logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise _rejected(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs", "invalid_value")
+        if "messages" not in body and body.get("logprobs") is not None:
+            lp = body["logprobs"]
+            if not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 5:
+                raise _rejected("logprobs must be an integer from 0 to 5", "logprobs", "invalid_value")
+        if body.get("tools"):
+            if self.tool_parser is None:
+                raise _rejected(f"tools are not supported by {self.model_id}: its models.yaml entry sets no tool_parser", "tools")
+            choice = body.get("tool_choice")
+            if choice not in (None, "auto", "none"):
+                raise _rejected("tool_choice other than 'auto' or 'none' is not supported by this model", "tool_choice")
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+            if fmt.get("type") not in ("json_object", "json_schema"):
+                raise _rejected(f"response_format type {fmt.get('type')!r} is not supported", "response_format", "invalid_value")
+            if fmt.get("type") == "json_schema" and not isinstance((fmt.get("json_schema") or {}).get("schema"), dict):
+                raise _rejected("response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema", "invalid_value")
+            if not getattr(getattr(self._llm, "args", None), "guided_decoding_backend", None):
+                raise _rejected(
+                    f"response_format needs guided decoding, which {self.model_id} was not started with "
+                    "(set llm_options.guided_decoding_backend: xgrammar in models.yaml)", "response_format")
+
+    @staticmethod
+    def logprobs_wanted(request: EngineRequest) -> int | None:
+        """SamplingParams.logprobs for the request: top-k alternatives per token (0: only the sampled
+        token's), or None. Chat: logprobs=true with top_logprobs; text: logprobs=<k>."""
+        body = request.extra or {}
+        if "messages" in body:
+            return int(body.get("top_logprobs") or 0) if body.get("logprobs") is True else None
+        lp = body.get("logprobs")
+        return int(lp) if isinstance(lp, int) and not isinstance(lp, bool) else None
+
     def sampling_params(self, request: EngineRequest) -> Any:
         s = request.sampling
-        return self._api.SamplingParams(
-            max_tokens=request.max_tokens,  # TensorRT-LLM's default is 32: always set it
-            temperature=0.0 if s.greedy else s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop=list(s.stop) or None,
-            include_stop_str_in_output=False,
-        )
+        body = request.extra or {}
+        kwargs: dict[str, Any] = {
+            "max_tokens": request.max_tokens,  # TensorRT-LLM's default is 32: always set it
+            "temperature": 0.0 if s.greedy else s.temperature,
+            "top_p": s.top_p,
+            "seed": s.seed,
+            "stop": list(s.stop) or None,
+            "include_stop_str_in_output": False,
+        }
+        for name in ("presence_penalty", "frequency_penalty"):
+            if body.get(name) is not None:
+                kwargs[name] = float(body[name])
+        logprobs = self.logprobs_wanted(request)
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+            llmapi = self._llmapi()
+            if fmt["type"] == "json_object":
+                kwargs["guided_decoding"] = llmapi.GuidedDecodingParams(json_object=True)
+            else:
+                kwargs["guided_decoding"] = llmapi.GuidedDecodingParams(json=fmt["json_schema"]["schema"])
+        return self._api.SamplingParams(**kwargs)
 
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -385,8 +585,24 @@ class TRTLLMEngine(Engine):
         if not self.has_capacity():
             raise EngineOverloadedError("engine queue is full")
         rid = request.request_id
-        prompt = self._prompt_ids(request)
+        self.check_fields(request)
+        body = request.extra or {}
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        if tools and isinstance(body.get("messages"), list):
+            try:  # the prompt the gateway counted had no tools: render them through the chat template
+                prompt = self.encode_chat(body["messages"], tools)
+            except Exception as exc:
+                raise _rejected(f"messages and tools could not be rendered with the model's chat template: {exc}", "tools", "invalid_value") from None
+            room = self.context_length - len(prompt)
+            if room < 1:
+                raise _rejected(f"This model's maximum context length is {self.context_length} tokens; the prompt with its tools has {len(prompt)} tokens.",
+                                "messages", "context_length_exceeded")
+            if request.max_tokens > room:
+                request = dataclasses.replace(request, max_tokens=room)
+        else:
+            prompt = self._prompt_ids(request)
         self._check_prompt(request, prompt)
+        shape = _Shape.for_request(self, request, bool(tools))
         try:
             params = self.sampling_params(request)
             result = self._llm.generate_async(prompt, sampling_params=params, streaming=True)
@@ -396,16 +612,17 @@ class TRTLLMEngine(Engine):
             raise self._refused(exc, request) from exc
         live = _Live(result)
         self._live[rid] = live
-        live.pump = asyncio.get_running_loop().create_task(_pump(live, want_logprobs=False))
+        live.pump = asyncio.get_running_loop().create_task(_pump(live, want_logprobs=shape is not None and shape.logprobs))
         stops = StopMatcher(request.sampling.stop)
         prompt_tokens, count, seen_ids = len(prompt), 0, 0
+        cached: int | None = None
         finished = False
         try:
             while True:
                 item = await live.queue.get()
                 if item is _CANCELLED:
                     finished = True
-                    yield EngineOutput("", [], FINISH_CANCELLED, prompt_tokens, count)
+                    yield EngineOutput("", [], FINISH_CANCELLED, prompt_tokens, count, cached_tokens=cached)
                     return
                 if isinstance(item, _Failure):
                     finished = True
@@ -415,19 +632,25 @@ class TRTLLMEngine(Engine):
                     raise EngineError("TensorRT-LLM ended the stream without a finished output")
                 step: _Step = item
                 prompt_tokens, count = step.prompt_tokens or prompt_tokens, step.count
+                if step.cached_tokens is not None:
+                    cached = step.cached_tokens
                 seen_ids += len(step.token_ids)
                 if step.finished:
                     finished = True
-                    yield self._final(step, stops, result)
+                    out = self._final(step, stops, result)
+                    out.cached_tokens = cached
+                    yield shape.shaped(out, step) if shape is not None else out
                     return
                 text = stops.push(step.text)
                 if stops.stopped:  # a stop string TensorRT-LLM did not catch: cut here, stop the executor
                     finished = True
                     self._abort(result)
-                    yield EngineOutput(text, step.token_ids, FINISH_STOP, prompt_tokens, count)
+                    out = EngineOutput(text, step.token_ids, FINISH_STOP, prompt_tokens, count, cached_tokens=cached)
+                    yield shape.shaped(out, step) if shape is not None else out
                     return
                 if text or step.token_ids:
-                    yield EngineOutput(text, step.token_ids, None, prompt_tokens, count)
+                    out = EngineOutput(text, step.token_ids, None, prompt_tokens, count)
+                    yield shape.shaped(out, step) if shape is not None else out
         finally:
             self._live.pop(rid, None)
             live.close()

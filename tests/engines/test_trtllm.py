@@ -392,3 +392,129 @@ async def test_gateway_dead_engine_answers_503_and_is_not_ready(trtllm_gateway: 
         assert (await c.get("/readyz")).status_code == 503
         after = await c.post("/v1/chat/completions", json={"model": "llama", "messages": QUESTION})
         assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
+
+
+# what users send, mapped to the engine ------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = ' Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def mapped_gateway(tollgate_with: Any, extra: str = "") -> Any:
+    return tollgate_with(f"""
+    models:
+      - id: llama
+        backend: trtllm
+        model_path: /models/llama
+        context_length: 2048
+        tool_parser: hermes
+        llm_options: {{guided_decoding_backend: xgrammar}}
+{extra}
+    """)
+
+
+async def test_openai_fields_reach_sampling_params(api: Any, tollgate_with: Any) -> None:
+    gw = mapped_gateway(tollgate_with)
+    client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
+    await client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=7, presence_penalty=0.5, frequency_penalty=-0.25,
+                                         seed=42, temperature=0.6, top_p=0.8, response_format={"type": "json_object"})
+    llm = gw.engines()["llama"].primary._llm
+    p = llm.requests[-1].sampling_params
+    assert (p.max_tokens, p.presence_penalty, p.frequency_penalty, p.seed, p.temperature, p.top_p) == (7, 0.5, -0.25, 42, 0.6, 0.8)
+    assert p.guided_decoding == double.GuidedDecodingParams(json_object=True) and p.logprobs is None
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    await client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=3,
+                                         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert llm.requests[-1].sampling_params.guided_decoding == double.GuidedDecodingParams(json=schema)
+
+
+async def test_logprobs_reach_the_engine_and_the_client(api: Any, tollgate_with: Any) -> None:
+    gw = mapped_gateway(tollgate_with)
+    client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
+    resp = await client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=2)
+    llm = gw.engines()["llama"].primary._llm
+    assert llm.requests[-1].sampling_params.logprobs == 2
+    content = resp.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == resp.choices[0].message.content == " Once upon a time"
+    assert all(e.logprob == -0.25 and [t.token for t in e.top_logprobs] == [e.token, " maybe", " perhaps"] for e in content)
+    stream = await client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=3, logprobs=True, stream=True)
+    chunks = [c async for c in stream]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [" Once", " upon", " a"] and all(e.top_logprobs == [] or len(e.top_logprobs) == 1 for e in streamed)
+    text = await client.completions.create(model="llama", prompt="Tell me", max_tokens=2, logprobs=1)
+    assert text.choices[0].logprobs.tokens == [" Once", " upon"] and text.choices[0].logprobs.text_offset == [0, 5]
+    assert llm.requests[-1].sampling_params.logprobs == 1
+
+
+async def test_fields_the_engine_cannot_honour_are_400s(api: Any, tollgate_with: Any) -> None:
+    gw = tollgate_with("""
+    models:
+      - id: llama
+        backend: trtllm
+        model_path: /models/llama
+        context_length: 2048
+    """)
+    key = (await gw.new_key())["key"]
+    async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        cases = [
+            ({"logit_bias": {"1": 5}}, "logit_bias"),
+            ({"response_format": {"type": "json_object"}}, "response_format"),  # not started with a guided decoding backend
+            ({"tools": TOOLS}, "tools"),  # no tool_parser for this model
+            ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages"),
+        ]
+        for extra, param in cases:
+            resp = await c.post("/chat/completions", json={"model": "llama", "messages": QUESTION, **extra})
+            assert resp.status_code == 400, (extra, resp.text)
+            assert resp.json()["error"]["param"] == param and resp.json()["error"]["type"] == "invalid_request_error"
+        resp = await c.post("/completions", json={"model": "llama", "prompt": "x", "echo": True})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+        resp = await c.post("/chat/completions", json={"model": "llama", "messages": QUESTION, "n": 2})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"  # one metered choice per request
+
+
+async def test_tools_render_through_the_template_and_calls_come_back(api: Any, tollgate_with: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "continuation", CALL)
+    gw = mapped_gateway(tollgate_with)
+    client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
+    resp = await client.chat.completions.create(model="llama", messages=QUESTION, tools=TOOLS)
+    engine = gw.engines()["llama"].primary
+    assert engine._llm.tokenizer.templates[-1]["tools"] == TOOLS
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == " Let me check. "
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather", {"city": "Paris"})
+    result = engine._llm.requests[-1]
+    assert resp.usage.prompt_tokens == len(result.prompt_token_ids)  # the tools are in the billed prompt
+    stream = await client.chat.completions.create(model="llama", messages=QUESTION, tools=TOOLS, stream=True)
+    chunks = [c async for c in stream]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == " Let me check. " and "<tool_call>" not in content
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [(0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # A tool result goes back through the template as the client sent it.
+    follow = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+              {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
+    await client.chat.completions.create(model="llama", messages=follow, tools=TOOLS, max_tokens=2)
+    assert engine._llm.tokenizer.templates[-1]["conversation"][2] == {"role": "tool", "tool_call_id": call.id, "content": "18C"}
+
+
+def test_tool_call_parsers_hold_back_markup_split_anywhere() -> None:
+    from engines.tool_calls import parser_for
+
+    text = 'Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "b", "arguments": "{}"}</tool_call>'
+    for cut in range(1, len(text)):
+        p = parser_for("hermes")
+        c1, k1 = p.push(text[:cut])
+        c2, k2 = p.push(text[cut:])
+        c3, k3 = p.finish()
+        assert c1 + c2 + c3 == "Sure. " and [(k.name, k.arguments) for k in k1 + k2 + k3] == [("a", '{"x": 1}'), ("b", "{}")]
+        assert "<" not in c1 + c2  # never half a tag as content
+    p = parser_for("hermes")
+    assert p.push("<tool_call>not json</tool_call> done") == ("<tool_call>not json</tool_call> done", [])
+    p = parser_for("llama3_json")
+    assert p.push('{"name": "a", ') == ("", []) and p.push('"parameters": {"q": "x"}}') == ("", [])
+    content, calls = p.finish()
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"q": "x"})]
+    p = parser_for("llama3_json")
+    assert p.push("Hello") == ("Hello", []) and p.finish() == ("", [])
