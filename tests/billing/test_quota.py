@@ -14,6 +14,7 @@ from billing.db import create_engine
 from billing.ledger import UsageRecord, write_records
 from billing.limits import InvalidLimits, Limits
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, QuotaExceeded, RedisLimiter, Scope, month_start
+from tests.conftest import require_redis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NOW = 1_795_000_000.0  # a fixed instant, 2026-11: windows are driven by explicit times
@@ -31,6 +32,7 @@ async def limiter(request: pytest.FixtureRequest, ledger_url: str) -> Any:
     db = create_engine(ledger_url)
     totals = LedgerTotals(db)
     if request.param == "redis":
+        require_redis(REDIS_URL)
         lim: Limiter = RedisLimiter(REDIS_URL, totals, prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
     else:
         lim = MemoryLimiter(totals)
@@ -49,24 +51,60 @@ def rid() -> str:
     return uuid.uuid4().hex
 
 
-async def test_concurrent_reservations_never_exceed_monthly_tokens(limiter: Limiter) -> None:
-    key = scope(monthly_tokens=2000)
-    async def one() -> int:
+async def reserve_many(limiter: Limiter, scopes: list[Scope], n: int, tokens: int) -> list[Any]:
+    """`n` reservations at once; returns the holds, after checking every refusal is the monthly budget's."""
+    results = await asyncio.gather(*[limiter.reserve(rid(), scopes, tokens, 0, now=NOW) for _ in range(n)], return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            assert isinstance(r, QuotaExceeded), r
+            assert r.limit == "monthly_tokens" and r.error_type == "insufficient_quota"
+    return [r for r in results if not isinstance(r, BaseException)]
+
+
+async def test_concurrent_reservations_admit_exactly_the_monthly_budget(limiter: Limiter) -> None:
+    """200 reservations of 100 against 2000 tokens: exactly 2000 // 100 are admitted, whatever the
+    order, when each uses what it reserved (settles interleaved with the reservations)."""
+    budget, per_request = 2000, 100
+    key = scope(monthly_tokens=budget)
+
+    async def one() -> bool:
         try:
-            hold = await limiter.reserve(rid(), [key], 100, 0, now=NOW)
+            hold = await limiter.reserve(rid(), [key], per_request, 0, now=NOW)
         except QuotaExceeded as exc:
             assert exc.limit == "monthly_tokens" and exc.error_type == "insufficient_quota"
-            return 0
-        await asyncio.sleep(0)
-        await limiter.settle(hold, 60, 0)  # used less than reserved
-        return 60
-    used = await asyncio.gather(*[one() for _ in range(200)])
-    admitted = sum(1 for u in used if u)
-    assert sum(used) <= 2000
-    assert admitted >= 20  # released reservations let more in than 2000/100
+            return False
+        await asyncio.sleep(0)  # let other reservations run while this one is held
+        await limiter.settle(hold, per_request, 0)
+        return True
+
+    admitted = sum(await asyncio.gather(*[one() for _ in range(200)]))
+    assert admitted == budget // per_request
     counters = await limiter.counters(key, now=NOW)
-    assert counters["month_tokens"] == sum(used)
+    assert counters["month_tokens"] == budget
     assert counters["held_tokens"] == 0 and counters["in_flight"] == 0
+
+
+async def test_released_reservations_admit_exactly_what_is_left(limiter: Limiter) -> None:
+    """Usage below the reservation gives the rest back, exactly: 20 of 200 holds of 100 fit in 2000;
+    settled at 60 each they leave 800, so the next 200 at once admit exactly 8."""
+    budget, per_request, used = 2000, 100, 60
+    key = scope(monthly_tokens=budget)
+    holds = await reserve_many(limiter, [key], 200, per_request)
+    assert len(holds) == budget // per_request
+    counters = await limiter.counters(key, now=NOW)
+    assert (counters["held_tokens"], counters["in_flight"], counters["month_tokens"]) == (budget, len(holds), 0)
+
+    await asyncio.gather(*[limiter.settle(h, used, 0) for h in holds])
+    spent = len(holds) * used
+    assert (await limiter.counters(key, now=NOW))["month_tokens"] == spent
+
+    more = await reserve_many(limiter, [key], 200, per_request)
+    assert len(more) == (budget - spent) // per_request
+    await asyncio.gather(*[limiter.settle(h, per_request, 0) for h in more])
+    counters = await limiter.counters(key, now=NOW)
+    assert counters["month_tokens"] == spent + len(more) * per_request
+    assert counters["held_tokens"] == 0 and counters["in_flight"] == 0
+    assert await reserve_many(limiter, [key], 10, budget - counters["month_tokens"] + 1) == []
 
 
 async def test_account_scope_caps_all_its_keys(limiter: Limiter) -> None:

@@ -18,6 +18,9 @@ from billing.quota import LedgerTotals, RedisLimiter, Scope
 from tests.conftest import MODEL, REDIS_URL, Gateway, minute_with_room
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
+# A prompt the model answers at length: every admitted request uses all of its max_tokens, so it
+# spends exactly what it reserved and the number a budget admits is exact (checked, see `full`).
+FILL = [{"role": "user", "content": "Write a long poem about rivers."}]
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -81,31 +84,40 @@ async def set_limits(gw: Gateway, path: str, limits: dict[str, Any]) -> dict[str
         return r.json()
 
 
-async def prompt_tokens(client: Any) -> int:
-    resp = await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1, temperature=0)
+async def prompt_tokens(client: Any, messages: list[dict[str, str]] = FILL) -> int:
+    resp = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
     return resp.usage.prompt_tokens
 
 
-async def fire(client: Any, n: int, max_tokens: int = 4) -> list[Any]:
+async def fire(client: Any, n: int, max_tokens: int = 4, messages: list[dict[str, str]] = FILL) -> list[Any]:
     async def one() -> Any:
         try:
-            return await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens, temperature=0)
+            return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
         except openai.APIStatusError as exc:
             return exc
     return await asyncio.gather(*[one() for _ in range(n)])
 
 
+def full(served: list[Any], per_request: int) -> list[Any]:
+    """The served responses, after checking each used exactly what it reserved (prompt + max_tokens):
+    the precondition that makes `budget // per_request` the exact number a budget admits."""
+    assert all(r.usage.total_tokens == per_request and r.choices[0].finish_reason == "length" for r in served), (
+        [(r.usage.total_tokens, r.choices[0].finish_reason) for r in served if r.usage.total_tokens != per_request])
+    return served
+
+
 async def test_200_concurrent_requests_never_overspend_a_key(gw: Gateway, client_for: Any) -> None:
+    per_request = await prompt_tokens(client_for((await gw.new_key())["key"], gw)) + 4  # measured on another key
     key = await gw.new_key()
     client = client_for(key["key"], gw)
-    per_request = await prompt_tokens(client) + 4
     budget = 20 * per_request
     await set_limits(gw, f"/admin/keys/{key['id']}", {"monthly_tokens": budget})
 
     results = await fire(client, 200)
-    ok = [r for r in results if not isinstance(r, Exception)]
+    ok = full([r for r in results if not isinstance(r, Exception)], per_request)
     refused = [r for r in results if isinstance(r, Exception)]
-    assert ok and refused
+    assert len(ok) == budget // per_request  # exactly: not one more, not one fewer
+    assert len(refused) == 200 - len(ok)
     for exc in refused:
         assert exc.status_code == 429
         body = exc.response.json()["error"]
@@ -113,25 +125,29 @@ async def test_200_concurrent_requests_never_overspend_a_key(gw: Gateway, client
         assert "monthly_tokens" in body["message"]
         assert int(exc.response.headers["retry-after"]) > 0
     c = await settled(gw, "key", key["id"])
-    count, tokens = await ledger_tokens(gw, "key_id", key["id"], rows=len(ok) + 1, tokens=c["month_tokens"])
-    assert count == len(ok) + 1
-    assert tokens <= budget
+    await gw.flush_ledger()
+    count, tokens = await ledger_tokens(gw, "key_id", key["id"])
+    assert count == len(ok)  # one row per admitted request, none for a refusal
+    assert tokens == len(ok) * per_request == budget
     assert c["month_tokens"] == tokens
 
 
 async def test_account_limit_shared_by_five_keys(gw: Gateway, client_for: Any) -> None:
+    per_request = await prompt_tokens(client_for((await gw.new_key())["key"], gw)) + 4  # another account
     account = await gw.new_account()
     keys = [await gw.new_key(account["id"]) for _ in range(5)]
-    per_request = await prompt_tokens(client_for(keys[0]["key"], gw)) + 4
     budget = 12 * per_request
     await set_limits(gw, f"/admin/accounts/{account['id']}", {"monthly_tokens": budget})
     batches = await asyncio.gather(*[fire(client_for(k["key"], gw), 20) for k in keys])
     results = [r for batch in batches for r in batch]
+    ok = full([r for r in results if not isinstance(r, Exception)], per_request)
     refused = [r for r in results if isinstance(r, Exception)]
-    assert refused and all(r.status_code == 429 for r in refused)
+    assert len(ok) == budget // per_request  # across the five keys, exactly
+    assert all(r.status_code == 429 and r.response.json()["error"]["code"] == "monthly_tokens" for r in refused)
     c = await settled(gw, "account", account["id"])
-    _count, tokens = await ledger_tokens(gw, "account_id", account["id"], tokens=c["month_tokens"])
-    assert tokens <= budget
+    await gw.flush_ledger()
+    count, tokens = await ledger_tokens(gw, "account_id", account["id"])
+    assert count == len(ok) and tokens == budget
     assert c["month_tokens"] == tokens
 
 
@@ -187,11 +203,11 @@ async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_f
     await asyncio.sleep(0.1)
     key = await gw.new_key()
     client = client_for(key["key"], gw)
-    p = await prompt_tokens(client)  # 1 completion token
+    p = await prompt_tokens(client, PROMPT)  # 1 completion token
     cost = p * 1250 + 1 * 2500  # nano-USD at $1.25/M in, $2.50/M out
     budget = Decimal(cost * 4) / Decimal(10**9)
     await set_limits(gw, f"/admin/keys/{key['id']}", {"monthly_spend": str(budget)})
-    results = await fire(client, 6, max_tokens=1)
+    results = await fire(client, 6, max_tokens=1, messages=PROMPT)
     ok = [r for r in results if not isinstance(r, Exception)]
     assert len(ok) == 3  # 1 before the limit + 3 = 4 * cost exactly; the rest are refused
     assert all(r.status_code == 429 and r.response.json()["error"]["type"] == "insufficient_quota" for r in results if isinstance(r, Exception))
