@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import MODEL, SECRET, Gateway, start_gateway
-from tests.gateway.test_quotas import counters, fire, ledger_tokens, prompt_tokens, set_limits, settled
+from tests.conftest import MODEL, SECRET, Gateway, missing, start_gateway, stop_server
+from tests.gateway.test_quotas import counters, fire, full, ledger_tokens, prompt_tokens, set_limits, settled
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
 
@@ -42,6 +43,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        if shutil.which("redis-server") is None:
+            missing("redis-server is not installed (apt-get install redis-server)")
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -120,8 +123,8 @@ async def test_redis_killed_fail_closed_and_fail_open_then_rebuilt(
         _count, tokens = await ledger_tokens(closed, "key_id", key["id"])
         assert c["month_tokens"] == tokens  # rebuilt from the ledger, fail-open usage included
     finally:
-        open_srv.__exit__()
-        closed_srv.__exit__()
+        stop_server(open_srv)
+        stop_server(closed_srv)
 
 
 async def settled_at(gw: Gateway, redis: RedisServer, prefix: str, key_id: int) -> dict[str, int]:
@@ -186,19 +189,19 @@ async def test_two_gateway_processes_share_budgets_exactly(
     from dataclasses import replace
 
     other = replace(redis_gateway, base_url=second_gateway_process)
+    per_request = await prompt_tokens(client_for((await redis_gateway.new_key())["key"], redis_gateway)) + 4  # another key
     key = await redis_gateway.new_key()
-    per_request = await prompt_tokens(client_for(key["key"], redis_gateway)) + 4
     budget = 15 * per_request
     await set_limits(redis_gateway, f"/admin/keys/{key['id']}", {"monthly_tokens": budget})
     a, b = await asyncio.gather(fire(client_for(key["key"], redis_gateway), 50), fire(client_for(key["key"], other), 50))
-    served = [r for r in a + b if not isinstance(r, Exception)]
-    assert served and len(served) < 100
-    assert all(r.status_code == 429 for r in a + b if isinstance(r, Exception))
+    served = full([r for r in a + b if not isinstance(r, Exception)], per_request)
+    assert len(served) == budget // per_request  # exactly, across both processes
+    assert all(r.status_code == 429 and r.response.json()["error"]["code"] == "monthly_tokens" for r in a + b if isinstance(r, Exception))
     c = await settled(redis_gateway, "key", key["id"])
     # The other process's rows arrive through its own writer: wait for them before comparing.
-    count, tokens = await ledger_tokens(redis_gateway, "key_id", key["id"], rows=len(served) + 1)
-    assert count == len(served) + 1  # one row per admitted request, across both processes
-    assert tokens <= budget and c["month_tokens"] == tokens
+    count, tokens = await ledger_tokens(redis_gateway, "key_id", key["id"], rows=len(served))
+    assert count == len(served)  # one row per admitted request, across both processes
+    assert tokens == budget and c["month_tokens"] == tokens
 
     # A key revoked through one gateway is refused by both within a second.
     async with redis_gateway.admin_client() as admin:
@@ -221,10 +224,11 @@ async def test_redis_restarted_with_requests_in_flight_no_budget_overrun(
     srv, gw = start_gateway(fresh_pg_database(), engine, tmp_path / "gw", redis_url=private_redis.url, redis_prefix=prefix,
                             redis_timeout=0.25)
     try:
+        count_words = [{"role": "user", "content": "Count from one to fifty in words."}]
+        long_tokens = 24
+        per_request = await prompt_tokens(client_for((await gw.new_key())["key"], gw), count_words) + long_tokens  # another key
         key = await gw.new_key()
         client = client_for(key["key"], gw)
-        long_tokens = 24
-        per_request = await prompt_tokens(client) + long_tokens
         budget = 10 * per_request
         await set_limits(gw, f"/admin/keys/{key['id']}", {"monthly_tokens": budget})
         started = asyncio.Event()
@@ -233,8 +237,7 @@ async def test_redis_restarted_with_requests_in_flight_no_budget_overrun(
         async def long_stream() -> int:
             nonlocal running
             async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key['key']}"}, timeout=120) as c:
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to fifty in words."}],
-                        "max_tokens": long_tokens, "temperature": 0, "stream": True}
+                body = {"model": MODEL, "messages": count_words, "max_tokens": long_tokens, "temperature": 0, "stream": True}
                 async with c.stream("POST", "/chat/completions", json=body) as r:
                     running += 1
                     if running == 6:
@@ -247,15 +250,17 @@ async def test_redis_restarted_with_requests_in_flight_no_budget_overrun(
         await asyncio.wait_for(started.wait(), 60)
         private_redis.kill()
         private_redis.start()  # empty: every counter and every hold is gone
-        after = await fire(client, 10, max_tokens=long_tokens)
+        after = await fire(client, 10, max_tokens=long_tokens, messages=count_words)
         assert all(s == 200 for s in await asyncio.gather(*in_flight))
-        served_after = [r for r in after if not isinstance(r, Exception)]
-        assert served_after and len(served_after) < 10  # admitted some, then refused at the budget
-        assert all(r.status_code == 429 for r in after if isinstance(r, Exception))
-        await wait_rows(gw, key["id"], 1 + 6 + len(served_after))
+        served_after = full([r for r in after if not isinstance(r, Exception)], per_request)
+        # Exactly what the budget has left beside the 6 still running (each spends all it reserved).
+        assert len(served_after) == (budget - 6 * per_request) // per_request
+        assert all(r.status_code == 429 and r.response.json()["error"]["code"] == "monthly_tokens" for r in after if isinstance(r, Exception))
         c = await settled_at(gw, private_redis, prefix, key["id"])
-        _count, tokens = await ledger_tokens(gw, "key_id", key["id"])
-        assert tokens <= budget, f"budget {budget} overrun: {tokens} tokens used"
+        await gw.flush_ledger()
+        count, tokens = await ledger_tokens(gw, "key_id", key["id"])
+        assert count == 6 + len(served_after)
+        assert tokens == (6 + len(served_after)) * per_request == budget, f"budget {budget}: {tokens} tokens used"
         assert c["month_tokens"] == tokens
     finally:
-        srv.__exit__()
+        stop_server(srv)
