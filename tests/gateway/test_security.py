@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +122,10 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
         refused = await c.get(f"/v1/usage?account_id={b['account_id']}")
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "account_not_allowed"
         assert (await c.get("/v1/usage")).json()["account_id"] == a["account_id"]
-        checked.add(("GET", "/v1/models/{model_id:path}"))  # per key, not per account: see test_completions
-    narrow = await secure_gw.new_key(a["account_id"], models=["another-model"])
-    async with as_key(secure_gw, narrow["key"]) as c:
-        assert (await c.get(f"/v1/models/{MODEL}")).status_code == 404
+    # /v1/models/{id} answers with the caller's account's price: another account's override (a
+    # reseller's discount) must never show through it. The model allowlist is per key.
+    await models_probe(secure_gw, a)
+    checked.add(("GET", "/v1/models/{model_id:path}"))
 
     # The dashboards: a customer's session gets no admin page or form, whatever id it names.
     s = browser(secure_gw)
@@ -144,6 +145,34 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
         assert after["revoked_at"] is None and after["limits"] == {} and after["models"] is None
     admin_only = {(m, p) for m, p in id_routes(secure_gw) if p.startswith("/admin")}  # covered by the test above
     assert id_routes(secure_gw) - admin_only <= checked, "a route that takes an id has no cross-account check here"
+
+
+async def models_probe(gw: Gateway, a: dict[str, Any]) -> None:
+    other = await gw.new_key()  # another account, with a 0.25x override of the model's price
+    async with gw.admin_client() as admin:
+        r = await admin.post(f"/admin/accounts/{other['account_id']}/prices", json={"model": MODEL, "multiplier": "0.25"})
+        assert r.status_code == 201, r.text
+
+    def price(card: dict[str, Any]) -> tuple[Decimal, Decimal]:
+        return Decimal(card["pricing"]["input_per_million"]), Decimal(card["pricing"]["output_per_million"])
+
+    async with as_key(gw, other["key"]) as c:
+        deadline = time.monotonic() + 15  # the serving price book reloads every few seconds
+        while price(own := (await c.get(f"/v1/models/{MODEL}")).json()) != (Decimal("0.25"), Decimal("0.5")):
+            assert time.monotonic() < deadline, own
+            await asyncio.sleep(0.2)
+    async with as_key(gw, a["key"]) as c:
+        for _ in range(3):  # after the other account's cards were priced: nothing of theirs is reused
+            card = await c.get(f"/v1/models/{MODEL}")
+            assert card.status_code == 200 and price(card.json()) == (Decimal("1"), Decimal("2")), card.text
+            listed = {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
+            assert price(listed[MODEL]) == (Decimal("1"), Decimal("2"))
+            async with as_key(gw, other["key"]) as o:
+                assert price((await o.get(f"/v1/models/{MODEL}")).json()) == (Decimal("0.25"), Decimal("0.5"))
+    narrow = await gw.new_key(a["account_id"], models=["another-model"])
+    async with as_key(gw, narrow["key"]) as c:
+        r = await c.get(f"/v1/models/{MODEL}")
+        assert r.status_code == 404 and "pricing" not in r.text
 
 
 async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
@@ -190,6 +219,7 @@ async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Ga
             ("", "GET", "/v1/models", None, {"Authorization": f"Bearer {a} {a}"}),
         ]
         statuses = set()
+        answered: list[str] = []  # the server's request ids: each must have its access line before we look
         await minute_with_room(20)  # the limited key's two requests in one minute's window (the second is a 429)
         async with httpx.AsyncClient(base_url=secure_gw.base_url, timeout=30) as c:
             for key, method, path, body, headers in flows:
@@ -199,6 +229,7 @@ async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Ga
                 r = await c.request(method, path, headers=hdrs, **kwargs)
                 statuses.add(r.status_code)
                 exposed.append(r.text + str(r.headers))
+                answered.append(r.headers["x-request-id"])
             exposed.append((await c.get("/metrics")).text)
         assert {200, 400, 401, 403, 404, 413, 429} <= statuses  # successes, errors and quota rejections all ran
         s = browser(secure_gw)  # dashboard logins, right and wrong
@@ -206,7 +237,14 @@ async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Ga
             form = s.get("/dashboard/login")
             r = s.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": key})
             exposed.append(r.text + str(r.headers) + s.get("/dashboard").text)
-        await asyncio.sleep(0.5)  # let the ledger writer and access log finish
+        # Barriers instead of a pause: every row recorded is in the database, and every request
+        # above has its access line in the captured log.
+        await secure_gw.flush_ledger()
+        deadline = time.monotonic() + 30
+        while missing_lines := [rid for rid in answered if not any(f'"request_id": "{rid}"' in l or f'"request_id":"{rid}"' in l
+                                                                  for l in captured.lines if '"tollgate.access"' in l)]:
+            assert time.monotonic() < deadline, f"no access line for {len(missing_lines)} requests, e.g. {missing_lines[0]}"
+            await asyncio.sleep(0.02)
     finally:
         root.removeHandler(captured)
         root.setLevel(old_level)
@@ -257,17 +295,19 @@ async def test_every_outbound_call_has_a_deadline() -> None:
     try:
         db = create_engine(f"postgresql://postgres@127.0.0.1:{port}/x")  # Postgres that never answers
         started = time.monotonic()
-        with pytest.raises(Exception):
+        with pytest.raises(TimeoutError):  # the connect timeout fired (not a refusal, not another error)
             async with db.connect() as conn:
                 await conn.execute(sa.text("SELECT 1"))
-        assert time.monotonic() - started < 8  # the connect timeout (5 s), not forever
+        waited = time.monotonic() - started
+        assert 4.5 <= waited < 8, waited  # the 5 s connect timeout (billing/db.py), not forever and not at once
         await db.dispose()
 
         lim = RedisLimiter(f"redis://127.0.0.1:{port}/0", LedgerTotals(create_engine("sqlite:///:memory:")), timeout=0.05)
         started = time.monotonic()
-        with pytest.raises(QuotaUnavailable):
+        with pytest.raises(QuotaUnavailable, match="TimeoutError"):  # the Redis timeout, as fail-closed
             await lim.reserve("r", [Scope("key", 1, Limits(rpm=5))], 1, 0)
-        assert time.monotonic() - started < 1
+        waited = time.monotonic() - started
+        assert 0.045 <= waited < 1, waited  # the 50 ms timeout ran out, not forever
         await lim.close()
     finally:
         srv.close()
