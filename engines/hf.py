@@ -28,6 +28,7 @@ from engines.base import (
     EngineOutput,
     EngineOverloadedError,
     EngineRequest,
+    SamplingParams,
 )
 from engines.text import IncrementalDetokenizer, StopMatcher
 
@@ -124,6 +125,56 @@ def _deliver_on(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue[Any]) ->
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
     return deliver
+
+
+async def drain(queue: asyncio.Queue[Any]) -> list[Any]:
+    """The next item of `queue` and whatever else is already in it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+class TokenProgress:
+    """One request's generated token ids, as they arrive, as engine outputs: text that is final
+    (incremental detokenization), cut at the first stop string, and the finish reason at the end."""
+
+    def __init__(self, tokenizer: Any, request: EngineRequest, prompt_tokens: int, eos_ids: set[int]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(request.sampling.stop)
+        self._max_tokens = request.max_tokens
+        self._prompt_tokens = prompt_tokens
+        self._eos_ids = eos_ids
+        self._last_id: int | None = None
+        self.seen = 0
+
+    def _output(self, text: str, ids: list[int], reason: str | None, queue_ms: float | None, error: str | None = None) -> EngineOutput:
+        return EngineOutput(text, ids, reason, self._prompt_tokens, self.seen, error=error, queue_ms=queue_ms, stop_sequence=self._stops.matched)
+
+    def cancelled(self, queue_ms: float | None) -> EngineOutput:
+        return self._output("", [], FINISH_CANCELLED, queue_ms)
+
+    def advance(self, new_ids: list[int], engine_done: bool, error: str | None, queue_ms: float | None) -> EngineOutput | None:
+        """The output for these new ids (None: nothing to say yet). A finished output whose
+        `engine_done` was false ended at a stop string: the engine request is still running."""
+        self.seen += len(new_ids)
+        if new_ids:
+            self._last_id = new_ids[-1]
+        text = self._stops.push(self._detok.push(new_ids))
+        if self._stops.stopped:
+            return self._output(text, new_ids, FINISH_STOP, queue_ms)
+        if not engine_done:
+            return self._output(text, new_ids, None, queue_ms) if text or new_ids else None
+        if error:
+            return self._output(text, new_ids, FINISH_ERROR, queue_ms, error=error)
+        tail = self._stops.push(self._detok.flush())
+        if self._stops.stopped:
+            return self._output(text + tail, new_ids, FINISH_STOP, queue_ms)
+        text += tail + self._stops.flush()
+        reason = FINISH_STOP if self.seen and self._last_id in self._eos_ids else FINISH_LENGTH
+        if self.seen < self._max_tokens and reason == FINISH_LENGTH:
+            reason = FINISH_STOP
+        return self._output(text, new_ids, reason, queue_ms)
 
 
 class HFEngine(Engine):
@@ -263,69 +314,59 @@ class HFEngine(Engine):
         return inside
 
     # generation -------------------------------------------------------------------------------
+    def prompt_ids_of(self, request: EngineRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            return self.encode_chat(request.messages)
+        return self.encode_text(request.prompt or "")
+
+    def submit(self, rid: str, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, handler: Callable[[Any], None]) -> None:
+        """Hands one request to the batching manager; `handler` gets its outputs on the running loop."""
+        temperature = GREEDY_TEMPERATURE if sampling.greedy else float(sampling.temperature)
+        self._manager.register_result_handler(rid, handler)
+        self._manager.add_request(
+            prompt_ids, request_id=rid, max_new_tokens=max_tokens, streaming=True, temperature=temperature, top_p=float(sampling.top_p)
+        )
+
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self._manager is None:
             raise EngineError("engine is not running")
         if not self.has_capacity():
             raise EngineOverloadedError("engine queue is full")
-        prompt_ids = request.prompt_token_ids
-        if prompt_ids is None:
-            prompt_ids = self.encode_chat(request.messages or []) if request.messages is not None else self.encode_text(request.prompt or "")
+        prompt_ids = self.prompt_ids_of(request)
         rid = request.request_id
         outputs: asyncio.Queue[Any] = asyncio.Queue()
-        sampling = request.sampling
-        temperature = GREEDY_TEMPERATURE if sampling.greedy else float(sampling.temperature)
         self._live[rid] = outputs
-        self._manager.register_result_handler(rid, _deliver_on(asyncio.get_running_loop(), outputs))
-        self._manager.add_request(
-            list(prompt_ids),
-            request_id=rid,
-            max_new_tokens=request.max_tokens,
-            streaming=True,
-            temperature=temperature,
-            top_p=float(sampling.top_p),
-        )
-        detok = IncrementalDetokenizer(self._tokenizer)
-        stops = StopMatcher(sampling.stop)
-        seen = 0
-        finished = False
+        self.submit(rid, prompt_ids, request.max_tokens, request.sampling, _deliver_on(asyncio.get_running_loop(), outputs))
+        progress = TokenProgress(self._tokenizer, request, len(prompt_ids), self._eos_ids)
+        engine_done = False
         queue_ms: float | None = None
         try:
             while True:
-                out = await outputs.get()
-                if out is _CANCELLED:
-                    yield EngineOutput("", [], FINISH_CANCELLED, len(prompt_ids), seen, queue_ms=queue_ms)
+                # Everything that arrived since the last turn leaves as one output: when the loop
+                # falls behind the engine, a stream catches up in one chunk instead of one per token.
+                batch = await drain(outputs)
+                if any(item is _CANCELLED for item in batch):
+                    yield progress.cancelled(queue_ms)
                     return
-                if queue_ms is None and out.lifespan[0] > 0:
-                    queue_ms = max(0.0, (out.lifespan[0] - out.created_time) * 1000.0)
-                new_ids = [int(t) for t in out.generated_tokens[seen:]]
-                seen = len(out.generated_tokens)
-                text = stops.push(detok.push(new_ids))
-                if stops.stopped:
-                    finished = True
-                    self._cancel(rid)
-                    yield EngineOutput(text, new_ids, FINISH_STOP, len(prompt_ids), seen, queue_ms=queue_ms)
-                    return
-                if out.is_finished():
-                    finished = True
-                    if out.error:
-                        yield EngineOutput(text, new_ids, FINISH_ERROR, len(prompt_ids), seen, error=str(out.error), queue_ms=queue_ms)
+                latest = batch[-1]  # generated_tokens is cumulative: the latest output has them all
+                if queue_ms is None and latest.lifespan[0] > 0:
+                    queue_ms = max(0.0, (latest.lifespan[0] - latest.created_time) * 1000.0)
+                engine_done = latest.is_finished()
+                out = progress.advance(
+                    [int(t) for t in latest.generated_tokens[progress.seen :]],
+                    engine_done,
+                    str(latest.error) if engine_done and latest.error else None,
+                    queue_ms,
+                )
+                if out is not None:
+                    yield out
+                    if out.finished:
                         return
-                    tail = stops.push(detok.flush())
-                    if stops.stopped:
-                        yield EngineOutput(text + tail, new_ids, FINISH_STOP, len(prompt_ids), seen, queue_ms=queue_ms)
-                        return
-                    text += tail + stops.flush()
-                    reason = FINISH_STOP if seen and out.generated_tokens[-1] in self._eos_ids else FINISH_LENGTH
-                    if seen < request.max_tokens and reason == FINISH_LENGTH:
-                        reason = FINISH_STOP
-                    yield EngineOutput(text, new_ids, reason, len(prompt_ids), seen, queue_ms=queue_ms)
-                    return
-                if text or new_ids:
-                    yield EngineOutput(text, new_ids, None, len(prompt_ids), seen, queue_ms=queue_ms)
         finally:
             self._live.pop(rid, None)
-            if not finished:
+            if not engine_done:  # the client left, or a stop string ended it before the engine did
                 self._cancel(rid)
 
     def cancel(self, request_id: str) -> None:

@@ -143,6 +143,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "tensor_parallel_size": Field(_int(1)),
         "max_batch_size": Field(_int(1)),
         "max_num_tokens": Field(_int(1)),
+        "process": Field(_bool),  # the model in a process of its own (default: on for cuda devices)
         "kv_cache_free_gpu_memory_fraction": Field(_number(0.0, 1.0, above=True)),
         "scheduler_policy": Field(_one_of("guaranteed_no_evict", "max_utilization")),
         "max_queue": Field(_int(0)),
@@ -432,12 +433,16 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
     if spec.backend == "hf":
         from engines.hf import HFEngine
 
-        return HFEngine(model_id=spec.id, **params)
+        separate = params.pop("process", None)
+        if separate is None:  # like TOLLGATE_ENGINE_PROCESS=auto: its own process on a GPU
+            separate = str(params.get("device", "cpu")).startswith("cuda")
+        return (HFProcessEngine if separate else HFEngine)(model_id=spec.id, **params)
     if spec.backend == "trtllm":
         from engines.trtllm import TRTLLMEngine
 
         return TRTLLMEngine(model_id=spec.id, context_length=spec.context_length, api=trtllm_api, **params)
     from engines.openai_pool import OpenAIPoolEngine
+        from engines.hf_process import HFProcessEngine
 
     return OpenAIPoolEngine(model_id=spec.id, **params)
 

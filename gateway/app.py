@@ -26,7 +26,7 @@ from billing.journal import JournalLocked, LedgerJournal, Recovered
 from billing.ledger import LedgerWriter, adopt_journal, release_interrupted
 from billing.prices import EffectivePrice, PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
-from engines.base import Engine
+from engines.base import Engine, EngineError
 from engines.scheduler import ScheduledEngine, schedule_engines
 from gateway import admin, dashboard
 from gateway import billing_api
@@ -68,8 +68,9 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
             "describe trtllm and openai models in a models.yaml (TOLLGATE_MODELS or --models)"
         )
     from engines.hf import HFEngine
+    from engines.hf_process import HFProcessEngine
 
-    engine = HFEngine(
+    engine = (HFProcessEngine if settings.engine_process else HFEngine)(
         model_id=settings.model_id,
         model_path=settings.model_path,
         device=settings.device,
@@ -269,6 +270,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         return NotFound(f"Unknown path {request.url.path}.").response()
     err = APIError(str(exc.detail))
+    failed = getattr(request.app.state, "load_failures", {})
+    if failed:
+        reasons = "; ".join(f"{mid}: {why}" for mid, why in failed.items())
+        return ServiceUnavailable(f"models failed to load: {reasons}", code="model_load_failed").response()
     err.status_code = exc.status_code
     err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return err.response()
@@ -345,7 +350,9 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def create_app(settings: Settings, engines: dict[str, Engine] | None = None, *, freeze_gc: bool = False) -> Gateway:
+def create_app(
+    settings: Settings, engines: dict[str, Engine] | None = None, *, freeze_gc: bool = False, exit_on_load_failure: bool = False
+) -> Gateway:
     """Builds the app. Engines passed in are owned by the caller (not started or stopped here).
     `freeze_gc` (the server's processes): `freeze_heap()` once started and again as each model
     that loads in the background is in."""
@@ -382,8 +389,8 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None, *, 
         loading: list[asyncio.Task[None]] = []
         if owns_engines:
             loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
-            for task in loading:
-                task.add_done_callback(_report_load_failure)
+            for mid, task in zip(served, loading):
+                task.add_done_callback(_load_watcher(app, mid, len(served), exit_on_load_failure))
         if freeze_gc:
             freeze_heap()
             for task in [*loading, app.state.embeddings_loading]:
@@ -398,6 +405,7 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None, *, 
             for task in adopting:
                 task.cancel()
             for task in loading:
+        app.state.load_failures = {}
                 task.cancel()
             if owns_engines:
                 for e in served.values():
@@ -431,6 +439,21 @@ def create_app(settings: Settings, engines: dict[str, Engine] | None = None, *, 
     )
 
 
-def _report_load_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("model failed to load: %s", task.exception())
+def _load_watcher(app: Starlette, model_id: str, models: int, exit_when_all_failed: bool) -> Any:
+    """A done-callback for one model's load: a failure is logged, kept for /readyz, and when every
+    model the server loads has failed (`tollgate serve`), the server stops with a non-zero exit."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, EngineError) else str(exc)
+        app.state.load_failures[model_id] = reason
+        log.error("model %s failed to load: %s", model_id, reason)
+        if exit_when_all_failed and len(app.state.load_failures) == models:
+            app.state.fatal = f"no model could be loaded ({model_id}: {reason})"
+            stop = getattr(app.state, "stop_server", None)  # set by `tollgate serve`, which then exits 1
+            if stop is not None:
+                stop()
+
+    return done

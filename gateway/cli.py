@@ -93,10 +93,16 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         _serve_workers(settings, args, workers)
         return 0
     http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
-    app = create_app(settings, freeze_gc=True)
+    app = create_app(settings, freeze_gc=True, exit_on_load_failure=True)
     _tune_gc()
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
-                log_config=None, access_log=False, proxy_headers=False)  # nothing reads the client address
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
+                                           log_config=None, access_log=False, proxy_headers=False))  # nothing reads the client address
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)  # a graceful stop, as on SIGTERM
+    server.run()
+    fatal = getattr(app.state, "fatal", None)
+    if fatal:
+        print(f"error: {fatal}", file=sys.stderr)
+        return 1
     return 0
 
 

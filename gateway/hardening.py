@@ -162,7 +162,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is None or not self.cycle.response_started:
             self._refuse(408, RequestTimeout(f"the request was not received within {self.read_timeout:g} seconds"))
         else:
-            self.transport.close()  # the app already answered (e.g. 401 before reading the body)
+            # The app already answered (e.g. 401 before reading the body) but the body never came.
+            log.warning("closing a connection whose request body did not arrive within %gs", self.read_timeout)
+            self.transport.close()
 
     def _refuse(self, status: int, err: APIError) -> None:
         body = err.response().body

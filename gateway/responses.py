@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -127,13 +128,32 @@ class GenerationResponse:
         else:
             await self._send_body(send)
 
+        write_failed = False
     async def _close(self) -> None:
         await self.outputs.aclose()  # the metered stream's end writes the ledger row
 
+            write_failed = True
     def _watch(self, scope: Scope, receive: Receive) -> Any:
         """A client that leaves cancels the generation at once: through the guarded protocol's
         connection watch when the server runs it, else a task waiting for `http.disconnect`.
         Returns what stops watching."""
+            self._report_abnormal_end(write_failed)
+
+    def _report_abnormal_end(self, write_failed: bool) -> None:
+        """A response that did not run to its end says why, at warning level: who closed it (the
+        client, a failed write, the engine) and how far it got. Nothing ends a stream silently."""
+        gen = self.gen
+        if gen.cancel_requested:
+            why = "a write to the client failed" if write_failed else "the client closed the connection"
+        elif gen.finish_reason == FINISH_ERROR or gen.error:
+            why = f"the engine failed: {gen.error}"
+        else:
+            return
+        log.warning(
+            "%s %s ended early: %s, after %d completion tokens in %.0f ms",
+            "stream" if gen.stream else "response", gen.request_id, why, gen.completion_tokens,
+            (time.perf_counter() - gen.started) * 1000.0,
+        )
         watch = scope.get(WATCH_KEY)
         if watch is not None:
             watch.on_lost(self.gen.cancel)

@@ -1,0 +1,380 @@
+"""The `hf` engine alone against the same engine behind `tollgate serve`, side by side in one run.
+
+    python bench/gpu_gateway_vs_engine.py --model smollm2=/path/to/ckpt --model llama1b=/path \\
+        [--device cuda] [--levels 1,16,64,256] [--isl 512] [--osl 256] [--variants engine,gateway,inproc]
+
+For each model and each level of concurrent streams, the same requests (ISL random prompt token
+ids, OSL output tokens, greedy) go
+  engine   straight into an `HFEngine` (its own process: this script re-run with `engine-alone`),
+           with the settings `tollgate serve` gives it: the engine's own rate;
+  gateway  through `tollgate serve` (its own process; the default engine layout for the device:
+           on CUDA the model in an engine process of its own), full metering: SQLite ledger,
+           in-process limits on the key, a price, the scheduler on;
+  inproc   the same with TOLLGATE_ENGINE_PROCESS=0: the model in the gateway's process (the
+           layout before issue 26), for the before/after comparison.
+The load for the gateway comes from this process (raw HTTP/1.1 SSE clients, one connection per
+request), as real clients do. Printed per cell: aggregate output tokens/s, TTFT p50/p99, the gap
+between token-bearing deliveries (ITL) p50/p99, and the gateway's CPU seconds per 1,000 streamed
+tokens (its own process, and the engine process's beside it); then the ratios gateway/engine.
+Every gateway run checks its ledger: one `completed` row per request, tokens equal to usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.harness import free_port, wait_http  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# one request ---------------------------------------------------------------------------------
+class Timing:
+    __slots__ = ("start", "first", "last", "gaps", "tokens", "error")
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+        self.tokens = 0
+        self.error: str | None = None
+
+    def delivery(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)  # type: ignore[operator]
+        self.last = now
+
+
+def prompts(n: int, isl: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 1) for _ in range(isl)] for _ in range(n)]
+
+
+def requests_at(level: int) -> int:
+    return 4 if level == 1 else 2 * level
+
+
+async def run_level(level: int, batch: list[list[int]], one: Any) -> tuple[list[Timing], float]:
+    """`level` streams at once, each taking the next prompt as its previous request ends."""
+    todo = list(enumerate(batch))
+    results: list[Timing] = []
+
+    async def worker() -> None:
+        while todo:
+            i, ids = todo.pop(0)
+            results.append(await one(i, ids))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(level)))
+    return results, time.perf_counter() - started
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def summarize(results: list[Timing], wall: float, cpu: dict[str, float] | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.tokens for r in ok)
+    ttft = [(r.first - r.start) * 1000 for r in ok if r.first is not None]
+    gaps = [g * 1000 for r in ok for g in r.gaps]
+    cell: dict[str, Any] = {
+        "requests": len(results), "errors": len(results) - len(ok), "error_samples": sorted({r.error for r in results if r.error})[:3],
+        "output_tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1) if wall else None,
+        "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
+    }
+    if cpu is not None and tokens:
+        cell.update({f"{name}_cpu_s_per_1k_tokens": round(seconds * 1000 / tokens, 4) for name, seconds in cpu.items()})
+    return cell
+
+
+# the engine alone ------------------------------------------------------------------------------
+def engine_kwargs(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+    """What `tollgate serve` gives the hf engine for the TOLLGATE_* settings of `gateway_env`."""
+    return dict(model_path=model_path, device=args.device, max_batch_size=args.batch_size, max_queue=args.max_queue,
+                kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens, warmup=True)
+
+
+def gateway_env(args: argparse.Namespace, model_path: str) -> dict[str, str]:
+    return {"TOLLGATE_MODEL_PATH": model_path, "TOLLGATE_MODEL_ID": "bench", "TOLLGATE_DEVICE": args.device,
+            "TOLLGATE_MAX_BATCH_SIZE": str(args.batch_size), "TOLLGATE_MAX_QUEUE": str(args.max_queue),
+            "TOLLGATE_KV_CACHE_TOKENS": str(args.kv_cache_tokens), "TOLLGATE_MAX_BATCH_TOKENS": str(args.max_batch_tokens)}
+
+
+async def engine_alone(args: argparse.Namespace) -> dict[str, Any]:
+    from engines.base import EngineRequest, SamplingParams
+    from engines.hf import HFEngine
+
+    engine = HFEngine(model_id="bench", **engine_kwargs(args, args.model_path))
+    await engine.start()
+    vocab = int(engine.vocab_size or 32000)
+
+    async def one(i: int, ids: list[int]) -> Timing:
+        t = Timing()
+        request = EngineRequest(request_id=uuid.uuid4().hex, max_tokens=args.osl, sampling=SamplingParams(temperature=0.0), prompt_token_ids=ids)
+        async for out in engine.stream(request):
+            if out.text:  # what a client sees: a delivery is text (the gateway sends no empty deltas)
+                t.delivery()
+            if out.finished:
+                t.tokens = out.completion_tokens
+                if out.finish_reason == "error":
+                    t.error = out.error
+        return t
+
+    cells = {}
+    for level in args.levels:
+        batch = prompts(requests_at(level), args.isl, vocab, seed=level)
+        before = os.times()
+        results, wall = await run_level(level, batch, one)
+        after = os.times()
+        cells[str(level)] = summarize(results, wall, {"engine": (after.user - before.user) + (after.system - before.system)})
+        print(f"  engine alone, {level} streams: {cells[str(level)]['tok_s']} tok/s", file=sys.stderr, flush=True)
+    await engine.stop()
+    return {"vocab": vocab, "cells": cells}
+
+
+# through the gateway ---------------------------------------------------------------------------
+async def sse_request(port: int, key: str, ids: list[int], osl: int) -> Timing:
+    """One streamed text completion over a raw HTTP/1.1 connection: every SSE event that carries
+    text is a delivery; the usage event gives the exact token count."""
+    t = Timing()
+    body = json.dumps({"model": "bench", "prompt": ids, "max_tokens": osl, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    except OSError as exc:
+        t.error = f"connect: {exc}"
+        return t
+    try:
+        writer.write(head + body)
+        status = await reader.readline()
+        if b" 200 " not in status:
+            t.error = f"status {status.decode().strip()}: {(await reader.read(2000))[-300:]!r}"
+            return t
+        await reader.readuntil(b"\r\n\r\n")
+        buf = b""
+        done = False
+        while not done:
+            data = await reader.read(1 << 16)
+            if not data:
+                t.error = "the connection closed before [DONE]"
+                break
+            buf += data
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                if b"[DONE]" in event:
+                    done = True
+                elif b'"usage":{' in event:
+                    t.tokens = json.loads(event[event.index(b"data: ") + 6 :])["usage"]["completion_tokens"]
+                elif b'"error"' in event:
+                    t.error = event[-300:].decode(errors="replace")
+                elif b'"text":""' not in event:
+                    t.delivery()
+    except Exception as exc:  # noqa: BLE001 - a broken stream is a result to report
+        t.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        writer.close()
+    return t
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label: str, extra_env: dict[str, str]) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="tollgate-gpu-bench-"))
+    port, admin = free_port(), "sk-bench-admin-" + uuid.uuid4().hex
+    env = dict(os.environ, TOLLGATE_PORT=str(port), TOLLGATE_DATA_DIR=str(tmp), TOLLGATE_ADMIN_KEY=admin,
+               DATABASE_URL=f"sqlite:///{tmp}/ledger.db", TOLLGATE_SECRET="bench-" + uuid.uuid4().hex)
+    env.update(gateway_env(args, model_path))
+    env.update(extra_env)
+    log = open(tmp / "serve.log", "wb")
+    exe = Path(sys.executable).with_name("tollgate")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen([*cmd, "serve", "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout=900)
+        h = {"Authorization": f"Bearer {admin}"}
+        base = f"http://127.0.0.1:{port}"
+        httpx.post(f"{base}/admin/prices", json={"model": "bench", "input_per_million": "0.10", "output_per_million": "0.40"}, headers=h).raise_for_status()
+        account = httpx.post(f"{base}/admin/accounts", json={"name": "bench"}, headers=h).json()
+        key = httpx.post(f"{base}/admin/keys", json={"account_id": account["id"]}, headers=h).json()
+        httpx.patch(f"{base}/admin/keys/{key['id']}", json={"limits": {"rpm": 1_000_000, "tpm": 1_000_000_000, "monthly_tokens": 10_000_000_000}},
+                    headers=h).raise_for_status()
+        engine_pids = child_pids(proc.pid)
+
+        async def one(i: int, ids: list[int]) -> Timing:
+            return await sse_request(port, key["key"], ids, args.osl)
+
+        cells, sent = {}, 0
+        for level in args.levels_for(label):
+            batch = prompts(requests_at(level), args.isl, vocab, seed=level)
+            before = {"gateway": cpu_seconds(proc.pid), "engine_process": sum(cpu_seconds(p) for p in engine_pids)}
+            results, wall = asyncio.run(run_level(level, batch, one))
+            cpu = {"gateway": cpu_seconds(proc.pid) - before["gateway"]}
+            if engine_pids:
+                cpu["engine_process"] = sum(cpu_seconds(p) for p in engine_pids) - before["engine_process"]
+            sent += len(batch)
+            cells[str(level)] = summarize(results, wall, cpu)
+            cells[str(level)]["usage_tokens"] = sum(r.tokens for r in results)
+            print(f"  {label}, {level} streams: {cells[str(level)]['tok_s']} tok/s, errors {cells[str(level)]['errors']}", file=sys.stderr, flush=True)
+        ledger = ledger_check(tmp / "ledger.db", sent, sum(c["usage_tokens"] for c in cells.values()))
+        for level, (ttft, queue) in zip(cells, ledger_timings(tmp / "ledger.db", [requests_at(lv) for lv in args.levels_for(label)])):
+            cells[level]["ledger_ttft_p50_ms"], cells[level]["ledger_queue_p50_ms"] = ttft, queue
+        return {"cells": cells, "ledger": ledger, "engine_process": bool(engine_pids)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        tail = (tmp / "serve.log").read_text(errors="replace").splitlines()[-15:]
+        warnings = [line for line in tail if '"level":"WARNING"' in line or '"level":"ERROR"' in line or "Traceback" in line]
+        if warnings:
+            print("  server log (warnings):\n    " + "\n    ".join(warnings), file=sys.stderr)
+
+
+def ledger_timings(db: Path, counts: list[int]) -> list[tuple[float | None, float | None]]:
+    """Per level (rows in insertion order, levels one after another): the gateway's own view of
+    the first token (ttft_ms, from the parsed request) and of the time queued (queue_ms), p50."""
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT ttft_ms, queue_ms FROM ledger_entries ORDER BY id").fetchall()
+    out, start = [], 0
+    for n in counts:
+        part = rows[start : start + n]
+        start += n
+        out.append((pct([r[0] for r in part if r[0] is not None], 0.5), pct([r[1] for r in part if r[1] is not None], 0.5)))
+    return out
+
+
+def ledger_check(db: Path, requests: int, usage_tokens: int) -> dict[str, Any]:
+    """The ledger's rows once the writer has caught up (bounded wait: it flushes every few ms)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with sqlite3.connect(db) as conn:
+            rows = conn.execute("SELECT status, count(*), coalesce(sum(completion_tokens), 0) FROM ledger_entries GROUP BY status").fetchall()
+        total = sum(r[1] for r in rows)
+        if total >= requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    by_status = {r[0]: {"rows": r[1], "completion_tokens": r[2]} for r in rows}
+    completed = by_status.get("completed", {"rows": 0, "completion_tokens": 0})
+    return {"rows": by_status, "exact": total == requests and completed["rows"] == requests and completed["completion_tokens"] == usage_tokens}
+
+
+# the report ------------------------------------------------------------------------------------
+def fmt(v: Any, nd: int = 1) -> str:
+    return "-" if v is None else (f"{v:,.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def table(name: str, result: dict[str, Any], args: argparse.Namespace) -> str:
+    eng = result["engine"]["cells"]
+    lines = [f"\n## {name}  (ISL {args.isl}, OSL {args.osl}, batch {args.batch_size}, {args.device})",
+             "| variant | streams | tok/s | x engine | TTFT p50 ms | +ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 x | gw CPU s/1k tok | engine proc CPU s/1k tok | errors | ledger TTFT p50 | ledger queue p50 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for variant in ["engine", *[v for v in ("gateway", "inproc") if v in result]]:
+        for level, cell in result[variant]["cells"].items():
+            base = eng.get(level, {})
+            ratio = cell["tok_s"] / base["tok_s"] if variant != "engine" and base.get("tok_s") else None
+            added = cell["ttft_p50_ms"] - base["ttft_p50_ms"] if variant != "engine" and base.get("ttft_p50_ms") is not None and cell["ttft_p50_ms"] is not None else None
+            itl = cell["itl_p99_ms"] / base["itl_p99_ms"] if variant != "engine" and base.get("itl_p99_ms") and cell["itl_p99_ms"] else None
+            cpu = cell.get("gateway_cpu_s_per_1k_tokens", cell.get("engine_cpu_s_per_1k_tokens"))
+            lines.append(f"| {variant} | {level} | {fmt(cell['tok_s'])} | {fmt(ratio, 3)} | {fmt(cell['ttft_p50_ms'])} | {fmt(added)} | "
+                         f"{fmt(cell['ttft_p99_ms'])} | {fmt(cell['itl_p50_ms'], 2)} | {fmt(cell['itl_p99_ms'], 2)} | {fmt(itl, 2)} | "
+                         f"{fmt(cpu, 3)} | {fmt(cell.get('engine_process_cpu_s_per_1k_tokens'), 3)} | {cell['errors']} | "
+                         f"{fmt(cell.get('ledger_ttft_p50_ms'))} | {fmt(cell.get('ledger_queue_p50_ms'))} |")
+    for variant in ("gateway", "inproc"):
+        if variant in result:
+            lines.append(f"ledger ({variant}): {json.dumps(result[variant]['ledger'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="compare", choices=["compare", "engine-alone"])
+    parser.add_argument("--model", action="append", default=[], help="NAME=PATH (a checkpoint directory); repeatable")
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--levels", default="1,16,64,256")
+    parser.add_argument("--inproc-levels", default="64,256", help="levels for the in-process (before) layout; '' skips it")
+    parser.add_argument("--isl", type=int, default=512)
+    parser.add_argument("--osl", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--kv-cache-tokens", type=int, default=0)
+    parser.add_argument("--max-batch-tokens", type=int, default=4096)
+    parser.add_argument("--variants", default="engine,gateway,inproc")
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "gpu_gateway_vs_engine.json"))
+    args = parser.parse_args(argv)
+    args.levels = [int(x) for x in args.levels.split(",") if x]
+    inproc_levels = [int(x) for x in args.inproc_levels.split(",") if x]
+    args.levels_for = lambda label: inproc_levels if label == "inproc" else args.levels
+    if args.mode == "engine-alone":
+        print(json.dumps(asyncio.run(engine_alone(args))))
+        return 0
+    variants = args.variants.split(",")
+    report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("levels_for", "model_path")}, "models": {}}
+    for spec in args.model:
+        name, _, path = spec.partition("=")
+        print(f"{name}: engine alone", file=sys.stderr, flush=True)
+        out = subprocess.run([sys.executable, __file__, "engine-alone", "--model-path", path, "--device", args.device,
+                              "--levels", ",".join(map(str, args.levels)), "--isl", str(args.isl), "--osl", str(args.osl),
+                              "--batch-size", str(args.batch_size), "--max-queue", str(args.max_queue),
+                              "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-batch-tokens", str(args.max_batch_tokens)],
+                             stdout=subprocess.PIPE, check=True)
+        result: dict[str, Any] = {"engine": json.loads(out.stdout.decode().strip().splitlines()[-1])}
+        vocab = result["engine"]["vocab"]
+        if "gateway" in variants:
+            print(f"{name}: through tollgate serve", file=sys.stderr, flush=True)
+            result["gateway"] = through_gateway(args, path, vocab, "gateway", {})
+        if "inproc" in variants and inproc_levels:
+            print(f"{name}: through tollgate serve, model in the gateway's process", file=sys.stderr, flush=True)
+            result["inproc"] = through_gateway(args, path, vocab, "inproc", {"TOLLGATE_ENGINE_PROCESS": "0"})
+        report["models"][name] = result
+        print(table(name, result, args), flush=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"\nJSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""The `hf` engine in a process of its own, the way vLLM runs its engine core apart from its API server.
+
+In one process, the batching manager's thread and the gateway's event loop share one GIL: every
+token the loop relays (an SSE chunk per stream per step) delays the manager's next step, and the
+manager's Python work delays the loop's chunks. On a GPU that cost the engine a third to two thirds
+of its tokens/s and added seconds to the first token (docs/gpu.md). Here the model and the
+manager run in a child process that does nothing else: per step it sends each stream's new token
+ids to the gateway in one pipe message; detokenization, stop strings and everything per request
+stay in the gateway process, which owns the tokenizer too.
+
+    gateway process                                   engine process
+    HFProcessEngine.stream()  --("add", ...)-->       HFEngine.submit() -> batching manager
+    per-request queues  <--[(rid, ids, done, ...)]--  one message per step (all streams)
+    cancel / stop-string end --("cancel", rid)-->     manager.cancel_request()
+
+The child exits when the pipe closes (the gateway stopped or died). If the child dies, every
+stream in flight ends with an error, the engine stops being ready and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engines.base import EngineError, EngineOutput, EngineOverloadedError, EngineRequest
+from engines.hf import HFEngine, TokenProgress, drain
+
+log = logging.getLogger("tollgate.engines.hf_process")
+
+START_TIMEOUT_S = 1800.0  # loading, converting a GGUF once and warming up CUDA graphs
+STOP_TIMEOUT_S = 15.0
+_CANCELLED = object()
+
+
+class _Dead:
+    """Queued to every live stream when the engine process is gone."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@dataclass
+class _Live:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+
+
+class HFProcessEngine(HFEngine):
+    """`HFEngine` whose model runs in a child process (TOLLGATE_ENGINE_PROCESS; on by default on CUDA)."""
+
+    def __init__(self, *, model_id: str, **params: Any) -> None:
+        super().__init__(model_id=model_id, **params)
+        self._params = params
+        self._process: Any = None
+        self._conn: Any = None
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._live_streams: dict[str, _Live] = {}
+        self._stopping = False
+        self.exited: str | None = None  # why the engine process is gone, once it is
+
+    # lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._ready:
+            return
+        # A fresh interpreter (`python -m engines.hf_process FD`): no CUDA state or threads inherited,
+        # and unlike multiprocessing's spawn it does not re-run the parent's main module.
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "engines.hf_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        self._process, self._conn = process, conn
+        conn.send((self.model_id, self._params))
+        try:
+            hello = await asyncio.to_thread(_first_message, conn, process)
+        except BaseException:
+            self._kill()
+            raise
+        if hello[0] != "ready":
+            self._kill()
+            raise EngineError(hello[1])
+        info, self._tokenizer = hello[1], hello[2]
+        self.context_length = int(info["context_length"])
+        self.vocab_size = info["vocab_size"]
+        self._eos_ids = set(info["eos_ids"])
+        self._reader = threading.Thread(target=self._read_outputs, name=f"tollgate-engine-reader-{self.model_id}", daemon=True)
+        self._reader.start()
+        self._ready = True
+        log.info("model %s ready in engine process %d", self.model_id, process.pid)
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._process is None:
+            return
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except (OSError, EOFError):
+            pass
+        await asyncio.to_thread(_wait, self._process, STOP_TIMEOUT_S)
+        self._kill()
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, STOP_TIMEOUT_S)
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
+            _wait(process, 5.0)
+        if self._conn is not None:
+            self._conn.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:  # streams on several event loops (threads) share the pipe
+            self._conn.send(message)
+
+    def _read_outputs(self) -> None:
+        """The reader thread: one pipe message per engine step, handed to each stream's loop in one call."""
+        conn = self._conn
+        while True:
+            try:
+                batch = conn.recv()
+            except (EOFError, OSError):
+                break
+            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+            for item in batch:
+                live = self._live_streams.get(item[0])
+                if live is not None:
+                    by_loop.setdefault(live.loop, []).append((live.queue, item))
+            for loop, items in by_loop.items():
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(_put_all, items)
+        self._ready = False
+        code = _wait(self._process, 5.0) if self._process is not None else None
+        self.exited = f"the engine process exited (exit code {code})"
+        if not self._stopping:
+            log.error("model %s: %s; %d streams in flight end with an error", self.model_id, self.exited, len(self._live_streams))
+        dead = _Dead(self.exited)
+        for live in list(self._live_streams.values()):
+            if not live.loop.is_closed():
+                live.loop.call_soon_threadsafe(live.queue.put_nowait, dead)
+
+    # capacity ---------------------------------------------------------------------------------
+    def has_capacity(self) -> bool:
+        return len(self._live_streams) < self.capacity
+
+    def requests_in_flight(self) -> int:
+        return len(self._live_streams)
+
+    # generation -------------------------------------------------------------------------------
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self._ready:
+            raise EngineError(self.exited or "engine is not running")
+        if not self.has_capacity():
+            raise EngineOverloadedError("engine queue is full")
+        prompt_ids = self.prompt_ids_of(request)
+        rid = request.request_id
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._live_streams[rid] = _Live(asyncio.get_running_loop(), queue)
+        sampling = request.sampling
+        engine_done = False
+        try:
+            self._send(("add", rid, prompt_ids, request.max_tokens, sampling.temperature, sampling.top_p))
+        except (OSError, EOFError):
+            self._live_streams.pop(rid, None)
+            raise EngineError(self.exited or "the engine process is gone") from None
+        progress = TokenProgress(self._tokenizer, request, len(prompt_ids), self._eos_ids)
+        queue_ms: float | None = None
+        try:
+            while True:
+                batch = await drain(queue)  # what arrived since the last turn leaves as one output
+                new_ids: list[int] = []
+                error: str | None = None
+                for item in batch:
+                    if item is _CANCELLED:
+                        yield progress.cancelled(queue_ms)
+                        return
+                    if isinstance(item, _Dead):
+                        engine_done = True
+                        yield progress.advance(new_ids, True, item.reason, queue_ms)  # type: ignore[misc]
+                        return
+                    _rid, ids, done, item_error, item_queue_ms = item
+                    new_ids += ids
+                    if queue_ms is None:
+                        queue_ms = item_queue_ms
+                    if done:
+                        engine_done, error = True, item_error
+                out = progress.advance(new_ids, engine_done, error, queue_ms)
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        return
+        finally:
+            self._live_streams.pop(rid, None)
+            if not engine_done and self._ready:  # the client left, or a stop string ended it first
+                try:
+                    self._send(("cancel", rid))
+                except (OSError, EOFError):
+                    pass
+
+    def cancel(self, request_id: str) -> None:
+        live = self._live_streams.get(request_id)
+        if live is not None:
+            live.queue.put_nowait(_CANCELLED)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _wait(process: subprocess.Popen[bytes], timeout: float) -> int | None:
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _first_message(conn: Any, process: Any) -> tuple[Any, ...]:
+    """The child's hello: ("ready", info, tokenizer) or ("failed", reason)."""
+    waited = 0.0
+    while not conn.poll(1.0):
+        waited += 1.0
+        if process.poll() is not None:
+            return ("failed", f"the engine process exited while loading (exit code {process.returncode})")
+        if waited >= START_TIMEOUT_S:
+            return ("failed", f"the engine process did not load within {START_TIMEOUT_S:.0f}s")
+    try:
+        return conn.recv()  # type: ignore[no-any-return]
+    except (EOFError, OSError):
+        return ("failed", f"the engine process exited while loading (exit code {_wait(process, 5.0)})")
+
+
+# the engine process ---------------------------------------------------------------------------
+def engine_main(fd: int) -> None:
+    """Entry point of the child process: the pipe's end is file descriptor `fd`."""
+    conn = Connection(fd)
+    model_id, params = conn.recv()
+    # The batching thread holds the GIL most of the time; the threads that take requests in and send
+    # tokens out wait for it up to the switch interval each time (5 ms by default, a visible share of
+    # a decode step). They run rarely and briefly, so a shorter interval costs the batching thread little.
+    sys.setswitchinterval(0.001)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(conn, HFEngine(model_id=model_id, **params)))
+
+
+async def _serve(conn: Any, engine: HFEngine) -> None:
+    try:
+        await engine.start()
+    except BaseException as exc:  # the gateway reports it; nothing else would
+        conn.send(("failed", f"model {engine.model_id!r} failed to load: {type(exc).__name__}: {exc}"))
+        return
+    info = {"context_length": engine.context_length, "vocab_size": engine.vocab_size, "eos_ids": sorted(engine._eos_ids)}
+    conn.send(("ready", info, engine.tokenizer))
+    loop = asyncio.get_running_loop()
+    relay = _StepRelay(conn, loop, engine)
+    stopped = loop.create_future()
+    threading.Thread(target=_read_commands, args=(conn, loop, relay, stopped), daemon=True).start()
+    await stopped
+    await engine.stop()
+
+
+class _StepRelay:
+    """In the engine process: collects what the manager delivers in one step and sends it as one message."""
+
+    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop, engine: HFEngine) -> None:
+        self._conn = conn
+        self._loop = loop
+        self._engine = engine
+        self._seen: dict[str, int] = {}
+        self._outbox: list[tuple[Any, ...]] = []
+
+    def add(self, rid: str, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float) -> None:
+        from engines.base import SamplingParams
+
+        self._seen[rid] = -1  # -1: queue time not reported yet
+        self._engine.submit(rid, prompt_ids, max_tokens, SamplingParams(temperature=temperature, top_p=top_p), lambda out: self._collect(rid, out))
+
+    def cancel(self, rid: str) -> None:
+        if self._seen.pop(rid, None) is not None:
+            self._engine._cancel(rid)
+
+    def _collect(self, rid: str, out: Any) -> None:
+        seen = self._seen.get(rid)
+        if seen is None:
+            return  # cancelled meanwhile
+        queue_ms = None
+        done = out.is_finished()
+        if seen < 0:
+            started = out.lifespan[0]
+            if started <= 0 and not done:
+                return  # not running yet
+            queue_ms = max(0.0, (started - out.created_time) * 1000.0) if started > 0 else None
+            seen = 0
+        tokens = out.generated_tokens
+        error = str(out.error) if done and out.error else None
+        if done:
+            self._seen.pop(rid, None)
+        else:
+            self._seen[rid] = len(tokens)
+        if not self._outbox:
+            self._loop.call_soon(self._flush)  # after every handler of this step has run
+        self._outbox.append((rid, [int(t) for t in tokens[seen:]], done, error, queue_ms))
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        try:
+            self._conn.send(batch)
+        except (OSError, EOFError):
+            pass  # the gateway is gone; the command reader ends this process
+
+
+def _read_commands(conn: Any, loop: asyncio.AbstractEventLoop, relay: _StepRelay, stopped: asyncio.Future[None]) -> None:
+    """The command reader thread: what arrived together is handed to the loop in one call (a burst
+    of requests costs one wake-up of the loop, not one each)."""
+    handlers = {"add": relay.add, "cancel": relay.cancel}
+    running = True
+    while running:
+        try:
+            messages = [conn.recv()]
+            while conn.poll(0):
+                messages.append(conn.recv())
+        except (EOFError, OSError):
+            break  # the gateway closed the pipe or died
+        if any(m[0] == "stop" for m in messages):
+            running = False
+            messages = [m for m in messages if m[0] != "stop"]
+        loop.call_soon_threadsafe(_run_commands, handlers, messages)
+    loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+
+
+def _run_commands(handlers: dict[str, Any], messages: list[tuple[Any, ...]]) -> None:
+    for message in messages:
+        handlers[message[0]](*message[1:])
+
+
+if __name__ == "__main__":
+    engine_main(int(sys.argv[1]))
