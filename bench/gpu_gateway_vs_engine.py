@@ -11,7 +11,8 @@ ids, OSL output tokens, greedy) go
            on CUDA the model in an engine process of its own), full metering: SQLite ledger,
            in-process limits on the key, a price, the scheduler on;
   inproc   the same with TOLLGATE_ENGINE_PROCESS=0: the model in the gateway's process (the
-           layout before issue 26), for the before/after comparison.
+           layout before issue 26), for the before/after comparison (levels: --inproc-levels);
+  nosched  inproc with TOLLGATE_SCHEDULER=0 too (where issue 26 saw a stream dropped).
 The load for the gateway comes from this process (raw HTTP/1.1 SSE clients, one connection per
 request), as real clients do. Printed per cell: aggregate output tokens/s, TTFT p50/p99, the gap
 between token-bearing deliveries (ITL) p50/p99, and the gateway's CPU seconds per 1,000 streamed
@@ -72,7 +73,8 @@ def prompts(n: int, isl: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def requests_at(level: int) -> int:
-    return 4 if level == 1 else 2 * level
+    """Two waves of requests per stream (one at 256 streams, where one wave is already ~65k tokens)."""
+    return 4 if level == 1 else level if level >= 256 else 2 * level
 
 
 async def run_level(level: int, batch: list[list[int]], one: Any) -> tuple[list[Timing], float]:
@@ -266,10 +268,10 @@ def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-        tail = (tmp / "serve.log").read_text(errors="replace").splitlines()[-15:]
-        warnings = [line for line in tail if '"level":"WARNING"' in line or '"level":"ERROR"' in line or "Traceback" in line]
+        lines = (tmp / "serve.log").read_text(errors="replace").splitlines()
+        warnings = [line for line in lines if any(w in line.lower() for w in ('"level":"warning"', '"level":"error"', "traceback"))]
         if warnings:
-            print("  server log (warnings):\n    " + "\n    ".join(warnings), file=sys.stderr)
+            print(f"  server log: {len(warnings)} warning/error lines, the first ones:\n    " + "\n    ".join(warnings[:8]), file=sys.stderr)
 
 
 def ledger_timings(db: Path, counts: list[int]) -> list[tuple[float | None, float | None]]:
@@ -310,7 +312,7 @@ def table(name: str, result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [f"\n## {name}  (ISL {args.isl}, OSL {args.osl}, batch {args.batch_size}, {args.device})",
              "| variant | streams | tok/s | x engine | TTFT p50 ms | +ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 x | gw CPU s/1k tok | engine proc CPU s/1k tok | errors | ledger TTFT p50 | ledger queue p50 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for variant in ["engine", *[v for v in ("gateway", "inproc") if v in result]]:
+    for variant in ["engine", *[v for v in ("gateway", "inproc", "nosched") if v in result]]:
         for level, cell in result[variant]["cells"].items():
             base = eng.get(level, {})
             ratio = cell["tok_s"] / base["tok_s"] if variant != "engine" and base.get("tok_s") else None
@@ -321,7 +323,7 @@ def table(name: str, result: dict[str, Any], args: argparse.Namespace) -> str:
                          f"{fmt(cell['ttft_p99_ms'])} | {fmt(cell['itl_p50_ms'], 2)} | {fmt(cell['itl_p99_ms'], 2)} | {fmt(itl, 2)} | "
                          f"{fmt(cpu, 3)} | {fmt(cell.get('engine_process_cpu_s_per_1k_tokens'), 3)} | {cell['errors']} | "
                          f"{fmt(cell.get('ledger_ttft_p50_ms'))} | {fmt(cell.get('ledger_queue_p50_ms'))} |")
-    for variant in ("gateway", "inproc"):
+    for variant in ("gateway", "inproc", "nosched"):
         if variant in result:
             lines.append(f"ledger ({variant}): {json.dumps(result[variant]['ledger'])}")
     return "\n".join(lines)
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",") if x]
     inproc_levels = [int(x) for x in args.inproc_levels.split(",") if x]
-    args.levels_for = lambda label: inproc_levels if label == "inproc" else args.levels
+    args.levels_for = lambda label: args.levels if label == "gateway" else inproc_levels
     if args.mode == "engine-alone":
         print(json.dumps(asyncio.run(engine_alone(args))))
         return 0
@@ -365,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         if "gateway" in variants:
             print(f"{name}: through tollgate serve", file=sys.stderr, flush=True)
             result["gateway"] = through_gateway(args, path, vocab, "gateway", {})
-        if "inproc" in variants and inproc_levels:
-            print(f"{name}: through tollgate serve, model in the gateway's process", file=sys.stderr, flush=True)
-            result["inproc"] = through_gateway(args, path, vocab, "inproc", {"TOLLGATE_ENGINE_PROCESS": "0"})
+        for variant, env in (("inproc", {"TOLLGATE_ENGINE_PROCESS": "0"}), ("nosched", {"TOLLGATE_ENGINE_PROCESS": "0", "TOLLGATE_SCHEDULER": "0"})):
+            if variant in variants and inproc_levels:
+                print(f"{name}: through tollgate serve, {variant} ({env})", file=sys.stderr, flush=True)
+                result[variant] = through_gateway(args, path, vocab, variant, env)
         report["models"][name] = result
         print(table(name, result, args), flush=True)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
