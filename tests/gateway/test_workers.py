@@ -5,6 +5,7 @@ them, and a clear refusal where several processes cannot be exact."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from pathlib import Path
@@ -18,7 +19,7 @@ from openai import AsyncOpenAI
 
 from gateway.cli import workers_refused
 from gateway.config import Settings
-from tests.conftest import REDIS_URL, run_coro, seconds_to_room_in_minute
+from tests.conftest import REDIS_URL, require_redis, run_coro, seconds_to_room_in_minute
 from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
 from tests.processes import GatewayProcess
 
@@ -62,7 +63,24 @@ def _sum_metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def journal_finals(directory: Path) -> set[str]:
+    """Request ids of the final rows a worker's ledger journal holds (lines `{"f": row}`)."""
+    ids = set()
+    for segment in sorted(directory.glob("ledger-*.jsonl")):
+        lines = segment.read_bytes().splitlines()
+        for i, line in enumerate(lines):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                assert i == len(lines) - 1, f"{segment}: a torn line that is not the last"
+                continue  # the worker is still appending (an acknowledgement): not a final row
+            if "f" in entry:
+                ids.add(entry["f"]["request_id"])
+    return ids
+
+
 def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_pg_database: Any, tmp_path: Path) -> None:
+    require_redis(REDIS_URL)
     _server, url = upstreams()
     admin_key = "sk-admin-" + uuid.uuid4().hex
     gw = GatewayProcess(
@@ -85,19 +103,26 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
             key = admin.post("/admin/keys", json={"account_id": account["id"]}).json()
             assert admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"rpm": 20}}).status_code == 200
 
-        async def fire(n: int) -> list[int]:
-            async def one() -> int:
+        async def fire(n: int) -> list[tuple[int, str]]:
+            async def one() -> tuple[int, str]:
                 # A fresh connection per request: the kernel spreads them over both workers.
                 async with httpx.AsyncClient(base_url=gw.base_url + "/v1", timeout=60,
                                              headers={"Authorization": f"Bearer {key['key']}"}) as c:
                     r = await c.post("/chat/completions", json={"model": "remote", "max_tokens": 8,
                                                                  "messages": [{"role": "user", "content": "hi"}]})
-                    return r.status_code
+                    return r.status_code, r.headers["x-request-id"]
             return list(await asyncio.gather(*(one() for _ in range(n))))
 
         time.sleep(seconds_to_room_in_minute(40))  # the 61 requests below in one minute's window
-        statuses = run_coro(fire(60))
+        answers = run_coro(fire(60))
+        statuses = [status for status, _ in answers]
         assert statuses.count(200) == 20 and statuses.count(429) == 40  # one limit for the key, across both
+        # Both workers served: each one's journal holds final rows, together exactly the 20 served.
+        served_ids = {rid for status, rid in answers if status == 200}
+        per_worker = {name: journal_finals(gw.data_dir / name) for name in ("journal", "journal-1")}
+        assert all(per_worker.values()), {name: len(ids) for name, ids in per_worker.items()}
+        assert per_worker["journal"].isdisjoint(per_worker["journal-1"])
+        assert per_worker["journal"] | per_worker["journal-1"] == served_ids
 
         async def sdk_call() -> Any:
             client = AsyncOpenAI(base_url=gw.base_url + "/v1", api_key=key["key"], max_retries=0)
