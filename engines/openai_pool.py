@@ -46,6 +46,7 @@ from engines.openai_stream import (
     normalized_finish,
 )
 from engines.upstream_http import Inbox, LeanExchange, UpstreamPool
+from engines.upstream_params import ParamPolicy, ParamRefused
 
 log = logging.getLogger("tollgate.engines.openai")
 
@@ -274,6 +275,14 @@ def _json_object(data: str | bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """Prompt tokens the upstream served from its prefix cache (OpenAI's
+    `usage.prompt_tokens_details.cached_tokens`; trtllm-serve and vLLM fill it), or None."""
+    details = usage.get("prompt_tokens_details") if usage else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if type(value) is int and value >= 0 else None
+
+
 def upstream_error_message(raw: bytes) -> tuple[str, str | None, str | None]:
     """(message, param, code) from an upstream's error body, whatever its flavour."""
     try:
@@ -315,6 +324,7 @@ class OpenAIPoolEngine(Engine):
         max_connections: int | None = None,
         keepalive_expiry: float = 30.0,
         lean_client: bool = True,
+        params: dict[str, Any] | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("an openai pool needs at least one replica URL")
@@ -323,6 +333,8 @@ class OpenAIPoolEngine(Engine):
         self.upstream_model = upstream_model or model_id
         self._api_key = api_key
         self.counter = TokenCounter(tokenizer)
+        # Which client fields go upstream (models.yaml `params:`, engines/upstream_params.py).
+        self.params = ParamPolicy.from_config(params)
         self.retries = retries
         self.first_token_timeout = first_token_timeout
         self.idle_timeout = idle_timeout
@@ -463,6 +475,10 @@ class OpenAIPoolEngine(Engine):
         request built without a client body, the equivalent body from its own fields."""
         if request.extra is not None:
             body = dict(request.extra)
+            dropped = self.params.apply(body, chat)
+            if dropped:
+                log.debug("model %s: request %s: fields not forwarded to the upstream: %s",
+                          self.model_id, request.request_id, ", ".join(dropped))
         else:
             s = request.sampling
             body = {"max_tokens": request.max_tokens, "temperature": s.temperature, "top_p": s.top_p}
@@ -491,7 +507,10 @@ class OpenAIPoolEngine(Engine):
         if self._client is None:
             raise EngineError("engine is not running")
         chat = self._is_chat(request)
-        body = orjson.dumps(self.upstream_body(request, chat))
+        try:
+            body = orjson.dumps(self.upstream_body(request, chat))
+        except ParamRefused as exc:
+            raise EngineRequestRejected(str(exc), status_code=400, param=exc.name, code="unsupported_parameter") from None
         live = self._live[request.request_id] = _Live()
         return chat, body, live
 
@@ -710,4 +729,5 @@ class OpenAIPoolEngine(Engine):
             prompt, completion, estimated = usage["prompt_tokens"], usage["completion_tokens"], False
         else:
             prompt, completion, estimated = prompt_estimate, self.counter.count(merged.generated_text()), True
-        return EngineOutput(text, [], reason, prompt, completion, estimated=estimated, error=error, raw_choice=raw)
+        return EngineOutput(text, [], reason, prompt, completion, estimated=estimated, error=error, raw_choice=raw,
+                            cached_tokens=cached_tokens(usage))

@@ -104,6 +104,12 @@ def _routes(v: Any) -> str | None:
     return None
 
 
+def _params(v: Any) -> str | None:
+    from engines.upstream_params import check_params
+
+    return check_params(v)
+
+
 def _one_of(*choices: str) -> Check:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {_show(v)}"
 
@@ -137,13 +143,13 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "max_batch_tokens": Field(_int(1)),
         "cuda_graphs": Field(_bool),
         "warmup": Field(_bool),
+        "process": Field(_bool),  # the model in a process of its own (default: on for cuda devices)
     },
     "trtllm": {
         "model_path": Field(_str, required=True),
         "tensor_parallel_size": Field(_int(1)),
         "max_batch_size": Field(_int(1)),
         "max_num_tokens": Field(_int(1)),
-        "process": Field(_bool),  # the model in a process of its own (default: on for cuda devices)
         "kv_cache_free_gpu_memory_fraction": Field(_number(0.0, 1.0, above=True)),
         "scheduler_policy": Field(_one_of("guaranteed_no_evict", "max_utilization")),
         "max_queue": Field(_int(0)),
@@ -171,6 +177,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "eject_after": Field(_int(1)),
         "cooldown": Field(_number(0.0)),
         "max_connections": Field(_int(1)),
+        "params": Field(_params),  # which client fields go upstream: engines/upstream_params.py
     },
 }
 
@@ -432,6 +439,7 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
     params = dict(spec.params)
     if spec.backend == "hf":
         from engines.hf import HFEngine
+        from engines.hf_process import HFProcessEngine
 
         separate = params.pop("process", None)
         if separate is None:  # like TOLLGATE_ENGINE_PROCESS=auto: its own process on a GPU
@@ -442,7 +450,6 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
 
         return TRTLLMEngine(model_id=spec.id, context_length=spec.context_length, api=trtllm_api, **params)
     from engines.openai_pool import OpenAIPoolEngine
-        from engines.hf_process import HFProcessEngine
 
     return OpenAIPoolEngine(model_id=spec.id, **params)
 

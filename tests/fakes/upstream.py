@@ -60,6 +60,9 @@ class ScriptedUpstream:
         self.healthy = True
         self.health_checks = 0
         self.active = 0  # requests being answered right now
+        # Like trtllm-serve's request models (pydantic extra="forbid"): when set, a body with a field
+        # not listed here ("chat", "text", and "stream_options" for its inner fields) is answered 400.
+        self.accepts: dict[str, frozenset[str]] | None = None
 
     def next_behaviour(self) -> Behaviour:
         return self.script.pop(0) if self.script else self.default
@@ -92,6 +95,11 @@ class ScriptedUpstream:
         seen = Seen(scope["path"], json.loads(raw), {k.decode(): v.decode() for k, v in scope["headers"]}, tuple(scope["client"]))
         seen.disconnected = asyncio.Event()
         self.requests.append(seen)
+        extra = self._extra_field(seen.body, chat)
+        if extra is not None:
+            await _json(send, 400, {"object": "error", "message": f"1 validation error: {extra}: Extra inputs are not permitted",
+                                    "type": "BadRequestError", "param": None, "code": 400})
+            return
         behaviour = self.next_behaviour()
         watcher = asyncio.get_running_loop().create_task(self._watch(receive, seen))
         self.active += 1
@@ -110,6 +118,16 @@ class ScriptedUpstream:
         finally:
             self.active -= 1
             watcher.cancel()
+
+    def _extra_field(self, body: dict[str, Any], chat: bool) -> str | None:
+        if self.accepts is None:
+            return None
+        allowed = self.accepts["chat" if chat else "text"]
+        extra = [k for k in body if k not in allowed]
+        options = body.get("stream_options")
+        if isinstance(options, dict) and "stream_options" in self.accepts:
+            extra += [f"stream_options.{k}" for k in options if k not in self.accepts["stream_options"]]
+        return extra[0] if extra else None
 
     async def _watch(self, receive: Receive, seen: Seen) -> None:
         while (await receive())["type"] != "http.disconnect":
