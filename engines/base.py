@@ -105,6 +105,8 @@ class EngineOutput:
     # Prompt tokens the engine served from its prefix (KV) cache, when it says (TensorRT-LLM's
     # result.cached_tokens, an upstream's usage.prompt_tokens_details.cached_tokens); the last output's counts.
     cached_tokens: int | None = None
+    # The stop string that ended the request (finish_reason "stop"), when the engine says which.
+    stop_sequence: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -49,6 +49,7 @@ class StopMatcher:
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     def push(self, delta: str) -> str:
         """Returns the text safe to emit. After a stop is found, `stopped` is true."""
@@ -57,8 +58,9 @@ class StopMatcher:
         if self.stopped:
             return ""
         buf = self._held + delta
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self.stopped = True
             self._held = ""
             return buf[:cut]
