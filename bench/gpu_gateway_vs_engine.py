@@ -48,7 +48,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # one request ---------------------------------------------------------------------------------
 class Timing:
-    __slots__ = ("start", "first", "last", "gaps", "tokens", "error")
+    __slots__ = ("start", "first", "last", "gaps", "tokens", "error", "queue_ms")
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -57,6 +57,7 @@ class Timing:
         self.gaps: list[float] = []
         self.tokens = 0
         self.error: str | None = None
+        self.queue_ms: float | None = None  # the engine alone: its output's queue_ms
 
     def delivery(self) -> None:
         now = time.perf_counter()
@@ -109,6 +110,9 @@ def summarize(results: list[Timing], wall: float, cpu: dict[str, float] | None =
         "output_tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1) if wall else None,
         "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
     }
+    queued = [r.queue_ms for r in ok if r.queue_ms is not None]
+    if queued:
+        cell["ledger_queue_p50_ms"] = pct(queued, 0.5)  # the engine alone: the same measure the ledger row keeps
     if cpu is not None and tokens:
         cell.update({f"{name}_cpu_s_per_1k_tokens": round(seconds * 1000 / tokens, 4) for name, seconds in cpu.items()})
     return cell
@@ -142,7 +146,7 @@ async def engine_alone(args: argparse.Namespace) -> dict[str, Any]:
             if out.text:  # what a client sees: a delivery is text (the gateway sends no empty deltas)
                 t.delivery()
             if out.finished:
-                t.tokens = out.completion_tokens
+                t.tokens, t.queue_ms = out.completion_tokens, out.queue_ms
                 if out.finish_reason == "error":
                     t.error = out.error
         return t
