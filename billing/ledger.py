@@ -52,6 +52,7 @@ class UsageRecord:
     estimated: bool = False
     cost_nanos: int | None = None
     cached: bool = False  # issue 10: served from the response cache
+    api: str | None = None  # chat | completions | embeddings | messages (issue 21)
     created_at: datetime = field(default_factory=utcnow)
 
 
@@ -69,7 +70,7 @@ def insert_ignoring_duplicates(dialect_name: str) -> Any:
 _PG_COLUMNS = (
     ("request_id", "text"), ("account_id", "int4"), ("key_id", "int4"), ("model", "text"), ("prompt_tokens", "int4"),
     ("completion_tokens", "int4"), ("status", "text"), ("finish_reason", "text"), ("total_ms", "float8"),
-    ("queue_ms", "float8"), ("ttft_ms", "float8"), ("estimated", "bool"), ("cost_nanos", "int8"), ("cached", "bool"),
+    ("queue_ms", "float8"), ("ttft_ms", "float8"), ("estimated", "bool"), ("cost_nanos", "int8"), ("cached", "bool"), ("api", "text"),
     ("created_at", "timestamptz"),
 )
 PG_ARRAY_INSERT = True  # False: SQLAlchemy's executemany (bench/ledger_writer.py compares the two)

@@ -94,6 +94,8 @@ class LedgerEntry(SQLModel, table=True):
     cost_nanos: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
     queue_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     cached: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False, server_default=sa.false()))  # issue 10
+    # The API the request came through: chat | completions | embeddings | messages; NULL before migration 0007_api.
+    api: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
     ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
     created_at: datetime = Field(

@@ -28,7 +28,7 @@ from billing.prices import EffectivePrice, PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine, EngineError
 from engines.scheduler import ScheduledEngine, schedule_engines
-from gateway import admin, dashboard
+from gateway import admin, anthropic_api, dashboard
 from gateway import billing_api
 from gateway import embeddings_api, response_cache  # issue 10
 from engines.router import route_body  # issue 10
@@ -229,11 +229,26 @@ def _passes_through(service: CompletionService, raw: Any) -> bool:
     return bool(engine is not None and engine.passthrough)
 
 
+async def _embedding_card(request: Request, principal: Principal, model: Any) -> dict[str, Any]:
+    """An embedding model's card: its vectors' size once it has loaded (`dimensions`)."""
+    card = await _priced_card(request, principal, model)
+    card["type"] = "embedding"
+    if model.dimensions:
+        card["dimensions"] = model.dimensions
+    return card
+
+
+def _embedding_models(request: Request) -> dict[str, Any]:
+    service = getattr(request.app.state, "embeddings", None)
+    return service.models if service is not None else {}
+
+
 async def list_models(request: Request) -> Response:
     principal = await authenticate(request, request.app.state.keys)
     engines: dict[str, Engine] = request.app.state.service.engines
     # Aliases resolve to the same engine under another key; the list names each model once.
     data = [await _priced_card(request, principal, e) for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
+    data += [await _embedding_card(request, principal, m) for mid, m in _embedding_models(request).items() if principal.may_use(mid)]
     return json_response({"object": "list", "data": data})
 
 
@@ -241,9 +256,12 @@ async def get_model(request: Request) -> Response:
     principal = await authenticate(request, request.app.state.keys)
     model_id = request.path_params["model_id"]
     engine = request.app.state.service.engines.get(model_id)
-    if engine is None or not (principal.may_use(model_id) or principal.may_use(engine.model_id)):
-        raise NotFound(f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
-    return json_response(await _priced_card(request, principal, engine))
+    if engine is not None and (principal.may_use(model_id) or principal.may_use(engine.model_id)):
+        return json_response(await _priced_card(request, principal, engine))
+    embedding = _embedding_models(request).get(model_id)
+    if embedding is not None and principal.may_use(model_id):
+        return json_response(await _embedding_card(request, principal, embedding))
+    raise NotFound(f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
 
 
 async def healthz(request: Request) -> Response:
@@ -429,6 +447,7 @@ def create_app(
         *dashboard.routes,
         *billing_api.routes,
         *embeddings_api.routes,  # issue 10
+        *anthropic_api.routes,  # issue 21
     ]
     return Gateway(
         hot={"/v1/chat/completions": chat_completions, "/v1/completions": completions},

@@ -188,7 +188,7 @@ async def create_embeddings(request: Request) -> Response:
     record = UsageRecord(
         request_id=request_id, account_id=principal.account_id, key_id=principal.key_id, model=model.model_id,
         prompt_tokens=tokens, completion_tokens=0, status="interrupted", finish_reason=None, total_ms=0.0,
-        cost_nanos=nanos if price else None,
+        cost_nanos=nanos if price else None, api="embeddings",
     )
     state.ledger.admitted(record, hold.to_json() if hold else None)
     status, used = "cancelled", 0

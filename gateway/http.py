@@ -80,9 +80,10 @@ def bearer_key(request: Request) -> str:
     return value.strip()
 
 
-async def authenticate(request: Request, keys: KeyStore) -> Principal:
-    """The caller's principal; 401 for a missing or unknown key, 403 for a revoked or expired one."""
-    key = bearer_key(request)
+async def authenticate(request: Request, keys: KeyStore, key: str | None = None) -> Principal:
+    """The caller's principal; 401 for a missing or unknown key, 403 for a revoked or expired one.
+    `key`: found elsewhere than in `Authorization: Bearer` (Anthropic's `x-api-key`)."""
+    key = bearer_key(request) if key is None else key
     try:
         principal = await keys.authenticate(key) if looks_like_key(key) else None
     except KeyStoreUnavailable:

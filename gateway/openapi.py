@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import admin, billing_api
+from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 JSON = "application/json"
@@ -68,6 +69,14 @@ LIMITS = {
 USAGE = _obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
 RESPONSES: dict[str, dict[str, Any]] = {
     "Error": _obj({"error": _obj({"message": STR, "type": STR, "param": _nullable(STR), "code": _nullable(STR)})}),
+    "AnthropicError": _obj({"type": {"const": "error"}, "error": _obj({"type": STR, "message": STR})}),
+    "Message": _obj({
+        "id": STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": STR,
+        "content": {"type": "array", "items": _obj({"type": {"const": "text"}, "text": STR})},
+        "stop_reason": _nullable({"enum": ["end_turn", "max_tokens", "stop_sequence"]}), "stop_sequence": _nullable(STR),
+        "usage": _obj({"input_tokens": INT, "output_tokens": INT}),
+    }),
+    "MessageTokens": _obj({"input_tokens": INT}),
     "Usage": USAGE,
     "ChatCompletion": _obj({
         "id": STR, "object": {"const": "chat.completion"}, "created": INT, "model": STR,
@@ -164,6 +173,13 @@ def _generation(summary: str, body: str, result: str) -> dict[str, Any]:
     return _op(summary, {"200": ok}, *WITH_BODY, 404, 429, body=body)
 
 
+def _anthropic(summary: str, ok: dict[str, Any], body: str) -> dict[str, Any]:
+    """An Anthropic Messages route: Anthropic's error shape; a full engine is 529."""
+    codes = {**{c: ERROR_CODES[c] for c in (*WITH_BODY, 404, 429)}, 529: "The engine is at capacity (overloaded_error)"}
+    errors = {str(c): _json(_ref("AnthropicError"), text) for c, text in codes.items()}
+    return {**_op(summary, {"200": ok}, body=body), "responses": {"200": ok, **errors}}
+
+
 def _paths() -> dict[str, Any]:
     account = [_path("account_id", ID)]
     key = [_path("key_id", ID)]
@@ -173,6 +189,12 @@ def _paths() -> dict[str, Any]:
     return {
         "/v1/chat/completions": {"post": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion")},
         "/v1/completions": {"post": _generation("Text completion", "CompletionRequest", "Completion")},
+        "/v1/messages": {"post": _anthropic("Anthropic Messages (key in x-api-key or Authorization: Bearer)", {
+            "description": "The Message (JSON), or Anthropic's SSE events (message_start ... message_stop) when `stream` is true",
+            "content": {JSON: {"schema": _ref("Message")}, "text/event-stream": {"schema": STR}},
+        }, "MessagesRequest")},
+        "/v1/messages/count_tokens": {"post": _anthropic("Prompt tokens of an Anthropic Messages request",
+                                                         _json(_ref("MessageTokens")), "CountTokensRequest")},
         "/v1/embeddings": {"post": _op("Embeddings (base64: little-endian float32)", {"200": _json(EMBEDDINGS)}, *WITH_BODY, 404, 429,
                                        body="EmbeddingRequest")},
         "/v1/models": {"get": _op("Models this key may use", {"200": _json(_ref("ModelList"))}, *AUTHED)},
@@ -266,6 +288,8 @@ EMBEDDINGS = _obj({
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "ChatCompletionRequest": ChatCompletionRequest,
     "CompletionRequest": CompletionRequest,
+    "MessagesRequest": MessagesRequest,
+    "CountTokensRequest": CountTokensRequest,
     "CreateAccount": admin.CreateAccount,
     "CreateKey": admin.CreateKey,
     "AddPrice": admin.AddPrice,

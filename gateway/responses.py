@@ -71,6 +71,18 @@ class ChunkRenderer:
     def usage(self) -> bytes:
         return self._chunk([], usage=usage_body(self.gen))
 
+    def end(self) -> bytes:
+        """What a stream that ran to its end closes with, after its last delta."""
+        return self.usage() + DONE if self.gen.include_usage else DONE
+
+    def error(self, err: APIError) -> bytes:
+        """The event that ends a stream that failed after its status line."""
+        return b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE
+
+    def error_body(self, err: APIError) -> tuple[int, bytes]:
+        """The status and JSON body of an error answered before any of the response was sent."""
+        return err.status_code, orjson.dumps(err.body())
+
     def body(self, text: str, raw_choice: dict[str, Any] | None = None) -> bytes:
         finish = self.gen.finish_reason
         if raw_choice is not None:
@@ -106,11 +118,13 @@ def _error_for(exc: Exception) -> APIError:
 
 
 class GenerationResponse:
-    def __init__(self, gen: Generation, outputs: AsyncIterator[EngineOutput], headers: dict[str, str]) -> None:
+    """`render`: the API's shapes (ChunkRenderer's methods); OpenAI's chunks by default."""
+
+    def __init__(self, gen: Generation, outputs: AsyncIterator[EngineOutput], headers: dict[str, str], render: Any = None) -> None:
         self.gen = gen
         self.outputs = outputs
         self.headers = headers
-        self.render = ChunkRenderer(gen)
+        self.render = render or ChunkRenderer(gen)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stop_watching = self._watch(scope, receive)
@@ -194,7 +208,7 @@ class GenerationResponse:
                     pending.append(delta(part.text, None, part.raw_choice))
                 if out.finish_reason == FINISH_ERROR:
                     err = ServiceUnavailable(f"The engine failed this request: {out.error}", code="engine_error")
-                    pending.append(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+                    pending.append(self.render.error(err))
                     await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
                     return
                 if out.text or out.finished or out.raw_choice:
@@ -210,10 +224,10 @@ class GenerationResponse:
         except Exception as exc:
             log.exception("stream %s failed", self.gen.request_id)
             err = _error_for(exc)
-            pending.append(b"data: " + orjson.dumps(err.body()) + b"\n\n" + DONE)
+            pending.append(self.render.error(err))
             await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
             return
-        pending.append(self.render.usage() + DONE if self.gen.include_usage else DONE)
+        pending.append(self.render.end())
         await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
 
     async def _send_body(self, send: Send) -> None:
@@ -248,10 +262,10 @@ class GenerationResponse:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _send_error(self, send: Send, err: APIError) -> None:
-        body = orjson.dumps(err.body())
+        status, body = self.render.error_body(err)
         headers = self._headers(b"application/json") + [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
         headers.append((b"content-length", b"%d" % len(body)))
-        await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -260,11 +274,11 @@ class CompletedResponse(GenerationResponse):
     coroutine (engines that complete natively) instead of a stream of outputs through a generator per
     layer. The same watcher, errors and body as `GenerationResponse` for a non-streaming request."""
 
-    def __init__(self, gen: Generation, service: Any, headers: dict[str, str]) -> None:
+    def __init__(self, gen: Generation, service: Any, headers: dict[str, str], render: Any = None) -> None:
         self.gen = gen
         self.service = service
         self.headers = headers
-        self.render = ChunkRenderer(gen)
+        self.render = render or ChunkRenderer(gen)
 
     async def _respond(self, send: Send) -> None:
         try:

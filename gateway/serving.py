@@ -39,6 +39,7 @@ from gateway.errors import (
     RateLimited,
     ServiceUnavailable,
 )
+from gateway.anthropic_protocol import MessagesRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -68,6 +69,8 @@ class Generation:
     cancel_requested: bool = False
     hold: Hold | None = None
     price: EffectivePrice | None = None
+    api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages
+    stop_sequence: str | None = None  # the stop string that ended it, when the engine says
 
     @property
     def model(self) -> str:
@@ -181,17 +184,29 @@ class CompletionService:
             if any(t < 0 or (vocab is not None and t >= vocab) for t in prompt):
                 raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompt_ids = prompt
-        return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "text")
+        return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "text", api="completions")
+
+    def prepare_messages(self, principal: Principal, request: MessagesRequest, request_id: str) -> Generation:
+        """An Anthropic Messages request: its system prompt and text blocks as a chat."""
+        engine = self.engine_for(request.model, principal)
+        messages = request.chat_messages()
+        try:
+            prompt_ids = engine.encode_chat(messages)
+        except Exception as exc:  # a template may reject a role order
+            raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
+        return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "chat", api="messages")
 
     def _prepare(
         self,
         engine: Engine,
         principal: Principal,
-        request: ChatCompletionRequest | CompletionRequest,
+        request: ChatCompletionRequest | CompletionRequest | MessagesRequest,
         request_id: str,
         prompt_ids: list[int],
         max_tokens: int | None,
         kind: str,
+        *,
+        api: str = "chat",
     ) -> Generation:
         room = engine.context_length - len(prompt_ids)
         if room < 1:
@@ -231,6 +246,7 @@ class CompletionService:
             stream=bool(request.stream),
             include_usage=request.include_usage(),
             prompt_tokens=len(prompt_ids),
+            api=api,
         )
 
     async def metered(self, gen: Generation) -> AsyncIterator[EngineOutput]:
@@ -296,6 +312,7 @@ class CompletionService:
         if out.finished:
             gen.finish_reason = out.finish_reason
             gen.error = out.error
+            gen.stop_sequence = out.stop_sequence
 
     def usage_record(self, gen: Generation, status: str) -> UsageRecord:
         finish = gen.finish_reason
@@ -314,7 +331,9 @@ class CompletionService:
             queue_ms=gen.queue_ms,
             ttft_ms=gen.ttft_ms,
             estimated=gen.estimated,
+
             cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else None,
+            api=gen.api,
         )
 
 

@@ -1,0 +1,203 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+The route is thin: the key comes from `x-api-key` (or `Authorization: Bearer`), the body is an
+`anthropic_protocol.MessagesRequest`, and the generation goes through the same CompletionService
+as chat (prepare, admit, metered, one ledger row with `api = "messages"`) and the same
+GenerationResponse (connection watch, disconnects, closing). Only the shapes differ, and they live
+in `MessageRenderer`: Anthropic's SSE events and Message body, and errors as
+`{"type": "error", "error": {"type", "message"}}` with Anthropic's status codes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from engines.base import FINISH_LENGTH, FINISH_STOP
+from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+from gateway.errors import APIError, AuthenticationFailed, EngineOverloaded, InvalidRequest, ServiceUnavailable
+from gateway.http import authenticate, read_json
+from gateway.logs import request_id_of
+from gateway.protocol import parse
+from gateway.responses import CompletedResponse, GenerationResponse
+from gateway.serving import CompletionService, Generation
+
+log = logging.getLogger("tollgate.anthropic")
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def error_shape(err: APIError) -> tuple[int, dict[str, Any]]:
+    """Anthropic's status and body for one of our errors: a full engine is 529 `overloaded_error`
+    (what Anthropic's SDKs retry); other 5xx are `api_error`, 4xx their Anthropic type."""
+    if isinstance(err, EngineOverloaded):
+        status, kind = 529, "overloaded_error"
+    elif err.status_code >= 500:
+        status, kind = err.status_code, "api_error"
+    else:
+        status, kind = err.status_code, ERROR_TYPES.get(err.status_code, "invalid_request_error")
+    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(err: APIError, request_id: str) -> Response:
+    status, body = error_shape(err)
+    headers = {**err.headers, "request-id": request_id, "x-request-id": request_id}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def stop_reason(gen: Generation) -> str | None:
+    if gen.finish_reason == FINISH_LENGTH:
+        return "max_tokens"
+    if gen.finish_reason == FINISH_STOP:
+        return "stop_sequence" if gen.stop_sequence is not None else "end_turn"
+    return None
+
+
+def _event(name: bytes, payload: dict[str, Any]) -> bytes:
+    return b"event: " + name + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+class MessageRenderer:
+    """Anthropic's shapes for GenerationResponse (ChunkRenderer's methods): one text content block."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.id = "msg_" + gen.request_id
+
+    def _message(self, content: list[dict[str, Any]], stop: str | None, output_tokens: int) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.gen.model,
+            "content": content,
+            "stop_reason": stop,
+            "stop_sequence": self.gen.stop_sequence if stop == "stop_sequence" else None,
+            "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": output_tokens},
+        }
+
+    def first(self) -> bytes:
+        return (
+            _event(b"message_start", {"type": "message_start", "message": self._message([], None, 0)})
+            + _event(b"content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+            + _event(b"ping", {"type": "ping"})
+        )
+
+    def delta(self, text: str, finish_reason: str | None, raw_choice: dict[str, Any] | None = None) -> bytes:
+        if raw_choice is not None:  # a pass-through engine's OpenAI chunk choice
+            text = (raw_choice.get("delta") or {}).get("content") or ""
+        if not text:
+            return b""
+        return _event(b"content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
+
+    def end(self) -> bytes:
+        stop = stop_reason(self.gen)
+        usage = {"input_tokens": self.gen.prompt_tokens, "output_tokens": self.gen.completion_tokens}
+        delta = {"stop_reason": stop, "stop_sequence": self.gen.stop_sequence if stop == "stop_sequence" else None}
+        return (
+            _event(b"content_block_stop", {"type": "content_block_stop", "index": 0})
+            + _event(b"message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+            + _event(b"message_stop", {"type": "message_stop"})
+        )
+
+    def error(self, err: APIError) -> bytes:
+        return _event(b"error", error_shape(err)[1])
+
+    def error_body(self, err: APIError) -> tuple[int, bytes]:
+        status, body = error_shape(err)
+        return status, orjson.dumps(body)
+
+    def body(self, text: str, raw_choice: dict[str, Any] | None = None) -> bytes:
+        if raw_choice is not None:  # a pass-through engine's OpenAI choice
+            text = (raw_choice.get("message") or {}).get("content") or ""
+        content = [{"type": "text", "text": text}] if text else []
+        return orjson.dumps(self._message(content, stop_reason(self.gen), self.gen.completion_tokens))
+
+
+def api_key(request: Request) -> str | None:
+    """Anthropic's SDKs send `x-api-key`; `Authorization: Bearer` (their `auth_token`) works too."""
+    key = (request.headers.get("x-api-key") or "").strip()
+    if key:
+        return key
+    if "authorization" not in request.headers:
+        raise AuthenticationFailed("You didn't provide an API key. Send it in the 'x-api-key' header.", code="missing_api_key")
+    return None  # the bearer key
+
+
+async def _answered(request: Request, answer: Any) -> Any:
+    """Runs a route's body; whatever fails before the response is Anthropic-shaped, never OpenAI's."""
+    request_id = request_id_of(request)
+    try:
+        return await answer(request, request_id)
+    except APIError as err:
+        return error_response(err, request_id)
+    except Exception as exc:
+        from gateway.app import database_unreachable  # the app's one judgement of an outage
+
+        if database_unreachable(exc):
+            err: APIError = ServiceUnavailable("The database is unavailable; retry shortly.", headers={"Retry-After": "1"})
+        else:
+            log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+            err = APIError("The server had an error while processing your request.")
+        return error_response(err, request_id)
+
+
+async def create_message(request: Request) -> Any:
+    return await _answered(request, _create_message)
+
+
+async def _create_message(request: Request, request_id: str) -> Any:
+    state = request.app.state
+    principal = await authenticate(request, state.keys, api_key(request))
+    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    body = parse(MessagesRequest, await read_json(request, state.settings.max_body_bytes))
+    service: CompletionService = state.service
+    gen = service.prepare_messages(principal, body, request_id)
+    try:
+        await service.admit(gen)
+    except BaseException:
+        gen.engine.cancel(request_id)  # gives back the place the scheduler held at prepare
+        raise
+    # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
+    headers = {"x-request-id": request_id, "request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    render = MessageRenderer(gen)
+    if not gen.stream and gen.engine.completes:
+        return CompletedResponse(gen, service, headers, render)
+    return GenerationResponse(gen, service.metered(gen), headers, render)
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt tokens a Messages request would be billed for; nothing is generated or metered."""
+    return await _answered(request, _count_tokens)
+
+
+async def _count_tokens(request: Request, request_id: str) -> Response:
+    state = request.app.state
+    principal = await authenticate(request, state.keys, api_key(request))
+    state.billing.guard(principal)
+    body = parse(CountTokensRequest, await read_json(request, state.settings.max_body_bytes))
+    engine = state.service.engine_for(body.model, principal)
+    messages = body.chat_messages()
+    try:
+        tokens = len(engine.encode_chat(messages))
+    except Exception as exc:  # a template may reject a role order
+        raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
+    return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json", headers={"request-id": request_id})
+
+
+routes = [
+    Route("/v1/messages", create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+]
+
