@@ -52,6 +52,7 @@ class UsageRecord:
     estimated: bool = False
     cost_nanos: int | None = None
     cached: bool = False  # issue 10: served from the response cache
+    cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache, when it said
     api: str | None = None  # chat | completions | embeddings | messages (issue 21)
     created_at: datetime = field(default_factory=utcnow)
 
@@ -71,6 +72,7 @@ _PG_COLUMNS = (
     ("request_id", "text"), ("account_id", "int4"), ("key_id", "int4"), ("model", "text"), ("prompt_tokens", "int4"),
     ("completion_tokens", "int4"), ("status", "text"), ("finish_reason", "text"), ("total_ms", "float8"),
     ("queue_ms", "float8"), ("ttft_ms", "float8"), ("estimated", "bool"), ("cost_nanos", "int8"), ("cached", "bool"), ("api", "text"),
+    ("cached_tokens", "int4"),
     ("created_at", "timestamptz"),
 )
 PG_ARRAY_INSERT = True  # False: SQLAlchemy's executemany (bench/ledger_writer.py compares the two)
@@ -85,6 +87,7 @@ _PG_ADDED = {  # what a group of new rows adds to each column of the hourly tabl
     "errors": "count(*) FILTER (WHERE status IN ('error', 'interrupted'))",
     "cancelled": "count(*) FILTER (WHERE status = 'cancelled')", "ttft_count": "count(ttft_ms)",
     "total_ms_sum": "coalesce(sum(total_ms), 0)", "ttft_ms_sum": "coalesce(sum(ttft_ms), 0)",
+    "cached_tokens": "coalesce(sum(cached_tokens), 0)",
 }
 _ADDED = COUNTS + SUMS  # KeyError at import if the table gains a column this statement does not fill
 _N = len(_PG_COLUMNS)
@@ -92,7 +95,7 @@ _PG_BATCH = (
     f"WITH ins AS (INSERT INTO {LEDGER.name} ({', '.join(c for c, _ in _PG_COLUMNS)}) "
     f"SELECT * FROM unnest({', '.join(f'${i}::{t}[]' for i, (_, t) in enumerate(_PG_COLUMNS, 1))}) "
     "ON CONFLICT (request_id) DO NOTHING "
-    "RETURNING request_id, account_id, key_id, model, prompt_tokens, completion_tokens, status, total_ms, ttft_ms, cost_nanos), "
+    "RETURNING request_id, account_id, key_id, model, prompt_tokens, completion_tokens, status, total_ms, ttft_ms, cost_nanos, cached_tokens), "
     f"fresh AS (SELECT ins.*, d.hour, d.total_bucket, d.ttft_bucket FROM ins JOIN unnest(${_N + 1}::text[], "
     f"${_N + 2}::timestamptz[], ${_N + 3}::int2[], ${_N + 4}::int2[]) AS d(request_id, hour, total_bucket, ttft_bucket) "
     "USING (request_id)), "
@@ -421,6 +424,7 @@ async def usage_totals(
         sa.func.count().label("requests"),
         sa.func.coalesce(sa.func.sum(LEDGER.c.prompt_tokens), 0).label("prompt_tokens"),
         sa.func.coalesce(sa.func.sum(LEDGER.c.completion_tokens), 0).label("completion_tokens"),
+        sa.func.coalesce(sa.func.sum(LEDGER.c.cached_tokens), 0).label("cached_tokens"),
     ).group_by(LEDGER.c.account_id, LEDGER.c.model)
     query = _filtered(query, account_id, start, end).order_by(LEDGER.c.account_id, LEDGER.c.model)
     async with engine.connect() as conn:
@@ -433,6 +437,7 @@ async def usage_totals(
                 "prompt_tokens": int(row.prompt_tokens),
                 "completion_tokens": int(row.completion_tokens),
                 "total_tokens": int(row.prompt_tokens) + int(row.completion_tokens),
+                "cached_tokens": int(row.cached_tokens),
             }
             for row in result
         ]

@@ -94,6 +94,10 @@ class LedgerEntry(SQLModel, table=True):
     cost_nanos: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
     queue_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     cached: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False, server_default=sa.false()))  # issue 10
+    # Prompt tokens the engine served from its prefix (KV) cache, as the engine or the upstream's
+    # usage.prompt_tokens_details.cached_tokens said; NULL when it did not say. Informational:
+    # prompt_tokens (and the cost) include them.
+    cached_tokens: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
     # The API the request came through: chat | completions | embeddings | messages; NULL before migration 0007_api.
     api: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
     ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))

@@ -36,6 +36,7 @@ NANOS_PER_USD = 10**9
 GROUPS = ("day", "model", "key")
 COUNTS = (
     "requests", "prompt_tokens", "completion_tokens", "cost_nanos", "unpriced", "errors", "cancelled", "ttft_count",
+    "cached_tokens",
 )
 SUMS = ("total_ms_sum", "ttft_ms_sum")
 
@@ -77,6 +78,7 @@ def deltas(records: Iterable[UsageRecord]) -> tuple[list[dict[str, Any]], list[d
         row["requests"] += 1
         row["prompt_tokens"] += r.prompt_tokens
         row["completion_tokens"] += r.completion_tokens
+        row["cached_tokens"] += r.cached_tokens or 0
         if r.cost_nanos is None:
             row["unpriced"] += 1
         else:

@@ -40,6 +40,8 @@ class UsageHour(SQLModel, table=True):
     total_ms_sum: float = Field(default=0.0, sa_column=sa.Column(sa.Float, nullable=False, server_default="0"))
     ttft_ms_sum: float = Field(default=0.0, sa_column=sa.Column(sa.Float, nullable=False, server_default="0"))
     ttft_count: int = Field(default=0, sa_column=_count())
+    # Sum of the rows' cached_tokens (rows that did not say add 0).
+    cached_tokens: int = Field(default=0, sa_column=_count())
 
 
 class LatencyHour(SQLModel, table=True):

@@ -65,6 +65,7 @@ class Generation:
     ttft_ms: float | None = None
     queue_ms: float | None = None
     estimated: bool = False
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, when it says
     error: str | None = None
     cancel_requested: bool = False
     hold: Hold | None = None
@@ -309,6 +310,8 @@ class CompletionService:
         gen.estimated = out.estimated  # the latest counts say whether they are estimates
         if out.queue_ms is not None:
             gen.queue_ms = out.queue_ms
+        if out.cached_tokens is not None:
+            gen.cached_tokens = out.cached_tokens
         if out.finished:
             gen.finish_reason = out.finish_reason
             gen.error = out.error
@@ -331,7 +334,7 @@ class CompletionService:
             queue_ms=gen.queue_ms,
             ttft_ms=gen.ttft_ms,
             estimated=gen.estimated,
-
+            cached_tokens=gen.cached_tokens,
             cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else None,
             api=gen.api,
         )

@@ -1,0 +1,104 @@
+"""ledger_entries.cached_tokens (issue 20): written by every write path (Postgres arrays, Postgres
+executemany, SQLite), summed into usage_hourly and the usage reads, and kept by the journal across
+a crash."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from billing import ledger as ledger_module
+from billing import migrate
+from billing.db import create_engine
+from billing.journal import LedgerJournal, row_of
+from billing.ledger import LedgerWriter, UsageRecord, usage_rows, usage_totals, write_records
+from billing.usage import Period, usage_groups
+from billing.models import utcnow
+
+
+def record(**overrides: Any) -> UsageRecord:
+    fields = dict(
+        request_id=uuid.uuid4().hex, account_id=1, key_id=1, model="m", prompt_tokens=100,
+        completion_tokens=5, status="completed", finish_reason="stop", total_ms=12.5,
+    )
+    fields.update(overrides)
+    return UsageRecord(**fields)  # type: ignore[arg-type]
+
+
+async def cached_by_request(db: Any) -> dict[str, int | None]:
+    async with db.connect() as conn:
+        return {r.request_id: r.cached_tokens for r in await conn.execute(sa.text("SELECT request_id, cached_tokens FROM ledger_entries"))}
+
+
+@pytest.fixture(params=["postgres-arrays", "postgres-executemany", "sqlite"])
+def database_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "postgres-executemany":
+        monkeypatch.setattr(ledger_module, "PG_ARRAY_INSERT", False)
+    url = fresh_pg_database() if request.param.startswith("postgres") else f"sqlite:///{tmp_path / 'l.db'}"
+    migrate.upgrade(url)
+    return url
+
+
+async def test_cached_tokens_are_written_and_summed(database_url: str) -> None:
+    db = create_engine(database_url)
+    try:
+        records = [record(cached_tokens=64), record(cached_tokens=None), record(cached_tokens=0), record(cached_tokens=7, model="n")]
+        writer = LedgerWriter(db)
+        writer.start()
+        for r in records:
+            writer.record(r)
+        writer.record(record(request_id=records[0].request_id, cached_tokens=999))  # a repeat adds nothing
+        await writer.flush(timeout=30)
+        await writer.close()
+        await write_records(db, [records[1]])  # nor does a replayed row through the other path
+
+        assert await cached_by_request(db) == {r.request_id: r.cached_tokens for r in records}
+        [totals] = await usage_groups(db, Period.last_days(1), ())
+        assert (totals["cached_tokens"], totals["prompt_tokens"]) == (71, 400)
+        by_model = {g["model"]: g["cached_tokens"] for g in await usage_groups(db, Period.last_days(1), ("model",))}
+        assert by_model == {"m": 64, "n": 7}
+        assert {t["model"]: t["cached_tokens"] for t in await usage_totals(db)} == {"m": 64, "n": 7}
+        assert sorted((r["cached_tokens"] or 0) for r in await usage_rows(db)) == [0, 0, 7, 64]
+    finally:
+        await db.dispose()
+
+
+def crash(journal: LedgerJournal) -> None:
+    """What SIGKILL leaves: the file as written, the lock gone."""
+    journal._stop.set()
+    for fd in (journal._fd, journal._lock_fd):
+        if fd is not None:
+            os.close(fd)
+    journal._fd = journal._lock_fd = None
+
+
+async def test_a_crash_recovered_row_keeps_its_cached_tokens(fresh_pg_database: Any, tmp_path: Path) -> None:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    db = create_engine(url)
+    try:
+        journal = LedgerJournal(tmp_path)
+        journal.open()
+        finished = record(cached_tokens=48, created_at=utcnow())
+        journal.admitted(row_of(record(request_id=finished.request_id, status="interrupted")), None)
+        journal.final(row_of(finished))  # recorded, never written: the process dies here
+        running = record(status="interrupted", completion_tokens=0, cached_tokens=32)
+        journal.admitted(row_of(running), None)
+        crash(journal)
+
+        writer = LedgerWriter(db, journal=LedgerJournal(tmp_path))
+        recovered = writer.recover()
+        assert len(recovered.replayed) == 1 and len(recovered.interrupted) == 1
+        writer.start()
+        await writer.flush(timeout=30)
+        await writer.close()
+        assert await cached_by_request(db) == {finished.request_id: 48, running.request_id: 32}
+        [totals] = await usage_groups(db, Period.last_days(1), ())
+        assert totals["cached_tokens"] == 80
+    finally:
+        await db.dispose()
