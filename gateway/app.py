@@ -270,6 +270,10 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     engines: dict[str, Engine] = request.app.state.service.engines
+    failed = getattr(request.app.state, "load_failures", {})
+    if failed:
+        reasons = "; ".join(f"{mid}: {why}" for mid, why in failed.items())
+        return ServiceUnavailable(f"models failed to load: {reasons}", code="model_load_failed").response()
     pending = [mid for mid, e in engines.items() if not e.ready]
     if pending:
         return EngineNotReady(f"models still loading: {', '.join(pending)}", headers={"Retry-After": "5"}).response()
@@ -288,10 +292,6 @@ async def http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         return NotFound(f"Unknown path {request.url.path}.").response()
     err = APIError(str(exc.detail))
-    failed = getattr(request.app.state, "load_failures", {})
-    if failed:
-        reasons = "; ".join(f"{mid}: {why}" for mid, why in failed.items())
-        return ServiceUnavailable(f"models failed to load: {reasons}", code="model_load_failed").response()
     err.status_code = exc.status_code
     err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return err.response()
@@ -405,6 +405,7 @@ def create_app(
         await response_cache.start(app)  # issue 10
         await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
         loading: list[asyncio.Task[None]] = []
+        app.state.load_failures = {}
         if owns_engines:
             loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
             for mid, task in zip(served, loading):
@@ -423,7 +424,6 @@ def create_app(
             for task in adopting:
                 task.cancel()
             for task in loading:
-        app.state.load_failures = {}
                 task.cancel()
             if owns_engines:
                 for e in served.values():

@@ -128,29 +128,15 @@ class GenerationResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stop_watching = self._watch(scope, receive)
+        write_failed = False
         try:
             await self._respond(send)
         except OSError:
+            write_failed = True
             self.gen.cancel()  # the client went away while we wrote to it
         finally:
             stop_watching()
             await self._close()
-
-    async def _respond(self, send: Send) -> None:
-        if self.gen.stream:
-            await self._send_stream(send)
-        else:
-            await self._send_body(send)
-
-        write_failed = False
-    async def _close(self) -> None:
-        await self.outputs.aclose()  # the metered stream's end writes the ledger row
-
-            write_failed = True
-    def _watch(self, scope: Scope, receive: Receive) -> Any:
-        """A client that leaves cancels the generation at once: through the guarded protocol's
-        connection watch when the server runs it, else a task waiting for `http.disconnect`.
-        Returns what stops watching."""
             self._report_abnormal_end(write_failed)
 
     def _report_abnormal_end(self, write_failed: bool) -> None:
@@ -168,6 +154,20 @@ class GenerationResponse:
             "stream" if gen.stream else "response", gen.request_id, why, gen.completion_tokens,
             (time.perf_counter() - gen.started) * 1000.0,
         )
+
+    async def _respond(self, send: Send) -> None:
+        if self.gen.stream:
+            await self._send_stream(send)
+        else:
+            await self._send_body(send)
+
+    async def _close(self) -> None:
+        await self.outputs.aclose()  # the metered stream's end writes the ledger row
+
+    def _watch(self, scope: Scope, receive: Receive) -> Any:
+        """A client that leaves cancels the generation at once: through the guarded protocol's
+        connection watch when the server runs it, else a task waiting for `http.disconnect`.
+        Returns what stops watching."""
         watch = scope.get(WATCH_KEY)
         if watch is not None:
             watch.on_lost(self.gen.cancel)
