@@ -65,6 +65,8 @@ class HFProcessEngine(HFEngine):
         self._reader: threading.Thread | None = None
         self._live_streams: dict[str, _Live] = {}
         self._stopping = False
+        self._asked: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = {}
+        self._asks = 0
         self.exited: str | None = None  # why the engine process is gone, once it is
 
     # lifecycle --------------------------------------------------------------------------------
@@ -136,6 +138,10 @@ class HFProcessEngine(HFEngine):
                 batch = conn.recv()
             except (EOFError, OSError):
                 break
+            if isinstance(batch, tuple):  # ("held", ask, n): the answer to held_in_engine()
+                loop, answer = self._asked.pop(batch[1])
+                loop.call_soon_threadsafe(lambda a=answer, n=batch[2]: a.done() or a.set_result(n))
+                continue
             by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
             for item in batch:
                 live = self._live_streams.get(item[0])
@@ -211,6 +217,16 @@ class HFProcessEngine(HFEngine):
                     self._send(("cancel", rid))
                 except (OSError, EOFError):
                     pass
+
+    async def held_in_engine(self) -> int:
+        """Requests the engine process holds once it has handled every command sent before this call
+        (commands run in order): a barrier for checks that a cancel reached the engine."""
+        loop = asyncio.get_running_loop()
+        self._asks += 1
+        answer: asyncio.Future[int] = loop.create_future()
+        self._asked[self._asks] = (loop, answer)
+        self._send(("held", self._asks))
+        return await answer
 
     def cancel(self, request_id: str) -> None:
         live = self._live_streams.get(request_id)
@@ -294,6 +310,9 @@ class _StepRelay:
         if self._seen.pop(rid, None) is not None:
             self._engine._cancel(rid)
 
+    def held(self, ask: int) -> None:
+        self._conn.send(("held", ask, len(self._seen)))
+
     def _collect(self, rid: str, out: Any) -> None:
         seen = self._seen.get(rid)
         if seen is None:
@@ -327,7 +346,7 @@ class _StepRelay:
 def _read_commands(conn: Any, loop: asyncio.AbstractEventLoop, relay: _StepRelay, stopped: asyncio.Future[None]) -> None:
     """The command reader thread: what arrived together is handed to the loop in one call (a burst
     of requests costs one wake-up of the loop, not one each)."""
-    handlers = {"add": relay.add, "cancel": relay.cancel}
+    handlers = {"add": relay.add, "cancel": relay.cancel, "held": relay.held}
     running = True
     while running:
         try:
