@@ -161,11 +161,13 @@ def stalls(runs: list[Timed], start: float, end: float) -> float:
     return max(gaps) / statistics.median(gaps) if gaps else 0.0
 
 
-def skip_if_unsteady(what: str, idle: list[float], stall: float) -> None:
-    """Timing comparisons mean nothing while the machine stalls; the order checks above still ran."""
+def xfail_if_unsteady(what: str, idle: list[float], stall: float) -> None:
+    """Timing comparisons mean nothing while the machine stalls: the test then ends as an xfail
+    naming why (listed in the run's summary), never as a pass or a silent skip; the order checks
+    above it still ran and passed."""
     if max(idle) > 3 * min(idle) or stall > 8:
-        pytest.skip(f"machine too loaded to compare times ({what}): idle TTFTs {[round(t * 1000) for t in idle]} ms, "
-                    f"longest token gap {stall:.0f} steps")
+        pytest.xfail(f"timing not compared, machine too loaded ({what}): idle TTFTs {[round(t * 1000) for t in idle]} ms, "
+                     f"longest token gap {stall:.0f} steps")
 
 
 async def warm_up(engine: Engine, largest: int) -> None:
@@ -253,11 +255,11 @@ async def test_a_flooding_account_does_not_hold_up_a_light_one(four_slots: Gatew
     assert waiting_when_b_left >= 50  # b was served while a's flood still queued
     assert all(waits[r.request_id] < 0.01 for r in loaded)  # b never waited for a slot: the reserve
     assert all(waits[f.request_id] > 1.0 for f in flood[3:] if f.request_id in waits)  # a's did
-    skip_if_unsteady("flood", [r.ttft for r in idle_before + idle_after + beside], stalls(flood, b_start, b_end))
-    # A's queue adds next to nothing to what the engine itself costs B (one turn of A's requests
-    # would be 32 engine steps, ~10x the idle TTFT; B never waited for a slot, checked above). Under
-    # the flood A's slots refill as its requests end, and each refill's prefill is a heavy step B's
-    # first token shares: on this 2-core CPU that puts B at up to ~1.5x `beside` (394 vs 259 ms).
+    xfail_if_unsteady("flood", [r.ttft for r in idle_before + idle_after + beside], stalls(flood, b_start, b_end))
+    # The queue never makes B wait (0 ms, checked above; one turn of A's requests would be 32 engine
+    # steps, ~10x the idle TTFT). Under the flood A's slots refill as its requests end, and each
+    # refill's prefill is a heavy step B's first token shares: on this 2-core CPU that puts B at up
+    # to ~1.5x `beside` (394 vs 259 ms; docs/scheduling.md). README quotes the same bound.
     assert loaded_ttft <= 1.6 * beside_ttft
     # The issue's figure: within 2x of idle. On this CPU the engine alone costs about 2x (batch of 4
     # against batch of 1: `beside`), so the bound allows the engine's own cost on top of it.
@@ -306,7 +308,7 @@ async def test_batch_never_holds_up_a_later_interactive_request(four_slots: Gate
     for run, behind in zip(loaded, waiting):
         assert run.status == 200 and behind >= 5
         assert waits[run.request_id] < 0.01  # into the engine at once, ahead of every waiting batch request
-    skip_if_unsteady("batch", [r.ttft for r in idle], stalls(batch, loaded[0].sent, loaded[-1].token_times[-1]))
+    xfail_if_unsteady("batch", [r.ttft for r in idle], stalls(batch, loaded[0].sent, loaded[-1].token_times[-1]))
     for behind, delay in zip(waiting, delays):
         assert delay <= behind, f"delayed {delay:.1f} engine steps behind {behind} waiting batch requests"
 
@@ -347,8 +349,8 @@ async def test_queue_limits_refuse_at_once_with_retry_after(two_slots: Gateway, 
     assert slowest_refusal < min(r.token_times[0] - r.sent for r in served[1:]) if len(served) > 1 else slowest_refusal < 1.0
     assert light.status == 200
     ids = await request_ids(gw, a["id"], 1 + len(served))
-    await asyncio.sleep(0.5)
-    assert len(ids) == await gw.ledger_count(key_id=a["id"]) == 1 + len(served)  # a refusal leaves no row
+    assert len(ids) == 1 + len(served)  # a refusal leaves no row
+    assert {r.request_id for r in served} <= set(ids)
 
 
 @pytest.fixture
@@ -411,11 +413,14 @@ async def test_the_ledger_records_time_in_queue(one_slot: Gateway) -> None:
 
 
 async def request_ids(gw: Gateway, key_id: int, expected: int) -> list[str]:
-    """The key's ledger rows' request ids, once the writer has written `expected` of them."""
+    """The key's ledger rows' request ids: once `expected` rows are there (rows of requests whose
+    clients left are recorded when the server sees them go), then behind a flush of the ledger
+    writer, so a row recorded by then but not expected is in the answer too, not missed by a race."""
     deadline = time.monotonic() + 10
     while await gw.ledger_count(key_id=key_id) < expected:
         assert time.monotonic() < deadline, "ledger rows missing"
         await asyncio.sleep(0.05)
+    await gw.flush_ledger()
     db = create_engine(gw.db_url)
     try:
         async with db.connect() as conn:
