@@ -14,9 +14,8 @@ from billing.db import create_engine
 from billing.ledger import UsageRecord, write_records
 from billing.limits import InvalidLimits, Limits
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, QuotaExceeded, RedisLimiter, Scope, month_start
-from tests.conftest import require_redis
+from tests.conftest import REDIS_URL, require_redis
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 NOW = 1_795_000_000.0  # a fixed instant, 2026-11: windows are driven by explicit times
 
 
@@ -265,6 +264,7 @@ async def test_the_settle_once_marker_lives_as_long_as_a_hold(ledger_url: str) -
     (not a day: at 1,000 requests/s a day of markers is ~86M Redis keys)."""
     import redis.asyncio as redis_asyncio
 
+    require_redis(REDIS_URL)
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
     db = create_engine(ledger_url)
     lim = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=0.5, hold_seconds=120)
