@@ -406,8 +406,9 @@ def create_app(
         await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
         loading: list[asyncio.Task[None]] = []
         app.state.load_failures = {}
+        app.state.model_loads = loading  # the background loads (tests wait on them)
         if owns_engines:
-            loading = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
+            loading[:] = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
             for mid, task in zip(served, loading):
                 task.add_done_callback(_load_watcher(app, mid, len(served), exit_on_load_failure))
         if freeze_gc:
