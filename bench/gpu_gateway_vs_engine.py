@@ -159,8 +159,9 @@ async def engine_alone(args: argparse.Namespace) -> dict[str, Any]:
         after = os.times()
         cells[str(level)] = summarize(results, wall, {"engine": (after.user - before.user) + (after.system - before.system)})
         print(f"  engine alone, {level} streams: {cells[str(level)]['tok_s']} tok/s", file=sys.stderr, flush=True)
+    config = engine._model.config.to_dict()
     await engine.stop()
-    return {"vocab": vocab, "cells": cells}
+    return {"vocab": vocab, "cells": cells, "config": {k: config.get(k) for k in CONFIG_KEYS}}
 
 
 # through the gateway ---------------------------------------------------------------------------
@@ -306,6 +307,44 @@ def ledger_check(db: Path, requests: int, usage_tokens: int) -> dict[str, Any]:
     return {"rows": by_status, "exact": total == requests and completed["rows"] == requests and completed["completion_tokens"] == usage_tokens}
 
 
+# the decode roofline --------------------------------------------------------------------------
+HBM_BYTES_PER_S = 4.8e12  # H200
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def llama_bytes(config: dict[str, Any], dtype_bytes: int = 2) -> tuple[int, int]:
+    """(bytes of weights, bytes of K and V per token of context) of a Llama-architecture model."""
+    h, i, v, layers = config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or h // heads
+    per_layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * i + 2 * h
+    params = v * h * (1 if config.get("tie_word_embeddings") else 2) + layers * per_layer + h
+    return params * dtype_bytes, layers * 2 * kv * hd * dtype_bytes
+
+
+def roofline_tok_s(config: dict[str, Any], streams: int, isl: int, osl: int) -> float:
+    """Output tokens/s if every decode step only read the weights and each stream's KV cache (mean
+    context isl + osl/2) at the HBM bandwidth: the most a decode-bound engine can make."""
+    weights, kv_per_token = llama_bytes(config)
+    step_s = (weights + streams * (isl + osl / 2) * kv_per_token) / HBM_BYTES_PER_S
+    return streams / step_s
+
+
+def roofline_table(name: str, result: dict[str, Any], isl: int, osl: int) -> str:
+    config = result["engine"].get("config")
+    if not config:
+        return f"(no model config recorded for {name}: pass --config {name}=DIR/config.json)"
+    weights, kv = llama_bytes(config)
+    lines = [f"decode roofline of {name}: {weights / 1e6:,.0f} MB of bf16 weights + {kv:,} B of KV per token of context, "
+             f"read every step at {HBM_BYTES_PER_S / 1e12:.1f} TB/s",
+             "| streams | engine tok/s | roofline tok/s | engine / roofline |", "|---:|---:|---:|---:|"]
+    for level, cell in result["engine"]["cells"].items():
+        roof = roofline_tok_s(config, int(level), isl, osl)
+        lines.append(f"| {level} | {fmt(cell['tok_s'])} | {fmt(roof, 0)} | {cell['tok_s'] / roof:.2%} |")
+    return "\n".join(lines)
+
+
 # the report ------------------------------------------------------------------------------------
 def fmt(v: Any, nd: int = 1) -> str:
     return "-" if v is None else (f"{v:,.{nd}f}" if isinstance(v, float) else str(v))
@@ -349,7 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=4096)
     parser.add_argument("--variants", default="engine,gateway,inproc")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "gpu_gateway_vs_engine.json"))
+    parser.add_argument("--report", metavar="JSON", help="print the tables of a recorded run instead of measuring")
+    parser.add_argument("--config", action="append", default=[], help="NAME=config.json for a recorded run without one (--report)")
     args = parser.parse_args(argv)
+    if args.report:
+        return report_of(args)
     args.levels = [int(x) for x in args.levels.split(",") if x]
     inproc_levels = [int(x) for x in args.inproc_levels.split(",") if x]
     args.levels_for = lambda label: args.levels if label == "gateway" else inproc_levels
@@ -377,9 +420,23 @@ def main(argv: list[str] | None = None) -> int:
                 result[variant] = through_gateway(args, path, vocab, variant, env)
         report["models"][name] = result
         print(table(name, result, args), flush=True)
+        print(roofline_table(name, result, args.isl, args.osl), flush=True)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
+    return 0
+
+
+def report_of(args: argparse.Namespace) -> int:
+    recorded = json.loads(Path(args.report).read_text())
+    settings = argparse.Namespace(**{**recorded["settings"], **{k: v for k, v in vars(args).items() if k == "report"}})
+    configs = dict(spec.partition("=")[::2] for spec in args.config)
+    for name, result in recorded["models"].items():
+        if not result["engine"].get("config") and name in configs:
+            full = json.loads(Path(configs[name]).read_text())
+            result["engine"]["config"] = {k: full.get(k) for k in CONFIG_KEYS}
+        print(table(name, result, settings))
+        print(roofline_table(name, result, settings.isl, settings.osl))
     return 0
 
 
