@@ -301,6 +301,7 @@ def _every_paid_path() -> list[tuple[str, dict[str, Any]]]:
         ("/v1/completions", text),
         ("/v1/completions", {**text, "stream": True}),
         ("/v1/embeddings", {"model": "all-minilm-l6-v2", "input": "hi", "encoding_format": "float"}),
+        ("/v1/messages", {"model": "alpha", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),  # Anthropic's API
     ]
 
 
@@ -311,7 +312,8 @@ async def _rows_of(db: Any, request_ids: list[str]) -> int:
 
 
 async def test_suspended_key_gets_403_on_every_paid_endpoint(db_url: str, db: Any, fake: FakeStripe, tmp_path: Path) -> None:
-    """Through HTTP, always: chat and completions (streamed and not) and embeddings answer 403
+    """Through HTTP, always: chat and completions (streamed and not), embeddings and Anthropic's
+    messages answer 403
     `account_suspended` naming the unpaid invoice, nothing reaches an engine or the ledger; once the
     invoice is paid the same five requests are served (so the 403 was the suspension's)."""
     ids, invoices = await closed_september(db)
@@ -328,7 +330,10 @@ async def test_suspended_key_gets_403_on_every_paid_endpoint(db_url: str, db: An
                 r = await client.post(path, json=body)
                 assert r.status_code == 403, (path, body, r.status_code, r.text)
                 error = r.json()["error"]
-                assert error["code"] == "account_suspended" and number in error["message"], (path, r.text)
+                if path == "/v1/messages":  # Anthropic's error shape
+                    assert error["type"] == "permission_error" and number in error["message"], r.text
+                else:
+                    assert error["code"] == "account_suspended" and number in error["message"], (path, r.text)
                 refused.append(r.headers["x-request-id"])
             await flush_ledger(app.app)
             assert await _rows_of(db, refused) == 0  # refused before admission: no row, nothing billed
