@@ -499,7 +499,10 @@ async def test_models_endpoint_and_aliases_follow_the_models_file(upstreams: Any
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="hidden-pool", messages=QUESTION)
     admin = AsyncOpenAI(base_url=gw.v1, api_key=gw.admin_key, max_retries=0)
-    assert sorted(m.id for m in (await admin.models.list()).data) == ["big", "small"]
+    listed = (await admin.models.list()).data
+    # The models file's chat models, and the embedding model the gateway serves beside them (issue 21).
+    assert sorted(m.id for m in listed if getattr(m, "type", None) != "embedding") == ["big", "small"]
+    assert [m.id for m in listed if getattr(m, "type", None) == "embedding"] == ["all-minilm-l6-v2"]
 
 
 async def test_a_model_falls_back_to_another_when_its_pool_is_down(upstreams: Any, tollgate_with: Any) -> None:
