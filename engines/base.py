@@ -80,6 +80,15 @@ class EngineRequest:
     # order is by priority class (the account's plan); None: no account / the default class.
     account_id: int | None = None
     priority: str | None = None
+    # Choices the client asked for (OpenAI's `n`) and sequences the engine generates for them
+    # (`best_of`, text completions; at least n). Only engines with `max_choices` > 1 get n > 1.
+    n: int = 1
+    best_of: int = 1
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine generates: what the quota reserves max_tokens for."""
+        return max(self.n, self.best_of)
 
 
 @dataclass
@@ -107,6 +116,10 @@ class EngineOutput:
     cached_tokens: int | None = None
     # The stop string that ended the request (finish_reason "stop"), when the engine says which.
     stop_sequence: str | None = None
+    # Every choice of a request with n > 1, on the final output of a non-streamed one: the whole
+    # choice objects (`message` or `text`, each with its `index`), in order. Streamed, each output
+    # carries one choice's chunk in `raw_choice` instead.
+    choices: list[dict[str, Any]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,6 +136,9 @@ class Engine(abc.ABC):
     # True: the engine forwards the client's fields (tools, response_format, logprobs, ...) to a
     # server that honours them, so the gateway skips its own unsupported-parameter checks.
     passthrough: bool = False
+    # The most choices (OpenAI's `n`, and `best_of` sequences) one request may ask of this engine;
+    # above it the gateway answers 400 naming the field. 1: one metered choice per request.
+    max_choices: int = 1
 
     @property
     @abc.abstractmethod

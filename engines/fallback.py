@@ -106,6 +106,11 @@ class FallbackEngine(Engine):
         # Pass-through only if every engine honours the fields: a fallback must not drop them.
         return all(c.passthrough for c in self.candidates)
 
+    @property
+    def max_choices(self) -> int:  # type: ignore[override]
+        # A fallback must be able to serve every choice asked of the primary.
+        return min(c.max_choices for c in self.candidates)
+
     def encoder(self) -> Engine:
         """The engine whose tokenizer counts prompts at admission: the first one loaded."""
         return next((c for c in self.candidates if c.ready), self.primary)

@@ -170,6 +170,10 @@ class ScheduledEngine(Engine):
         return self.inner.passthrough
 
     @property
+    def max_choices(self) -> int:  # type: ignore[override]
+        return self.inner.max_choices
+
+    @property
     def ready(self) -> bool:
         return self.inner.ready
 

@@ -30,6 +30,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ DEFAULT_MAX_BATCH_SIZE = 256
 DEFAULT_MAX_NUM_TOKENS = 8192
 # OpenAI's limit on top_logprobs (TensorRT-LLM takes up to 100).
 MAX_TOP_LOGPROBS = 20
+# The most choices (n, or best_of sequences) one request may ask for: each sequence takes a slot of
+# TensorRT-LLM's batch, while Tollgate's scheduler counts the request as one.
+MAX_CHOICES = 16
 # After a cancel, how long a request that has produced output gets to send its own final
 # `cancelled` output (its exact counts) before the stream ends without it.
 CANCEL_GRACE_S = 1.0
@@ -161,7 +165,7 @@ class _Failure:
 class _Live:
     """One request TensorRT-LLM holds: its result, the queue its pump fills, the cancel timer."""
 
-    __slots__ = ("result", "queue", "pump", "seen_output", "timer")
+    __slots__ = ("result", "queue", "pump", "seen_output", "timer", "done")
 
     def __init__(self, result: Any) -> None:
         self.result = result
@@ -169,6 +173,7 @@ class _Live:
         self.pump: asyncio.Task[None] | None = None
         self.seen_output = False
         self.timer: asyncio.TimerHandle | None = None
+        self.done = False  # the stream ended by itself (nothing to abort)
 
     def close(self) -> None:
         if self.timer is not None:
@@ -198,6 +203,83 @@ async def _pump(live: _Live, want_logprobs: bool) -> None:
         queue.put_nowait(_Failure(exc))
         return
     queue.put_nowait(_ENDED)
+
+
+@dataclass(slots=True)
+class _Many:
+    """One TensorRT-LLM response of a request with several sequences (n / best_of > 1): what changed
+    in each visible output (index, new ids, length after any trimming, finish_reason, stop_reason),
+    the tokens of every generated sequence, and on the last the final ids of each visible output."""
+
+    updates: list[tuple[int, list[int], int, str | None, int | str | None]]
+    total: int  # completion tokens of every sequence the engine generated (best_of of them)
+    prompt_tokens: int
+    finished: bool
+    error: str | None
+    cached_tokens: int | None
+    final: list[tuple[int, list[int], str | None, int | str | None]] | None
+
+
+def _all_sequences(result: Any) -> list[Any]:
+    """Every sequence the engine generates for the request. With best_of > n the public `outputs`
+    shows only the n best (re-indexed as they rank); result.py keeps all best_of in `_outputs`
+    (read at the contract's commit: GenerationResultBase.__init__), which is what was computed."""
+    every = getattr(result, "_outputs", None)
+    return list(every) if isinstance(every, list) and every else list(result.outputs)
+
+
+async def _pump_many(live: _Live) -> None:
+    """`_pump` for several sequences. TensorRT-LLM answers one sequence per response
+    (`sequence_index`) and leaves the other outputs' diffs as they were, so the lengths seen are kept
+    here per index instead of trusting `token_ids_diff`/`text_diff` of outputs a response did not touch."""
+    result, queue = live.result, live.queue
+    lengths: dict[int, int] = {}
+    try:
+        async for out in result:
+            updates = []
+            for c in out.outputs:
+                ids = c.token_ids or []
+                seen = lengths.get(c.index, 0)
+                if len(ids) != seen or c.finish_reason is not None:
+                    updates.append((c.index, list(ids[seen:]), len(ids), c.finish_reason, c.stop_reason))
+                    lengths[c.index] = len(ids)
+            total = sum(len(c.token_ids or ()) for c in _all_sequences(out))
+            live.seen_output = live.seen_output or total > 0
+            final = [(c.index, list(c.token_ids or ()), c.finish_reason, c.stop_reason) for c in out.outputs] if out.finished else None
+            queue.put_nowait(_Many(updates, total, len(out.prompt_token_ids), out.finished, getattr(out, "error", None),
+                                   getattr(out, "cached_tokens", None), final))
+            if out.finished:
+                return
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - handed to the stream, which decides
+        queue.put_nowait(_Failure(exc))
+        return
+    queue.put_nowait(_ENDED)
+
+
+class _Choice:
+    """One choice of a request with n > 1: its ids, decoded here incrementally (a window of ids, so
+    that a character split across tokens waits for its last byte), and its own stop strings."""
+
+    __slots__ = ("ids", "prefix", "read", "stops", "text", "finish", "opened")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.stops = StopMatcher(stops)
+        self.text: list[str] = []
+        self.finish: str | None = None
+        self.opened = False
+
+    def decode(self, tokenizer: Any, flush: bool) -> str:
+        before = tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and (flush or not after.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
 
 
 class _Shape:
@@ -341,6 +423,7 @@ class TRTLLMEngine(Engine):
         self.llm_options = dict(llm_options or {})
         self.max_queue = max_queue
         self.capacity = self.max_batch_size + max_queue
+        self.max_choices = min(MAX_CHOICES, self.max_batch_size)  # n / best_of: SamplingParams(n, best_of)
         # The longest prompt TensorRT-LLM takes: max_num_tokens unless chunked prefill is on (None).
         self.max_prompt_tokens: int | None = None
         self._api = api
@@ -485,6 +568,8 @@ class TRTLLMEngine(Engine):
         """Refuses, as OpenAI-shaped 400s, the client's fields TensorRT-LLM's LLM API cannot honour
         (the gateway skips its own checks for this engine: `passthrough`)."""
         body = request.extra or {}
+        if request.sequences > 1 and (body.get("tools") or self.logprobs_wanted(request) is not None):
+            raise _rejected("n > 1 cannot be combined with tools or logprobs on this model", "n")
         if body.get("logit_bias"):
             raise _rejected("logit_bias is not supported by this model", "logit_bias")
         if body.get("echo"):
@@ -536,6 +621,9 @@ class TRTLLMEngine(Engine):
             "stop": list(s.stop) or None,
             "include_stop_str_in_output": False,
         }
+        if request.sequences > 1:  # n choices, from best_of sequences (TensorRT-LLM's default best_of is n)
+            kwargs["n"] = request.n
+            kwargs["best_of"] = request.sequences
         for name in ("presence_penalty", "frequency_penalty"):
             if body.get(name) is not None:
                 kwargs[name] = float(body[name])
@@ -612,6 +700,18 @@ class TRTLLMEngine(Engine):
             raise self._refused(exc, request) from exc
         live = _Live(result)
         self._live[rid] = live
+        if request.sequences > 1:
+            live.pump = asyncio.get_running_loop().create_task(_pump_many(live))
+            try:
+                async with aclosing(self._stream_many(request, live, len(prompt))) as outputs:
+                    async for out in outputs:
+                        yield out
+            finally:
+                self._live.pop(rid, None)
+                live.close()
+                if not live.done:
+                    self._abort(result)  # the consumer left early
+            return
         live.pump = asyncio.get_running_loop().create_task(_pump(live, want_logprobs=shape is not None and shape.logprobs))
         stops = StopMatcher(request.sampling.stop)
         prompt_tokens, count, seen_ids = len(prompt), 0, 0
@@ -656,6 +756,125 @@ class TRTLLMEngine(Engine):
             live.close()
             if not finished:
                 self._abort(result)  # the consumer left early
+
+    async def _stream_many(self, request: EngineRequest, live: _Live, prompt_tokens: int) -> AsyncIterator[EngineOutput]:
+        """The outputs of a request with n > 1 choices. Streamed: each output carries one choice's
+        chunk (`raw_choice`, with its `index`); several that changed in one response travel in the
+        output's `before`. Not streamed: the final output carries every choice (`choices`). The
+        counts are those of every sequence TensorRT-LLM generated (best_of of them): what it computed."""
+        body = request.extra or {}
+        chat, streamed = "messages" in body, body.get("stream") is True
+        ranked = request.best_of > request.n  # best_of: the n best are known only at the end
+        stops = request.sampling.stop
+        choices = {i: _Choice(stops) for i in range(request.n)}
+        total, cached, seen_ids = 0, None, 0
+        while True:
+            item = await live.queue.get()
+            if item is _CANCELLED:
+                live.done = True
+                yield EngineOutput("", [], FINISH_CANCELLED, prompt_tokens, total, cached_tokens=cached)
+                return
+            if isinstance(item, _Failure):
+                live.done = True
+                raise self._failed(item.exc, request, seen_ids) from item.exc
+            if item is _ENDED:
+                live.done = True
+                raise EngineError("TensorRT-LLM ended the stream without a finished output")
+            step: _Many = item
+            prompt_tokens, total = step.prompt_tokens or prompt_tokens, step.total
+            if step.cached_tokens is not None:
+                cached = step.cached_tokens
+            new_ids = [t for _, ids, _, _, _ in step.updates for t in ids]
+            seen_ids += len(new_ids)
+            if step.finished and step.error and not any(f for _, _, f, _ in step.final or ()):
+                live.done = True
+                raise EngineError(f"TensorRT-LLM failed the request: {step.error}")
+            if step.finished and step.final and any(f == "cancelled" for _, _, f, _ in step.final):
+                live.done = True
+                yield EngineOutput("", [], FINISH_CANCELLED, prompt_tokens, total, cached_tokens=cached)
+                return
+            outs: list[EngineOutput] = []
+            if not ranked:
+                for index, ids, length, finish, stop_reason in step.updates:
+                    choice = choices.get(index)
+                    if choice is None or choice.finish is not None:
+                        continue  # ended here on a stop string: the rest of its sequence is not shown
+                    if length < len(choice.ids) + len(ids):  # the ids of a token-level stop were trimmed
+                        choice.ids = (choice.ids + ids)[:length]
+                        choice.prefix, choice.read = min(choice.prefix, length), min(choice.read, length)
+                    else:
+                        choice.ids += ids
+                    text = choice.stops.push(choice.decode(self._tokenizer, flush=finish is not None))
+                    reason = None
+                    if choice.stops.stopped:
+                        reason = FINISH_STOP
+                    elif finish is not None:
+                        reason = FINISH_REASONS.get(finish, FINISH_STOP)
+                        if not isinstance(stop_reason, str):  # held-back text is a stop string's head only on a stop string
+                            text += choice.stops.flush()
+                    choice.finish = reason
+                    outs.append(self._choice_output(chat, streamed, index, choice, text, reason, ids, prompt_tokens, total))
+            ended = step.finished or (not ranked and all(c.finish is not None for c in choices.values()))
+            if not ended:
+                if streamed:
+                    if outs:
+                        last = outs.pop()
+                        last.before = outs or None
+                        yield last
+                elif new_ids:
+                    yield EngineOutput("", new_ids, None, prompt_tokens, total)
+                continue
+            live.done = True
+            if ranked:  # the n best of best_of, as TensorRT-LLM ranks them at the end
+                for index, ids, finish, stop_reason in step.final or ():
+                    choice = choices[index]
+                    choice.ids = ids
+                    text = choice.stops.push(self._tokenizer.decode(ids, skip_special_tokens=True))
+                    choice.finish = FINISH_STOP if choice.stops.stopped else FINISH_REASONS.get(finish or "", FINISH_STOP)
+                    if not choice.stops.stopped and not isinstance(stop_reason, str):
+                        text += choice.stops.flush()
+                    choice.text.append(text)
+            if not step.finished or any(c.finish is None for c in choices.values()):
+                self._abort_after_finish(live.result)  # every choice ended here, or a text-level stop ended the result
+            for index, choice in choices.items():
+                if choice.finish is None:  # the result ended before this sequence did
+                    choice.finish = FINISH_STOP
+                    outs.append(self._choice_output(chat, streamed, index, choice, "", FINISH_STOP, [], prompt_tokens, total))
+            overall = FINISH_LENGTH if any(c.finish == FINISH_LENGTH for c in choices.values()) else FINISH_STOP
+            if streamed:
+                last = outs.pop() if outs else self._choice_output(chat, True, request.n - 1, choices[request.n - 1], "", choices[request.n - 1].finish, [], prompt_tokens, total)
+                last.before = outs or None
+            else:
+                last = EngineOutput("", new_ids, None, prompt_tokens, total)
+                last.choices = [self._whole_choice(chat, i, c) for i, c in choices.items()]
+            last.finish_reason, last.cached_tokens = overall, cached
+            yield last
+            return
+
+    @staticmethod
+    def _choice_output(chat: bool, streamed: bool, index: int, choice: _Choice, text: str, finish: str | None,
+                       ids: list[int], prompt_tokens: int, total: int) -> EngineOutput:
+        """An increment of one choice: its chunk when streamed, else kept for the final body."""
+        out = EngineOutput("", ids, None, prompt_tokens, total)
+        if not streamed:
+            choice.text.append(text)
+            return out
+        if chat:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if not choice.opened and index > 0:  # the gateway opened choice 0 with its role
+                delta = {"role": "assistant", **delta}
+            out.raw_choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            out.raw_choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        choice.opened = True
+        return out
+
+    @staticmethod
+    def _whole_choice(chat: bool, index: int, choice: _Choice) -> dict[str, Any]:
+        text = "".join(choice.text)
+        if chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": choice.finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": choice.finish}
 
     def _failed(self, exc: BaseException, request: EngineRequest, seen_ids: int) -> EngineError:
         if engine_is_dead(exc):

@@ -87,10 +87,18 @@ class _SamplingFields(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def choices(self, max_choices: int) -> tuple[int, int]:
+        """(n, sequences generated) for an engine that serves at most `max_choices` choices a request."""
+        n = self.n or 1
+        if n > max_choices:
+            if max_choices == 1:
+                raise InvalidRequest("n > 1 is not supported; send separate requests", param="n", code="unsupported_parameter")
+            raise InvalidRequest(f"n must be at most {max_choices} for this model", param="n", code="invalid_value")
+        return n, n
+
     def check_supported(self, passthrough: bool = False) -> None:
-        """Refuses what the engine cannot honour; a pass-through engine's upstream judges the rest."""
-        if self.n not in (None, 1):
-            raise InvalidRequest("n > 1 is not supported; send separate requests", param="n", code="unsupported_parameter")
+        """Refuses what the engine cannot honour; a pass-through engine's upstream judges the rest.
+        `n` is judged with the engine known (`choices`)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if passthrough:
@@ -144,13 +152,24 @@ class CompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = Field(default=16, ge=1)
     echo: StrictBool | None = None
     suffix: str | None = None
-    best_of: StrictInt | None = None
+    best_of: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictInt | None = None
+
+    def choices(self, max_choices: int) -> tuple[int, int]:
+        n, _ = super().choices(max_choices)
+        best_of = self.best_of or n
+        if best_of > max_choices:
+            if max_choices == 1:
+                raise InvalidRequest("best_of > 1 is not supported", param="best_of", code="unsupported_parameter")
+            raise InvalidRequest(f"best_of must be at most {max_choices} for this model", param="best_of", code="invalid_value")
+        if best_of < n:
+            raise InvalidRequest("best_of must be greater than or equal to n", param="best_of", code="invalid_value")
+        if best_of > n and self.stream:
+            raise InvalidRequest("best_of > n cannot be used with stream", param="best_of", code="invalid_value")
+        return n, best_of
 
     def check_supported(self, passthrough: bool = False) -> None:
         super().check_supported(passthrough)
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of > 1 is not supported", param="best_of", code="unsupported_parameter")
         if passthrough:
             return
         if self.echo:

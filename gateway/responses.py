@@ -83,7 +83,8 @@ class ChunkRenderer:
         """The status and JSON body of an error answered before any of the response was sent."""
         return err.status_code, orjson.dumps(err.body())
 
-    def body(self, text: str, raw_choice: dict[str, Any] | None = None) -> bytes:
+    def body(self, text: str, raw_choice: dict[str, Any] | None = None, choices: list[dict[str, Any]] | None = None) -> bytes:
+        """`choices`: every choice of a request with n > 1, as the engine made them."""
         finish = self.gen.finish_reason
         if raw_choice is not None:
             choice = raw_choice
@@ -97,7 +98,7 @@ class ChunkRenderer:
                 "object": self.body_object,
                 "created": self.gen.created,
                 "model": self.gen.model,
-                "choices": [choice],
+                "choices": choices or [choice],
                 "usage": usage_body(self.gen),
             }
         )
@@ -247,15 +248,17 @@ class GenerationResponse:
         """One JSON body from the outputs of a finished generation (or its error)."""
         pieces: list[str] = []
         raw_choice: dict[str, Any] | None = None
+        choices: list[dict[str, Any]] | None = None
         for out in outputs:
             pieces.append(out.text)
             raw_choice = out.raw_choice or raw_choice
+            choices = out.choices or choices
         if self.gen.finish_reason == FINISH_CANCELLED or self.gen.cancel_requested:
             return  # nobody is listening
         if self.gen.finish_reason == FINISH_ERROR:
             await self._send_error(send, ServiceUnavailable(f"The engine failed this request: {self.gen.error}", code="engine_error"))
             return
-        body = self.render.body("".join(pieces), raw_choice)
+        body = self.render.body("".join(pieces), raw_choice, choices=choices) if choices else self.render.body("".join(pieces), raw_choice)
         headers = self._headers(b"application/json")
         headers.append((b"content-length", b"%d" % len(body)))  # one body: sized, not chunked
         await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -116,8 +116,9 @@ class CompletionService:
             gen.price = await self.prices.current_for(gen.principal.account_id, gen.model)
         if self.limiter is None:
             return
-        worst_tokens = gen.prompt_tokens + gen.engine_request.max_tokens
-        worst_nanos = gen.price.cost_nanos(gen.prompt_tokens, gen.engine_request.max_tokens) if gen.price else 0
+        worst_completion = gen.engine_request.max_tokens * gen.engine_request.sequences  # every sequence may run to max_tokens
+        worst_tokens = gen.prompt_tokens + worst_completion
+        worst_nanos = gen.price.cost_nanos(gen.prompt_tokens, worst_completion) if gen.price else 0
         p = gen.principal
         scopes = [Scope("key", p.key_id, p.key_limits), Scope("account", p.account_id, p.account_limits)]
         try:
@@ -216,6 +217,8 @@ class CompletionService:
                 f"the prompt has {len(prompt_ids)} tokens.",
                 param="messages" if kind == "chat" else "prompt",
             )
+        choices = getattr(request, "choices", None)  # n (and best_of): OpenAI's generation requests only
+        n, best_of = choices(engine.max_choices) if choices is not None else (1, 1)
         temperature = 1.0 if request.temperature is None else request.temperature
         sampling = SamplingParams(
             temperature=temperature,
@@ -231,6 +234,8 @@ class CompletionService:
             extra=request.raw_body or None,
             account_id=principal.account_id,
             priority=principal.priority,
+            n=n,
+            best_of=best_of,
         )
         refused = engine.refusal(engine_request)  # the scheduler's admission control, before any quota is held
         if refused is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError, RateLimitError
 
 from engines.base import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, EngineError, EngineRequest, EngineRequestRejected, SamplingParams
 from engines.registry import ModelsConfigError, parse_models
@@ -468,8 +468,9 @@ async def test_fields_the_engine_cannot_honour_are_400s(api: Any, tollgate_with:
             assert resp.json()["error"]["param"] == param and resp.json()["error"]["type"] == "invalid_request_error"
         resp = await c.post("/completions", json={"model": "llama", "prompt": "x", "echo": True})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
-        resp = await c.post("/chat/completions", json={"model": "llama", "messages": QUESTION, "n": 2})
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"  # one metered choice per request
+        for extra in ({"n": 17}, {"n": 2, "logprobs": True}, {"n": 2, "tools": TOOLS}):  # over max_choices; n with logprobs or tools
+            resp = await c.post("/chat/completions", json={"model": "llama", "messages": QUESTION, **extra})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "n", (extra, resp.text)
 
 
 async def test_tools_render_through_the_template_and_calls_come_back(api: Any, tollgate_with: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -518,3 +519,98 @@ def test_tool_call_parsers_hold_back_markup_split_anywhere() -> None:
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"q": "x"})]
     p = parser_for("llama3_json")
     assert p.push("Hello") == ("Hello", []) and p.finish() == ("", [])
+
+
+# n / best_of: several choices per request -----------------------------------------------------------------
+def story_from(word: int, tokens: int) -> str:
+    """What the double's sequence `word` generates: the story from its word-th token."""
+    return "".join(double.WordTokenizer._pieces.findall(double.STORY)[word:word + tokens])
+
+
+async def test_gateway_n_choices_streamed_and_not_are_metered_as_their_sum(trtllm_gateway: Any) -> None:
+    gw = trtllm_gateway
+    client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
+    llm = gw.engines()["llama"].primary._llm
+    expected = [story_from(i, 5) for i in range(3)]  # three different sequences, each cut at max_tokens
+    # not streamed: three choices, indices 0..2
+    resp = await client.chat.completions.create(model="llama", messages=QUESTION, n=3, max_tokens=5)
+    p = llm.requests[-1].sampling_params
+    assert (p.n, p.best_of, p.max_tokens) == (3, 3, 5)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.message.content for c in resp.choices] == expected and {c.finish_reason for c in resp.choices} == {"length"}
+    per_choice = [len(o.token_ids) for o in llm.requests[-1].outputs]
+    assert per_choice == [5, 5, 5] and resp.usage.completion_tokens == sum(per_choice) == 15
+    row = await gw.ledger_row(resp.id.split("-", 1)[1])
+    assert (row["prompt_tokens"], row["completion_tokens"], row["status"]) == (resp.usage.prompt_tokens, 15, "completed")
+    # streamed: chunks whose choices carry their index; the usage chunk holds the sum
+    stream = await client.chat.completions.create(model="llama", messages=QUESTION, n=3, max_tokens=5, stream=True,
+                                                  stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert [texts[i] for i in sorted(texts)] == expected and sorted(texts) == [0, 1, 2]
+    assert finishes == {0: ["length"], 1: ["length"], 2: ["length"]}  # one finish per choice
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == sum(len(o.token_ids) for o in llm.requests[-1].outputs) == 15
+    row = await gw.ledger_row(chunks[0].id.split("-", 1)[1])
+    assert (row["completion_tokens"], row["status"]) == (usage.completion_tokens, "completed")
+    # text completions, streamed: the same
+    stream = await client.completions.create(model="llama", prompt="Tell me", n=3, max_tokens=4, stream=True,
+                                             stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    texts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(3)] == [story_from(i, 4) for i in range(3)] and chunks[-1].usage.completion_tokens == 12
+    await gw.flush_ledger()
+    assert await gw.ledger_count(key_id=row["key_id"]) == 3  # one row per request, not per choice
+
+
+async def test_gateway_best_of_bills_every_generated_sequence(trtllm_gateway: Any) -> None:
+    gw = trtllm_gateway
+    client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
+    llm = gw.engines()["llama"].primary._llm
+    resp = await client.completions.create(model="llama", prompt="Tell me", n=2, best_of=4, max_tokens=3)
+    result = llm.requests[-1]
+    assert (result.sampling_params.n, result.sampling_params.best_of) == (2, 4)
+    # the two best by cumulative logprob (the double's sequence i scores -0.25 (i + 1) per token), re-indexed
+    assert [(c.index, c.text) for c in resp.choices] == [(0, story_from(0, 3)), (1, story_from(1, 3))]
+    assert resp.usage.completion_tokens == 4 * 3  # all four sequences were computed: all are billed
+    row = await gw.ledger_row(resp.id.split("-", 1)[1])
+    assert row["completion_tokens"] == 12
+    with pytest.raises(BadRequestError) as refused:  # OpenAI's rule: the best of several is known only at the end
+        await client.completions.create(model="llama", prompt="Tell me", n=1, best_of=2, max_tokens=3, stream=True)
+    assert refused.value.body["param"] == "best_of"
+
+
+async def test_gateway_reserves_n_times_max_tokens(trtllm_gateway: Any) -> None:
+    gw = trtllm_gateway
+    n, max_tokens, k = 3, 4, 4
+    probe = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
+    prompt = (await probe.chat.completions.create(model="llama", messages=QUESTION, max_tokens=1)).usage.prompt_tokens
+    per_request = prompt + n * max_tokens  # what each request reserves, and (cut at max_tokens) uses
+    key = await gw.new_key()
+    async with gw.admin_client() as admin:
+        r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"monthly_tokens": k * per_request + per_request - 1}})
+        assert r.status_code == 200, r.text
+    client = AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0)
+
+    async def one() -> Any:
+        try:
+            return await client.chat.completions.create(model="llama", messages=QUESTION, n=n, max_tokens=max_tokens)
+        except RateLimitError as exc:
+            return exc
+
+    results = await asyncio.gather(*[one() for _ in range(3 * k)])
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert all(r.usage.total_tokens == per_request for r in served)
+    assert len(served) == k  # exactly: a reservation of prompt + max_tokens would admit more
+    assert all(r.body["code"] == "monthly_tokens" for r in results if isinstance(r, Exception))
+    await gw.flush_ledger()
+    assert await gw.ledger_count(key_id=key["id"]) == k

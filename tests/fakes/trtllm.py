@@ -32,7 +32,15 @@ signatures, fields and defaults here equal that contract's.
   of them, at most the prompt). `logprobs` on outputs: one {token: Logprob} per generated token,
   the top-k alternatives scripted.
 
-It does not model GPU batching, KV-cache limits, beam search or n > 1 sequences.
+- `n` / `best_of` as the real result does them (executor/result.py): the result holds `best_of`
+  CompletionOutputs; the executor answers one sequence per response (`sequence_index`), so a
+  response updates that sequence only (its `token_ids_diff`; the others keep their stale diffs, as
+  the real `_handle_sequence` leaves them); the result is finished when every sequence is.
+  `outputs` is the first `n` when n == best_of, else the `n` of highest `cumulative_logprob`,
+  re-indexed. Sequence i generates the story from its i-th word (so the sequences differ), each
+  token at logprob -0.25 * (i + 1).
+
+It does not model GPU batching, KV-cache limits or beam search.
 """
 
 from __future__ import annotations
@@ -343,6 +351,9 @@ class _Step:
     token_ids: list[int]
     finish: Optional[str] = None  # end_id | stop_words | length | timeout | cancelled
     logprobs: Optional[list[dict[int, Logprob]]] = None
+    index: int = 0  # sequence_index: the sequence this response is for
+    final: Optional[bool] = None  # is_final: the whole request is done (None: when `finish` is set)
+    cum_logprob: Optional[float] = None  # the sequence's cumulative logprob so far
 
 
 class RequestOutput:
@@ -353,7 +364,7 @@ class RequestOutput:
         self._prompt_token_ids = prompt_token_ids
         self.sampling_params = params
         self.cached_tokens = 0
-        self._outputs = [CompletionOutput(0)]
+        self._outputs = [CompletionOutput(i) for i in range(params.best_of)]
         self._llm = llm
         self._streaming = streaming
         self._done = False
@@ -373,7 +384,13 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return self._outputs[: self.sampling_params.n]
+        params = self.sampling_params
+        if params.use_beam_search or params.n == params.best_of:
+            return self._outputs[: params.n]
+        ranked = sorted(self._outputs, key=lambda o: o.cumulative_logprob if o.cumulative_logprob is not None else float("-inf"), reverse=True)
+        for i, out in enumerate(ranked):  # re-indexed, as the real property does
+            out.index = i
+        return ranked[: params.n]
 
     @property
     def finished(self) -> bool:
@@ -414,15 +431,18 @@ class RequestOutput:
         self._handle(response)
 
     def _handle(self, step: _Step) -> None:
-        params, tokenizer, out = self.sampling_params, self._llm.tokenizer, self._outputs[0]
+        params, tokenizer, out = self.sampling_params, self._llm.tokenizer, self._outputs[step.index]
         self.cached_tokens = min(self._llm.cached_prefix, len(self._prompt_token_ids))
         out._last_token_ids_len = len(out.token_ids)
         out._last_logprobs_len = len(out.logprobs)
         out.token_ids.extend(step.token_ids)
+        if step.cum_logprob is not None:
+            out.cumulative_logprob = step.cum_logprob
         if step.logprobs:
             out.logprobs.extend(step.logprobs)
-        if step.finish is not None:
+        if step.final if step.final is not None else step.finish is not None:
             self._done = True
+        if step.finish is not None:
             if step.finish == "stop_words":
                 out.finish_reason = "stop"
                 for reason, ids in params._stop_reasons_and_words(tokenizer):
@@ -435,8 +455,9 @@ class RequestOutput:
                 out.finish_reason = {"end_id": "stop", "length": "length", "timeout": "timeout", "cancelled": "cancelled"}[step.finish]
         if not params.detokenize:
             return
+        for other in self.outputs:  # the real loop runs over every visible output: no text diff for the others
+            other._last_text_len = len(other.text)
         # Incremental detokenization: the ids of this step (after any trimming) extend the text.
-        out._last_text_len = len(out.text)
         out.text += tokenizer.decode(out.token_ids_diff, skip_special_tokens=params.skip_special_tokens)
         if not self._done or out.finish_reason in ("stop", "length"):
             stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
@@ -584,6 +605,9 @@ class LLM:
         if not await self._admitted(result):
             return
         params = result.sampling_params
+        if params.best_of > 1:
+            await self._generate_many(result)
+            return
         plan = self.tokenizer.encode(self.continuation) + [self.tokenizer.eos_token_id]
         stops = [ids for _, ids in params._stop_reasons_and_words(self.tokenizer) if ids]
         end_id = params.end_id if params.end_id is not None else self.tokenizer.eos_token_id
@@ -610,6 +634,47 @@ class LLM:
                     finish = "length"
                 result._responses.put_nowait(_Step([token], finish, self._logprobs(token, params)))
                 if finish:
+                    return
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+    async def _generate_many(self, result: RequestOutput) -> None:
+        """best_of sequences of one request, stepped together: per engine step one response per
+        sequence still running (its `sequence_index`), `is_final` on the last response of the request."""
+        params = result.sampling_params
+        words = self.tokenizer.encode(self.continuation)
+        plans = [words[i % len(words):] + [self.tokenizer.eos_token_id] for i in range(params.best_of)]
+        stops = [ids for _, ids in params._stop_reasons_and_words(self.tokenizer) if ids]
+        end_id = params.end_id if params.end_id is not None else self.tokenizer.eos_token_id
+        generated: list[list[int]] = [[] for _ in plans]
+        running = list(range(len(plans)))
+        self.running += 1
+        try:
+            for step in range(max(len(p) for p in plans) + params.max_tokens):
+                await asyncio.sleep(self.step_delay)
+                await self.hold.wait()
+                if result._aborted or (self.timeout_after is not None and step >= self.timeout_after):
+                    why = "cancelled" if result._aborted else "timeout"
+                    for k, i in enumerate(running):
+                        result._responses.put_nowait(_Step([], why, index=i, final=k == len(running) - 1))
+                    return
+                for i in list(running):
+                    plan = plans[i]
+                    token = plan[step % len(plan)] if not params.ignore_eos else plan[step % max(1, len(plan) - 1)]
+                    generated[i].append(token)
+                    finish = None
+                    if token == end_id and not params.ignore_eos:
+                        finish = "end_id"
+                    elif any(generated[i][-len(s):] == s for s in stops):
+                        finish = "stop_words"
+                    elif len(generated[i]) >= params.max_tokens:
+                        finish = "length"
+                    if finish:
+                        running.remove(i)
+                    result._responses.put_nowait(_Step([token], finish, self._logprobs(token, params), index=i, final=not running,
+                                                       cum_logprob=-0.25 * (i + 1) * len(generated[i])))
+                if not running:
                     return
         finally:
             self.running -= 1
