@@ -111,3 +111,4 @@ LEDGER_STATUSES = ("completed", "cancelled", "error", "interrupted")  # interrup
 
 from billing.usage_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
 from billing import invoice_models  # noqa: E402,F401  (registers the invoice and billing tables)
+from billing import response_models  # noqa: E402,F401  (registers stored_responses, the Responses API's store)

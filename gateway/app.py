@@ -28,7 +28,7 @@ from billing.prices import EffectivePrice, PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine, EngineError
 from engines.scheduler import ScheduledEngine, schedule_engines
-from gateway import admin, anthropic_api, dashboard
+from gateway import admin, anthropic_api, dashboard, openai_responses
 from gateway import billing_api
 from gateway import embeddings_api, response_cache  # issue 10
 from engines.router import route_body  # issue 10
@@ -449,6 +449,7 @@ def create_app(
         *billing_api.routes,
         *embeddings_api.routes,  # issue 10
         *anthropic_api.routes,  # issue 21
+        *openai_responses.routes,  # issue 21
     ]
     return Gateway(
         hot={"/v1/chat/completions": chat_completions, "/v1/completions": completions},

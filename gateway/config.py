@@ -78,6 +78,7 @@ class Settings:
     max_header_bytes: int = 64 * 1024
     metrics_token: str | None = None  # set: GET /metrics wants `Authorization: Bearer <token>`
     warmup: bool = True
+    responses_retention_days: float = 30.0  # stored Responses (/v1/responses) are kept this long; 0: until deleted
     workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -199,4 +200,5 @@ def load_settings() -> Settings:
         metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
         warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
         workers=max(1, _env_int("TOLLGATE_WORKERS", 1)),
+        responses_retention_days=max(0.0, _env_float("TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
     )

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from gateway import admin, billing_api
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 JSON = "application/json"
@@ -77,6 +78,17 @@ RESPONSES: dict[str, dict[str, Any]] = {
         "usage": _obj({"input_tokens": INT, "output_tokens": INT}),
     }),
     "MessageTokens": _obj({"input_tokens": INT}),
+    "Response": _obj({
+        "id": STR, "object": {"const": "response"}, "created_at": INT, "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+        "model": STR, "output": {"type": "array", "items": _obj({"id": STR, "type": {"const": "message"}, "role": {"const": "assistant"},
+                                                                  "content": {"type": "array", "items": _obj({"type": STR, "text": STR})}})},
+        "usage": _nullable(_obj({"input_tokens": INT, "output_tokens": INT, "total_tokens": INT})),
+    }),
+    "ResponseDeleted": _obj({"id": STR, "object": {"const": "response.deleted"}, "deleted": BOOL}),
+    "ResponseInputItems": _obj({
+        "object": {"const": "list"}, "has_more": BOOL, "first_id": _nullable(STR), "last_id": _nullable(STR),
+        "data": {"type": "array", "items": _obj({"id": STR, "type": {"const": "message"}, "role": STR, "content": {"type": "array"}})},
+    }),
     "Usage": USAGE,
     "ChatCompletion": _obj({
         "id": STR, "object": {"const": "chat.completion"}, "created": INT, "model": STR,
@@ -195,6 +207,19 @@ def _paths() -> dict[str, Any]:
         }, "MessagesRequest")},
         "/v1/messages/count_tokens": {"post": _anthropic("Prompt tokens of an Anthropic Messages request",
                                                          _json(_ref("MessageTokens")), "CountTokensRequest")},
+        "/v1/responses": {"post": _op("OpenAI Responses (text input and output; `store` keeps it, `previous_response_id` continues)", {"200": {
+            "description": "The Response (JSON), or its typed SSE events (response.created ... response.completed) when `stream` is true",
+            "content": {JSON: {"schema": _ref("Response")}, "text/event-stream": {"schema": STR}},
+        }}, *WITH_BODY, 404, 429, body="ResponsesRequest")},
+        "/v1/responses/{response_id}": {
+            "get": _op("One of the account's stored responses", {"200": _json(_ref("Response"))}, *AUTHED, 404, params=[_path("response_id", STR)]),
+            "delete": _op("Delete a stored response", {"200": _json(_ref("ResponseDeleted"))}, *AUTHED, 404, params=[_path("response_id", STR)]),
+        },
+        "/v1/responses/{response_id}/input_items": {"get": _op("A stored response's input items", {"200": _json(_ref("ResponseInputItems"))},
+                                                               *AUTHED, 404, params=[
+            _path("response_id", STR), _query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+            _query("order", {"enum": ["asc", "desc"]}), _query("after", STR),
+        ])},
         "/v1/embeddings": {"post": _op("Embeddings (base64: little-endian float32)", {"200": _json(EMBEDDINGS)}, *WITH_BODY, 404, 429,
                                        body="EmbeddingRequest")},
         "/v1/models": {"get": _op("Models this key may use", {"200": _json(_ref("ModelList"))}, *AUTHED)},
@@ -290,6 +315,7 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "CompletionRequest": CompletionRequest,
     "MessagesRequest": MessagesRequest,
     "CountTokensRequest": CountTokensRequest,
+    "ResponsesRequest": ResponsesRequest,
     "CreateAccount": admin.CreateAccount,
     "CreateKey": admin.CreateKey,
     "AddPrice": admin.AddPrice,

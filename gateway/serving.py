@@ -40,6 +40,7 @@ from gateway.errors import (
     ServiceUnavailable,
 )
 from gateway.anthropic_protocol import MessagesRequest
+from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -70,7 +71,7 @@ class Generation:
     cancel_requested: bool = False
     hold: Hold | None = None
     price: EffectivePrice | None = None
-    api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages
+    api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages | responses
     stop_sequence: str | None = None  # the stop string that ended it, when the engine says
 
     @property
@@ -198,11 +199,20 @@ class CompletionService:
             raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "chat", api="messages")
 
+    def prepare_responses(self, principal: Principal, request: ResponsesRequest, request_id: str, messages: list[dict[str, str]]) -> Generation:
+        """An OpenAI Responses request: its instructions, earlier turns (previous_response_id) and input as a chat."""
+        engine = self.engine_for(request.model, principal)
+        try:
+            prompt_ids = engine.encode_chat(messages)
+        except Exception as exc:  # a template may reject a role order
+            raise InvalidRequest(f"input could not be rendered with the model's chat template: {exc}", param="input") from None
+        return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_output_tokens, "chat", api="responses")
+
     def _prepare(
         self,
         engine: Engine,
         principal: Principal,
-        request: ChatCompletionRequest | CompletionRequest | MessagesRequest,
+        request: ChatCompletionRequest | CompletionRequest | MessagesRequest | ResponsesRequest,
         request_id: str,
         prompt_ids: list[int],
         max_tokens: int | None,
