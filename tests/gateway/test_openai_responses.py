@@ -126,7 +126,7 @@ async def test_bad_input_is_a_400_naming_the_field_and_nothing_is_metered(gatewa
     }
     async with httpx.AsyncClient(base_url=gateway.base_url, headers={"Authorization": f"Bearer {customer['key']}"}, timeout=60) as c:
         for field, body in bad_bodies.items():
-            r = await c.post("/v1/responses", json=body)
+            r = await c.post("/v1/responses", json={"max_output_tokens": 3, **body})  # short, were it served
             assert r.status_code == 400, (field, r.text)
             assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == field, (field, r.text)
         r = await c.post("/v1/responses", content=b"{not json")
@@ -269,3 +269,69 @@ async def test_previous_response_id_bills_earlier_turns_as_prompt_tokens(gateway
     third = await client.responses.create(model=MODEL, input="Thanks.", previous_response_id=second.id, max_output_tokens=5, temperature=0)
     assert third.usage.input_tokens == len(gateway.engine.encode_chat(
         conversation[1:] + [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Thanks."}]))
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block:
+            name, data = block.split("\n")
+            payload = json.loads(data.removeprefix("data: "))
+            assert name == "event: " + payload["type"]
+            out.append(payload)
+    return out
+
+
+def test_every_event_validates_against_the_sdk_models_and_a_failure_is_error_then_response_failed() -> None:
+    """The renderer alone: each event passes the openai SDK's own pydantic models strictly (the SDK
+    itself only constructs them), and a stream that fails after its first byte ends with an
+    `error` event and `response.failed`, numbered on from the deltas."""
+    from types import SimpleNamespace
+
+    from openai.types.responses import Response as SDKResponse, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from gateway.errors import ServiceUnavailable
+    from gateway.openai_responses import ResponseRenderer
+    from gateway.openai_responses_protocol import ResponsesRequest
+
+    events = TypeAdapter(ResponseStreamEvent)
+
+    def renderer() -> ResponseRenderer:
+        gen = SimpleNamespace(request_id="abc", created=1, model=MODEL, prompt_tokens=7, completion_tokens=2, cached_tokens=None,
+                              finish_reason="stop")
+        return ResponseRenderer(gen, ResponsesRequest(model=MODEL, input="hi"))  # type: ignore[arg-type]
+
+    ok = renderer()
+    stream = _events(ok.first() + ok.delta("Hel", None) + ok.delta("lo", "stop") + ok.end())
+    for payload in stream:
+        events.validate_python(payload)
+    assert [e["sequence_number"] for e in stream] == list(range(len(stream)))
+    final = SDKResponse.model_validate(stream[-1]["response"])
+    assert (final.status, final.output_text, final.usage.total_tokens) == ("completed", "Hello", 9)
+    assert SDKResponse.model_validate_json(ok.body("Hello")).output_text == "Hello"
+
+    failing = renderer()
+    stream = _events(failing.first() + failing.delta("Hel", None) + failing.error(ServiceUnavailable("engine died", code="engine_error")))
+    for payload in stream:
+        events.validate_python(payload)
+    assert [e["type"] for e in stream[-2:]] == ["error", "response.failed"]
+    assert [e["sequence_number"] for e in stream] == list(range(len(stream)))
+    assert stream[-2]["message"] == "engine died" and stream[-1]["response"]["status"] == "failed"
+    assert stream[-1]["response"]["error"] == {"code": "server_error", "message": "engine died"}
+
+
+async def test_store_and_continuation_on_sqlite(sqlite_gateway: Gateway, client_for: Any) -> None:
+    """The same store on the embedded default (SQLite, the same migration history)."""
+    client = client_for((await sqlite_gateway.new_key())["key"], sqlite_gateway)
+    first = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0)
+    assert (await client.responses.retrieve(first.id)).output_text == first.output_text
+    second = await client.responses.create(model=MODEL, input="And of Germany?", previous_response_id=first.id, max_output_tokens=5)
+    assert second.usage.input_tokens == len(sqlite_gateway.engine.encode_chat([
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And of Germany?"}]))
+    row = await sqlite_gateway.ledger_row(request_id_of(second.id))
+    assert (row["prompt_tokens"], row["api"]) == (second.usage.input_tokens, "responses")
+    await client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(first.id)
