@@ -335,3 +335,20 @@ async def test_store_and_continuation_on_sqlite(sqlite_gateway: Gateway, client_
     await client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(first.id)
+
+
+async def test_suspended_account_is_refused_before_admission(
+    gateway: Gateway, customer: dict[str, Any], client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The billing guard (unpaid invoices) as chat's: 403 account_suspended, no row. The account's
+    delinquency is stubbed in the guard's own lookup (tests/billing/test_stripe.py makes a real one)."""
+    states = gateway.app.state.billing.states
+    real = states.suspension
+    monkeypatch.setattr(states, "suspension", lambda p, now=None: "suspended for INV-9" if p.account_id == customer["account_id"] else real(p, now))
+    with pytest.raises(openai.PermissionDeniedError) as caught:
+        await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, stream=True)
+    assert caught.value.body["code"] == "account_suspended" and "INV-9" in caught.value.body["message"]
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 0
+    monkeypatch.setattr(states, "suspension", real)
+    assert (await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3)).usage.output_tokens == 3
