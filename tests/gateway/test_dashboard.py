@@ -7,19 +7,31 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 
-from tests.conftest import MODEL, Gateway
+from engines.hf import HFEngine
+from tests.conftest import MODEL, Gateway, start_gateway, stop_server
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "dashboard"
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (make setup installs it)")
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """This module's own gateway and database: the admin overview lists the top ten keys of all
+    accounts, which in the shared session gateway are whichever other tests spent the most."""
+    server, gw = start_gateway(fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-dashboard"))
+    try:
+        yield gw
+    finally:
+        stop_server(server)
 
 
 @pytest.fixture(scope="module")

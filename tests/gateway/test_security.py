@@ -126,6 +126,7 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
     # reseller's discount) must never show through it. The model allowlist is per key.
     await models_probe(secure_gw, a)
     checked.add(("GET", "/v1/models/{model_id:path}"))
+    checked |= await stored_responses_probe(secure_gw, a, b)
 
     # The dashboards: a customer's session gets no admin page or form, whatever id it names.
     s = browser(secure_gw)
@@ -145,6 +146,23 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
         assert after["revoked_at"] is None and after["limits"] == {} and after["models"] is None
     admin_only = {(m, p) for m, p in id_routes(secure_gw) if p.startswith("/admin")}  # covered by the test above
     assert id_routes(secure_gw) - admin_only <= checked, "a route that takes an id has no cross-account check here"
+
+
+async def stored_responses_probe(gw: Gateway, a: dict[str, Any], b: dict[str, Any]) -> set[tuple[str, str]]:
+    """b stores a response (the Responses API); a cannot read, list the input of, or delete it by
+    its id: each is a 404 that says nothing of b. b still reads it afterwards."""
+    async with as_key(gw, b["key"]) as c:
+        made = await c.post("/v1/responses", json={"model": MODEL, "input": "Say hi.", "max_output_tokens": 2, "temperature": 0})
+        assert made.status_code == 200, made.text
+        rid = made.json()["id"]
+    async with as_key(gw, a["key"]) as c:
+        for method, path in (("GET", f"/v1/responses/{rid}"), ("GET", f"/v1/responses/{rid}/input_items"), ("DELETE", f"/v1/responses/{rid}")):
+            r = await c.request(method, path)
+            assert r.status_code == 404, (method, path, r.status_code, r.text)
+            assert str(b["account_id"]) not in r.text.replace(rid, "")
+    async with as_key(gw, b["key"]) as c:
+        assert (await c.get(f"/v1/responses/{rid}")).status_code == 200
+    return {("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items")}
 
 
 async def models_probe(gw: Gateway, a: dict[str, Any]) -> None:
