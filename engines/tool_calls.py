@@ -13,6 +13,7 @@ call's markup as content.
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -38,14 +39,14 @@ def _call_from(obj: Any, args_key: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     """push(text) -> (content, calls completed by it); finish() -> (content left, calls left)."""
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def push(self, text: str) -> tuple[str, list[ToolCall]]: ...
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def finish(self) -> tuple[str, list[ToolCall]]: ...
 
 
 class HermesParser(ToolCallParser):

@@ -29,7 +29,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,27 +182,36 @@ class _Live:
             self.pump.cancel()
 
 
-async def _pump(live: _Live, want_logprobs: bool) -> None:
-    """Copies each step of the result into the queue (the result is one object updated in place)."""
-    result, queue = live.result, live.queue
+async def _pump(live: _Live, step: Callable[[Any], Any]) -> None:
+    """Copies each response of the result into the queue, as `step` makes it (the result is one
+    object updated in place); a failure is handed to the stream, which decides."""
     try:
-        async for out in result:
-            c = out.outputs[0]
-            ids = list(c.token_ids_diff)
-            live.seen_output = live.seen_output or bool(ids)
-            queue.put_nowait(_Step(
-                c.text_diff, ids, len(c.token_ids), len(out.prompt_token_ids), out.finished, c.finish_reason,
-                c.stop_reason, getattr(out, "error", None), list(c.logprobs_diff) if want_logprobs else None,
-                getattr(out, "cached_tokens", None),
-            ))
+        async for out in live.result:
+            live.queue.put_nowait(step(out))
             if out.finished:
                 return
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # noqa: BLE001 - handed to the stream, which decides
-        queue.put_nowait(_Failure(exc))
+        live.queue.put_nowait(_Failure(exc))
         return
-    queue.put_nowait(_ENDED)
+    live.queue.put_nowait(_ENDED)
+
+
+def _one_sequence(live: _Live, want_logprobs: bool) -> Callable[[Any], _Step]:
+    """The step of a request with one sequence: its diffs since the last response."""
+
+    def step(out: Any) -> _Step:
+        c = out.outputs[0]
+        ids = list(c.token_ids_diff)
+        live.seen_output = live.seen_output or bool(ids)
+        return _Step(
+            c.text_diff, ids, len(c.token_ids), len(out.prompt_token_ids), out.finished, c.finish_reason,
+            c.stop_reason, getattr(out, "error", None), list(c.logprobs_diff) if want_logprobs else None,
+            getattr(out, "cached_tokens", None),
+        )
+
+    return step
 
 
 @dataclass(slots=True)
@@ -228,34 +237,27 @@ def _all_sequences(result: Any) -> list[Any]:
     return list(every) if isinstance(every, list) and every else list(result.outputs)
 
 
-async def _pump_many(live: _Live) -> None:
-    """`_pump` for several sequences. TensorRT-LLM answers one sequence per response
+def _many_sequences(live: _Live) -> Callable[[Any], _Many]:
+    """The step of a request with several sequences. TensorRT-LLM answers one sequence per response
     (`sequence_index`) and leaves the other outputs' diffs as they were, so the lengths seen are kept
     here per index instead of trusting `token_ids_diff`/`text_diff` of outputs a response did not touch."""
-    result, queue = live.result, live.queue
     lengths: dict[int, int] = {}
-    try:
-        async for out in result:
-            updates = []
-            for c in out.outputs:
-                ids = c.token_ids or []
-                seen = lengths.get(c.index, 0)
-                if len(ids) != seen or c.finish_reason is not None:
-                    updates.append((c.index, list(ids[seen:]), len(ids), c.finish_reason, c.stop_reason))
-                    lengths[c.index] = len(ids)
-            total = sum(len(c.token_ids or ()) for c in _all_sequences(out))
-            live.seen_output = live.seen_output or total > 0
-            final = [(c.index, list(c.token_ids or ()), c.finish_reason, c.stop_reason) for c in out.outputs] if out.finished else None
-            queue.put_nowait(_Many(updates, total, len(out.prompt_token_ids), out.finished, getattr(out, "error", None),
-                                   getattr(out, "cached_tokens", None), final))
-            if out.finished:
-                return
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - handed to the stream, which decides
-        queue.put_nowait(_Failure(exc))
-        return
-    queue.put_nowait(_ENDED)
+
+    def step(out: Any) -> _Many:
+        updates = []
+        for c in out.outputs:
+            ids = c.token_ids or []
+            seen = lengths.get(c.index, 0)
+            if len(ids) != seen or c.finish_reason is not None:
+                updates.append((c.index, list(ids[seen:]), len(ids), c.finish_reason, c.stop_reason))
+                lengths[c.index] = len(ids)
+        total = sum(len(c.token_ids or ()) for c in _all_sequences(out))
+        live.seen_output = live.seen_output or total > 0
+        final = [(c.index, list(c.token_ids or ()), c.finish_reason, c.stop_reason) for c in out.outputs] if out.finished else None
+        return _Many(updates, total, len(out.prompt_token_ids), out.finished, getattr(out, "error", None),
+                     getattr(out, "cached_tokens", None), final)
+
+    return step
 
 
 class _Choice:
@@ -701,7 +703,7 @@ class TRTLLMEngine(Engine):
         live = _Live(result)
         self._live[rid] = live
         if request.sequences > 1:
-            live.pump = asyncio.get_running_loop().create_task(_pump_many(live))
+            live.pump = asyncio.get_running_loop().create_task(_pump(live, _many_sequences(live)))
             try:
                 async with aclosing(self._stream_many(request, live, len(prompt))) as outputs:
                     async for out in outputs:
@@ -712,7 +714,7 @@ class TRTLLMEngine(Engine):
                 if not live.done:
                     self._abort(result)  # the consumer left early
             return
-        live.pump = asyncio.get_running_loop().create_task(_pump(live, want_logprobs=shape is not None and shape.logprobs))
+        live.pump = asyncio.get_running_loop().create_task(_pump(live, _one_sequence(live, want_logprobs=shape is not None and shape.logprobs)))
         stops = StopMatcher(request.sampling.stop)
         prompt_tokens, count, seen_ids = len(prompt), 0, 0
         cached: int | None = None
