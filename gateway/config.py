@@ -40,6 +40,7 @@ class Settings:
     port: int = 8000
     data_dir: Path = Path(".tollgate")
     database_url: str | None = None  # None: SQLite file in data_dir
+    database_read_url: str | None = None  # a replica for dashboards and /v1/usage; None: they read database_url
     redis_url: str | None = None
     server_secret: str | None = None  # None: generated once and kept in data_dir
     admin_key: str | None = None
@@ -80,6 +81,7 @@ class Settings:
     warmup: bool = True
     responses_retention_days: float = 30.0  # stored Responses (/v1/responses) are kept this long; 0: until deleted
     workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
+    drain_seconds: float = 30.0  # on SIGTERM, running generations get this long before they are cut (gateway/drain.py)
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -164,6 +166,7 @@ def load_settings() -> Settings:
         port=_env_int("TOLLGATE_PORT", 8000),
         data_dir=Path(env.get("TOLLGATE_DATA_DIR", ".tollgate")),
         database_url=env.get("DATABASE_URL") or None,
+        database_read_url=env.get("DATABASE_READ_URL") or None,
         redis_url=env.get("REDIS_URL") or None,
         server_secret=env.get("TOLLGATE_SECRET") or None,
         admin_key=_admin_key(env.get("TOLLGATE_ADMIN_KEY")),
@@ -200,5 +203,6 @@ def load_settings() -> Settings:
         metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
         warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
         workers=max(1, _env_int("TOLLGATE_WORKERS", 1)),
+        drain_seconds=max(0.0, _env_float("TOLLGATE_DRAIN_SECONDS", 30.0)),
         responses_retention_days=max(0.0, _env_float("TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
     )
