@@ -36,6 +36,22 @@ class NoLedger:
         return {s.name: ScopeTotals() for s in scopes}
 
 
+async def redis_stats(url: str) -> tuple[int, int, float]:
+    """Redis' own count of bytes received and sent and its CPU seconds (INFO): every client's, so use
+    a private Redis."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    try:
+        stats, cpu = await client.info("stats"), await client.info("cpu")
+        return int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"]), cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+    finally:
+        await client.aclose()
+
+
+NET: dict[tuple[bool, int], tuple[float, float, float]] = {}  # (lean, concurrency) -> bytes to / from Redis, its CPU s per pair
+
+
 async def measure(url: str, lean: bool, pairs: int, concurrency: int) -> tuple[float, float]:
     """(pairs per second, CPU seconds per pair) for one client path at one concurrency."""
     prefix = f"tgbench:qc:{uuid.uuid4().hex[:8]}:"
@@ -53,9 +69,12 @@ async def measure(url: str, lean: bool, pairs: int, concurrency: int) -> tuple[f
         await worker(-1, 50)  # seeds the counters, loads the scripts, opens connections
         await asyncio.gather(*[worker(-2 - w, 2) for w in range(concurrency)])
         share = [pairs // concurrency + (1 if w < pairs % concurrency else 0) for w in range(concurrency)]
+        sent, received, redis_cpu = await redis_stats(url)
         cpu, wall = time.process_time(), time.perf_counter()
         await asyncio.gather(*[worker(w, n) for w, n in enumerate(share)])
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        sent2, received2, redis_cpu2 = await redis_stats(url)
+        NET[(lean, concurrency)] = ((sent2 - sent) / pairs, (received2 - received) / pairs, (redis_cpu2 - redis_cpu) / pairs)
     finally:
         await limiter.flush_all()
         await limiter.close()
@@ -88,6 +107,9 @@ def main() -> None:
         print(f"{concurrency:>5} | {old_rate:>16.0f} {2 * old_rate:>8.0f} {old_cpu * 1e6:>11.0f} | "
               f"{new_rate:>12.0f} {2 * new_rate:>8.0f} {new_cpu * 1e6:>11.0f} | "
               f"{new_rate / old_rate:>7.2f} {old_cpu / new_cpu:>6.2f}")
+    for (lean, concurrency), (to_redis, from_redis, redis_cpu) in sorted(NET.items()):
+        print(f"per pair ({'lean' if lean else 'redis-py'}, concurrency {concurrency}): {to_redis:,.0f} bytes to Redis, "
+              f"{from_redis:,.0f} back, Redis CPU {redis_cpu * 1e6:,.0f} us (Redis' INFO: every client's; use a private Redis)")
 
 
 if __name__ == "__main__":
