@@ -192,6 +192,21 @@ class Engine(abc.ABC):
         their concurrency). None: unknown. The scheduler queues what does not fit."""
         return None
 
+    def check_request(self, request: EngineRequest) -> None:
+        """Refuses, as EngineRequestRejected naming the field, what of the client's body (`extra`, in
+        chat-completions terms) this engine cannot honour. Asked before the quota is reserved. This
+        default: a pass-through engine's server judges for itself; any other serves text only."""
+        if self.passthrough:
+            return
+        body = request.extra or {}
+        if body.get("tools"):
+            raise EngineRequestRejected("tools are not supported by this model", param="tools", code="unsupported_parameter")
+        if body.get("tool_choice") not in (None, "none"):
+            raise EngineRequestRejected("tool_choice is not supported by this model", param="tool_choice", code="unsupported_parameter")
+        fmt = body.get("response_format")
+        if fmt and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+            raise EngineRequestRejected("response_format other than text is not supported by this model", param="response_format", code="unsupported_parameter")
+
     def refusal(self, request: EngineRequest) -> EngineOverloadedError | None:
         """Why the engine would turn this request away now, or None. Asked before the quota is
         reserved, so a refusal costs the client nothing."""

@@ -8,15 +8,18 @@ loaded from there afterwards. Nothing is downloaded at run time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import importlib.util
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+from engines import guided, structured
 from engines.base import (
     MODEL_LOAD_LOCK,
     FINISH_CANCELLED,
@@ -28,6 +31,7 @@ from engines.base import (
     EngineOutput,
     EngineOverloadedError,
     EngineRequest,
+    EngineRequestRejected,
     SamplingParams,
 )
 from engines.text import IncrementalDetokenizer, StopMatcher
@@ -193,8 +197,16 @@ class HFEngine(Engine):
         max_batch_tokens: int = 1024,
         cuda_graphs: bool = True,
         warmup: bool = True,
+        tool_parser: str | None = "hermes",
     ) -> None:
+        if tool_parser is not None and tool_parser not in structured.CALL_FORMATS:
+            raise ValueError(f"tool_parser must be one of {', '.join(structured.CALL_FORMATS)}")
         self.model_id = model_id
+        # How the model writes tool calls (engines/tool_calls.py); hermes by default: the embedded
+        # model's template knows no tools, so they are described to it in that format (docs/engines.md).
+        self.tool_parser = tool_parser
+        # Whether sampling can follow a grammar (engines/guided.py): not under asynchronous batching.
+        self.guided = False
         self.context_length = 0
         self._model_path = model_path
         self._cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tollgate"
@@ -272,7 +284,9 @@ class HFEngine(Engine):
             max_batch_tokens=self._max_batch_tokens or None,
             use_cuda_graph=True if self._cuda_graphs else None,
         )
-        return self._model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
+        manager = self._model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
+        self.guided = guided.install(manager, self._tokenizer, sorted(self._eos_ids), self._model.device, self._max_batch_size)
+        return manager
 
     async def _run_warmup(self) -> None:
         request = EngineRequest(request_id="warmup", max_tokens=4, prompt_token_ids=self.encode_text("Hello"))
@@ -286,8 +300,15 @@ class HFEngine(Engine):
             await asyncio.to_thread(manager.stop, True, 10.0)
 
     # tokenization -----------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        """The messages through the model's chat template; with tool calls, tool results or `tools`,
+        as engines/structured.py renders them for this model (ValueError: a message it cannot take)."""
+        extra: dict[str, Any] = {}
+        if tools or any(m.get("tool_calls") or m.get("role") in ("tool", "developer") or not isinstance(m.get("content"), str) for m in messages):
+            knows = structured.template_knows_tools(self._tokenizer)
+            messages = structured.template_messages(messages, tools, self.tool_parser or "hermes", knows)
+            extra = {"tools": tools} if tools and knows else {}
+        encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         if not isinstance(encoded, list):
             encoded = encoded["input_ids"]
         return [int(t) for t in encoded]
@@ -321,24 +342,61 @@ class HFEngine(Engine):
             return self.encode_chat(request.messages)
         return self.encode_text(request.prompt or "")
 
-    def submit(self, rid: str, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, handler: Callable[[Any], None]) -> None:
-        """Hands one request to the batching manager; `handler` gets its outputs on the running loop."""
+    def submit(
+        self, rid: str, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, handler: Callable[[Any], None], grammar: str | None = None
+    ) -> None:
+        """Hands one request to the batching manager; `handler` gets its outputs on the running loop.
+        `grammar`: llguidance's grammar its tokens must follow (engines/guided.py)."""
         temperature = GREEDY_TEMPERATURE if sampling.greedy else float(sampling.temperature)
+        guide = {"guide": guided.Guide(grammar)} if grammar is not None else {}
         self._manager.register_result_handler(rid, handler)
         self._manager.add_request(
-            prompt_ids, request_id=rid, max_new_tokens=max_tokens, streaming=True, temperature=temperature, top_p=float(sampling.top_p)
+            prompt_ids, request_id=rid, max_new_tokens=max_tokens, streaming=True, temperature=temperature, top_p=float(sampling.top_p), **guide
         )
 
+    # tools and structured outputs (engines/structured.py) ---------------------------------------
+    def check_request(self, request: EngineRequest) -> None:
+        if request.extra:
+            structured.plan(request.extra, self.tool_parser, self.guided)
+
+    def _structured(self, request: EngineRequest) -> tuple[EngineRequest, list[int], structured.Plan | None]:
+        """The request's plan, and the prompt the engine prefills: the conversation with its tools as
+        this engine renders them (the gateway counted the same at prepare), max_tokens kept in the context."""
+        body = request.extra or {}
+        plan = structured.plan(body, self.tool_parser, self.guided) if body else None
+        messages = body.get("messages")
+        carried = isinstance(messages, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages)
+        if not ((plan is not None and plan.tools) or carried):
+            return request, self.prompt_ids_of(request), plan
+        try:
+            prompt_ids = self.encode_chat(messages, plan.tools if plan is not None else None)  # type: ignore[arg-type]
+        except Exception as exc:
+            raise EngineRequestRejected(f"messages and tools could not be rendered with the model's chat template: {exc}", param="messages") from None
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise EngineRequestRejected(
+                f"This model's maximum context length is {self.context_length} tokens; the prompt with its tools has {len(prompt_ids)} tokens.",
+                param="messages", code="context_length_exceeded")
+        if request.max_tokens > room:
+            request = dataclasses.replace(request, max_tokens=room)
+        return request, prompt_ids, plan
+
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        request, prompt_ids, plan = self._structured(request)
+        shape = structured.AnswerShape(plan.parser, (request.extra or {}).get("stream") is True) if plan is not None and plan.parser else None
+        async with aclosing(self._generate(request, prompt_ids, plan.grammar if plan is not None else None)) as outputs:
+            async for out in outputs:
+                yield shape.shaped(out) if shape is not None else out
+
+    async def _generate(self, request: EngineRequest, prompt_ids: list[int], grammar: str | None) -> AsyncIterator[EngineOutput]:
         if self._manager is None:
             raise EngineError("engine is not running")
         if not self.has_capacity():
             raise EngineOverloadedError("engine queue is full")
-        prompt_ids = self.prompt_ids_of(request)
         rid = request.request_id
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._live[rid] = outputs
-        self.submit(rid, prompt_ids, request.max_tokens, request.sampling, _deliver_on(asyncio.get_running_loop(), outputs))
+        self.submit(rid, prompt_ids, request.max_tokens, request.sampling, _deliver_on(asyncio.get_running_loop(), outputs), grammar)
         progress = TokenProgress(self._tokenizer, request, len(prompt_ids), self._eos_ids)
         engine_done = False
         queue_ms: float | None = None

@@ -95,6 +95,7 @@ class HFProcessEngine(HFEngine):
         self.context_length = int(info["context_length"])
         self.vocab_size = info["vocab_size"]
         self._eos_ids = set(info["eos_ids"])
+        self.guided = bool(info.get("guided"))
         self._reader = threading.Thread(target=self._read_outputs, name=f"tollgate-engine-reader-{self.model_id}", daemon=True)
         self._reader.start()
         self._ready = True
@@ -168,19 +169,18 @@ class HFProcessEngine(HFEngine):
         return len(self._live_streams)
 
     # generation -------------------------------------------------------------------------------
-    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def _generate(self, request: EngineRequest, prompt_ids: list[int], grammar: str | None) -> AsyncIterator[EngineOutput]:
         if not self._ready:
             raise EngineError(self.exited or "engine is not running")
         if not self.has_capacity():
             raise EngineOverloadedError("engine queue is full")
-        prompt_ids = self.prompt_ids_of(request)
         rid = request.request_id
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._live_streams[rid] = _Live(asyncio.get_running_loop(), queue)
         sampling = request.sampling
         engine_done = False
         try:
-            self._send(("add", rid, prompt_ids, request.max_tokens, sampling.temperature, sampling.top_p))
+            self._send(("add", rid, prompt_ids, request.max_tokens, sampling.temperature, sampling.top_p, grammar))
         except (OSError, EOFError):
             self._live_streams.pop(rid, None)
             raise EngineError(self.exited or "the engine process is gone") from None
@@ -280,7 +280,7 @@ async def _serve(conn: Any, engine: HFEngine) -> None:
     except BaseException as exc:  # the gateway reports it; nothing else would
         conn.send(("failed", f"model {engine.model_id!r} failed to load: {type(exc).__name__}: {exc}"))
         return
-    info = {"context_length": engine.context_length, "vocab_size": engine.vocab_size, "eos_ids": sorted(engine._eos_ids)}
+    info = {"context_length": engine.context_length, "vocab_size": engine.vocab_size, "eos_ids": sorted(engine._eos_ids), "guided": engine.guided}
     conn.send(("ready", info, engine.tokenizer))
     loop = asyncio.get_running_loop()
     relay = _StepRelay(conn, loop, engine)
@@ -300,11 +300,12 @@ class _StepRelay:
         self._seen: dict[str, int] = {}
         self._outbox: list[tuple[Any, ...]] = []
 
-    def add(self, rid: str, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float) -> None:
+    def add(self, rid: str, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, grammar: str | None = None) -> None:
         from engines.base import SamplingParams
 
         self._seen[rid] = -1  # -1: queue time not reported yet
-        self._engine.submit(rid, prompt_ids, max_tokens, SamplingParams(temperature=temperature, top_p=top_p), lambda out: self._collect(rid, out))
+        sampling = SamplingParams(temperature=temperature, top_p=top_p)
+        self._engine.submit(rid, prompt_ids, max_tokens, sampling, lambda out: self._collect(rid, out), grammar)
 
     def cancel(self, rid: str) -> None:
         if self._seen.pop(rid, None) is not None:

@@ -144,6 +144,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "cuda_graphs": Field(_bool),
         "warmup": Field(_bool),
         "process": Field(_bool),  # the model in a process of its own (default: on for cuda devices)
+        "tool_parser": Field(_one_of("hermes", "llama3_json")),  # default hermes (engines/structured.py)
     },
     "trtllm": {
         "model_path": Field(_str, required=True),

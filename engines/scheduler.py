@@ -189,8 +189,11 @@ class ScheduledEngine(Engine):
             self._drop(ticket)
         await self.inner.stop()
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.inner.encode_chat(messages)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        return self.inner.encode_chat(messages, tools) if tools is not None else self.inner.encode_chat(messages)
+
+    def check_request(self, request: EngineRequest) -> None:
+        self.inner.check_request(request)
 
     def encode_text(self, prompt: str) -> list[int]:
         return self.inner.encode_text(prompt)

@@ -129,14 +129,18 @@ class ChatCompletionRequest(_SamplingFields):
             return
         if self.logprobs or self.top_logprobs:
             raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
-        if self.tools:
-            raise InvalidRequest("tools are not supported by this model", param="tools", code="unsupported_parameter")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tool_choice is not supported by this model", param="tool_choice", code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest(
-                "response_format other than text is not supported", param="response_format", code="unsupported_parameter"
-            )
+        # tools, tool_choice and response_format: the engine judges them (Engine.check_request, at prepare).
+
+    def uses_tools(self) -> bool:
+        """Whether the conversation offers tools or carries tool calls or results (the messages then
+        go to the engine as sent)."""
+        raw = self.raw_body.get("messages")
+        carried = isinstance(raw, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in raw)
+        return bool(self.tools) or carried
+
+    def prompt_tools(self) -> list[Any] | None:
+        """The tools the prompt shows: none when tool_choice is "none" (the model is not told of them)."""
+        return self.tools if self.tools and self.tool_choice != "none" else None
 
     def raw_messages(self) -> list[dict[str, Any]]:
         """The messages exactly as sent (tool calls, content parts and all), for pass-through engines."""

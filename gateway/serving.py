@@ -27,6 +27,7 @@ from engines.base import (
     EngineError,
     EngineOutput,
     EngineRequest,
+    EngineRequestRejected,
     SamplingParams,
 )
 from gateway.errors import (
@@ -168,9 +169,12 @@ class CompletionService:
 
     def prepare_chat(self, principal: Principal, request: ChatCompletionRequest, request_id: str) -> Generation:
         engine = self.engine_for(request.model, principal)
-        messages = request.raw_messages() if engine.passthrough else request.chat_messages()
+        # An engine that renders tools itself (hf: it has a tool parser) gets the messages as sent and the
+        # tools shown to the model: the prompt counted here is the one it prefills.
+        renders_tools = not engine.passthrough and request.uses_tools() and getattr(engine, "tool_parser", None) is not None
+        messages = request.raw_messages() if engine.passthrough or renders_tools else request.chat_messages()
         try:
-            prompt_ids = engine.encode_chat(messages)
+            prompt_ids = engine.encode_chat(messages, request.prompt_tools()) if renders_tools else engine.encode_chat(messages)
         except Exception as exc:  # a template may reject a role order
             raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.requested_max_tokens(), "chat")
@@ -247,6 +251,10 @@ class CompletionService:
             n=n,
             best_of=best_of,
         )
+        try:
+            engine.check_request(engine_request)  # tools, response_format: what this engine honours
+        except EngineRequestRejected as exc:
+            raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from None
         refused = engine.refusal(engine_request)  # the scheduler's admission control, before any quota is held
         if refused is not None:
             headers = {"Retry-After": str(refused.retry_after)}

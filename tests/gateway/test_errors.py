@@ -99,7 +99,8 @@ async def test_unknown_model_is_404(client_for: Any, customer: dict[str, Any]) -
         ({"model": MODEL, "messages": QUESTION, "stream": "yes"}, "stream"),
         ({"model": MODEL, "messages": QUESTION, "n": 2}, "n"),
         ({"model": MODEL, "messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type"),
     ],
 )

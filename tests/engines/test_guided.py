@@ -1,0 +1,111 @@
+"""Guided decoding and tool-call shaping below the gateway: the grammar builders (engines/structured.py,
+engines/guided.py), the streamed hermes parser against every way the text may be cut, and the hf
+engine in a process of its own following a schema (the grammar travels through its pipe)."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+
+from engines.base import FINISH_STOP, EngineOutput, EngineRequest, EngineRequestRejected, SamplingParams
+from engines.structured import AnswerShape, HermesDeltas, plan
+from tests.engines.test_hf_process import EngineLoop
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def streamed(text: str, cuts: list[int]) -> tuple[str, dict[int, dict[str, str]]]:
+    """The content and calls (index -> name, id, arguments) HermesDeltas makes of `text` cut at `cuts`."""
+    parser = HermesDeltas()
+    content, calls = "", {}
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    for i, piece in enumerate(pieces):
+        out, deltas = parser.push(piece, final=i == len(pieces) - 1)
+        content += out
+        for d in deltas:
+            call = calls.setdefault(d["index"], {"name": "", "id": "", "arguments": ""})
+            call["id"] = d.get("id") or call["id"]
+            call["name"] += d["function"].get("name") or ""
+            call["arguments"] += d["function"].get("arguments") or ""
+    return content, calls
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_streamed_hermes_calls_are_the_same_however_the_text_is_cut(seed: int) -> None:
+    text = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris {north}"}}\n</tool_call>\n'
+            '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call> done <tool')
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 25)))
+    content, calls = streamed(text, cuts)
+    assert content == "Let me check.\n done <tool"
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris {north}"}
+    assert json.loads(calls[1]["arguments"]) == {"city": "Rome"}  # name after arguments: sent whole at its end
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_a_call_cut_by_max_tokens_keeps_what_was_written() -> None:
+    content, calls = streamed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', [5, 30])
+    assert content == "" and calls[0]["arguments"] == '{"city": "Par'
+
+
+def test_the_whole_answer_non_streamed_carries_the_calls() -> None:
+    shape = AnswerShape("hermes", stream=False)
+    shape.shaped(EngineOutput(text="<tool_call>\n{\"name\": \"get_weather\", "))
+    out = shape.shaped(EngineOutput(text="\"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>", finish_reason=FINISH_STOP))
+    assert out.raw_choice is not None and out.raw_choice["finish_reason"] == "tool_calls"
+    (call,) = out.raw_choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and out.raw_choice["message"]["content"] is None
+
+
+def test_plans_name_the_field_they_refuse() -> None:
+    with pytest.raises(EngineRequestRejected) as caught:
+        plan({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, "hermes", True)
+    assert caught.value.param == "response_format.json_schema.schema" and "nope" in str(caught.value)
+    with pytest.raises(EngineRequestRejected) as caught:
+        plan({"response_format": {"type": "json_object"}}, "hermes", False)  # asynchronous batching: no masks
+    assert caught.value.param == "response_format" and "asynchronously" in str(caught.value)
+    with pytest.raises(EngineRequestRejected) as caught:
+        plan({"tools": [WEATHER]}, None, True)
+    assert caught.value.param == "tools"
+    assert plan({"tools": [WEATHER], "tool_choice": "none"}, "hermes", True) is None
+    named = plan({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "llama3_json", True)
+    assert named is not None and named.grammar is not None and '"parameters"' in named.grammar
+
+
+@pytest.fixture(scope="module")
+def separate() -> Iterator[EngineLoop]:
+    box = EngineLoop()
+    box.run(box.engine.start())
+    try:
+        yield box
+    finally:
+        box.close()
+
+
+def test_the_engine_process_follows_the_schema(separate: EngineLoop) -> None:
+    """The grammar goes through the pipe to the engine process, whose batching applies the mask."""
+    proc = separate.engine
+    assert proc.guided
+    messages = [{"role": "user", "content": "Invent a person: JSON with a name and an age."}]
+    body = {"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
+
+    async def answer() -> list[str]:
+        texts = []
+        for _ in range(3):
+            req = EngineRequest(request_id=uuid.uuid4().hex, max_tokens=40, sampling=SamplingParams(temperature=1.0),
+                                prompt_token_ids=proc.encode_chat(messages), extra=body)
+            outs = [out async for out in proc.stream(req)]
+            assert outs[-1].finish_reason == FINISH_STOP
+            texts.append("".join(o.text for o in outs))
+        return texts
+
+    for text in separate.run(answer()):
+        jsonschema.validate(json.loads(text), SCHEMA)
