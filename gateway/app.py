@@ -28,7 +28,7 @@ from billing.prices import EffectivePrice, PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine, EngineError
 from engines.scheduler import ScheduledEngine, schedule_engines
-from gateway import admin, anthropic_api, dashboard, openai_responses
+from gateway import admin, anthropic_api, dashboard, drain, openai_responses
 from gateway import billing_api
 from gateway import embeddings_api, response_cache  # issue 10
 from engines.router import route_body  # issue 10
@@ -269,6 +269,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
+    if request.app.draining:  # SIGTERM: out of the load balancer at once (gateway/drain.py)
+        return ServiceUnavailable("This server is shutting down.", code="draining", headers={"Retry-After": "1"}).response()
     engines: dict[str, Engine] = request.app.state.service.engines
     failed = getattr(request.app.state, "load_failures", {})
     if failed:
@@ -339,8 +341,14 @@ class Gateway(Starlette):
     def __init__(self, *, hot: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._hot = {path: RequestContext(_endpoint_app(endpoint), on_error=_error_response) for path, endpoint in hot.items()}
+        self.draining = False  # set on SIGTERM (gateway/drain.py): new requests get 503 with Retry-After
+        self._refuse = RequestContext(drain.refuse)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.draining and drain.is_refused(scope):
+            scope["app"] = self
+            await self._refuse(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             app = self._hot.get(scope["path"])
             if app is not None:

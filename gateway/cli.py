@@ -61,6 +61,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.drain import Drain, DrainingServer
     from gateway.hardening import guarded_http_protocol
 
     host = args.host or settings.host
@@ -95,9 +96,11 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
     app = create_app(settings, freeze_gc=True, exit_on_load_failure=True)
     _tune_gc()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
                                            log_config=None, access_log=False, proxy_headers=False))  # nothing reads the client address
-    app.state.stop_server = lambda: setattr(server, "should_exit", True)  # a graceful stop, as on SIGTERM
+    stop = lambda: setattr(server, "should_exit", True)  # noqa: E731  (uvicorn's graceful stop)
+    app.state.stop_server = stop
+    server.drain = Drain(app, settings.drain_seconds, stop)
     server.run()
     fatal = getattr(app.state, "fatal", None)
     if fatal:

@@ -18,6 +18,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from engines.base import FINISH_CANCELLED, FINISH_ERROR, EngineError, EngineOutput, EngineOverloadedError, EngineRequestRejected
+from gateway.drain import draining_error
 from gateway.errors import APIError, EngineOverloaded, InvalidRequest, ServiceUnavailable
 from gateway.hardening import WATCH_KEY
 from gateway.serving import Generation, usage_body
@@ -144,7 +145,9 @@ class GenerationResponse:
         """A response that did not run to its end says why, at warning level: who closed it (the
         client, a failed write, the engine) and how far it got. Nothing ends a stream silently."""
         gen = self.gen
-        if gen.cancel_requested:
+        if gen.cut:
+            why = "the server is shutting down (drain deadline)"
+        elif gen.cancel_requested:
             why = "a write to the client failed" if write_failed else "the client closed the connection"
         elif gen.finish_reason == FINISH_ERROR or gen.error:
             why = f"the engine failed: {gen.error}"
@@ -204,6 +207,9 @@ class GenerationResponse:
         try:
             while out is not None:
                 if out.finish_reason == FINISH_CANCELLED:
+                    if self.gen.cut:  # the server's drain ended it: the client is still there and is told
+                        pending.append(self.render.error(draining_error()))
+                        await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
                     return
                 for part in out.before or ():  # outputs that arrived together with this one
                     pending.append(delta(part.text, None, part.raw_choice))
@@ -228,7 +234,7 @@ class GenerationResponse:
             pending.append(self.render.error(err))
             await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
             return
-        pending.append(self.render.end())
+        pending.append(self.render.error(draining_error()) if out is None and self.gen.cut else self.render.end())
         await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
 
     async def _send_body(self, send: Send) -> None:
@@ -253,6 +259,9 @@ class GenerationResponse:
             pieces.append(out.text)
             raw_choice = out.raw_choice or raw_choice
             choices = out.choices or choices
+        if self.gen.cut and self.gen.finish_reason in (None, FINISH_CANCELLED):
+            await self._send_error(send, draining_error())  # the server's drain ended it; the client waits
+            return
         if self.gen.finish_reason == FINISH_CANCELLED or self.gen.cancel_requested:
             return  # nobody is listening
         if self.gen.finish_reason == FINISH_ERROR:

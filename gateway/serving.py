@@ -70,6 +70,7 @@ class Generation:
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, when it says
     error: str | None = None
     cancel_requested: bool = False
+    cut: bool = False  # the server ended it (drain deadline): its row says `interrupted`
     hold: Hold | None = None
     price: EffectivePrice | None = None
     api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages | responses
@@ -86,6 +87,12 @@ class Generation:
         if cancel is not None:
             cancel(self.request_id)
 
+    def cut_short(self) -> None:
+        """The server is shutting down: stop the engine request; the stream ends with an error
+        event and the row says `interrupted`."""
+        self.cut = True
+        self.cancel()
+
 
 class CompletionService:
     def __init__(
@@ -101,6 +108,9 @@ class CompletionService:
         self.limiter = limiter
         self.prices = prices
         self._settling: set[asyncio.Task[Any]] = set()
+        self._live: dict[str, Generation] = {}  # admitted, row not yet recorded (graceful drain waits on these)
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.on_quota_rejected: list[Any] = []  # callbacks(limit_name) for metrics
 
     async def admit(self, gen: Generation) -> None:
@@ -109,6 +119,8 @@ class CompletionService:
         if self.ledger.refusing:
             raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
         await self._reserve(gen)
+        self._live[gen.request_id] = gen
+        self._idle.clear()
         self.ledger.admitted(self.usage_record(gen, "interrupted"), gen.hold.to_json() if gen.hold else None)
 
     async def _reserve(self, gen: Generation) -> None:
@@ -321,6 +333,27 @@ class CompletionService:
         """The generation is over: its quota settles (in the background) and its one row is recorded."""
         self._settle(gen)
         self.ledger.record(self.usage_record(gen, status or final_status(gen)))
+        self._live.pop(gen.request_id, None)
+        if not self._live:
+            self._idle.set()
+
+    def live_count(self) -> int:
+        return len(self._live)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Whether every admitted generation has ended within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def cut_live(self) -> int:
+        """Ends every running generation (graceful drain's deadline); returns how many."""
+        live = list(self._live.values())
+        for gen in live:
+            gen.cut_short()
+        return len(live)
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
         if gen.ttft_ms is None:
@@ -375,7 +408,7 @@ def final_status(gen: Generation) -> str:
     if gen.finish_reason == FINISH_ERROR:
         return "error"
     if gen.finish_reason in (None, FINISH_CANCELLED):
-        return "cancelled"
+        return "interrupted" if gen.cut else "cancelled"  # cut: the server ended it (drain), not the client
     return "completed"
 
 

@@ -1,0 +1,154 @@
+"""Graceful drain (gateway/drain.py) on a real `tollgate serve` process: on SIGTERM /readyz turns 503
+at once, new requests get 503 with Retry-After in their API's error shape (OpenAI and Anthropic, seen
+through the official SDKs), a stream that ends within TOLLGATE_DRAIN_SECONDS completes, streams still
+running then are cut with an error event, their rows written (`interrupted`) and their holds settled;
+the process exits 0. Postgres and Redis are the shared ones (a fresh database, a private key prefix)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL, REDIS_URL, SECRET, bootstrap, require_redis
+from tests.gateway.test_durable_metering import ledger_ids, redis_counters
+from tests.processes import GatewayProcess
+
+DRAIN_SECONDS = 20.0  # the short stream has one token left at the signal; on 2 busy cores a token took up to 8 s
+LONG = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and the sea."}]
+
+
+class Stream:
+    """One streamed request read line by line: the first content event, then how it ended."""
+
+    def __init__(self) -> None:
+        self.request_id: str | None = None
+        self.first = asyncio.Event()
+        self.events: list[dict[str, Any]] = []
+        self.done = False  # OpenAI's [DONE] or Anthropic's message_stop
+        self.ended_at = 0.0
+
+    async def run(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> None:
+        async with client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            self.request_id = r.headers["x-request-id"]
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    self.events.append(event)
+                    self.done = self.done or event.get("type") == "message_stop"
+                    if _has_text(event):
+                        self.first.set()
+        self.ended_at = time.monotonic()
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        last = self.events[-1] if self.events else {}
+        return last.get("error") if isinstance(last.get("error"), dict) else None
+
+
+def _has_text(event: dict[str, Any]) -> bool:
+    if event.get("type") == "content_block_delta":
+        return bool(event["delta"].get("text"))
+    choices = event.get("choices") or []
+    return bool(choices and (choices[0].get("delta") or {}).get("content"))
+
+
+async def test_sigterm_drains_streams_then_cuts_them_with_rows_and_settled_holds(fresh_pg_database: Any, tmp_path: Path) -> None:
+    require_redis(REDIS_URL)
+    url = fresh_pg_database()
+    admin_key = bootstrap(url, SECRET)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    gw = GatewayProcess(url, tmp_path / "data", admin_key, REDIS_URL=REDIS_URL, TOLLGATE_REDIS_PREFIX=prefix,
+                        TOLLGATE_DRAIN_SECONDS=str(DRAIN_SECONDS)).start()
+    try:
+        key = await gw.new_key()
+        async with gw.admin() as a:
+            assert (await a.patch(f"/admin/keys/{key['id']}", json={"limits": {"monthly_tokens": 10_000_000}})).status_code == 200
+        auth = {"Authorization": f"Bearer {key['key']}"}
+        async with httpx.AsyncClient(base_url=gw.base_url, headers=auth, timeout=120) as c:
+            warm = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": LONG, "max_tokens": 1})  # first-run costs
+            assert warm.status_code == 200, warm.text
+            chat_long, messages_long, short = Stream(), Stream(), Stream()
+            tasks = [
+                asyncio.create_task(chat_long.run(c, "/v1/chat/completions", {
+                    "model": MODEL, "messages": LONG, "max_tokens": 1000, "temperature": 0, "stream": True})),
+                asyncio.create_task(messages_long.run(c, "/v1/messages", {
+                    "model": MODEL, "messages": LONG, "max_tokens": 1000, "temperature": 0, "stream": True})),
+            ]
+            await asyncio.wait_for(asyncio.gather(chat_long.first.wait(), messages_long.first.wait()), 120)
+            tasks.append(asyncio.create_task(short.run(c, "/v1/chat/completions", {
+                "model": MODEL, "messages": LONG, "max_tokens": 2, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}})))
+            await asyncio.wait_for(short.first.wait(), 60)
+            assert not short.done  # all three are mid-stream at the signal
+
+            gw.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            async with httpx.AsyncClient(base_url=gw.base_url, timeout=10) as probe:
+                while (ready := await probe.get("/readyz")).status_code == 200:
+                    assert time.monotonic() - signalled < 2.0, "readyz still 200 two seconds after SIGTERM"
+                unready_after = time.monotonic() - signalled
+                assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
+                assert (await probe.get("/healthz")).status_code == 200  # alive: the liveness probe must not kill it
+
+            # A new request on this process: 503 with Retry-After, in each API's own error shape.
+            oa = openai.AsyncOpenAI(base_url=gw.base_url + "/v1", api_key=key["key"], max_retries=0)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await oa.chat.completions.create(model=MODEL, messages=LONG, max_tokens=2)
+            await oa.close()
+            assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+            assert refused.value.response.json()["error"]["code"] == "server_draining"
+            an = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=key["key"], max_retries=0)
+            with pytest.raises(anthropic.APIStatusError) as refused_a:
+                await an.messages.create(model=MODEL, messages=LONG, max_tokens=2)
+            await an.close()
+            assert refused_a.value.status_code == 503 and refused_a.value.response.headers["retry-after"] == "1"
+            body = refused_a.value.response.json()
+            assert body["type"] == "error" and body["error"]["type"] == "api_error" and "shutting down" in body["error"]["message"]
+
+            await asyncio.wait_for(asyncio.gather(*tasks), DRAIN_SECONDS + 60)
+        rc = gw.proc.wait(timeout=60)
+        gw.proc = None
+        exited_after = time.monotonic() - signalled
+
+        # The short stream ended by itself inside the window, whole.
+        assert short.done and short.error is None and short.ended_at - signalled < DRAIN_SECONDS
+        # The long ones ran until the deadline, then were cut with an error event in their API's shape.
+        for cut in (chat_long, messages_long):
+            assert cut.error is not None, cut.events[-3:]  # the last event (OpenAI's error chunk is followed by [DONE])
+            assert cut.ended_at - signalled >= DRAIN_SECONDS - 0.5
+        assert chat_long.error["code"] == "server_draining"
+        assert messages_long.events[-1]["type"] == "error" and messages_long.error["type"] == "api_error" and not messages_long.done
+        assert rc == 0, gw.log_text()[-3000:]
+
+        rows = await ledger_ids(url, key["id"])
+        assert set(rows) == {warm.headers["x-request-id"], short.request_id, chat_long.request_id, messages_long.request_id}
+        assert rows[short.request_id]["status"] == "completed"
+        usage = short.events[-1]["usage"]
+        assert rows[short.request_id]["completion_tokens"] == usage["completion_tokens"] == 2
+        for cut in (chat_long, messages_long):
+            row = rows[cut.request_id]
+            assert row["status"] == "interrupted" and row["finish_reason"] == "cancelled", row
+            assert row["prompt_tokens"] > 0 and 0 < row["completion_tokens"] < 1000
+        counters = await redis_counters(REDIS_URL, prefix, url, key["id"])
+        tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
+        assert counters["in_flight"] == 0 and counters["month_tokens"] == tokens, (counters, tokens)  # holds settled, exactly
+        assert "cut 2 generations" in gw.log_text()
+        print(f"\ndrain: readyz 503 {unready_after * 1000:.0f} ms after SIGTERM; short stream done at "
+              f"{short.ended_at - signalled:.1f}s; 2 streams cut at {chat_long.ended_at - signalled:.1f}s "
+              f"({rows[chat_long.request_id]['completion_tokens']} and {rows[messages_long.request_id]['completion_tokens']} tokens); "
+              f"exit {rc} after {exited_after:.1f}s")
+    finally:
+        gw.stop()
