@@ -234,8 +234,8 @@ async def usage(request: Request) -> Response:
     account_id = _int_param(request, "account_id")
     start, end = _time_param(request, "start"), _time_param(request, "end")
     limit = _int_param(request, "limit") or 1000
-    totals = await usage_totals(state.db, account_id=account_id, start=start, end=end)
-    entries = await usage_rows(state.db, account_id=account_id, start=start, end=end, limit=min(limit, 10_000))
+    totals = await usage_totals(state.read_db, account_id=account_id, start=start, end=end)  # the replica, when set
+    entries = await usage_rows(state.read_db, account_id=account_id, start=start, end=end, limit=min(limit, 10_000))
     for entry in entries:
         created = entry["created_at"]
         entry["created_at"] = (created if created.tzinfo else created.replace(tzinfo=timezone.utc)).isoformat()

@@ -391,6 +391,9 @@ def create_app(
         ledger.start()
         app.state.settings = settings
         app.state.db = db
+        # Dashboards, /v1/usage and /admin/usage read here: a replica when DATABASE_READ_URL is set.
+        read_db = create_engine(settings.database_read_url) if settings.database_read_url else db
+        app.state.read_db = read_db
         app.state.keys = KeyStore(
             db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds, stale_seconds=settings.key_stale_seconds
         )
@@ -441,6 +444,8 @@ def create_app(
             await limiter.close()
             await ledger.close()
             await db.dispose()
+            if read_db is not db:
+                await read_db.dispose()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

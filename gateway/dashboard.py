@@ -199,7 +199,7 @@ async def logout(request: Request) -> Response:
 # data for the pages -----------------------------------------------------------------------------
 async def invoices_for(request: Request, account_id: int | None, limit: int = 50) -> list[dict[str, Any]] | None:
     """Invoices when the invoices table exists (issue 5), newest first; None when it does not."""
-    db = request.app.state.db
+    db = request.app.state.read_db
 
     def reflect(sync_conn: Any) -> sa.Table | None:
         if not sa.inspect(sync_conn).has_table("invoices"):
@@ -237,7 +237,7 @@ def invoice_url(request: Request, invoice: dict[str, Any], admin: bool = False) 
 async def quota_rows(request: Request, account_id: int | None = None) -> list[dict[str, Any]]:
     """Accounts and keys that have limits: limits, month-to-date use, and live counters."""
     keys_store = request.app.state.keys
-    db = request.app.state.db
+    db = request.app.state.read_db
     month = month_period()
     accounts = [a for a in await keys_store.list_accounts() if account_id is None or a["id"] == account_id]
     keys = await keys_store.list_keys(account_id)
@@ -289,7 +289,7 @@ async def admin_overview(request: Request) -> Response:
     session = await admin_session(request)
     if isinstance(session, Response):
         return session
-    db = request.app.state.db
+    db = request.app.state.read_db
     period, days = chosen_period(request)
     accounts = {a["id"]: a["name"] for a in await request.app.state.keys.list_accounts()}
     keys = {k["id"]: k for k in await request.app.state.keys.list_keys()}
@@ -321,7 +321,7 @@ async def admin_accounts(request: Request) -> Response:
 
 async def render_accounts(request: Request, session: Session, error: str | None = None, status_code: int = 200) -> Response:
     month = month_period()
-    usage = {g["account_id"]: g for g in await usage_groups(request.app.state.db, month, ("account",))}
+    usage = {g["account_id"]: g for g in await usage_groups(request.app.state.read_db, month, ("account",))}
     accounts = await request.app.state.keys.list_accounts()
     return page(request, "accounts.html", {"session": session, "accounts": accounts, "usage": usage, "error": error}, status_code)
 
@@ -369,7 +369,7 @@ async def render_account(
         return message_page(request, "Not found", "No such account.", 404, session)
     period, days = chosen_period(request)
     keys = await store.list_keys(account_id)
-    usage = {g["key_id"]: g for g in await usage_groups(request.app.state.db, period, ("key",), account_id=account_id)}
+    usage = {g["key_id"]: g for g in await usage_groups(request.app.state.read_db, period, ("key",), account_id=account_id)}
     context = {
         "session": session, "account": account, "keys": keys, "usage": usage, "days": days, "periods": PERIODS,
         "new_key": new_key, "error": error, "served_models": sorted(request.app.state.service.engines),
@@ -503,13 +503,13 @@ async def customer_view(request: Request) -> Response:
     account_id = session.principal.account_id
     store = request.app.state.keys
     period, days = chosen_period(request)
-    usage = {g["key_id"]: g for g in await usage_groups(request.app.state.db, period, ("key",), account_id=account_id)}
-    [totals] = await usage_groups(request.app.state.db, period, (), account_id=account_id)
+    usage = {g["key_id"]: g for g in await usage_groups(request.app.state.read_db, period, ("key",), account_id=account_id)}
+    [totals] = await usage_groups(request.app.state.read_db, period, (), account_id=account_id)
     invoices = await invoices_for(request, account_id)
     context = {
         "session": session, "account": await store.get_account(account_id=account_id), "days": days, "periods": PERIODS,
         "keys": await store.list_keys(account_id), "usage": usage, "totals": totals,
-        "models": await usage_groups(request.app.state.db, period, ("model",), account_id=account_id),
+        "models": await usage_groups(request.app.state.read_db, period, ("model",), account_id=account_id),
         "quota": await quota_rows(request, account_id), "invoices": invoices,
         "invoice_links": {inv.get("id"): invoice_url(request, inv) for inv in invoices or []},
         **chart_context(period, account_id),

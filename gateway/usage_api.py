@@ -97,7 +97,7 @@ async def get_usage(request: Request) -> Response:
     period = parse_period(request)
     groups = parse_groups(request.query_params.get("group_by"))
     account_id = account_scope(request, principal)
-    db = request.app.state.db
+    db = request.app.state.read_db  # a replica when DATABASE_READ_URL is set, never the writer then
     rows = await usage_groups(db, period, groups, account_id=account_id)
     if "key" in groups:
         labels = await key_labels(request, account_id)
