@@ -19,8 +19,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engines.base import FINISH_LENGTH, FINISH_STOP
+from gateway import response_cache
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
-from gateway.errors import APIError, AuthenticationFailed, EngineOverloaded, InvalidRequest, ServiceUnavailable
+from gateway.errors import APIError, AuthenticationFailed, EngineOverloaded, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
 from gateway.protocol import parse
@@ -56,10 +57,12 @@ def error_response(err: APIError, request_id: str) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def stop_reason(gen: Generation) -> str | None:
+def stop_reason(gen: Generation, called: bool = False) -> str | None:
     if gen.finish_reason == FINISH_LENGTH:
         return "max_tokens"
     if gen.finish_reason == FINISH_STOP:
+        if called:
+            return "tool_use"
         return "stop_sequence" if gen.stop_sequence is not None else "end_turn"
     return None
 
@@ -68,12 +71,34 @@ def _event(name: bytes, payload: dict[str, Any]) -> bytes:
     return b"event: " + name + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
+def tool_use_id(call_id: str | None, fallback: str) -> str:
+    """A tool call's id as Anthropic writes it; a tool_result's tool_use_id comes back as the same string."""
+    if not call_id:
+        return fallback
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A tool call's JSON arguments as Anthropic's `input` object (an object whatever the model wrote)."""
+    try:
+        value = orjson.loads(arguments) if arguments.strip() else {}
+    except orjson.JSONDecodeError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
 class MessageRenderer:
-    """Anthropic's shapes for GenerationResponse (ChunkRenderer's methods): one text content block."""
+    """Anthropic's shapes for GenerationResponse (ChunkRenderer's methods). The engine's chat output
+    becomes content blocks in the order it came: text a `text` block, each tool call a `tool_use`
+    block (streamed as `input_json_delta`s). A block starts when its first piece arrives and stops
+    when the next one starts or the message ends; `stop_reason` is `tool_use` when the model called one."""
 
     def __init__(self, gen: Generation) -> None:
         self.gen = gen
         self.id = "msg_" + gen.request_id
+        self.blocks = 0  # content blocks started
+        self.open: str | None = None  # the type of the block being streamed
+        self.calls: dict[int, int] = {}  # a streamed tool call's index -> its block's index
 
     def _message(self, content: list[dict[str, Any]], stop: str | None, output_tokens: int) -> dict[str, Any]:
         return {
@@ -87,26 +112,63 @@ class MessageRenderer:
             "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": output_tokens},
         }
 
+    def _start(self, block: dict[str, Any]) -> bytes:
+        out = self._stop()
+        out += _event(b"content_block_start", {"type": "content_block_start", "index": self.blocks, "content_block": block})
+        if self.blocks == 0:
+            out += _event(b"ping", {"type": "ping"})  # where Anthropic sends it: after the first block starts
+        self.blocks += 1
+        self.open = block["type"]
+        return out
+
+    def _stop(self) -> bytes:
+        if self.open is None:
+            return b""
+        self.open = None
+        return _event(b"content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
+
+    def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
+        return _event(b"content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+    def _call(self, call: dict[str, Any]) -> bytes:
+        out = b""
+        key = call.get("index", 0)
+        function = call.get("function") or {}
+        if key not in self.calls:
+            self.calls[key] = self.blocks
+            out += self._start({"type": "tool_use", "id": tool_use_id(call.get("id"), f"toolu_{self.gen.request_id}_{self.blocks}"),
+                                "name": function.get("name") or "", "input": {}})
+        piece = function.get("arguments") or ""
+        if piece:
+            out += self._delta(self.calls[key], {"type": "input_json_delta", "partial_json": piece})
+        return out
+
+    # ChunkRenderer's methods
+
     def first(self) -> bytes:
-        return (
-            _event(b"message_start", {"type": "message_start", "message": self._message([], None, 0)})
-            + _event(b"content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-            + _event(b"ping", {"type": "ping"})
-        )
+        return _event(b"message_start", {"type": "message_start", "message": self._message([], None, 0)})
 
     def delta(self, text: str, finish_reason: str | None, raw_choice: dict[str, Any] | None = None) -> bytes:
-        if raw_choice is not None:  # a pass-through engine's OpenAI chunk choice
-            text = (raw_choice.get("delta") or {}).get("content") or ""
-        if not text:
-            return b""
-        return _event(b"content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
+        calls: list[dict[str, Any]] = []
+        if raw_choice is not None:  # the engine's OpenAI chunk choice: content and tool call deltas
+            delta = raw_choice.get("delta") or {}
+            text, calls = delta.get("content") or "", delta.get("tool_calls") or []
+        out = b""
+        if text:
+            if self.open != "text":
+                out += self._start({"type": "text", "text": ""})
+            out += self._delta(self.blocks - 1, {"type": "text_delta", "text": text})
+        for call in calls:
+            out += self._call(call)
+        return out
 
     def end(self) -> bytes:
-        stop = stop_reason(self.gen)
+        out = self._start({"type": "text", "text": ""}) if self.blocks == 0 else b""  # nothing generated: one empty text block
+        stop = stop_reason(self.gen, bool(self.calls))
         usage = {"input_tokens": self.gen.prompt_tokens, "output_tokens": self.gen.completion_tokens}
         delta = {"stop_reason": stop, "stop_sequence": self.gen.stop_sequence if stop == "stop_sequence" else None}
         return (
-            _event(b"content_block_stop", {"type": "content_block_stop", "index": 0})
+            out + self._stop()
             + _event(b"message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
             + _event(b"message_stop", {"type": "message_stop"})
         )
@@ -119,10 +181,16 @@ class MessageRenderer:
         return status, orjson.dumps(body)
 
     def body(self, text: str, raw_choice: dict[str, Any] | None = None) -> bytes:
-        if raw_choice is not None:  # a pass-through engine's OpenAI choice
-            text = (raw_choice.get("message") or {}).get("content") or ""
-        content = [{"type": "text", "text": text}] if text else []
-        return orjson.dumps(self._message(content, stop_reason(self.gen), self.gen.completion_tokens))
+        calls: list[dict[str, Any]] = []
+        if raw_choice is not None:  # the engine's whole OpenAI choice: content and tool calls
+            message = raw_choice.get("message") or {}
+            text, calls = message.get("content") or "", message.get("tool_calls") or []
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        for i, call in enumerate(calls):
+            function = call.get("function") or {}
+            content.append({"type": "tool_use", "id": tool_use_id(call.get("id"), f"toolu_{self.gen.request_id}_{i}"),
+                            "name": function.get("name") or "", "input": tool_input(function.get("arguments") or "")})
+        return orjson.dumps(self._message(content, stop_reason(self.gen, bool(calls)), self.gen.completion_tokens))
 
 
 def api_key(request: Request) -> str | None:
@@ -163,7 +231,16 @@ async def _create_message(request: Request, request_id: str) -> Any:
     state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
     body = parse(MessagesRequest, await read_json(request, state.settings.max_body_bytes))
     service: CompletionService = state.service
-    gen = service.prepare_messages(principal, body, request_id)
+    gen = service.prepare_messages(principal, body, request_id)  # as the chat completion it translates to
+    render = MessageRenderer(gen)
+
+    def respond(outputs: Any, headers: dict[str, str]) -> GenerationResponse:
+        return GenerationResponse(gen, outputs, {**headers, "request-id": request_id}, render)
+
+    cached = await response_cache.replay(request, gen, respond)  # a hit is metered and served from the cache, as chat's
+    if cached is not None:
+        gen.engine.cancel(request_id)  # never reaches the engine: gives back the place the scheduler held
+        return cached
     try:
         await service.admit(gen)
     except BaseException:
@@ -171,10 +248,9 @@ async def _create_message(request: Request, request_id: str) -> Any:
         raise
     # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
     headers = {"x-request-id": request_id, "request-id": request_id, **(gen.hold.headers if gen.hold else {})}
-    render = MessageRenderer(gen)
-    if not gen.stream and gen.engine.completes:
+    if not gen.stream and gen.engine.completes and not response_cache.records(request):
         return CompletedResponse(gen, service, headers, render)
-    return GenerationResponse(gen, service.metered(gen), headers, render)
+    return respond(response_cache.recording(request, gen, service.metered(gen)), headers)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -187,12 +263,9 @@ async def _count_tokens(request: Request, request_id: str) -> Response:
     principal = await authenticate(request, state.keys, api_key(request))
     state.billing.guard(principal)
     body = parse(CountTokensRequest, await read_json(request, state.settings.max_body_bytes))
-    engine = state.service.engine_for(body.model, principal)
-    messages = body.chat_messages()
-    try:
-        tokens = len(engine.encode_chat(messages))
-    except Exception as exc:  # a template may reject a role order
-        raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
+    service: CompletionService = state.service
+    engine = service.engine_for(body.model, principal)
+    tokens = len(service.prompt_of(engine, body.chat_body(), "messages", {}, tools=True))  # what the engine bills
     return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json", headers={"request-id": request_id})
 
 

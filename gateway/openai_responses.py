@@ -39,7 +39,8 @@ from gateway.logs import request_id_of
 from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.protocol import parse
 from gateway.responses import CompletedResponse, GenerationResponse
-from gateway.serving import CompletionService, Generation
+from gateway import response_cache
+from gateway.serving import RESPONSES_PARAMS, CompletionService, Generation, renamed
 
 log = logging.getLogger("tollgate.openai_responses")
 TABLE = StoredResponse.__table__
@@ -52,16 +53,21 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 class ResponseRenderer:
-    """OpenAI's Response shapes for GenerationResponse (ChunkRenderer's methods): one assistant
-    message with one output_text part. `final` is the finished Response object (for the store)."""
+    """OpenAI's Response shapes for GenerationResponse (ChunkRenderer's methods). The engine's chat
+    output becomes output items in the order it came: text an assistant `message` item with one
+    `output_text` part, each tool call a `function_call` item (streamed as argument deltas). Items
+    open when their first piece arrives and close when the next item opens or the response ends.
+    `final` is the finished Response object (for the store)."""
 
     def __init__(self, gen: Generation, request: ResponsesRequest) -> None:
         self.gen = gen
         self.request = request
         self.id = "resp_" + gen.request_id
-        self.item_id = "msg_" + gen.request_id
         self.seq = 0
-        self.pieces: list[str] = []
+        self.items: list[dict[str, Any]] = []  # output items, in order; the last may be open
+        self.open: dict[str, Any] | None = None
+        self.texts: dict[int, list[str]] = {}  # output_index of a message item -> its text pieces
+        self.calls: dict[int, int] = {}  # a streamed tool call's index -> its item's output_index
         self.final: dict[str, Any] | None = None
 
     def _next(self, payload: dict[str, Any]) -> bytes:
@@ -69,7 +75,7 @@ class ResponseRenderer:
         self.seq += 1
         return _event(payload)
 
-    def _status(self) -> str:
+    def _item_status(self) -> str:
         return "incomplete" if self.gen.finish_reason == FINISH_LENGTH else "completed"
 
     def usage(self) -> dict[str, Any]:
@@ -82,15 +88,24 @@ class ResponseRenderer:
             "total_tokens": gen.prompt_tokens + gen.completion_tokens,
         }
 
-    def _part(self, text: str) -> dict[str, Any]:
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def _item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+    def _message(self, index: int, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": f"msg_{self.gen.request_id}" + (f"_{index}" if index else ""), "type": "message", "status": status,
+                "role": "assistant", "content": content}
+
+    def _function_call(self, index: int, call: dict[str, Any], status: str) -> dict[str, Any]:
+        function = call.get("function") or {}
+        return {"id": f"fc_{self.gen.request_id}_{index}", "type": "function_call", "status": status,
+                "call_id": call.get("id") or f"call_{self.gen.request_id}_{index}", "name": function.get("name") or "",
+                "arguments": function.get("arguments") or ""}
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
         req = self.request
+        fmt = (req.text or {}).get("format") or {"type": "text"}
         return {
             "id": self.id,
             "object": "response",
@@ -105,74 +120,131 @@ class ResponseRenderer:
             "metadata": req.metadata or {},
             "model": self.gen.model,
             "output": output,
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "store": req.store is not False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
+            "text": {"format": fmt},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.echoed_tools(),
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled",
             "usage": usage,
             "user": req.user,
         }
 
-    def _finished(self, text: str) -> dict[str, Any]:
-        status = self._status()
-        self.final = self.response(status, [self._item(status, [self._part(text)])], self.usage())
+    def _finished(self, output: list[dict[str, Any]]) -> dict[str, Any]:
+        status = "incomplete" if self.gen.finish_reason == FINISH_LENGTH else "completed"
+        self.final = self.response(status, output, self.usage())
         return self.final
+
+    # streaming: items open and close as the engine's output arrives
+
+    def _close(self, status: str) -> bytes:
+        item, self.open = self.open, None
+        if item is None:
+            return b""
+        index = self.items.index(item)
+        item["status"] = status
+        if item["type"] == "message":
+            text = "".join(self.texts[index])
+            item["content"] = [self._part(text)]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return (
+                self._next({"type": "response.output_text.done", **where, "text": text, "logprobs": []})
+                + self._next({"type": "response.content_part.done", **where, "part": self._part(text)})
+                + self._next({"type": "response.output_item.done", "output_index": index, "item": item})
+            )
+        return (
+            self._next({"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+                        "arguments": item["arguments"]})
+            + self._next({"type": "response.output_item.done", "output_index": index, "item": item})
+        )
+
+    def _text(self, text: str) -> bytes:
+        out = b""
+        if self.open is None or self.open["type"] != "message":
+            out += self._close("completed")
+            index = len(self.items)
+            self.open = self._message(index, "in_progress", [])
+            self.items.append(self.open)
+            self.texts[index] = []
+            out += self._next({"type": "response.output_item.added", "output_index": index, "item": dict(self.open)})
+            out += self._next({"type": "response.content_part.added", "item_id": self.open["id"], "output_index": index,
+                               "content_index": 0, "part": self._part("")})
+        index = len(self.items) - 1
+        self.texts[index].append(text)
+        return out + self._next({"type": "response.output_text.delta", "item_id": self.open["id"], "output_index": index,
+                                 "content_index": 0, "delta": text, "logprobs": []})
+
+    def _call(self, delta: dict[str, Any]) -> bytes:
+        """A tool call's chunk: its first opens a function_call item (id and name), each carries a
+        piece of its arguments (an engine that parses whole calls sends them in one)."""
+        out = b""
+        key = delta.get("index", 0)
+        index = self.calls.get(key)
+        if index is None:
+            out += self._close("completed")
+            index = self.calls[key] = len(self.items)
+            self.open = self._function_call(index, {**delta, "function": {**(delta.get("function") or {}), "arguments": ""}}, "in_progress")
+            self.items.append(self.open)
+            out += self._next({"type": "response.output_item.added", "output_index": index, "item": dict(self.open)})
+        piece = (delta.get("function") or {}).get("arguments") or ""
+        if piece:
+            self.items[index]["arguments"] += piece
+            out += self._next({"type": "response.function_call_arguments.delta", "item_id": self.items[index]["id"],
+                               "output_index": index, "delta": piece})
+        return out
 
     # ChunkRenderer's methods
 
     def first(self) -> bytes:
         created = self.response("in_progress", [])
-        return (
-            self._next({"type": "response.created", "response": created})
-            + self._next({"type": "response.in_progress", "response": created})
-            + self._next({"type": "response.output_item.added", "output_index": 0, "item": self._item("in_progress", [])})
-            + self._next({"type": "response.content_part.added", "item_id": self.item_id, "output_index": 0, "content_index": 0,
-                          "part": self._part("")})
-        )
+        return self._next({"type": "response.created", "response": created}) + self._next({"type": "response.in_progress", "response": created})
 
     def delta(self, text: str, finish_reason: str | None, raw_choice: dict[str, Any] | None = None) -> bytes:
-        if raw_choice is not None:  # a pass-through engine's OpenAI chunk choice
-            text = (raw_choice.get("delta") or {}).get("content") or ""
-        if not text:
-            return b""
-        self.pieces.append(text)
-        return self._next({"type": "response.output_text.delta", "item_id": self.item_id, "output_index": 0, "content_index": 0,
-                           "delta": text, "logprobs": []})
+        calls: list[dict[str, Any]] = []
+        if raw_choice is not None:  # the engine's OpenAI chunk choice: content and tool call deltas
+            delta = raw_choice.get("delta") or {}
+            text, calls = delta.get("content") or "", delta.get("tool_calls") or []
+        out = self._text(text) if text else b""
+        for call in calls:
+            out += self._call(call)
+        return out
 
     def end(self) -> bytes:
-        text = "".join(self.pieces)
-        final = self._finished(text)
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        return (
-            self._next({"type": "response.output_text.done", **where, "text": text, "logprobs": []})
-            + self._next({"type": "response.content_part.done", **where, "part": self._part(text)})
-            + self._next({"type": "response.output_item.done", "output_index": 0, "item": final["output"][0]})
-            + self._next({"type": "response.completed" if final["status"] == "completed" else "response.incomplete", "response": final})
-        )
+        out = self._close(self._item_status())
+        if not self.items:  # nothing was generated: one empty message, as OpenAI answers
+            out += self._text("") + self._close(self._item_status())
+        final = self._finished(self.items)
+        return out + self._next({"type": "response.completed" if final["status"] == "completed" else "response.incomplete", "response": final})
 
     def error(self, err: APIError) -> bytes:
         """A stream that fails after its status line: an `error` event, then `response.failed`."""
-        text = "".join(self.pieces)
-        failed = self.response("failed", [self._item("incomplete", [self._part(text)])] if text else [], self.usage(),
-                               {"code": "server_error", "message": err.message})
+        if self.open is not None and self.open["type"] == "message":
+            self.open["content"] = [self._part("".join(self.texts[self.items.index(self.open)]))]
+        for item in self.items:
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+        failed = self.response("failed", self.items, self.usage(), {"code": "server_error", "message": err.message})
         return (
             self._next({"type": "error", "code": err.code, "message": err.message, "param": err.param})
             + self._next({"type": "response.failed", "response": failed})
         )
 
     def error_body(self, err: APIError) -> tuple[int, bytes]:
-        return err.status_code, orjson.dumps(err.body())
+        return err.status_code, orjson.dumps(renamed(err, RESPONSES_PARAMS).body())
 
     def body(self, text: str, raw_choice: dict[str, Any] | None = None) -> bytes:
-        if raw_choice is not None:  # a pass-through engine's OpenAI choice
-            text = (raw_choice.get("message") or {}).get("content") or ""
-        return orjson.dumps(self._finished(text))
+        calls: list[dict[str, Any]] = []
+        if raw_choice is not None:  # the engine's whole OpenAI choice: content and tool calls
+            message = raw_choice.get("message") or {}
+            text, calls = message.get("content") or "", message.get("tool_calls") or []
+        status = self._item_status()
+        output = [self._message(0, status, [self._part(text)])] if text or not calls else []
+        output += [self._function_call(len(output), call, "completed") for call in calls]
+        return orjson.dumps(self._finished(output))
 
 
 def input_items(request: ResponsesRequest, request_id: str) -> list[dict[str, Any]]:
@@ -180,6 +252,15 @@ def input_items(request: ResponsesRequest, request_id: str) -> list[dict[str, An
     raw = request.input if isinstance(request.input, list) else [{"role": "user", "content": request.input}]
     out = []
     for i, item in enumerate(raw):
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            out.append({"id": item.get("id") or f"fc_{request_id}_{i}", "type": "function_call", "status": "completed",
+                        "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]})
+            continue
+        if kind == "function_call_output":
+            out.append({"id": item.get("id") or f"fco_{request_id}_{i}", "type": "function_call_output", "status": "completed",
+                        "call_id": item["call_id"], "output": item["output"]})
+            continue
         content = item["content"]
         parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else [
             {"type": p["type"] if p["type"] != "text" else "input_text", "text": p["text"], **({"annotations": []} if p["type"] == "output_text" else {})}
@@ -228,7 +309,7 @@ class ResponseStore:
         async with self.db.begin() as conn:
             return bool((await conn.execute(TABLE.delete().where(self._visible(account_id, response_id)))).rowcount)
 
-    async def put(self, gen: Generation, request: ResponsesRequest, messages: list[dict[str, str]], final: dict[str, Any]) -> None:
+    async def put(self, gen: Generation, request: ResponsesRequest, messages: list[dict[str, Any]], final: dict[str, Any]) -> None:
         now = datetime.now(timezone.utc)
         async with self.db.begin() as conn:
             if self.retention is not None and time.monotonic() - self._purged > PURGE_EVERY:
@@ -279,17 +360,28 @@ def _json(payload: Any, request_id: str, status_code: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json", headers={"x-request-id": request_id})
 
 
-async def _history(store: ResponseStore, principal: Principal, previous_id: str) -> list[dict[str, str]]:
+def answer_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stored response's output as the assistant turn a continuation starts from: its text, and
+    its function calls as `tool_calls` (their outputs come in the next request's input)."""
+    text = "".join(
+        part.get("text", "") for item in output if item.get("type") == "message"
+        for part in item.get("content", ()) if part.get("type") == "output_text"
+    )
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item.get("type") == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+async def _history(store: ResponseStore, principal: Principal, previous_id: str) -> list[dict[str, Any]]:
     """The earlier turns of a conversation: the previous response's conversation and its answer."""
     row = await store.get(principal.account_id, previous_id)
     if row is None:
         raise InvalidRequest(f"Previous response with id {previous_id!r} not found.", param="previous_response_id",
                              code="previous_response_not_found")
-    answer = "".join(
-        part.get("text", "") for item in orjson.loads(row.response)["output"] if item.get("type") == "message"
-        for part in item.get("content", ()) if part.get("type") == "output_text"
-    )
-    return [*orjson.loads(row.messages), {"role": "assistant", "content": answer}]
+    return [*orjson.loads(row.messages), *answer_messages(orjson.loads(row.response)["output"])]
 
 
 async def create_response(request: Request) -> Any:
@@ -301,14 +393,7 @@ async def create_response(request: Request) -> Any:
     store = ResponseStore.of(request)
     history = await _history(store, principal, body.previous_response_id) if body.previous_response_id else []
     service: CompletionService = state.service
-    gen = service.prepare_responses(principal, body, request_id, body.chat_messages(history))
-    try:
-        await service.admit(gen)
-    except BaseException:
-        gen.engine.cancel(request_id)  # gives back the place the scheduler held at prepare
-        raise
-    # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
-    headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    gen = service.prepare_responses(principal, body, request_id, history)  # as the chat completion it translates to
     render = ResponseRenderer(gen, body)
     conversation = history + body.input_messages()
 
@@ -316,9 +401,24 @@ async def create_response(request: Request) -> Any:
         await store.put(gen, body, conversation, final)
 
     keeper = keep if body.store is not False else None
-    if not gen.stream and gen.engine.completes:
+
+    def respond(outputs: Any, headers: dict[str, str]) -> StoredGenerationResponse:
+        return StoredGenerationResponse(gen, outputs, headers, render, keeper)
+
+    cached = await response_cache.replay(request, gen, respond)  # a hit is metered and served from the cache, as chat's
+    if cached is not None:
+        gen.engine.cancel(request_id)  # never reaches the engine: gives back the place the scheduler held
+        return cached
+    try:
+        await service.admit(gen)
+    except BaseException:
+        gen.engine.cancel(request_id)  # gives back the place the scheduler held at prepare
+        raise
+    # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
+    headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    if not gen.stream and gen.engine.completes and not response_cache.records(request):
         return StoredCompletedResponse(gen, service, headers, render, keeper)
-    return StoredGenerationResponse(gen, service.metered(gen), headers, render, keeper)
+    return respond(response_cache.recording(request, gen, service.metered(gen)), headers)
 
 
 def _not_found(response_id: str) -> NotFound:

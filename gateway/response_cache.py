@@ -158,6 +158,8 @@ class ResponseCache:
     def key(gen: Generation) -> str:
         body = {k: v for k, v in (gen.engine_request.extra or {}).items() if k not in _IGNORED_FIELDS}
         material = {"v": 1, "account": gen.principal.account_id, "model": gen.model, "kind": gen.kind, "body": body}
+        if gen.api in ("messages", "responses"):  # their bodies are chat bodies; what they answer is their own
+            material["api"] = gen.api
         return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     # store ---------------------------------------------------------------------------------------
@@ -199,9 +201,10 @@ def _model_opted_in(engine: Any) -> bool:
 
 
 # gateway hooks ------------------------------------------------------------------------------------
-async def replay(request: Request, gen: Generation) -> Any:
+async def replay(request: Request, gen: Generation, respond: Callable[[Any, dict[str, str]], Any] | None = None) -> Any:
     """A response replayed from the cache (metered as a hit), or None: run the request (a miss
-    is then stored by `recording`)."""
+    is then stored by `recording`). `respond(outputs, headers)`: the API's response for the
+    replayed outputs (OpenAI's chat chunks by default)."""
     state = request.app.state
     cache: ResponseCache | None = getattr(state, "response_cache", None)
     if cache is None or not cache.applies(request, gen):
@@ -221,7 +224,9 @@ async def replay(request: Request, gen: Generation) -> Any:
     gen.hold = await metering.reserve(state, gen.principal, gen.request_id, prompt + completion, nanos)
     gen.prompt_tokens = prompt
     headers = {"x-request-id": gen.request_id, **(gen.hold.headers if gen.hold else {}), HEADER: "hit"}
-    return GenerationResponse(gen, _replayed(state, gen, entry, nanos), headers)
+    outputs = _replayed(state, gen, entry, nanos)
+    return respond(outputs, headers) if respond is not None else GenerationResponse(gen, outputs, headers)
+
 
 
 async def _replayed(state: Any, gen: Generation, entry: dict[str, Any], nanos: int) -> AsyncIterator[EngineOutput]:
@@ -240,6 +245,7 @@ async def _replayed(state: Any, gen: Generation, entry: dict[str, Any], nanos: i
                 yield EngineOutput(text, [], None, prompt, 0)
                 continue
             gen.finish_reason = entry["finish_reason"]
+            gen.stop_sequence = entry.get("stop_sequence")
             gen.completion_tokens = completion
             gen.estimated = bool(entry.get("estimated"))
             _record_hit(state, gen, True, nanos)
@@ -296,6 +302,7 @@ async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: As
                     "prompt_tokens": gen.prompt_tokens,
                     "completion_tokens": gen.completion_tokens,
                     "estimated": gen.estimated,
+                    "stop_sequence": gen.stop_sequence,
                 })
             yield out
 

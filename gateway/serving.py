@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from engines.base import (
     SamplingParams,
 )
 from gateway.errors import (
+    APIError,
     ContextLengthExceeded,
     EngineNotReady,
     EngineOverloaded,
@@ -42,7 +44,7 @@ from gateway.errors import (
 )
 from gateway.anthropic_protocol import MessagesRequest
 from gateway.openai_responses_protocol import ResponsesRequest
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
 
 
 log = logging.getLogger("tollgate.serving")
@@ -206,23 +208,37 @@ class CompletionService:
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "text", api="completions")
 
     def prepare_messages(self, principal: Principal, request: MessagesRequest, request_id: str) -> Generation:
-        """An Anthropic Messages request: its system prompt and text blocks as a chat."""
+        """An Anthropic Messages request, as the chat completion it translates to (`chat_body`)."""
         engine = self.engine_for(request.model, principal)
-        messages = request.chat_messages()
-        try:
-            prompt_ids = engine.encode_chat(messages)
-        except Exception as exc:  # a template may reject a role order
-            raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
+        prompt_ids = self.prompt_of(engine, request.chat_body(), "messages", {})
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "chat", api="messages")
 
-    def prepare_responses(self, principal: Principal, request: ResponsesRequest, request_id: str, messages: list[dict[str, str]]) -> Generation:
-        """An OpenAI Responses request: its instructions, earlier turns (previous_response_id) and input as a chat."""
+    def prepare_responses(self, principal: Principal, request: ResponsesRequest, request_id: str, history: list[dict[str, Any]]) -> Generation:
+        """An OpenAI Responses request (its instructions, earlier turns from previous_response_id and
+        input), as the chat completion it translates to (`chat_body`)."""
         engine = self.engine_for(request.model, principal)
+        prompt_ids = self.prompt_of(engine, request.chat_body(history), "input", RESPONSES_PARAMS)
         try:
-            prompt_ids = engine.encode_chat(messages)
+            return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_output_tokens, "chat", api="responses")
+        except InvalidRequest as err:  # the engine's refusal of a chat field: named as the Responses API names it
+            raise renamed(err, RESPONSES_PARAMS) from None
+
+    def prompt_of(self, engine: Engine, body: dict[str, Any], param: str, renames: dict[str, str], *, tools: bool = False) -> list[int]:
+        """The prompt ids of another API's request translated to a chat completion `body`, which
+        this engine must take as it takes a chat completion (the same checks, the same messages);
+        a refusal names the field of the API the client spoke (`renames`). Counted as prepare_chat
+        counts; `tools`: with the tools also where the engine renders them itself (a pass-through
+        one: what it will bill), as count_tokens wants."""
+        chat = chat_equivalent(body, engine.passthrough, renames)
+        renders_tools = not engine.passthrough and chat.uses_tools() and getattr(engine, "tool_parser", None) is not None  # as prepare_chat
+        messages = chat.raw_messages() if engine.passthrough or renders_tools else chat.chat_messages()
+        bills_tools = tool_encoder(engine) if tools and engine.passthrough and chat.prompt_tools() else None
+        try:
+            if renders_tools:
+                return engine.encode_chat(messages, chat.prompt_tools())  # type: ignore[call-arg]
+            return bills_tools(messages, chat.prompt_tools()) if bills_tools is not None else engine.encode_chat(messages)
         except Exception as exc:  # a template may reject a role order
-            raise InvalidRequest(f"input could not be rendered with the model's chat template: {exc}", param="input") from None
-        return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_output_tokens, "chat", api="responses")
+            raise InvalidRequest(f"{param} could not be rendered with the model's chat template: {exc}", param=param) from None
 
     def _prepare(
         self,
@@ -394,6 +410,44 @@ class CompletionService:
             cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else None,
             api=gen.api,
         )
+
+
+RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input"}  # chat's field -> the Responses API's
+
+
+def renamed(err: APIError, renames: dict[str, str]) -> APIError:
+    """An error about a translated chat completion, naming the field of the API the client spoke."""
+    param = err.param or ""
+    for chat_name, own in renames.items():
+        if param == chat_name or param.startswith(chat_name + ".") or param.startswith(chat_name + "["):
+            err.param = own + param[len(chat_name):] if chat_name != "messages" else own
+            err.message = err.message.replace(chat_name, own)
+            break
+    return err
+
+
+def tool_encoder(engine: Engine) -> Any:
+    """The encode_chat(messages, tools) of the engine that renders tools into its prompts (behind
+    the scheduler and a fallback chain's encoder), or None when it renders none."""
+    while True:
+        if hasattr(engine, "inner"):  # the scheduler's wrapper
+            engine = engine.inner
+        elif hasattr(engine, "encoder"):  # a fallback chain: the engine that counts its prompts
+            engine = engine.encoder()
+        else:
+            break
+    encode = engine.encode_chat
+    return encode if "tools" in inspect.signature(encode).parameters else None
+
+
+def chat_equivalent(body: dict[str, Any], passthrough: bool, renames: dict[str, str]) -> ChatCompletionRequest:
+    """`body` as a chat completion request, refused where a chat completion with it would be for
+    this engine. `stop` is left out of the check: other APIs allow more stop sequences than chat's 4,
+    and the sampling fields come from their own request."""
+    try:
+        return parse(ChatCompletionRequest, {k: v for k, v in body.items() if k != "stop"}, passthrough=passthrough)  # type: ignore[no-any-return]
+    except InvalidRequest as err:
+        raise renamed(err, renames) from None
 
 
 def failure_text(exc: Exception) -> str:

@@ -125,7 +125,11 @@ async def test_bad_input_is_an_anthropic_400_and_nothing_is_metered(gateway: Gat
             {"role": "user", "content": [{"type": "image", "source": {}}]}]},
         "stop_sequences": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "stop_sequences": "no"},
         "temperature": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "temperature": 1.5},
-        "tools": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tools": [{"name": "f", "input_schema": {}}]},
+        "tools[0].type": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        "tools[0].input_schema": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tools": [{"name": "f"}]},
+        "tool_choice.type": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tool_choice": {"type": "sometimes"}},
+        "messages[0].content": {"model": MODEL, "max_tokens": 5, "messages": [  # a result for no tool_use
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "18C"}]}]},
     }
     async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=60) as c:
         for field, body in bad_bodies.items():

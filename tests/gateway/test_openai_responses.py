@@ -113,14 +113,17 @@ async def test_max_output_tokens_is_incomplete(gateway: Gateway, client: Any) ->
 async def test_bad_input_is_a_400_naming_the_field_and_nothing_is_metered(gateway: Gateway, customer: dict[str, Any], client: Any) -> None:
     bad_bodies = {
         "input": {"model": MODEL},
-        "input[0].type": {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+        "input[0].type": {"model": MODEL, "input": [{"type": "item_reference", "id": "msg_x"}]},
+        "input[0].call_id": {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},  # answers no call
         "input[0].content[0].type": {"model": MODEL, "input": [
             {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
         "input[0].role": {"model": MODEL, "input": [{"role": "tool", "content": "hi"}]},
         "temperature": {"model": MODEL, "input": QUESTION, "temperature": 3},
         "max_output_tokens": {"model": MODEL, "input": QUESTION, "max_output_tokens": 0},
-        "tools": {"model": MODEL, "input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {}}]},
-        "text.format": {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+        "tools": {"model": MODEL, "input": QUESTION, "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]},
+        "tool_choice": {"model": MODEL, "input": QUESTION, "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+        "text.format": {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "grammar"}}},
+        "text.format.schema": {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x"}}},
         "background": {"model": MODEL, "input": QUESTION, "background": True},
         "previous_response_id": {"model": MODEL, "input": QUESTION, "previous_response_id": "resp_nosuch"},
     }
