@@ -19,7 +19,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from engines import guided, structured
+from engines import guided, hf_choices, structured
 from engines.base import (
     MODEL_LOAD_LOCK,
     FINISH_CANCELLED,
@@ -43,6 +43,7 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # temperature this small, which makes the softmax one-hot (argmax) in float32.
 GREEDY_TEMPERATURE = 1e-5
 _CANCELLED = object()  # queued by cancel() to wake the stream
+MAX_CHOICES = 16  # OpenAI's n, at most (and at most the batch size)
 
 
 def bundled_gguf_path() -> Path:
@@ -207,6 +208,9 @@ class HFEngine(Engine):
         self.tool_parser = tool_parser
         # Whether sampling can follow a grammar (engines/guided.py): not under asynchronous batching.
         self.guided = False
+        # n > 1: that many sequences, each a request of the manager's (engines/hf_choices.py).
+        self.max_choices = min(MAX_CHOICES, max_batch_size)
+        self._choices: dict[str, int] = {}  # request id -> its n, while it runs
         self.context_length = 0
         self._model_path = model_path
         self._cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tollgate"
@@ -356,6 +360,10 @@ class HFEngine(Engine):
 
     # tools and structured outputs (engines/structured.py) ---------------------------------------
     def check_request(self, request: EngineRequest) -> None:
+        if request.best_of > request.n:
+            raise EngineRequestRejected(
+                "best_of > n is not supported by this model: choosing the best sequences needs their log probabilities, "
+                "which this engine does not give", param="best_of", code="unsupported_parameter")
         if request.extra:
             structured.plan(request.extra, self.tool_parser, self.guided)
 
@@ -383,8 +391,19 @@ class HFEngine(Engine):
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         request, prompt_ids, plan = self._structured(request)
+        grammar = plan.grammar if plan is not None else None
+        if request.sequences > 1:
+            self._choices[request.request_id] = request.n
+            try:
+                many = hf_choices.merged(request, lambda sub: self._generate(sub, prompt_ids, grammar), plan.parser if plan is not None else None)
+                async with aclosing(many) as outputs:
+                    async for out in outputs:
+                        yield out
+            finally:
+                self._choices.pop(request.request_id, None)
+            return
         shape = structured.AnswerShape(plan.parser, (request.extra or {}).get("stream") is True) if plan is not None and plan.parser else None
-        async with aclosing(self._generate(request, prompt_ids, plan.grammar if plan is not None else None)) as outputs:
+        async with aclosing(self._generate(request, prompt_ids, grammar)) as outputs:
             async for out in outputs:
                 yield shape.shaped(out) if shape is not None else out
 
@@ -428,7 +447,11 @@ class HFEngine(Engine):
                 self._cancel(rid)
 
     def cancel(self, request_id: str) -> None:
-        """Ends that request's stream with `cancelled` and frees its engine slot."""
+        """Ends that request's stream (every choice's, for n > 1) with `cancelled` and frees its engine slots."""
+        for rid in [request_id, *hf_choices.choice_ids(request_id, self._choices.get(request_id, 0))]:
+            self._cancel_stream(rid)
+
+    def _cancel_stream(self, request_id: str) -> None:
         outputs = self._live.get(request_id)
         if outputs is not None:
             outputs.put_nowait(_CANCELLED)

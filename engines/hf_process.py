@@ -228,7 +228,7 @@ class HFProcessEngine(HFEngine):
         self._send(("held", self._asks))
         return await answer
 
-    def cancel(self, request_id: str) -> None:
+    def _cancel_stream(self, request_id: str) -> None:
         live = self._live_streams.get(request_id)
         if live is not None:
             live.queue.put_nowait(_CANCELLED)

@@ -97,7 +97,7 @@ async def test_unknown_model_is_404(client_for: Any, customer: dict[str, Any]) -
         ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "messages": QUESTION, "temperature": 7}, "temperature"),
         ({"model": MODEL, "messages": QUESTION, "stream": "yes"}, "stream"),
-        ({"model": MODEL, "messages": QUESTION, "n": 2}, "n"),
+        ({"model": MODEL, "messages": QUESTION, "n": 17}, "n"),
         ({"model": MODEL, "messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
         ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
@@ -111,9 +111,9 @@ async def test_invalid_chat_requests_are_400(gateway: Gateway, customer: dict[st
     assert assert_openai_shape(r.json())["param"] == param
 
 
-async def test_sdk_raises_bad_request_for_n_greater_than_one(client_for: Any, customer: dict[str, Any]) -> None:
+async def test_sdk_raises_bad_request_for_n_above_the_engines_limit(client_for: Any, customer: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError):
-        await client_for(customer["key"]).chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+        await client_for(customer["key"]).chat.completions.create(model=MODEL, messages=QUESTION, n=17)
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe{}", b"[" * 5000 + b"]" * 5000])
