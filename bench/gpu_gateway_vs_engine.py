@@ -250,7 +250,12 @@ def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label
         async def one(i: int, ids: list[int]) -> Timing:
             return await sse_request(port, key["key"], ids, args.osl)
 
-        cells, sent = {}, 0
+        # One request first, as the engine alone has its warm-up: the gateway's first request reads
+        # the key, the prices and the quota counters from the database (once per process).
+        warm = asyncio.run(one(-1, prompts(1, args.isl, vocab, seed=0)[0]))
+        if warm.error:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        cells, sent, warm_tokens = {}, 1, warm.tokens
         for level in args.levels_for(label):
             batch = prompts(requests_at(level), args.isl, vocab, seed=level)
             before = {"gateway": cpu_seconds(proc.pid), "engine_process": sum(cpu_seconds(p) for p in engine_pids)}
@@ -262,8 +267,8 @@ def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label
             cells[str(level)] = summarize(results, wall, cpu)
             cells[str(level)]["usage_tokens"] = sum(r.tokens for r in results)
             print(f"  {label}, {level} streams: {cells[str(level)]['tok_s']} tok/s, errors {cells[str(level)]['errors']}", file=sys.stderr, flush=True)
-        ledger = ledger_check(tmp / "ledger.db", sent, sum(c["usage_tokens"] for c in cells.values()))
-        for level, (ttft, queue) in zip(cells, ledger_timings(tmp / "ledger.db", [requests_at(lv) for lv in args.levels_for(label)])):
+        ledger = ledger_check(tmp / "ledger.db", sent, warm_tokens + sum(c["usage_tokens"] for c in cells.values()))
+        for level, (ttft, queue) in zip(cells, ledger_timings(tmp / "ledger.db", [requests_at(lv) for lv in args.levels_for(label)], skip=1)):
             cells[level]["ledger_ttft_p50_ms"], cells[level]["ledger_queue_p50_ms"] = ttft, queue
         return {"cells": cells, "ledger": ledger, "engine_process": bool(engine_pids)}
     finally:
@@ -279,12 +284,13 @@ def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label
             print(f"  server log: {len(warnings)} warning/error lines, the first ones:\n    " + "\n    ".join(warnings[:8]), file=sys.stderr)
 
 
-def ledger_timings(db: Path, counts: list[int]) -> list[tuple[float | None, float | None]]:
-    """Per level (rows in insertion order, levels one after another): the gateway's own view of
-    the first token (ttft_ms, from the parsed request) and of the time queued (queue_ms), p50."""
+def ledger_timings(db: Path, counts: list[int], skip: int = 0) -> list[tuple[float | None, float | None]]:
+    """Per level (rows in insertion order after `skip` warm-up rows, levels one after another): the
+    gateway's own view of the first token (ttft_ms, from the parsed request) and of the time queued
+    (queue_ms), p50."""
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT ttft_ms, queue_ms FROM ledger_entries ORDER BY id").fetchall()
-    out, start = [], 0
+    out, start = [], skip
     for n in counts:
         part = rows[start : start + n]
         start += n

@@ -345,7 +345,13 @@ class PriceBook:
 
     async def current_for(self, account_id: int, model: str) -> EffectivePrice | None:
         if time.monotonic() - self._loaded_at >= self._refresh_seconds:
-            await self.refresh()
+            if self._loaded_at == float("-inf"):
+                await self.refresh()  # nothing to price with yet
+            elif self._loading is None or self._loading.done():
+                # Stale: re-read in the background and price with the book in hand meanwhile (as a
+                # failed read does too). Awaiting the read here made a burst that came after a quiet
+                # spell wait for one database round trip behind every request of the burst (issue 26).
+                self._loading = asyncio.ensure_future(self._load(force=False))
         now = utcnow()
         pair = (account_id, model)
         hit = self._current.get(pair)

@@ -37,6 +37,12 @@ log = logging.getLogger("tollgate.engines.hf_process")
 
 START_TIMEOUT_S = 1800.0  # loading, converting a GGUF once and warming up CUDA graphs
 STOP_TIMEOUT_S = 15.0
+# A burst after an idle spell: the engine process holds its requests until none has come for
+# GATHER_QUIET_S (at most gather_ms in all) before the first step, so that step's prefill is full.
+# Without it the first step starts with the first request or two and the rest of the burst waits a
+# whole step behind it (docs/gpu.md). A lone request waits GATHER_QUIET_S at most.
+GATHER_MS = 20.0
+GATHER_QUIET_S = 0.002
 _CANCELLED = object()
 
 
@@ -56,9 +62,12 @@ class _Live:
 class HFProcessEngine(HFEngine):
     """`HFEngine` whose model runs in a child process (TOLLGATE_ENGINE_PROCESS; on by default on CUDA)."""
 
-    def __init__(self, *, model_id: str, **params: Any) -> None:
+    def __init__(self, *, model_id: str, gather_ms: float = GATHER_MS, **params: Any) -> None:
         super().__init__(model_id=model_id, **params)
         self._params = params
+        if gather_ms < 0:
+            raise ValueError(f"gather_ms must be 0 or more, got {gather_ms}")
+        self._gather_ms = float(gather_ms)
         self._process: Any = None
         self._conn: Any = None
         self._send_lock = threading.Lock()
@@ -82,7 +91,7 @@ class HFProcessEngine(HFEngine):
             theirs.close()
         conn = Connection(ours.detach())
         self._process, self._conn = process, conn
-        conn.send((self.model_id, self._params))
+        conn.send((self.model_id, self._params, self._gather_ms))
         try:
             hello = await asyncio.to_thread(_first_message, conn, process)
         except BaseException:
@@ -265,16 +274,16 @@ def _first_message(conn: Any, process: Any) -> tuple[Any, ...]:
 def engine_main(fd: int) -> None:
     """Entry point of the child process: the pipe's end is file descriptor `fd`."""
     conn = Connection(fd)
-    model_id, params = conn.recv()
+    model_id, params, gather_ms = conn.recv()
     # The batching thread holds the GIL most of the time; the threads that take requests in and send
     # tokens out wait for it up to the switch interval each time (5 ms by default, a visible share of
     # a decode step). They run rarely and briefly, so a shorter interval costs the batching thread little.
     sys.setswitchinterval(0.001)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(conn, HFEngine(model_id=model_id, **params)))
+    asyncio.run(_serve(conn, HFEngine(model_id=model_id, **params), gather_ms))
 
 
-async def _serve(conn: Any, engine: HFEngine) -> None:
+async def _serve(conn: Any, engine: HFEngine, gather_ms: float) -> None:
     try:
         await engine.start()
     except BaseException as exc:  # the gateway reports it; nothing else would
@@ -283,7 +292,7 @@ async def _serve(conn: Any, engine: HFEngine) -> None:
     info = {"context_length": engine.context_length, "vocab_size": engine.vocab_size, "eos_ids": sorted(engine._eos_ids), "guided": engine.guided}
     conn.send(("ready", info, engine.tokenizer))
     loop = asyncio.get_running_loop()
-    relay = _StepRelay(conn, loop, engine)
+    relay = _StepRelay(conn, loop, engine, gather_ms / 1000.0)
     stopped = loop.create_future()
     threading.Thread(target=_read_commands, args=(conn, loop, relay, stopped), daemon=True).start()
     await stopped
@@ -293,22 +302,44 @@ async def _serve(conn: Any, engine: HFEngine) -> None:
 class _StepRelay:
     """In the engine process: collects what the manager delivers in one step and sends it as one message."""
 
-    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop, engine: HFEngine) -> None:
+    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop, engine: HFEngine, gather_s: float = 0.0) -> None:
         self._conn = conn
         self._loop = loop
         self._engine = engine
         self._seen: dict[str, int] = {}
         self._outbox: list[tuple[Any, ...]] = []
+        self._gather_s = gather_s
+        self._held: dict[str, tuple[Any, ...]] = {}  # rid -> its add's arguments, while a burst is gathered
+        self._window: tuple[float, Any] | None = None  # (the gathering's deadline, the quiet timer)
 
     def add(self, rid: str, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, grammar: str | None = None) -> None:
+        idle = not self._seen
+        self._seen[rid] = -1  # -1: queue time not reported yet
+        if self._gather_s and (idle or self._window is not None):
+            # A burst after an idle spell: held until no request has come for GATHER_QUIET_S (at most
+            # gather_s after the first), then submitted together so the first prefill step is full.
+            self._held[rid] = (rid, prompt_ids, max_tokens, temperature, top_p, grammar)
+            now = self._loop.time()
+            deadline, timer = self._window or (now + self._gather_s, None)
+            if timer is not None:
+                timer.cancel()
+            self._window = (deadline, self._loop.call_at(min(deadline, now + GATHER_QUIET_S), self._release))
+            return
+        self._submit(rid, prompt_ids, max_tokens, temperature, top_p, grammar)
+
+    def _release(self) -> None:
+        held, self._held, self._window = self._held, {}, None
+        for args in held.values():
+            self._submit(*args)
+
+    def _submit(self, rid: str, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, grammar: str | None = None) -> None:
         from engines.base import SamplingParams
 
-        self._seen[rid] = -1  # -1: queue time not reported yet
         sampling = SamplingParams(temperature=temperature, top_p=top_p)
         self._engine.submit(rid, prompt_ids, max_tokens, sampling, lambda out: self._collect(rid, out), grammar)
 
     def cancel(self, rid: str) -> None:
-        if self._seen.pop(rid, None) is not None:
+        if self._seen.pop(rid, None) is not None and self._held.pop(rid, None) is None:
             self._engine._cancel(rid)
 
     def held(self, ask: int) -> None:

@@ -144,6 +144,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "cuda_graphs": Field(_bool),
         "warmup": Field(_bool),
         "process": Field(_bool),  # the model in a process of its own (default: on for cuda devices)
+        "gather_ms": Field(_int(0)),  # the engine process: how long a burst after idle is gathered (engines/hf_process.py)
         "tool_parser": Field(_one_of("hermes", "llama3_json")),  # default hermes (engines/structured.py)
     },
     "trtllm": {
@@ -445,7 +446,10 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
         separate = params.pop("process", None)
         if separate is None:  # like TOLLGATE_ENGINE_PROCESS=auto: its own process on a GPU
             separate = str(params.get("device", "cpu")).startswith("cuda")
-        return (HFProcessEngine if separate else HFEngine)(model_id=spec.id, **params)
+        if not separate:
+            params.pop("gather_ms", None)  # only the engine process gathers a burst
+            return HFEngine(model_id=spec.id, **params)
+        return HFProcessEngine(model_id=spec.id, **params)
     if spec.backend == "trtllm":
         from engines.trtllm import TRTLLMEngine
 

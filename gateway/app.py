@@ -70,8 +70,7 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
     from engines.hf import HFEngine
     from engines.hf_process import HFProcessEngine
 
-    engine = (HFProcessEngine if settings.engine_process else HFEngine)(
-        model_id=settings.model_id,
+    params: dict[str, Any] = dict(
         model_path=settings.model_path,
         device=settings.device,
         max_batch_size=settings.max_batch_size,
@@ -81,6 +80,10 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
         cuda_graphs=settings.cuda_graphs,
         warmup=settings.warmup,
     )
+    if settings.engine_process:
+        engine: HFEngine = HFProcessEngine(model_id=settings.model_id, gather_ms=settings.engine_gather_ms, **params)
+    else:
+        engine = HFEngine(model_id=settings.model_id, **params)
     return {engine.model_id: engine}
 
 

@@ -24,6 +24,13 @@ def _env_int(name: str, default: int) -> int:
         raise SystemExit(f"{name} must be an integer, got {raw!r}") from exc
 
 
+def _env_nonnegative(name: str, default: int) -> int:
+    value = _env_int(name, default)
+    if value < 0:
+        raise SystemExit(f"{name} must be 0 or more, got {value}")
+    return value
+
+
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -56,6 +63,7 @@ class Settings:
     cuda_graphs: bool = True  # hf engine on CUDA only
     # The hf engine's model in a process of its own (engines/hf_process.py); on by default on CUDA.
     engine_process: bool = False
+    engine_gather_ms: int = 20  # the engine process gathers a burst after idle up to this long (engines/hf_process.py)
     # The gateway's queue in front of every engine (docs/scheduling.md).
     scheduler: bool = True
     scheduler_capacity: int = 0  # requests let into an engine at once; 0: its batch size / its replicas' slots
@@ -176,6 +184,7 @@ def load_settings() -> Settings:
         models_file=env.get("TOLLGATE_MODELS") or None,
         device=env.get("TOLLGATE_DEVICE", "cpu"),
         engine_process=_engine_process(env.get("TOLLGATE_ENGINE_PROCESS", "auto"), env.get("TOLLGATE_DEVICE", "cpu")),
+        engine_gather_ms=_env_nonnegative("TOLLGATE_ENGINE_GATHER_MS", 20),
         max_batch_size=_env_int("TOLLGATE_MAX_BATCH_SIZE", 32),
         max_queue=_env_int("TOLLGATE_MAX_QUEUE", 256),
         kv_cache_tokens=_env_int("TOLLGATE_KV_CACHE_TOKENS", 16384),

@@ -143,3 +143,34 @@ async def test_a_price_read_per_request_changes_at_the_instant_a_scheduled_versi
     third = await book.current_for(account, "m")
     assert third.cost_nanos(1000, 1000) == 3_500_000  # (3.000 + 4.000) per million x 0.5
     assert str((await book.current_for(other, "m")).input_per_million) == "3.000"  # only the account's multiplier
+
+
+async def test_a_stale_price_book_prices_with_what_it_has_while_it_rereads(db: Any) -> None:
+    """A burst that finds the book stale is priced at once with the book in hand; the re-read runs
+    beside it (issue 26: awaiting it held every request of a burst behind one database round trip).
+    A book that never loaded still waits for its first read."""
+    from billing.prices import PriceBook
+
+    gate = asyncio.Event()
+
+    class HeldBook(PriceBook):
+        hold = False
+
+        async def _load(self, force: bool) -> None:
+            if self.hold and not force:
+                await gate.wait()
+            await super()._load(force)
+
+    book = HeldBook(db, refresh_seconds=3600.0)
+    assert await book.current_for(1, "m") is None  # the first read is awaited: nothing priced "m" yet
+    await book.add("m", "1.000", "2.000")
+    assert str((await book.current_for(1, "m")).input_per_million) == "1.000"
+    await PriceBook(db).add("m", "3.000", "4.000")  # another process changes the price
+    book.hold = True
+    book._loaded_at -= 7200.0  # stale (as an hour without a read would leave it)
+    prices = await asyncio.wait_for(asyncio.gather(*(book.current_for(1, "m") for _ in range(64))), 5.0)
+    assert {str(p.input_per_million) for p in prices} == {"1.000"}  # answered with the book in hand, the read still held
+    assert book._loading is not None and not book._loading.done()
+    gate.set()
+    await asyncio.wait_for(book._loading, 5.0)
+    assert str((await book.current_for(1, "m")).input_per_million) == "3.000"

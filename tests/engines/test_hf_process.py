@@ -162,3 +162,123 @@ def test_a_model_that_cannot_load_is_an_engine_error_that_says_why() -> None:
         assert box.engine._process.poll() is not None  # the engine process is gone
     finally:
         box.close()
+
+
+# The burst gathering in the engine process (_StepRelay): the gathering logic against a stand-in for
+# the batching manager that records what it is handed and when (the real model runs in the tests above,
+# whose first request after start goes through the gathering too).
+class Submissions:
+    def __init__(self, loop: asyncio.AbstractEventLoop, expect: int) -> None:
+        self.loop = loop
+        self.expect = expect
+        self.calls: list[tuple[str, float, int]] = []  # (rid, loop time, how many release rounds so far)
+        self.cancelled: list[str] = []
+        self.done = loop.create_future()
+        self.rounds = 0
+
+    def submit(self, rid: str, prompt_ids: list[int], max_tokens: int, sampling: Any, handler: Any, grammar: Any = None) -> None:
+        self.calls.append((rid, self.loop.time(), self.rounds))
+        if len(self.calls) >= self.expect and not self.done.done():
+            self.done.set_result(None)
+
+    def _cancel(self, rid: str) -> None:
+        self.cancelled.append(rid)
+
+
+def relay_with(gather_s: float, expect: int) -> tuple[Any, Submissions]:
+    from engines.hf_process import _StepRelay
+
+    loop = asyncio.get_running_loop()
+    engine = Submissions(loop, expect)
+    relay = _StepRelay(None, loop, engine, gather_s)  # type: ignore[arg-type]
+    release = relay._release
+
+    def counted_release() -> None:
+        engine.rounds += 1
+        release()
+
+    relay._release = counted_release  # type: ignore[method-assign]
+    return relay, engine
+
+
+def add(relay: Any, rid: str) -> None:
+    relay.add(rid, [1, 2, 3], 4, 0.0, 1.0, None)
+
+
+def test_a_burst_after_idle_is_submitted_together_once_it_stops_coming() -> None:
+    async def scenario() -> None:
+        relay, engine = relay_with(gather_s=5.0, expect=3)  # a long deadline: the quiet gap ends it
+        for rid in ("a", "b", "c"):
+            add(relay, rid)
+        assert engine.calls == []  # held, not handed to the manager one by one
+        await asyncio.wait_for(engine.done, 5.0)
+        assert [c[0] for c in engine.calls] == ["a", "b", "c"]  # in arrival order
+        assert {c[2] for c in engine.calls} == {1}  # one release round: the first step sees all three
+        add(relay, "d")  # the engine is busy now: no waiting behind a running step
+        assert [c[0] for c in engine.calls][-1] == "d"
+
+    run_coro(scenario())
+
+
+def test_a_burst_that_keeps_coming_is_released_by_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engines.hf_process as hf_process
+
+    monkeypatch.setattr(hf_process, "GATHER_QUIET_S", 60.0)  # the quiet gap never ends it here: only the deadline can
+
+    async def scenario() -> None:
+        relay, engine = relay_with(gather_s=0.05, expect=1)
+        loop = asyncio.get_running_loop()
+        added = 0
+        stopped = loop.create_future()
+
+        def next_add() -> None:  # a request every millisecond, up to 2,000 of them
+            nonlocal added
+            add(relay, f"r{added}")
+            added += 1
+            if added < 2000 and not engine.calls:
+                loop.call_later(0.001, next_add)
+            else:
+                stopped.set_result(added)
+
+        started = loop.time()
+        next_add()
+        made = await asyncio.wait_for(stopped, 30.0)
+        assert made < 2000, "the gathering never ended while requests kept coming"
+        assert engine.calls[0][1] - started >= 0.05  # not before the deadline
+        assert {c[2] for c in engine.calls} == {1} and len(engine.calls) == made  # every held one, in one release round
+
+    run_coro(scenario())
+
+
+def test_a_request_cancelled_while_held_never_reaches_the_engine() -> None:
+    async def scenario() -> None:
+        relay, engine = relay_with(gather_s=5.0, expect=1)
+        add(relay, "gone")
+        add(relay, "kept")
+        relay.cancel("gone")
+        assert engine.cancelled == []  # the manager never had it: nothing to cancel there
+        await asyncio.wait_for(engine.done, 5.0)
+        assert [c[0] for c in engine.calls] == ["kept"]
+
+    run_coro(scenario())
+
+
+def test_gathering_off_submits_at_once() -> None:
+    async def scenario() -> None:
+        relay, engine = relay_with(gather_s=0.0, expect=1)
+        add(relay, "now")
+        assert [c[0] for c in engine.calls] == ["now"]
+
+    run_coro(scenario())
+
+
+def test_gather_ms_is_a_setting_and_a_negative_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.config import load_settings
+
+    monkeypatch.setenv("TOLLGATE_ENGINE_GATHER_MS", "5")
+    assert load_settings().engine_gather_ms == 5
+    monkeypatch.setenv("TOLLGATE_ENGINE_GATHER_MS", "-1")
+    with pytest.raises(SystemExit, match="TOLLGATE_ENGINE_GATHER_MS must be 0 or more"):
+        load_settings()
+    with pytest.raises(ValueError, match="gather_ms must be 0 or more"):
+        HFProcessEngine(model_id=MODEL, gather_ms=-1)
