@@ -211,6 +211,7 @@ class HFEngine(Engine):
         # n > 1: that many sequences, each a request of the manager's (engines/hf_choices.py).
         self.max_choices = min(MAX_CHOICES, max_batch_size)
         self._choices: dict[str, int] = {}  # request id -> its n, while it runs
+        self._guides: dict[str, guided.Guide] = {}  # request id -> its matcher, while it runs
         self.context_length = 0
         self._model_path = model_path
         self._cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tollgate"
@@ -352,7 +353,9 @@ class HFEngine(Engine):
         """Hands one request to the batching manager; `handler` gets its outputs on the running loop.
         `grammar`: llguidance's grammar its tokens must follow (engines/guided.py)."""
         temperature = GREEDY_TEMPERATURE if sampling.greedy else float(sampling.temperature)
-        guide = {"guide": guided.Guide(grammar)} if grammar is not None else {}
+        guide: dict[str, Any] = {}
+        if grammar is not None:
+            guide["guide"] = self._guides[rid] = guided.Guide(grammar)
         self._manager.register_result_handler(rid, handler)
         self._manager.add_request(
             prompt_ids, request_id=rid, max_new_tokens=max_tokens, streaming=True, temperature=temperature, top_p=float(sampling.top_p), **guide
@@ -434,7 +437,7 @@ class HFEngine(Engine):
                 out = progress.advance(
                     [int(t) for t in latest.generated_tokens[progress.seen :]],
                     engine_done,
-                    str(latest.error) if engine_done and latest.error else None,
+                    (str(latest.error) if latest.error else self.guide_failure(rid)) if engine_done else None,
                     queue_ms,
                 )
                 if out is not None:
@@ -456,7 +459,14 @@ class HFEngine(Engine):
         if outputs is not None:
             outputs.put_nowait(_CANCELLED)
 
+    def guide_failure(self, rid: str) -> str | None:
+        """Why guided decoding failed for this finished request (its answer then does not follow its
+        grammar, which the client must not take for a valid one), or None; forgets the request's guide."""
+        guide = self._guides.pop(rid, None)
+        return f"guided decoding failed: {guide.failed}" if guide is not None and guide.failed else None
+
     def _cancel(self, rid: str) -> None:
+        self._guides.pop(rid, None)
         manager = self._manager
         if manager is None:
             return

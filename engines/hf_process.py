@@ -358,7 +358,7 @@ class _StepRelay:
             queue_ms = max(0.0, (started - out.created_time) * 1000.0) if started > 0 else None
             seen = 0
         tokens = out.generated_tokens
-        error = str(out.error) if done and out.error else None
+        error = (str(out.error) if out.error else self._engine.guide_failure(rid)) if done else None
         if done:
             self._seen.pop(rid, None)
         else:

@@ -255,3 +255,25 @@ async def test_quota_refusal_is_the_same_429(gw: Gateway) -> None:
     assert error["type"] == "insufficient_quota" and error["code"] == "monthly_tokens"
     await gw.flush_ledger()
     assert await gw.ledger_count(key_id=key["id"]) == 0
+
+
+async def test_a_grammar_that_fails_mid_answer_is_an_error_not_an_answer(gw: Gateway, key: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """llguidance can give up on a grammar mid-answer (its resource limits): the request then ends
+    (only the end of sequence is allowed) and must say it failed, not pass the cut text off as the
+    schema's JSON."""
+    from engines import guided
+
+    real = guided.Guide.catch_up
+
+    def failing(self: guided.Guide, tokenizer: Any, generated: list[int]) -> None:
+        real(self, tokenizer, generated)
+        if len(generated) >= 3 and self.failed is None:
+            self._fail("step limit reached (simulated)")
+
+    monkeypatch.setattr(guided.Guide, "catch_up", failing)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with pytest.raises(openai.InternalServerError) as caught:
+        await sdk(gw, key).chat.completions.create(model=MODEL, messages=ASK_PERSON, response_format=fmt, max_tokens=40)
+    assert caught.value.status_code == 503 and "guided decoding failed: step limit reached" in caught.value.message
+    await gw.flush_ledger()
+    assert await gw.ledger_count(key_id=key["id"], status="error") == 1
