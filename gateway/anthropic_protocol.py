@@ -181,6 +181,8 @@ class _ToolsAndMessages(_Model):
         choice = chat_tool_choice(self.tool_choice, self.tools)
         if choice is not None:
             body["tool_choice"] = choice
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("disable_parallel_tool_use") is True:
+            body["parallel_tool_calls"] = False  # at most one call
         return body
 
 

@@ -207,7 +207,7 @@ def _paths() -> dict[str, Any]:
         }, "MessagesRequest")},
         "/v1/messages/count_tokens": {"post": _anthropic("Prompt tokens of an Anthropic Messages request",
                                                          _json(_ref("MessageTokens")), "CountTokensRequest")},
-        "/v1/responses": {"post": _op("OpenAI Responses (text input and output; `store` keeps it, `previous_response_id` continues)", {"200": {
+        "/v1/responses": {"post": _op("OpenAI Responses (text, function tools and text.format; `store` keeps it, `previous_response_id` continues)", {"200": {
             "description": "The Response (JSON), or its typed SSE events (response.created ... response.completed) when `stream` is true",
             "content": {JSON: {"schema": _ref("Response")}, "text/event-stream": {"schema": STR}},
         }}, *WITH_BODY, 404, 429, body="ResponsesRequest")},

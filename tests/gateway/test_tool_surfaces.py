@@ -413,3 +413,31 @@ async def test_a_client_leaving_a_tool_stream_leaves_a_cancelled_row_with_what_w
             generated = len(llm.requests[-1].outputs[0].token_ids)
             assert (row["status"], row["api"]) == ("cancelled", path.rsplit("/", 1)[1])
             assert row["completion_tokens"] == generated >= 2 and row["prompt_tokens"] == len(llm.requests[-1].prompt_token_ids)
+
+
+# the translations alone ---------------------------------------------------------------------------------------
+def test_tool_choices_and_formats_translate_to_chats() -> None:
+    from gateway.anthropic_protocol import MessagesRequest
+    from gateway.openai_responses_protocol import ResponsesRequest
+
+    def responses(**fields: Any) -> dict[str, Any]:
+        return ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": RESPONSES_TOOLS, **fields}).chat_body()
+
+    def messages(**fields: Any) -> dict[str, Any]:
+        return MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                                               "tools": ANTHROPIC_TOOLS, **fields}).chat_body()
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert [responses(tool_choice=c).get("tool_choice") for c in ("auto", "none", "required", {"type": "function", "name": "get_weather"})] == [
+        "auto", "none", "required", named]
+    assert [messages(tool_choice=c)["tool_choice"] for c in ({"type": "auto"}, {"type": "none"}, {"type": "any"},
+                                                              {"type": "tool", "name": "get_weather"})] == ["auto", "none", "required", named]
+    assert messages(tool_choice={"type": "any", "disable_parallel_tool_use": True})["parallel_tool_calls"] is False
+    assert "parallel_tool_calls" not in messages(tool_choice={"type": "auto"})
+    assert responses(parallel_tool_calls=False)["parallel_tool_calls"] is False
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert responses(text={"format": {"type": "json_schema", "name": "A", "schema": schema, "strict": True}})["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}
+    assert responses(text={"format": {"type": "json_object"}})["response_format"] == {"type": "json_object"}
+    assert "response_format" not in responses(text={"format": {"type": "text"}})
+    assert messages(stop_sequences=[f"s{i}" for i in range(10)])["stop"] == [f"s{i}" for i in range(10)]  # Anthropic allows more than chat's 4
