@@ -285,6 +285,12 @@ async def test_openai_agents_one_tool_agent_run(gw: Any, monkeypatch: pytest.Mon
         assert (row["prompt_tokens"], row["completion_tokens"], row["api"]) == (
             response.usage.input_tokens, response.usage.output_tokens, "responses")
 
+    # Streamed (the SDK reads the typed events, function call arguments included), the same run.
+    streamed = Runner.run_streamed(agent, QUESTION)
+    kinds = [e.type async for e in streamed.stream_events()]
+    assert asked == ["Paris", "Paris"] and streamed.final_output == ANSWER and "raw_response_event" in kinds
+    assert [r.usage.output_tokens for r in streamed.raw_responses] == [r.usage.output_tokens for r in result.raw_responses]
+
 
 # Anthropic Messages API ------------------------------------------------------------------------------------
 async def claude(gw: Any) -> anthropic.AsyncAnthropic:
