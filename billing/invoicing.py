@@ -45,7 +45,8 @@ PERIODS = BillingPeriod.__table__
 INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
 BILLABLE_STATUSES = ("completed", "cancelled")
-DIRECTIONS = ("input", "output")
+DIRECTIONS = ("input", "cached", "output")  # cached: prompt tokens at the price's cached-input price
+DIRECTION_NAMES = {"input": "input", "cached": "cached input", "output": "output"}
 CLOSE_LOCK_KEY = 0x746F6C6C67617465  # "tollgate": one monthly close at a time across instances
 MILLION = Decimal(1_000_000)
 
@@ -106,23 +107,31 @@ async def priced_usage(
             segment.label("seg"),
             LEDGER.c.prompt_tokens.label("prompt"),
             LEDGER.c.completion_tokens.label("completion"),
+            sa.case((LEDGER.c.cached_tokens > LEDGER.c.prompt_tokens, LEDGER.c.prompt_tokens),
+                    else_=sa.func.coalesce(LEDGER.c.cached_tokens, 0)).label("cached"),
         )
         .where(
             LEDGER.c.account_id == account_id,
             created >= start,
             created < end,
             LEDGER.c.status.in_(BILLABLE_STATUSES),
+            # a prepaid account's usage was paid from its balance (billing/credits.py): never invoiced
+            ~sa.exists().where(ACCOUNTS.c.id == LEDGER.c.account_id, ACCOUNTS.c.prepaid_since.is_not(None),
+                               LEDGER.c.created_at >= ACCOUNTS.c.prepaid_since),
         )
         .subquery()
     )
     query = sa.select(
-        rows.c.model, rows.c.seg, sa.func.sum(rows.c.prompt).label("prompt"), sa.func.sum(rows.c.completion).label("completion")
+        rows.c.model, rows.c.seg, sa.func.sum(rows.c.prompt).label("prompt"), sa.func.sum(rows.c.completion).label("completion"),
+        sa.func.sum(rows.c.cached).label("cached"),
     ).group_by(rows.c.model, rows.c.seg)
     out: dict[PriceKey, PricedTokens] = {}
     for row in (await conn.execute(query)).all():
         at = bounds[int(row.seg)]
         price = book.price_for(account_id, row.model, at)
-        for direction, tokens in (("input", int(row.prompt or 0)), ("output", int(row.completion or 0))):
+        # Cached prompt tokens get their own line where the price has a cached-input price.
+        cached = int(row.cached or 0) if price is not None and price.cached_input_per_million is not None else 0
+        for direction, tokens in (("input", int(row.prompt or 0) - cached), ("cached", cached), ("output", int(row.completion or 0))):
             if tokens == 0:
                 continue
             key = _key(str(Period.containing(at)), row.model, direction, price)
@@ -134,7 +143,7 @@ async def priced_usage(
 def _key(period: str, model: str, direction: str, price: EffectivePrice | None) -> PriceKey:
     if price is None:
         return PriceKey(period, model, direction, None, None, None)
-    unit = price.input_per_million if direction == "input" else price.output_per_million
+    unit = {"input": price.input_per_million, "cached": price.cached_input_per_million, "output": price.output_per_million}[direction]
     return PriceKey(period, model, direction, price.price_version_id, price.override_id, unit)
 
 
@@ -188,7 +197,7 @@ class LineDraft:
 
 
 def _describe(kind: str, key: PriceKey, tokens: int, price: EffectivePrice | None, period: Period) -> str:
-    what = f"{key.model}, {key.direction} tokens: {tokens:,}"
+    what = f"{key.model}, {DIRECTION_NAMES[key.direction]} tokens: {tokens:,}"
     if price is None or key.unit_price is None:
         text = f"{what}, no price in force (not charged)"
     else:

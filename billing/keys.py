@@ -68,6 +68,7 @@ class Principal:
     key_limits: Limits = Limits()
     account_limits: Limits = Limits()
     priority: str | None = None  # the account's scheduling class; None: the top class
+    prepaid: bool = False  # the account spends a prepaid balance (billing/credits.py)
 
     def expired(self, now: datetime | None = None) -> bool:
         if self.expires_at is None:
@@ -105,6 +106,7 @@ def _account_view(row: Any) -> dict[str, Any]:
         "name": row.name,
         "limits": Limits.from_json(row.limits).view(),
         "priority": row.priority,
+        "billing_mode": row.billing_mode,
         "created_at": _aware(row.created_at).isoformat(),
     }
 
@@ -302,6 +304,10 @@ class KeyStore:
             self._cache[digest] = (time.monotonic(), principal)
         return principal
 
+    def invalidate(self) -> None:
+        """An account's billing mode changed elsewhere (billing/credits.py): forget cached principals."""
+        self._invalidate()
+
     def _invalidate(self) -> None:
         """A key or account changed here: forget every cached answer, and any read now in flight."""
         self._generation += 1
@@ -309,7 +315,8 @@ class KeyStore:
 
     async def _principal_from_db(self, digest: str) -> Principal | None:
         query = (
-            sa.select(KEYS, ACCOUNTS.c.limits.label("account_limits"), ACCOUNTS.c.priority.label("account_priority"))
+            sa.select(KEYS, ACCOUNTS.c.limits.label("account_limits"), ACCOUNTS.c.priority.label("account_priority"),
+                      ACCOUNTS.c.billing_mode.label("billing_mode"))
             .join(ACCOUNTS, ACCOUNTS.c.id == KEYS.c.account_id)
             .where(KEYS.c.key_hash == digest)
         )
@@ -327,4 +334,5 @@ class KeyStore:
             key_limits=Limits.from_json(row.limits),
             account_limits=Limits.from_json(row.account_limits),
             priority=row.account_priority,
+            prepaid=row.billing_mode == "prepaid",
         )

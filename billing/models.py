@@ -25,6 +25,10 @@ class Account(SQLModel, table=True):
     )
     # The plan's scheduling class (engines/scheduler.py), e.g. "batch"; NULL means the top class.
     priority: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
+    # postpaid (monthly invoice) | prepaid (spends a balance of credit; billing/credits.py)
+    billing_mode: str = Field(default="postpaid", sa_column=sa.Column(sa.String(16), nullable=False, server_default="postpaid"))
+    # When it became prepaid: its usage from then on is debited from its balance.
+    prepaid_since: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
 
 
 class ApiKey(SQLModel, table=True):
@@ -64,6 +68,8 @@ class Price(SQLModel, table=True):
     model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
     input_per_million: Decimal = Field(sa_column=sa.Column(sa.Numeric(18, 3), nullable=False))
     output_per_million: Decimal = Field(sa_column=sa.Column(sa.Numeric(18, 3), nullable=False))
+    # Prompt tokens served from the engine's prefix cache (ledger cached_tokens); NULL: billed as input.
+    cached_input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
     currency: str = Field(default="USD", sa_column=sa.Column(sa.String(3), nullable=False, default="USD"))
     effective_from: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
     created_at: datetime = Field(
@@ -112,3 +118,5 @@ LEDGER_STATUSES = ("completed", "cancelled", "error", "interrupted")  # interrup
 from billing.usage_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
 from billing import invoice_models  # noqa: E402,F401  (registers the invoice and billing tables)
 from billing import response_models  # noqa: E402,F401  (registers stored_responses, the Responses API's store)
+from billing import credit_models  # noqa: E402,F401  (registers credit_entries, the prepaid credit ledger)
+from billing import alert_models  # noqa: E402,F401  (registers the spend alert tables)

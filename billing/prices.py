@@ -11,6 +11,10 @@ Money is exact: base prices are Decimal with at most 3 decimal places per millio
 token's base price is a whole number of nano-USD (1e-9), the unit quotas and the ledger count in.
 Multipliers have at most 6 places, so an effective price has at most 9; `EffectivePrice.cost_nanos`
 rounds half up to whole nano-USD once per request.
+
+A version may set a cached-input price: prompt tokens the engine served from its prefix cache
+(the ledger's `cached_tokens`) cost that instead of the input price. Without one, or when the
+engine did not say, every prompt token costs the input price.
 """
 
 from __future__ import annotations
@@ -79,11 +83,14 @@ class PriceVersion:
     output_per_million: Decimal
     currency: str
     effective_from: datetime
+    cached_input_per_million: Decimal | None = None
 
-    def cost_nanos(self, prompt_tokens: int, completion_tokens: int) -> int:
+    def cost_nanos(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> int:
         per_in = int(self.input_per_million * NANOS_PER_MILLION_UNIT)
         per_out = int(self.output_per_million * NANOS_PER_MILLION_UNIT)
-        return prompt_tokens * per_in + completion_tokens * per_out
+        cached = cached_part(prompt_tokens, cached_tokens, self.cached_input_per_million)
+        per_cached = int(self.cached_input_per_million * NANOS_PER_MILLION_UNIT) if cached else 0
+        return (prompt_tokens - cached) * per_in + cached * per_cached + completion_tokens * per_out
 
     def view(self) -> dict[str, Any]:
         return {
@@ -92,9 +99,17 @@ class PriceVersion:
             "model": self.model,
             "input_per_million": str(self.input_per_million),
             "output_per_million": str(self.output_per_million),
+            "cached_input_per_million": _str(self.cached_input_per_million),
             "currency": self.currency,
             "effective_from": self.effective_from.isoformat(),
         }
+
+
+def cached_part(prompt_tokens: int, cached_tokens: int | None, cached_price: Decimal | None) -> int:
+    """The prompt tokens priced at the cached-input price: none without one or when the engine did not say."""
+    if cached_price is None or not cached_tokens or cached_tokens < 0:
+        return 0
+    return min(cached_tokens, prompt_tokens)
 
 
 def parse_multiplier(value: Any, field: str = "multiplier") -> Decimal:
@@ -150,6 +165,7 @@ class EffectivePrice:
     currency: str
     version: PriceVersion | None  # None under a custom price override
     override: OverrideVersion | None
+    cached_input_per_million: Decimal | None = None  # None: cached prompt tokens cost the input price
 
     @property
     def price_version_id(self) -> int | None:
@@ -164,23 +180,27 @@ class EffectivePrice:
         return self.price_version_id
 
     @functools.cached_property
-    def _whole_nanos(self) -> tuple[int, int] | None:
-        """Nano-units per input and output token when both are whole numbers (every base price:
-        3 decimal places), else None (a multiplier can leave fractions of a nano-unit)."""
-        per_in = EXACT.multiply(self.input_per_million, Decimal(NANOS_PER_MILLION_UNIT))
-        per_out = EXACT.multiply(self.output_per_million, Decimal(NANOS_PER_MILLION_UNIT))
-        if per_in == per_in.to_integral_value() and per_out == per_out.to_integral_value():
-            return int(per_in), int(per_out)
+    def _whole_nanos(self) -> tuple[int, int, int] | None:
+        """Nano-units per input, output and cached-input token when all are whole numbers (every
+        base price: 3 decimal places), else None (a multiplier can leave fractions of a nano-unit)."""
+        units = [EXACT.multiply(p, Decimal(NANOS_PER_MILLION_UNIT))
+                 for p in (self.input_per_million, self.output_per_million, self.cached_input_per_million or Decimal(0))]
+        if all(u == u.to_integral_value() for u in units):
+            return int(units[0]), int(units[1]), int(units[2])
         return None
 
-    def cost_nanos(self, prompt_tokens: int, completion_tokens: int) -> int:
+    def cost_nanos(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> int:
+        cached = cached_part(prompt_tokens, cached_tokens, self.cached_input_per_million)
         whole = self._whole_nanos
         if whole is not None:  # integer arithmetic, the same exact result
-            return prompt_tokens * whole[0] + completion_tokens * whole[1]
+            return (prompt_tokens - cached) * whole[0] + completion_tokens * whole[1] + cached * whole[2]
         exact = EXACT.add(
-            EXACT.multiply(Decimal(prompt_tokens), self.input_per_million),
+            EXACT.multiply(Decimal(prompt_tokens - cached), self.input_per_million),
             EXACT.multiply(Decimal(completion_tokens), self.output_per_million),
         )
+        if cached:
+            assert self.cached_input_per_million is not None
+            exact = EXACT.add(exact, EXACT.multiply(Decimal(cached), self.cached_input_per_million))
         return int(EXACT.multiply(exact, Decimal(NANOS_PER_MILLION_UNIT)).quantize(Decimal(1), ROUND_HALF_UP, EXACT))
 
     def view(self) -> dict[str, Any]:
@@ -189,6 +209,7 @@ class EffectivePrice:
             "model": self.model,
             "input_per_million": format(self.input_per_million, "f"),
             "output_per_million": format(self.output_per_million, "f"),
+            "cached_input_per_million": _str(self.cached_input_per_million),
             "currency": self.currency,
             "price_version": self.version.view() if self.version else None,
             "override": self.override.view() if self.override else None,
@@ -250,6 +271,9 @@ def _version(row: Any) -> PriceVersion:
         output_per_million=Decimal(row.output_per_million).quantize(Decimal("0.001")),
         currency=row.currency,
         effective_from=_aware(row.effective_from),
+        cached_input_per_million=(
+            None if row.cached_input_per_million is None else Decimal(row.cached_input_per_million).quantize(Decimal("0.001"))
+        ),
     )
 
 
@@ -318,8 +342,10 @@ class PriceBook:
             return None
         scaling = specific or self._active_override(account_id, ANY_MODEL, when)
         if scaling is None:
-            return EffectivePrice(model, base.input_per_million, base.output_per_million, base.currency, base, None)
+            return EffectivePrice(model, base.input_per_million, base.output_per_million, base.currency, base, None,
+                                  base.cached_input_per_million)
         assert scaling.multiplier is not None
+        cached = base.cached_input_per_million
         return EffectivePrice(
             model,
             _tidy(EXACT.multiply(base.input_per_million, scaling.multiplier)),
@@ -327,6 +353,7 @@ class PriceBook:
             base.currency,
             base,
             scaling,
+            None if cached is None else _tidy(EXACT.multiply(cached, scaling.multiplier)),
         )
 
     def _active_override(self, account_id: int, model: str, when: datetime) -> OverrideVersion | None:
@@ -389,6 +416,7 @@ class PriceBook:
         effective_from: datetime | None = None,
         *,
         backdate: bool = False,
+        cached_input_per_million: Any = None,
     ) -> PriceVersion:
         """Adds a version. Scheduling in the past is refused (past versions are never rewritten),
         unless `backdate`, which still refuses any instant inside a closed billing period."""
@@ -400,6 +428,9 @@ class PriceBook:
             model=model,
             input_per_million=parse_price(input_per_million, "input_per_million"),
             output_per_million=parse_price(output_per_million, "output_per_million"),
+            cached_input_per_million=(
+                None if cached_input_per_million is None else parse_price(cached_input_per_million, "cached_input_per_million")
+            ),
             currency="USD",
             effective_from=start,
             created_at=now,

@@ -9,6 +9,11 @@ ledger before more traffic is admitted.
 
 Backends: `RedisLimiter` (Lua scripts, one round trip each for reserve and settle) and
 `MemoryLimiter` (one process, same semantics) for the embedded default.
+
+A prepaid account's scope also holds its balance (billing/credits.py): credits (each credit-ledger
+row applied once, by id) minus usage settled since it became prepaid. Admission reserves the worst
+case against credits - spent - held in the same atomic step; settlement adds the actual cost to
+spent and releases the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing import resp
+from billing.credits import prepaid_totals
 from billing.limits import Limits
 from billing.models import LedgerEntry
 
@@ -39,6 +45,7 @@ log = logging.getLogger("tollgate.quota")
 LEDGER = LedgerEntry.__table__
 UNLIMITED = -1
 MONTHLY = ("monthly_tokens", "monthly_spend")
+BALANCE = "insufficient_quota"  # a prepaid account's balance is too low for the worst case (OpenAI's code)
 # How long a settlement nobody waits for may wait to share its Redis round trip with the next call
 # (usually the next request's reservation: one send and one reply read instead of two each). Its
 # hold stays that much longer: conservative (never an overspend), and too short to matter to limits.
@@ -50,13 +57,18 @@ class Scope:
     kind: str  # "key" | "account"
     id: int
     limits: Limits
+    prepaid: bool = False  # an account that spends its prepaid balance
 
     @property
     def name(self) -> str:
         return f"{self.kind[0]}{self.id}"
 
+    @property
+    def limited(self) -> bool:
+        return self.prepaid or not self.limits.empty
+
     def limit_args(self) -> tuple[int, ...]:
-        return _limit_args(self.limits)
+        return (*_limit_args(self.limits), 1 if self.prepaid else 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -95,15 +107,25 @@ class Hold:
 
 
 class QuotaExceeded(Exception):
-    def __init__(self, scope: Scope, limit: str, retry_after: int, headers: dict[str, str]) -> None:
+    def __init__(self, scope: Scope, limit: str, retry_after: int, headers: dict[str, str], balance: int | None = None) -> None:
         self.scope = scope
         self.limit = limit
         self.retry_after = retry_after
         self.headers = headers
-        self.error_type = "insufficient_quota" if limit in MONTHLY else "rate_limit_exceeded"
+        self.error_type = "insufficient_quota" if limit in MONTHLY or limit == BALANCE else "rate_limit_exceeded"
         owner = "API key" if scope.kind == "key" else "account"
+        if limit == BALANCE:
+            super().__init__(f"The account's prepaid balance (${usd(balance or 0)} available) is too low for this "
+                             "request's worst-case cost; add credit to continue.")
+            return
         value = scope.limits.view().get(limit)
         super().__init__(f"The {owner}'s {limit} limit ({value}) is reached.")
+
+
+def usd(nanos: int) -> str:
+    """Exact nano-USD as dollars with 9 places."""
+    sign = "-" if nanos < 0 else ""
+    return f"{sign}{abs(nanos) // 10**9}.{abs(nanos) % 10**9:09d}"
 
 
 class QuotaUnavailable(Exception):
@@ -135,6 +157,8 @@ def seconds_to_next_month(now: float) -> int:
 
 
 def retry_after(limit: str, now: float) -> int:
+    if limit == BALANCE:
+        return 60  # until someone adds credit
     if limit in MONTHLY:
         return seconds_to_next_month(now)
     if limit == "max_concurrent":
@@ -165,6 +189,8 @@ class ScopeTotals:
     month_nanos: int = 0
     minute_requests: int = 0
     minute_tokens: int = 0
+    credits: tuple[tuple[int, int], ...] = ()  # prepaid: (credit row id, nano-USD) of every non-usage row
+    spent: int = 0  # prepaid: cost of usage since the account became prepaid
 
 
 class LedgerTotals:
@@ -202,6 +228,8 @@ class LedgerTotals:
                     )
                 ).one()
                 out[scope.name] = ScopeTotals(int(month[0]), int(month[1]), int(minute[0]), int(minute[1]))
+                if scope.prepaid:
+                    out[scope.name].credits, out[scope.name].spent = await prepaid_totals(conn, scope.id)
         return out
 
 
@@ -214,7 +242,7 @@ class Limiter(abc.ABC):
 
     async def reserve(self, request_id: str, scopes: list[Scope], tokens: int, nanos: int, now: float | None = None) -> Hold:
         now = time.time() if now is None else now
-        limited = tuple(s for s in scopes if not s.limits.empty)
+        limited = tuple(s for s in scopes if s.limited)
         hold = Hold(request_id, limited, tokens, nanos, minute_of(now), month_of(now))
         if not limited:
             return hold
@@ -229,7 +257,8 @@ class Limiter(abc.ABC):
             if outcome[0] == "deny":
                 scope = next(s for s in limited if s.name == outcome[1])
                 limit = outcome[2]
-                raise QuotaExceeded(scope, limit, retry_after(limit, now), ratelimit_headers(limited, outcome[3], now))
+                raise QuotaExceeded(scope, limit, retry_after(limit, now), ratelimit_headers(limited, outcome[3], now),
+                                    int(outcome[4]) if len(outcome) > 4 else None)
             # "sync": some scopes have no counters for this window; rebuild them from the ledger.
             missing = [s for s in limited if s.name in outcome[1]]
             try:
@@ -250,6 +279,10 @@ class Limiter(abc.ABC):
         """Commits actual usage and releases the rest. False when already settled. `background`:
         nobody waits for the answer, so the store's round trip may be shared with the next call
         (RedisLimiter: up to SETTLE_LINGER seconds)."""
+
+    @abc.abstractmethod
+    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+        """A credit-ledger row (not usage) changed a prepaid balance: applied once per row id."""
 
     @abc.abstractmethod
     async def invalidate(self, scope: Scope) -> None:
@@ -273,6 +306,9 @@ class _ScopeState:
     month_nanos: int = 0
     minutes: dict[int, list[int]] = field(default_factory=dict)  # minute -> [requests, tokens]
     holds: dict[str, tuple[int, int, int, float]] = field(default_factory=dict)  # rid -> tokens, nanos, minute, expiry
+    balance_synced: bool = False  # prepaid: credits and spent read from the database
+    credits: dict[int, int] = field(default_factory=dict)  # credit row id -> nano-USD
+    spent: int = 0
 
     def held(self) -> tuple[int, int]:
         return sum(h[0] for h in self.holds.values()), sum(h[1] for h in self.holds.values())
@@ -287,7 +323,8 @@ class MemoryLimiter(Limiter):
         self._settled: dict[str, float] = {}
 
     async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
-        missing = [s.name for s in hold.scopes if s.name not in self._scopes or self._scopes[s.name].month != hold.month]
+        missing = [s.name for s in hold.scopes if s.name not in self._scopes or self._scopes[s.name].month != hold.month
+                   or (s.prepaid and not self._scopes[s.name].balance_synced)]
         if missing:
             return ("sync", missing)
         remaining: list[tuple[int, int]] = []
@@ -295,19 +332,22 @@ class MemoryLimiter(Limiter):
             state = self._scopes[scope.name]
             for rid in [r for r, h in state.holds.items() if h[3] <= now]:
                 del state.holds[rid]
-            rpm, tpm, conc, mtok, mspend = scope.limit_args()
+            rpm, tpm, conc, mtok, mspend, prepaid = scope.limit_args()
             requests, tokens = state.minutes.get(hold.minute, [0, 0])
             held_tok, held_nanos = state.held()
+            available = sum(state.credits.values()) - state.spent - held_nanos
             denied = (
                 "rpm" if rpm >= 0 and requests + 1 > rpm else
                 "tpm" if tpm >= 0 and tokens + hold.tokens > tpm else
                 "max_concurrent" if conc >= 0 and len(state.holds) + 1 > conc else
                 "monthly_tokens" if mtok >= 0 and state.month_tokens + held_tok + hold.tokens > mtok else
                 "monthly_spend" if mspend >= 0 and state.month_nanos + held_nanos + hold.nanos > mspend else
+                BALANCE if prepaid and hold.nanos > available else
                 None
             )
             if denied:
-                return ("deny", scope.name, denied, [(max(0, rpm - requests), max(0, tpm - tokens)) for _ in hold.scopes])
+                return ("deny", scope.name, denied, [(max(0, rpm - requests), max(0, tpm - tokens)) for _ in hold.scopes],
+                        max(0, available))
             remaining.append((rpm - requests - 1, tpm - tokens - hold.tokens))
         expiry = now + self.hold_seconds
         for scope in hold.scopes:
@@ -324,14 +364,18 @@ class MemoryLimiter(Limiter):
         month, minute = month_of(now), minute_of(now)
         for scope in scopes:
             current = self._scopes.get(scope.name)
-            if current is not None and current.month == month:
-                continue
             t = totals[scope.name]
-            state = _ScopeState(month=month, month_tokens=t.month_tokens, month_nanos=t.month_nanos)
-            state.minutes[minute] = [t.minute_requests, t.minute_tokens]
-            if current is not None:
-                state.holds = current.holds
-            self._scopes[scope.name] = state
+            if current is None or current.month != month:
+                state = _ScopeState(month=month, month_tokens=t.month_tokens, month_nanos=t.month_nanos)
+                state.minutes[minute] = [t.minute_requests, t.minute_tokens]
+                if current is not None:
+                    state.holds = current.holds
+                    state.balance_synced, state.credits, state.spent = current.balance_synced, current.credits, current.spent
+                self._scopes[scope.name] = state
+            state = self._scopes[scope.name]
+            if scope.prepaid and not state.balance_synced:
+                state.credits.update(t.credits)  # rows applied meanwhile stay applied once
+                state.spent, state.balance_synced = t.spent, True
 
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
         if hold.degraded or not hold.scopes or hold.request_id in self._settled:
@@ -350,12 +394,19 @@ class MemoryLimiter(Limiter):
             if state.month == hold.month:
                 state.month_tokens += tokens
                 state.month_nanos += nanos
+            if state.balance_synced:
+                state.spent += nanos
         return True
+
+    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+        state = self._scopes.setdefault(Scope("account", account_id, Limits()).name, _ScopeState())
+        state.credits.setdefault(entry_id, nanos)
 
     async def invalidate(self, scope: Scope) -> None:
         state = self._scopes.get(scope.name)
         if state is not None:
             state.month = ""  # counters rebuilt from the ledger at the next admission; holds kept
+            state.balance_synced = False
 
     async def counters(self, scope: Scope, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
@@ -368,6 +419,7 @@ class MemoryLimiter(Limiter):
             "minute_requests": requests, "minute_tokens": tokens, "in_flight": len(state.holds),
             "month_tokens": state.month_tokens, "month_nanos": state.month_nanos,
             "held_tokens": held_tok, "held_nanos": held_nanos,
+            "credits_nanos": sum(state.credits.values()), "spent_nanos": state.spent,
         }
 
 
@@ -378,6 +430,8 @@ class MemoryLimiter(Limiter):
 #   {p}{scope}:holds (hash rid -> "tok:nanos:minute")  {p}{scope}:hexp (zset rid -> expiry)
 #   {p}{scope}:held:tok  {p}{scope}:held:nanos                 sums of live holds
 #   {p}{scope}:synced:{month}:{epoch}                          counters valid for this month
+#   {p}{scope}:cred (hash credit row id -> nanos)  {p}{scope}:cred:sum  {p}{scope}:spent   prepaid balance
+#   {p}{scope}:bsynced:{epoch}                                 balance read from the database
 #   {p}proc:{id} (one per gateway process; gone = Redis lost its state, re-register live holds)
 #   {p}epoch (bumped to force a rebuild of every scope)   {p}settled:{rid} (settle once)
 
@@ -392,16 +446,17 @@ local now = tonumber(ARGV[2]); local rid = ARGV[3]; local minute = ARGV[4]; loca
 local expiry = tonumber(ARGV[6]); local tok = tonumber(ARGV[7]); local nanos = tonumber(ARGV[8])
 local n = tonumber(ARGV[9])
 -- This process's marker gone: Redis lost its state; re-register our live holds before anything else.
-if redis.call('EXISTS', ARGV[10 + n * 6]) == 0 then return {'lost'} end
+if redis.call('EXISTS', ARGV[10 + n * 7]) == 0 then return {'lost'} end
 local scopes = {}
 local missing = {}
 for i = 0, n - 1 do
-  local b = 10 + i * 6
+  local b = 10 + i * 7
   local s = {name = ARGV[b], rpm = tonumber(ARGV[b + 1]), tpm = tonumber(ARGV[b + 2]), conc = tonumber(ARGV[b + 3]),
-             mtok = tonumber(ARGV[b + 4]), mspend = tonumber(ARGV[b + 5])}
+             mtok = tonumber(ARGV[b + 4]), mspend = tonumber(ARGV[b + 5]), prepaid = ARGV[b + 6] == '1'}
   s.k = p .. s.name .. ':'
   scopes[#scopes + 1] = s
-  if redis.call('EXISTS', s.k .. 'synced:' .. month .. ':' .. epoch) == 0 then missing[#missing + 1] = s.name end
+  if redis.call('EXISTS', s.k .. 'synced:' .. month .. ':' .. epoch) == 0
+     or (s.prepaid and redis.call('EXISTS', s.k .. 'bsynced:' .. epoch) == 0) then missing[#missing + 1] = s.name end
 end
 if #missing > 0 then return {'sync', missing} end
 -- A retried call for a request already reserved changes nothing.
@@ -426,6 +481,7 @@ for _, s in ipairs(scopes) do
 end
 local remaining = {}
 local denied = nil
+local available = 0
 for _, s in ipairs(scopes) do
   local requests = num(s.k .. 'rpm:' .. minute)
   local tokens = num(s.k .. 'tpm:' .. minute)
@@ -435,11 +491,14 @@ for _, s in ipairs(scopes) do
     elseif s.conc >= 0 and redis.call('ZCARD', s.k .. 'hexp') + 1 > s.conc then denied = {s.name, 'max_concurrent'}
     elseif s.mtok >= 0 and num(s.k .. 'mtok:' .. month) + num(s.k .. 'held:tok') + tok > s.mtok then denied = {s.name, 'monthly_tokens'}
     elseif s.mspend >= 0 and num(s.k .. 'mspend:' .. month) + num(s.k .. 'held:nanos') + nanos > s.mspend then denied = {s.name, 'monthly_spend'}
+    elseif s.prepaid then
+      available = num(s.k .. 'cred:sum') - num(s.k .. 'spent') - num(s.k .. 'held:nanos')
+      if nanos > available then denied = {s.name, 'insufficient_quota'} end
     end
   end
   remaining[#remaining + 1] = {s.rpm - requests, s.tpm - tokens}
 end
-if denied then return {'deny', denied[1], denied[2], remaining} end
+if denied then return {'deny', denied[1], denied[2], remaining, math.max(0, available)} end
 for i, s in ipairs(scopes) do
   redis.call('INCR', s.k .. 'rpm:' .. minute)
   redis.call('EXPIRE', s.k .. 'rpm:' .. minute, 180)
@@ -477,6 +536,7 @@ for i = 0, n - 1 do
     redis.call('INCRBY', k .. 'mtok:' .. month, tok)
     redis.call('INCRBY', k .. 'mspend:' .. month, nanos)
   end
+  if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 1 then redis.call('INCRBY', k .. 'spent', nanos) end
 end
 return 1
 """
@@ -521,6 +581,27 @@ for i = 0, n - 1 do
     redis.call('SET', synced, '1', 'EX', ttl)
   end
 end
+-- Prepaid balances: each credit row once (HSETNX keeps rows credited meanwhile), spent from the ledger.
+local i = 5 + n * 5
+for _ = 1, tonumber(ARGV[i] or '0') do
+  local k = p .. ARGV[i + 1] .. ':'
+  local rows = tonumber(ARGV[i + 3])
+  if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 0 then
+    for j = 0, rows - 1 do redis.call('HSETNX', k .. 'cred', ARGV[i + 4 + j * 2], ARGV[i + 5 + j * 2]) end
+    local sum = 0
+    for _, v in ipairs(redis.call('HVALS', k .. 'cred')) do sum = sum + tonumber(v) end
+    redis.call('SET', k .. 'cred:sum', sum)
+    redis.call('SET', k .. 'spent', ARGV[i + 2])
+    redis.call('SET', k .. 'bsynced:' .. epoch, '1')
+  end
+  i = i + 4 + rows * 2
+end
+return 1
+"""
+
+CREDIT_LUA = _LUA_COMMON + """
+local k = p .. ARGV[2] .. ':'
+if redis.call('HSETNX', k .. 'cred', ARGV[3], ARGV[4]) == 1 then redis.call('INCRBY', k .. 'cred:sum', ARGV[4]) end
 return 1
 """
 
@@ -665,7 +746,7 @@ class RedisLimiter(Limiter):
             self._live[hold.request_id] = (hold, now + self.hold_seconds)
             return ("ok", [tuple(r) for r in result[1]])
         if result[0] == "deny":
-            return ("deny", result[1], result[2], [tuple(r) for r in result[3]])
+            return ("deny", result[1], result[2], [tuple(r) for r in result[3]], int(result[4]))
         return ("sync", list(result[1]))
 
     async def _seed(self, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None:
@@ -673,7 +754,15 @@ class RedisLimiter(Limiter):
         for scope in scopes:
             t = totals[scope.name]
             args += [scope.name, t.month_tokens, t.month_nanos, t.minute_requests, t.minute_tokens]
+        prepaid = [s for s in scopes if s.prepaid]
+        args.append(len(prepaid))
+        for scope in prepaid:
+            t = totals[scope.name]
+            args += [scope.name, t.spent, len(t.credits), *[v for row in t.credits for v in row]]
         await self._call(self._seed_script, args)
+
+    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+        await self._redis.eval(CREDIT_LUA, 0, self.prefix, Scope("account", account_id, Limits()).name, entry_id, nanos)
 
     async def _rehold(self, now: float) -> None:
         """Puts this process's unsettled holds back (after Redis lost them) and marks the process seen."""
@@ -733,13 +822,14 @@ class RedisLimiter(Limiter):
         now = time.time() if now is None else now
         k = f"{self.prefix}{scope.name}:"
         minute, month = minute_of(now), month_of(now)
-        names = [f"rpm:{minute}", f"tpm:{minute}", f"mtok:{month}", f"mspend:{month}", "held:tok", "held:nanos"]
+        names = [f"rpm:{minute}", f"tpm:{minute}", f"mtok:{month}", f"mspend:{month}", "held:tok", "held:nanos", "cred:sum", "spent"]
         values = await self._redis.mget([k + n for n in names])
         in_flight = await self._redis.zcard(k + "hexp")
         ints = [int(v or 0) for v in values]
         return {
             "minute_requests": ints[0], "minute_tokens": ints[1], "in_flight": int(in_flight),
             "month_tokens": ints[2], "month_nanos": ints[3], "held_tokens": ints[4], "held_nanos": ints[5],
+            "credits_nanos": ints[6], "spent_nanos": ints[7],
         }
 
     async def flush_all(self) -> None:

@@ -39,7 +39,9 @@ def render_html(invoice: dict[str, Any]) -> str:
         for line in invoice["lines"]
     )
     versions = "\n".join(
-        f"<li>{e(v['model'])}: ${e(v['input_per_million'])} input, ${e(v['output_per_million'])} output per 1M tokens"
+        f"<li>{e(v['model'])}: ${e(v['input_per_million'])} input, "
+        + (f"${e(v['cached_input_per_million'])} cached input, " if v.get("cached_input_per_million") else "")
+        + f"${e(v['output_per_million'])} output per 1M tokens"
         + (f" (price version {v['price_version']['id']} from {e(_date(v['price_version']['effective_from']))})" if v.get("price_version") else "")
         + (f" (override {v['override']['id']}: {e(v['override']['kind'])})" if v.get("override") else "")
         + "</li>"

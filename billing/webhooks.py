@@ -55,6 +55,9 @@ class WebhookHandler:
         self._secret = secret
         self._grace = grace_seconds
         self._on_change = on_change
+        # Other event kinds (prepaid top-ups, billing/checkout.py): kind -> re-read -> apply in the event's transaction
+        self.extra: dict[str, Callable[[dict[str, Any]], Awaitable[Apply | None]]] = {}
+        self.after: list[Callable[[int], Awaitable[None]]] = []  # after the commit of a change to an account
 
     async def handle(self, payload: bytes, signature: str | None) -> dict[str, Any]:
         try:
@@ -81,6 +84,8 @@ class WebhookHandler:
                 state = await recompute(conn, account_id, now=utcnow(), grace_seconds=self._grace)
         if account_id is not None and self._on_change is not None:
             await self._on_change(account_id)
+        for hook in self.after if account_id is not None else []:
+            await hook(account_id)
         result: dict[str, Any] = {"received": True, "id": event_id, "type": kind, "account_id": account_id}
         if account_id is not None:
             result["state"] = state
@@ -102,6 +107,8 @@ class WebhookHandler:
             if kind in SUBSCRIPTION_EVENTS:
                 subscription = _plain(await self._stripe.v1.subscriptions.retrieve_async(object_id))
                 return lambda conn: self._apply_subscription(conn, subscription, created)
+            if kind in self.extra:
+                return await self.extra[kind](obj)
         except InvalidRequestError as exc:
             if exc.http_status == 404:  # deleted on Stripe's side (e.g. a draft): nothing of ours to change
                 return None

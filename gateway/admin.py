@@ -68,6 +68,7 @@ class AddPrice(_Model):
     model: str = Field(min_length=1, max_length=128)
     input_per_million: StrictStr | StrictInt  # strict: JSON true is no price
     output_per_million: StrictStr | StrictInt
+    cached_input_per_million: StrictStr | StrictInt | None = None  # prompt tokens served from the engine's prefix cache
     effective_from: datetime | None = None
 
     def check_supported(self) -> None:
@@ -169,7 +170,8 @@ async def add_price(request: Request) -> Response:
     await authenticate_admin(request, state.keys)
     body = parse(AddPrice, await read_json(request, state.settings.max_body_bytes))
     try:
-        version = await state.prices.add(body.model, body.input_per_million, body.output_per_million, body.effective_from)
+        version = await state.prices.add(body.model, body.input_per_million, body.output_per_million, body.effective_from,
+                                         cached_input_per_million=body.cached_input_per_million)
     except InvalidPrice as exc:
         raise InvalidRequest(str(exc), code="invalid_value") from None
     return json_response(version.view(), 201)

@@ -30,6 +30,7 @@ from engines.base import Engine, EngineError
 from engines.scheduler import ScheduledEngine, schedule_engines
 from gateway import admin, anthropic_api, dashboard, drain, openai_responses
 from gateway import billing_api
+from gateway import credits_api  # issue 25
 from gateway import embeddings_api, response_cache  # issue 10
 from engines.router import route_body  # issue 10
 from gateway.config import Settings
@@ -418,6 +419,7 @@ def create_app(
         await embeddings_api.start(app)  # issue 10
         await response_cache.start(app)  # issue 10
         await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
+        await credits_api.start(app)  # prepaid credit (issue 25)
         loading: list[asyncio.Task[None]] = []
         app.state.load_failures = {}
         app.state.model_loads = loading  # the background loads (tests wait on them)
@@ -433,6 +435,7 @@ def create_app(
             yield
         finally:
             await billing_api.stop(app)
+            await credits_api.stop(app)
             await embeddings_api.stop(app)  # issue 10
             await response_cache.stop(app)  # issue 10
             releasing.cancel()
@@ -463,6 +466,7 @@ def create_app(
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *dashboard.routes,
         *billing_api.routes,
+        *credits_api.routes,  # issue 25
         *embeddings_api.routes,  # issue 10
         *anthropic_api.routes,  # issue 21
         *openai_responses.routes,  # issue 21

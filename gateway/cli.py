@@ -16,6 +16,7 @@ from billing import migrate as migrations
 from billing.db import create_engine
 from billing.keys import AccountExists, KeyStore, UnknownAccount
 from gateway import cli_billing, cli_ops
+from gateway import cli_credits  # issue 25
 from gateway.config import Settings, load_settings
 from gateway.logs import configure_logging
 
@@ -360,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     k_limits.set_defaults(func=cmd_keys_limits)
     cli_ops.register(sub)
     cli_billing.register(sub)  # invoices, prices (issue 5)
+    cli_credits.register(sub)  # prepaid credit (issue 25)
     return parser
 
 

@@ -6,7 +6,7 @@ directly, like the other commands; Stripe settings come from the environment (TO
     tollgate invoices show ID [--format json|html|pdf] [--output FILE]
     tollgate invoices sync (ID | --period P)
     tollgate prices list [--model M]
-    tollgate prices add MODEL --input X --output Y [--effective-from ISO] [--backdate]
+    tollgate prices add MODEL --input X --output Y [--cached-input Z] [--effective-from ISO] [--backdate]
     tollgate prices overrides --account NAME
     tollgate prices override --account NAME --model M (--input X --output Y | --multiplier Z | --clear)
                              [--effective-from ISO] [--backdate]
@@ -212,7 +212,8 @@ def cmd_prices_list(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_prices_add(settings: Settings, args: argparse.Namespace) -> int:
     version = _run(
         settings,
-        lambda db: PriceBook(db).add(args.model, args.input, args.output, _time(args.effective_from), backdate=args.backdate),
+        lambda db: PriceBook(db).add(args.model, args.input, args.output, _time(args.effective_from), backdate=args.backdate,
+                                     cached_input_per_million=args.cached_input),
     )
     _print(version.view())
     return 0
@@ -269,6 +270,7 @@ def register(sub: Any) -> None:
     p_add.add_argument("model")
     p_add.add_argument("--input", required=True, help='input tokens, e.g. "0.150"')
     p_add.add_argument("--output", required=True, help='output tokens, e.g. "0.600"')
+    p_add.add_argument("--cached-input", help='prompt tokens served from the prefix cache, e.g. "0.075" (default: the input price)')
     p_add.add_argument("--effective-from", help="ISO 8601 (default: now); a future time schedules it")
     p_add.add_argument("--backdate", action="store_true", help="allow a past time (never inside a closed period)")
     p_add.set_defaults(func=_guarded(cmd_prices_add))

@@ -513,6 +513,9 @@ async def customer_view(request: Request) -> Response:
         "quota": await quota_rows(request, account_id), "invoices": invoices,
         "invoice_links": {inv.get("id"): invoice_url(request, inv) for inv in invoices or []},
         **chart_context(period, account_id),
+        # issue 25: the prepaid balance and the spend alerts that fired
+        "credit": await request.app.state.credits.balance(account_id), "alerts": await request.app.state.alerts.events(account_id, 20),
+        "checkout_enabled": request.app.state.checkout is not None,
     }
     return page(request, "customer.html", context)
 

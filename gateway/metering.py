@@ -42,7 +42,8 @@ async def reserve(state: Any, principal: Principal, request_id: str, tokens: int
     limiter = getattr(state, "limiter", None)
     if limiter is None:
         return None
-    scopes = [Scope("key", principal.key_id, principal.key_limits), Scope("account", principal.account_id, principal.account_limits)]
+    scopes = [Scope("key", principal.key_id, principal.key_limits),
+              Scope("account", principal.account_id, principal.account_limits, principal.prepaid)]
     try:
         return await limiter.reserve(request_id, scopes, tokens, nanos)
     except QuotaExceeded as exc:

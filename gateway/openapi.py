@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import admin, billing_api
+from gateway import admin, billing_api, credits_api
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -113,7 +113,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "Price": _obj({
         "id": INT, "object": {"const": "price"}, "model": STR, "input_per_million": STR, "output_per_million": STR,
         "currency": STR, "effective_from": STR,
-    }),
+    }, {"cached_input_per_million": _nullable(STR)}),
     "PriceOverride": _obj({
         "id": INT, "object": {"const": "price_override"}, "account_id": INT, "model": STR, "kind": STR,
         "input_per_million": _nullable(STR), "output_per_million": _nullable(STR), "multiplier": _nullable(STR), "effective_from": STR,
@@ -135,6 +135,14 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "BillingPeriod": _obj({"object": {"const": "billing_period"}, "period": STR, "status": STR}),
     "BillingAccount": _obj({"object": {"const": "billing_account"}, "account_id": INT, "state": STR, "unpaid_invoices": {"type": "array"}}),
     "AccountPrices": _obj({"object": {"const": "list"}, "account_id": INT, "data": {"type": "array"}, "effective": {"type": "array"}}),
+    # issue 25
+    "CreditBalance": _obj({"object": {"const": "credit_balance"}, "account_id": INT, "billing_mode": STR, "balance_nanos": INT,
+                           "balance": STR, "ledger_sum_nanos": INT}),
+    "CreditEntry": _obj({"id": INT, "object": {"const": "credit_entry"}, "account_id": INT, "kind": STR, "amount_nanos": INT, "amount": STR}),
+    "CreditStatement": _obj({"object": {"const": "credit_statement"}, "opening_balance_nanos": INT, "closing_balance_nanos": INT,
+                             "usage_nanos": INT, "amount_due": STR}),
+    "CheckoutSession": _obj({"object": {"const": "checkout_session"}, "id": STR, "url": STR, "amount_cents": INT}),
+    "AlertList": _obj({"object": {"const": "list"}, "rules": {"type": "array"}, "data": {"type": "array"}}),
 }
 
 
@@ -284,11 +292,44 @@ def _paths() -> dict[str, Any]:
                                                           params=invoice)},
         "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,
                                                        params=[_path("period", PERIOD)])},
+        **_credit_paths(account),  # issue 25
         "/webhooks/stripe": {"post": {
             **_op("Stripe events (signed)", {"200": _json(_obj({"received": BOOL}))}, 400, 404, 408, 413, 431, 502, public=True),
             "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object"}}}},
             "parameters": [{"name": "Stripe-Signature", "in": "header", "required": False, "schema": STR}],
         }},
+    }
+
+
+def _credit_paths(account: list[Any]) -> dict[str, Any]:
+    """Prepaid credit, Stripe top-ups and spend alerts (gateway/credits_api.py)."""
+    balance, alerts = _json(_ref("CreditBalance")), _json(_ref("AlertList"))
+    return {
+        "/v1/billing/balance": {"get": _op("The caller's prepaid balance", {"200": balance}, *AUTHED)},
+        "/v1/billing/statement": {"get": _op("A prepaid month: opening balance, credits, usage, closing (no amount due)",
+                                             {"200": _json(_ref("CreditStatement"))}, *AUTHED, params=[_query("period", PERIOD)])},
+        "/v1/billing/checkout": {"post": _op("A Stripe Checkout Session to top up a prepaid balance", {"200": _json(_ref("CheckoutSession"))},
+                                             *WITH_BODY, 404, 502, body="CheckoutBody")},
+        "/v1/billing/alerts": {"get": _op("The caller's spend alert rules and the crossings seen", {"200": alerts}, *AUTHED)},
+        "/admin/accounts/{account_id}/credits": {
+            "get": _op("Balance, recharge state and the latest credit-ledger rows", {"200": balance}, *AUTHED, 404, params=account),
+            "post": _op("Add a credit-ledger row (top-up, grant, refund, adjustment)", {"201": _json(_ref("CreditEntry"), "Created")},
+                        *WITH_BODY, 404, body="AddCredit", params=account),
+        },
+        "/admin/accounts/{account_id}/statement": {"get": _op("A prepaid month", {"200": _json(_ref("CreditStatement"))}, *AUTHED, 404,
+                                                              params=[*account, _query("period", PERIOD)])},
+        "/admin/accounts/{account_id}/billing_mode": {"put": _op("Make an account prepaid (or postpaid)", {"200": balance}, *WITH_BODY, 404,
+                                                                 body="BillingMode", params=account)},
+        "/admin/accounts/{account_id}/recharge": {"put": _op("Set or turn off auto-recharge (clears a failed state)",
+                                                             {"200": _json({"type": "object"})}, *WITH_BODY, 404, body="Recharge",
+                                                             params=account)},
+        "/admin/accounts/{account_id}/alerts": {
+            "get": _op("Spend alert rules and crossings", {"200": alerts}, *AUTHED, 404, params=account),
+            "post": _op("Add a spend alert rule (its signing secret is in this answer only)", {"201": _json({"type": "object"}, "Created")},
+                        *WITH_BODY, 404, body="AddAlert", params=account),
+        },
+        "/admin/credits/housekeeping": {"post": _op("Post prepaid usage, expire grants, charge due recharges, check alerts now",
+                                                    {"200": _json({"type": "object"})}, *AUTHED, 502)},
     }
 
 
@@ -321,6 +362,11 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "AddPrice": admin.AddPrice,
     "CloseRequest": billing_api.CloseRequest,
     "AddOverride": billing_api.AddOverride,
+    "AddCredit": credits_api.AddCredit,
+    "BillingMode": credits_api.BillingMode,
+    "CheckoutBody": credits_api.Checkout,
+    "Recharge": credits_api.Recharge,
+    "AddAlert": credits_api.AddAlert,
 }
 
 

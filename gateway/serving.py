@@ -136,7 +136,7 @@ class CompletionService:
         worst_tokens = gen.prompt_tokens + worst_completion
         worst_nanos = gen.price.cost_nanos(gen.prompt_tokens, worst_completion) if gen.price else 0
         p = gen.principal
-        scopes = [Scope("key", p.key_id, p.key_limits), Scope("account", p.account_id, p.account_limits)]
+        scopes = [Scope("key", p.key_id, p.key_limits), Scope("account", p.account_id, p.account_limits, p.prepaid)]
         try:
             gen.hold = await self.limiter.reserve(gen.request_id, scopes, worst_tokens, worst_nanos)
         except QuotaExceeded as exc:
@@ -154,7 +154,7 @@ class CompletionService:
         """Commits actual usage in the background: never awaited inside a `finally`."""
         if self.limiter is None or gen.hold is None:
             return
-        nanos = gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else 0
+        nanos = gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen.price else 0
         task = asyncio.get_running_loop().create_task(
             self.limiter.settle(gen.hold, gen.prompt_tokens + gen.completion_tokens, nanos, background=True)
         )
@@ -407,7 +407,7 @@ class CompletionService:
             ttft_ms=gen.ttft_ms,
             estimated=gen.estimated,
             cached_tokens=gen.cached_tokens,
-            cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens) if gen.price else None,
+            cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen.price else None,
             api=gen.api,
         )
 

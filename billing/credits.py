@@ -1,0 +1,304 @@
+"""Prepaid credit: an account's balance and the ledger of every change to it.
+
+    balance = credits - usage since the account became prepaid          (exact nano-USD)
+    credits = the credit ledger's rows other than `usage` (top-ups, grants, refunds, expiries, adjustments)
+
+Usage reaches the credit ledger in batches: `post_usage` writes `usage` rows for the ledger's cost
+not yet posted (every row since `prepaid_since`, so a late ledger row is posted by the next batch),
+spending grants that have not expired first (earliest expiry first), then purchased credit. Once
+usage is posted the balance equals the sum of the credit ledger. An expired grant's unused rest is
+removed by an `expiry` row (unique per grant), never by editing.
+
+Admission does not read this module: the quota limiter (billing/quota.py) holds each prepaid
+account's credits and spent usage, seeded from `prepaid_totals` and told of every new credit row
+by `CreditBook` (and by `sync_recent` for rows written elsewhere: the CLI, another instance).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from billing.credit_models import CREDIT_KINDS, CreditEntry
+from billing.models import Account, LedgerEntry, utcnow
+
+log = logging.getLogger("tollgate.credits")
+CREDITS = CreditEntry.__table__
+ACCOUNTS = Account.__table__
+LEDGER = LedgerEntry.__table__
+NANOS_PER_USD = 10**9
+MAX_NANOS = 2**53 - 1  # exact in the limiter's Lua numbers
+BILLING_MODES = ("postpaid", "prepaid")
+MANUAL_KINDS = ("topup", "grant", "refund", "adjustment")
+
+
+class CreditError(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_usd(value: Any, field: str = "amount", *, signed: bool = False) -> int:
+    """A USD amount as a decimal string or integer (at most 9 places) -> nano-USD; floats refused."""
+    if isinstance(value, bool) or isinstance(value, float) or not isinstance(value, (int, str)):
+        raise CreditError(f'{field} must be a decimal string of USD like "10.00" (or an integer), not a float', field)
+    try:
+        amount = Decimal(str(value))
+    except InvalidOperation:
+        raise CreditError(f"{field} must be a decimal number of USD", field) from None
+    if not amount.is_finite() or abs(amount) * NANOS_PER_USD > MAX_NANOS:
+        raise CreditError(f"{field} is out of range", field)
+    if amount != amount.quantize(Decimal("1e-9")):
+        raise CreditError(f"{field} may have at most 9 decimal places", field)
+    nanos = int(amount * NANOS_PER_USD)
+    if nanos == 0 or (nanos < 0 and not signed):
+        raise CreditError(f"{field} must be {'non-zero' if signed else 'positive'}", field)
+    return nanos
+
+
+def usd(nanos: int) -> str:
+    sign = "-" if nanos < 0 else ""
+    return f"{sign}{abs(nanos) // NANOS_PER_USD}.{abs(nanos) % NANOS_PER_USD:09d}"
+
+
+def _aware(dt: datetime | None) -> datetime | None:
+    return None if dt is None else dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+def entry_view(row: Any) -> dict[str, Any]:
+    return {
+        "id": int(row.id), "object": "credit_entry", "account_id": row.account_id, "kind": row.kind,
+        "amount_nanos": int(row.amount_nanos), "amount": usd(int(row.amount_nanos)),
+        "grant_id": row.grant_id, "expires_at": _iso(row.expires_at), "usage_until": _iso(row.usage_until),
+        "reason": row.reason, "admin_key_id": row.admin_key_id, "external_id": row.external_id,
+        "created_at": _iso(row.created_at),
+    }
+
+
+def _iso(dt: datetime | None) -> str | None:
+    value = _aware(dt)
+    return None if value is None else value.isoformat()
+
+
+async def _since(conn: AsyncConnection, account_id: int) -> datetime | None:
+    row = (await conn.execute(sa.select(ACCOUNTS.c.billing_mode, ACCOUNTS.c.prepaid_since).where(ACCOUNTS.c.id == account_id))).first()
+    return None if row is None else _aware(row.prepaid_since)
+
+
+async def _usage_cost(conn: AsyncConnection, account_id: int, since: datetime | None, until: datetime | None = None) -> int:
+    """Cost of the account's ledger rows since it became prepaid (the rows quotas count too)."""
+    if since is None:
+        return 0
+    query = sa.select(sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
+        LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since)
+    if until is not None:
+        query = query.where(LEDGER.c.created_at < until)
+    return int((await conn.execute(query)).scalar_one())
+
+
+async def prepaid_totals(conn: AsyncConnection, account_id: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """What the limiter seeds a prepaid account with: its credit rows (id, nanos) other than usage,
+    and the cost of its usage since it became prepaid."""
+    rows = (await conn.execute(sa.select(CREDITS.c.id, CREDITS.c.amount_nanos).where(
+        CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage").order_by(CREDITS.c.id))).all()
+    return tuple((int(r.id), int(r.amount_nanos)) for r in rows), await _usage_cost(conn, account_id, await _since(conn, account_id))
+
+
+class CreditBook:
+    """Writes the credit ledger and tells the limiter (when there is one) of each new credit."""
+
+    def __init__(self, engine: AsyncEngine, limiter: Any = None) -> None:
+        self._engine = engine
+        self._limiter = limiter
+
+    async def set_mode(self, account_id: int, mode: str) -> dict[str, Any] | None:
+        if mode not in BILLING_MODES:
+            raise CreditError(f"billing_mode must be one of: {', '.join(BILLING_MODES)}", "billing_mode")
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(sa.select(ACCOUNTS.c.prepaid_since).where(ACCOUNTS.c.id == account_id).with_for_update())).first()
+            if row is None:
+                return None
+            if mode == "postpaid" and row.prepaid_since is not None:
+                # its usage since then is the balance's, not an invoice's: going back is not supported
+                raise CreditError("a prepaid account stays prepaid (its usage is paid from its balance)", "billing_mode")
+            values: dict[str, Any] = {"billing_mode": mode}
+            if mode == "prepaid" and row.prepaid_since is None:
+                values["prepaid_since"] = utcnow()  # usage from now on spends the balance
+            await conn.execute(ACCOUNTS.update().where(ACCOUNTS.c.id == account_id).values(**values))
+        return await self.balance(account_id)
+
+    async def add(
+        self, account_id: int, kind: str, amount_nanos: int, *, reason: str | None = None, admin_key_id: int | None = None,
+        expires_at: datetime | None = None, external_id: str | None = None, now: datetime | None = None,
+        grant_id: int | None = None,
+    ) -> dict[str, Any] | None:
+        """Adds one credit row and applies it to the limiter. None when `external_id` was already
+        recorded (a repeat of the same Stripe object adds nothing)."""
+        now = now or utcnow()
+        if kind not in CREDIT_KINDS or kind == "usage":
+            raise CreditError(f"kind must be one of: {', '.join(k for k in CREDIT_KINDS if k != 'usage')}", "kind")
+        if kind in ("topup", "grant") and amount_nanos <= 0 or kind in ("refund", "expiry") and amount_nanos >= 0:
+            raise CreditError(f"a {kind} must be {'positive' if kind in ('topup', 'grant') else 'negative'}", "amount")
+        if kind == "adjustment" and not (reason and reason.strip()):
+            raise CreditError("a manual adjustment needs a reason", "reason")
+        if expires_at is not None and (kind != "grant" or _aware(expires_at) <= now):  # type: ignore[operator]
+            raise CreditError("expires_at is for grants, and must be in the future", "expires_at")
+        values = dict(account_id=account_id, kind=kind, amount_nanos=amount_nanos, reason=reason, admin_key_id=admin_key_id,
+                      expires_at=expires_at, external_id=external_id, created_at=now, grant_id=grant_id)
+        try:
+            async with self._engine.begin() as conn:
+                if (await conn.execute(sa.select(ACCOUNTS.c.id).where(ACCOUNTS.c.id == account_id))).first() is None:
+                    raise CreditError(f"no account {account_id}", "account_id")
+                row = (await conn.execute(CREDITS.insert().values(**values).returning(*CREDITS.c))).one()
+        except IntegrityError:
+            if external_id is None:
+                raise
+            return None
+        await self.apply(row)
+        return entry_view(row)
+
+    async def apply(self, row: Any) -> None:
+        """Tells the limiter of a committed credit row (idempotent by row id)."""
+        if self._limiter is not None and row.kind != "usage":
+            await self._limiter.credit(int(row.account_id), int(row.id), int(row.amount_nanos))
+
+    async def sync_recent(self, window: timedelta = timedelta(minutes=10)) -> int:
+        """Applies credit rows written lately anywhere (the CLI, another instance); repeats add nothing."""
+        if self._limiter is None:
+            return 0
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sa.select(CREDITS).where(CREDITS.c.created_at >= utcnow() - window, CREDITS.c.kind != "usage"))).all()
+        for row in rows:
+            await self.apply(row)
+        return len(rows)
+
+    async def balance(self, account_id: int) -> dict[str, Any] | None:
+        async with self._engine.connect() as conn:
+            account = (await conn.execute(sa.select(ACCOUNTS).where(ACCOUNTS.c.id == account_id))).first()
+            if account is None:
+                return None
+            since = _aware(account.prepaid_since)
+            sums = dict((await conn.execute(sa.select(CREDITS.c.kind, sa.func.sum(CREDITS.c.amount_nanos)).where(
+                CREDITS.c.account_id == account_id).group_by(CREDITS.c.kind))).all())
+            usage = await _usage_cost(conn, account_id, since)
+            grants = await _grants(conn, account_id)
+        credits = sum(int(v) for k, v in sums.items() if k != "usage")
+        ledger_sum = sum(int(v) for v in sums.values())
+        balance = credits - usage
+        return {
+            "object": "credit_balance", "account_id": account_id, "billing_mode": account.billing_mode,
+            "prepaid_since": _iso(since), "balance_nanos": balance, "balance": usd(balance),
+            "ledger_sum_nanos": ledger_sum, "unposted_usage_nanos": ledger_sum - balance,
+            "grants": [{"id": g["id"], "remaining_nanos": g["remaining"], "remaining": usd(g["remaining"]),
+                        "expires_at": _iso(g["expires_at"])} for g in grants if g["remaining"] > 0 and not g["expired"]],
+        }
+
+    async def statement(self, account_id: int, start: datetime, end: datetime) -> dict[str, Any] | None:
+        """A prepaid account's month: opening balance, the credit rows (not usage) in [start, end),
+        its usage cost per model, closing balance. Nothing is due: usage was paid from the balance."""
+        async with self._engine.connect() as conn:
+            since = await _since(conn, account_id)
+            if since is None:
+                return None
+
+            async def credits_before(t: datetime) -> int:
+                return int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
+                    CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage", CREDITS.c.created_at < t))).scalar_one())
+
+            opening = await credits_before(start) - await _usage_cost(conn, account_id, since, start)
+            closing = await credits_before(end) - await _usage_cost(conn, account_id, since, end)
+            rows = (await conn.execute(sa.select(CREDITS).where(
+                CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage", CREDITS.c.created_at >= start,
+                CREDITS.c.created_at < end).order_by(CREDITS.c.created_at, CREDITS.c.id))).all()
+            usage = (await conn.execute(sa.select(
+                LEDGER.c.model, sa.func.count(), sa.func.sum(LEDGER.c.prompt_tokens), sa.func.sum(LEDGER.c.completion_tokens),
+                sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0),
+            ).where(LEDGER.c.account_id == account_id, LEDGER.c.created_at >= max(since, start), LEDGER.c.created_at < end)
+                .group_by(LEDGER.c.model).order_by(LEDGER.c.model))).all()
+        used = sum(int(u[4]) for u in usage)
+        return {
+            "object": "credit_statement", "account_id": account_id, "start": start.isoformat(), "end": end.isoformat(),
+            "opening_balance_nanos": opening, "opening_balance": usd(opening),
+            "credits": [entry_view(r) for r in rows],
+            "usage": [{"model": u[0], "requests": int(u[1]), "prompt_tokens": int(u[2] or 0), "completion_tokens": int(u[3] or 0),
+                       "cost_nanos": int(u[4]), "cost": usd(int(u[4]))} for u in usage],
+            "usage_nanos": used, "closing_balance_nanos": closing, "closing_balance": usd(closing), "amount_due": "0.00",
+        }
+
+    async def entries(self, account_id: int, limit: int = 100) -> list[dict[str, Any]]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sa.select(CREDITS).where(CREDITS.c.account_id == account_id)
+                                       .order_by(CREDITS.c.id.desc()).limit(limit))).all()
+        return [entry_view(r) for r in rows]
+
+    async def post_usage(self, account_id: int, until: datetime | None = None) -> list[dict[str, Any]]:
+        """Posts the usage cost not yet in the credit ledger, up to `until`: grants first (earliest
+        expiry first), then purchased credit. One batch per account at a time (row lock)."""
+        until = until or utcnow()
+        async with self._engine.begin() as conn:
+            account = (await conn.execute(sa.select(ACCOUNTS.c.prepaid_since).where(ACCOUNTS.c.id == account_id).with_for_update())).first()
+            if account is None or account.prepaid_since is None:
+                return []
+            cost = await _usage_cost(conn, account_id, _aware(account.prepaid_since), until)
+            posted = -int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
+                CREDITS.c.account_id == account_id, CREDITS.c.kind == "usage"))).scalar_one())
+            left = cost - posted
+            if left <= 0:
+                return []
+            parts: list[tuple[int | None, int]] = []
+            for grant in await _grants(conn, account_id, at=until - timedelta(microseconds=1)):  # usage before `until`
+                if left == 0:
+                    break
+                if grant["expired"] or grant["remaining"] <= 0:
+                    continue
+                take = min(left, grant["remaining"])
+                parts.append((grant["id"], take))
+                left -= take
+            if left:
+                parts.append((None, left))
+            now = utcnow()
+            rows = [(await conn.execute(CREDITS.insert().values(
+                account_id=account_id, kind="usage", amount_nanos=-take, grant_id=gid, usage_until=until, created_at=now,
+            ).returning(*CREDITS.c))).one() for gid, take in parts]
+        return [entry_view(r) for r in rows]
+
+    async def expire_grants(self, now: datetime | None = None) -> list[dict[str, Any]]:
+        """Removes the unused rest of every grant that has expired, by an `expiry` row (once per grant:
+        its external_id is unique), after posting the account's usage up to the expiry instant."""
+        now = now or utcnow()
+        done = CREDITS.alias("done")
+        async with self._engine.connect() as conn:
+            due = (await conn.execute(sa.select(CREDITS.c.id, CREDITS.c.account_id, CREDITS.c.expires_at).where(
+                CREDITS.c.kind == "grant", CREDITS.c.expires_at <= now,
+                ~sa.exists().where(done.c.kind == "expiry", done.c.grant_id == CREDITS.c.id),
+            ))).all()
+        made = []
+        for grant in due:
+            await self.post_usage(int(grant.account_id), _aware(grant.expires_at))
+            async with self._engine.connect() as conn:
+                remaining = next((g["remaining"] for g in await _grants(conn, int(grant.account_id)) if g["id"] == grant.id), 0)
+            if remaining <= 0:
+                continue
+            row = await self.add(int(grant.account_id), "expiry", -remaining, reason=f"grant {grant.id} expired",
+                                 external_id=f"expiry:{grant.id}", now=now, grant_id=int(grant.id))
+            if row is not None:
+                made.append(row)
+        return made
+
+
+async def _grants(conn: AsyncConnection, account_id: int, at: datetime | None = None) -> list[dict[str, Any]]:
+    """The account's grants, earliest expiry first, with what is left of each."""
+    at = at or utcnow()
+    used = dict((await conn.execute(sa.select(CREDITS.c.grant_id, sa.func.sum(CREDITS.c.amount_nanos)).where(
+        CREDITS.c.account_id == account_id, CREDITS.c.grant_id.is_not(None)).group_by(CREDITS.c.grant_id))).all())
+    rows = (await conn.execute(sa.select(CREDITS).where(CREDITS.c.account_id == account_id, CREDITS.c.kind == "grant"))).all()
+    out = [{"id": int(r.id), "expires_at": _aware(r.expires_at), "remaining": int(r.amount_nanos) + int(used.get(r.id, 0)),
+            "expired": r.expires_at is not None and _aware(r.expires_at) <= at} for r in rows]  # type: ignore[operator]
+    far = datetime.max.replace(tzinfo=timezone.utc)
+    return sorted(out, key=lambda g: (g["expires_at"] or far, g["id"]))

@@ -1,0 +1,146 @@
+"""Stripe top-ups of prepaid credit (issue 25), with the official SDK against the FAKE Stripe server
+(tests/fakes/stripe_checkout.py: Checkout Sessions, PaymentIntents, Refunds and their signed
+events): POST /v1/billing/checkout makes a session; `checkout.session.completed` delivered three
+times (and the same session in a second event) credits once; a refund debits; auto-recharge
+charges the saved card off-session once while one charge is pending, and a declined card leaves a
+clear failed state until it is reset."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from billing import migrate
+from billing.db import create_engine
+from billing.keys import KeyStore
+from tests.billing.invoice_helpers import serve
+from tests.conftest import SECRET, run_coro
+from tests.fakes.stripe_checkout import FakeStripePayments
+
+CENT = 10_000_000
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeStripePayments]:
+    server = FakeStripePayments().start()
+    try:
+        yield server  # type: ignore[misc]
+    finally:
+        server.stop()
+
+
+def stripe_env(fake: FakeStripePayments) -> dict[str, str]:
+    return {"TOLLGATE_STRIPE_API_KEY": fake.api_key, "TOLLGATE_STRIPE_API_BASE": fake.url,
+            "TOLLGATE_STRIPE_WEBHOOK_SECRET": fake.webhook_secret, "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE": "0",
+            "TOLLGATE_CREDITS_CHECK_SECONDS": "0"}
+
+
+def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: FakeStripePayments, fresh_pg_database: Any,
+                                                                       tmp_path: Path) -> None:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+
+    async def make() -> tuple[int, str, str]:
+        db = create_engine(url)
+        try:
+            keys = KeyStore(db, SECRET.encode())
+            prepaid = (await keys.create_account("pre-" + uuid.uuid4().hex[:6]))["id"]
+            postpaid = (await keys.create_account("post-" + uuid.uuid4().hex[:6]))["id"]
+            return prepaid, (await keys.create_key(prepaid))["key"], (await keys.create_key(postpaid))["key"]
+        finally:
+            await db.dispose()
+
+    account, key, postpaid_key = run_coro(make())
+    with serve(url, tmp_path, **stripe_env(fake)) as app:
+        hook = app.base_url + "/webhooks/stripe"
+
+        async def scenario() -> None:
+            async with app.admin() as admin, app.as_key(key) as customer, app.as_key(postpaid_key) as other:
+                assert (await admin.put(f"/admin/accounts/{account}/billing_mode", json={"billing_mode": "prepaid"})).status_code == 200
+                r = await other.post("/v1/billing/checkout", json={"amount": "10.00"})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "not_prepaid"
+                for bad in ("0.10", "10.001", 10.5):
+                    r = await customer.post("/v1/billing/checkout", json={"amount": bad})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == "amount", r.text
+                r = await customer.post("/v1/billing/checkout", json={"amount": "12.34"})
+                assert r.status_code == 200, r.text
+                session = r.json()
+                assert session["url"].startswith("https://checkout.stripe.com/") and session["amount_cents"] == 1234
+                stored = fake.sessions[session["id"]]
+                assert stored["metadata"] == {"tollgate_account": str(account)} and stored["amount_total"] == 1234
+
+                completed = fake.complete_session(session["id"])
+                answers = await asyncio.gather(*(fake.deliver(completed, hook) for _ in range(3)))  # delivered three times
+                assert [a.status_code for a in answers] == [200, 200, 200]
+                assert sum(1 for a in answers if a.json().get("duplicate")) == 2
+                again = fake._event("checkout.session.completed", fake._public(stored))  # another event, same session
+                assert (await fake.deliver(again, hook)).status_code == 200
+                credits = (await admin.get(f"/admin/accounts/{account}/credits")).json()
+                assert credits["balance_nanos"] == 1234 * CENT  # $12.34, credited once
+                assert [(e["kind"], e["external_id"]) for e in credits["entries"]] == [("topup", session["id"])]
+                assert credits["recharge"]["payment_method_id"] is not None  # the card was saved for off-session use
+                forged = await fake.deliver(completed, hook, secret="whsec_wrong")
+                assert forged.status_code == 400
+
+                refund = fake._create_refund({"payment_intent": stored["payment_intent"], "amount": "234"})
+                event = fake.event_of("refund.created", refund["id"])
+                for _ in range(2):
+                    assert (await fake.deliver(event, hook)).status_code == 200
+                assert (await customer.get("/v1/billing/balance")).json()["balance_nanos"] == 1000 * CENT
+
+                # auto-recharge: below $20 -> charge $5 once
+                r = await admin.put(f"/admin/accounts/{account}/recharge", json={"recharge_below": "20.00", "recharge_amount": "5.00"})
+                assert r.status_code == 200 and r.json()["recharge_state"] == "idle", r.text
+                async def run() -> list[int]:  # the periodic work, now (two at once: two instances' timers)
+                    r = await admin.post("/admin/credits/housekeeping")
+                    assert r.status_code == 200, r.text
+                    return list(r.json()["recharged"])
+
+                return_values = await asyncio.gather(run(), run())
+                assert sorted(len(v) for v in return_values) == [0, 1]  # one charge in flight at a time
+                intents = [pi for pi in fake.payment_intents.values() if pi["metadata"].get("tollgate_recharge")]
+                assert len(intents) == 1 and intents[0]["amount"] == 500
+                succeeded = fake.event_of("payment_intent.succeeded", intents[0]["id"])
+                assert (await fake.deliver(succeeded, hook)).status_code == 200  # the webhook after the answer: no second credit
+                assert (await customer.get("/v1/billing/balance")).json()["balance_nanos"] == 1500 * CENT
+
+                fake.decline_next()
+                assert await run() == []
+                state = (await admin.get(f"/admin/accounts/{account}/credits")).json()["recharge"]
+                assert state["recharge_state"] == "failed" and "insufficient funds" in state["recharge_error"]
+                assert await run() == []  # failed: no new charge until reset
+                mine = (await customer.get("/v1/billing/balance")).json()["recharge"]
+                assert mine["recharge_state"] == "failed" and "declined" in mine["recharge_error"]
+                assert len([pi for pi in fake.payment_intents.values() if pi["metadata"].get("tollgate_recharge")]) == 2
+                r = await admin.put(f"/admin/accounts/{account}/recharge", json={"recharge_below": "20.00", "recharge_amount": "5.00"})
+                assert r.json()["recharge_state"] == "idle" and r.json()["recharge_error"] is None
+                assert len(await run()) == 1
+                assert (await customer.get("/v1/billing/balance")).json()["balance_nanos"] == 2000 * CENT
+                entries = (await admin.get(f"/admin/accounts/{account}/credits")).json()["entries"]
+                assert [e["kind"] for e in entries] == ["topup", "topup", "refund", "topup"]
+                assert sum(e["amount_nanos"] for e in entries) == 2000 * CENT
+
+            # the customer dashboard's "Add credit" form: a Checkout Session, then Stripe's page
+            async with httpx.AsyncClient(base_url=app.base_url, timeout=30, headers={"origin": app.base_url}) as browser:
+                form = (await browser.get("/dashboard/login")).text
+                csrf = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)  # type: ignore[union-attr]
+                assert (await browser.post("/dashboard/login", data={"csrf_token": csrf, "api_key": key})).status_code == 303
+                page = (await browser.get("/dashboard/account")).text
+                assert 'id="checkout-form"' in page and "$20.000000000" in page
+                token = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+                before = len(fake.sessions)
+                r = await browser.post("/dashboard/checkout", data={"csrf_token": token, "amount": "25.00"})
+                assert r.status_code == 303 and r.headers["location"].startswith("https://checkout.stripe.com/c/pay/cs_test_")
+                assert len(fake.sessions) == before + 1
+                assert [s["amount_total"] for s in fake.sessions.values()][-1] == 2500
+                forged = await browser.post("/dashboard/checkout", data={"csrf_token": "nope", "amount": "25.00"})
+                assert forged.status_code in (400, 403) and len(fake.sessions) == before + 1
+
+        run_coro(scenario())

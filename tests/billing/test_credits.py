@@ -1,0 +1,291 @@
+"""Prepaid credit (issue 25): the credit ledger (grants before purchased credit, expiry by a row,
+balance == the ledger's sum once usage is posted) and the limiter's balance check, in-process and
+on Redis with two limiters sharing it (two gateway processes), exact to the nano."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from billing import migrate
+from billing.credits import CreditBook, CreditError, parse_usd
+from billing.db import create_engine
+from billing.ledger import UsageRecord, write_records
+from billing.limits import Limits
+from billing.models import utcnow
+from billing.quota import LedgerTotals, Limiter, MemoryLimiter, QuotaExceeded, RedisLimiter, Scope
+from tests.billing.invoice_helpers import new_account
+from tests.conftest import REDIS_URL, require_redis, run_coro
+
+CENT = 10_000_000  # $0.01 in nano-USD
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path) -> str:
+    url = fresh_pg_database() if request.param == "postgres" else f"sqlite:///{tmp_path / 'c.db'}"
+    migrate.upgrade(url)
+    return url
+
+
+async def spend(db: Any, account: int, nanos: int, when: Any = None) -> str:
+    rid = uuid.uuid4().hex
+    await write_records(db, [UsageRecord(
+        request_id=rid, account_id=account, key_id=1, model="m", prompt_tokens=1, completion_tokens=1,
+        status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=nanos, created_at=when or utcnow(),
+    )])
+    return rid
+
+
+async def ledger_sum(db: Any, account: int) -> int:
+    async with db.connect() as conn:
+        return int((await conn.execute(sa.text("SELECT coalesce(sum(amount_nanos), 0) FROM credit_entries WHERE account_id = :a"),
+                                       {"a": account})).scalar_one())
+
+
+def test_amounts_are_exact_and_floats_refused() -> None:
+    assert parse_usd("0.01") == CENT and parse_usd(3) == 3 * 10**9 and parse_usd("-2.5", signed=True) == -2_500_000_000
+    for bad in (0.01, "0.0000000001", "0", "-1", True, "abc", "1e400"):
+        with pytest.raises(CreditError):
+            parse_usd(bad)
+
+
+async def test_grants_are_spent_first_and_expire_by_a_row(db_url: str) -> None:
+    db = create_engine(db_url)
+    try:
+        book = CreditBook(db)
+        a = await new_account(db)
+        await book.set_mode(a, "prepaid")
+        now = utcnow()
+        await book.add(a, "topup", 1_000 * CENT, external_id="cs_test_1")
+        assert await book.add(a, "topup", 1_000 * CENT, external_id="cs_test_1") is None  # the same session again: nothing
+        late = await book.add(a, "grant", 300 * CENT, expires_at=now + timedelta(days=30))
+        soon = await book.add(a, "grant", 200 * CENT, expires_at=now + timedelta(hours=1))
+        assert late and soon
+        await spend(db, a, 250 * CENT)
+        posted = await book.post_usage(a)
+        # the grant that expires first is used first, then the next one; purchased credit untouched
+        assert [(e["grant_id"], e["amount_nanos"]) for e in posted] == [(soon["id"], -200 * CENT), (late["id"], -50 * CENT)]
+        assert await book.post_usage(a) == []  # nothing new to post
+        balance = await book.balance(a)
+        assert balance is not None and balance["balance_nanos"] == 1_250 * CENT == await ledger_sum(db, a)
+        # usage after the soon grant is gone, then its expiry: the late grant's rest is removed by one row
+        await spend(db, a, 100 * CENT)
+        expired = await book.expire_grants(now=now + timedelta(days=31))
+        assert [(e["kind"], e["grant_id"], e["amount_nanos"]) for e in expired] == [("expiry", late["id"], -150 * CENT)]
+        assert await book.expire_grants(now=now + timedelta(days=32)) == []  # once per grant
+        balance = await book.balance(a)
+        assert balance is not None and balance["balance_nanos"] == 1_000 * CENT == await ledger_sum(db, a)
+        with pytest.raises(CreditError, match="reason"):
+            await book.add(a, "adjustment", -CENT)
+        adj = await book.add(a, "adjustment", -CENT, reason="goodwill reversed", admin_key_id=42)
+        assert adj is not None and (adj["reason"], adj["admin_key_id"]) == ("goodwill reversed", 42)
+        assert (await book.balance(a))["balance_nanos"] == 999 * CENT == await ledger_sum(db, a)  # type: ignore[index]
+    finally:
+        await db.dispose()
+
+
+def _limiters(kind: str, db: Any) -> tuple[Limiter, Limiter]:
+    """Two limiters sharing one store: two gateway processes on Redis; one process in memory."""
+    if kind == "memory":
+        one = MemoryLimiter(LedgerTotals(db))
+        return one, one
+    prefix = f"tgtest:credits:{uuid.uuid4().hex[:8]}:"
+    return RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=2.0), RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=2.0)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def limiter_kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        require_redis(REDIS_URL)
+    return str(request.param)
+
+
+async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_database: Any, limiter_kind: str) -> None:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    db = create_engine(url)
+    one, two = _limiters(limiter_kind, db)
+    try:
+        a = await new_account(db)
+        book = CreditBook(db, one)
+        await book.set_mode(a, "prepaid")
+        await book.add(a, "topup", CENT)
+        scope = [Scope("account", a, Limits(), prepaid=True)]
+        worst = 199_997  # 7 tokens x 28,571 nano-USD: 50 fit in $0.01 with 150 nanos left
+
+        async def attempt(i: int) -> Any:
+            try:
+                return await (one if i % 2 else two).reserve(uuid.uuid4().hex, scope, 7, worst)
+            except QuotaExceeded as exc:
+                return exc
+
+        results = await asyncio.gather(*[attempt(i) for i in range(200)])
+        held = [r for r in results if not isinstance(r, QuotaExceeded)]
+        refused = [r for r in results if isinstance(r, QuotaExceeded)]
+        assert len(held) == CENT // worst == 50
+        assert all(e.error_type == "insufficient_quota" and e.limit == "insufficient_quota" for e in refused)
+        assert "$0.000000150 available" in str(refused[-1])
+        for i, hold in enumerate(held):  # half use less than they reserved: the rest is released
+            actual = worst if i % 2 else 100_000
+            await write_records(db, [UsageRecord(request_id=hold.request_id, account_id=a, key_id=1, model="m", prompt_tokens=0,
+                                                 completion_tokens=7, status="completed", finish_reason="stop", total_ms=1.0,
+                                                 cost_nanos=actual)])
+            await (two if i % 2 else one).settle(hold, 7, actual)
+        spent = 25 * worst + 25 * 100_000
+        counters = await one.counters(scope[0])
+        assert (counters["credits_nanos"], counters["spent_nanos"], counters["held_nanos"]) == (CENT, spent, 0)
+        assert (await book.balance(a))["balance_nanos"] == CENT - spent  # type: ignore[index]
+        again = CENT - spent  # exactly the rest fits, one nano more does not
+        with pytest.raises(QuotaExceeded):
+            await one.reserve(uuid.uuid4().hex, scope, 1, again + 1)
+        last = await two.reserve(uuid.uuid4().hex, scope, 1, again)
+        await one.settle(last, 1, 0)
+        await book.post_usage(a)
+        assert await ledger_sum(db, a) == CENT - spent
+    finally:
+        await one.close()
+        if two is not one:
+            await two.close()
+        await db.dispose()
+
+
+async def test_a_top_up_reaches_a_running_limiter_once(fresh_pg_database: Any, limiter_kind: str) -> None:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    db = create_engine(url)
+    one, two = _limiters(limiter_kind, db)
+    try:
+        a = await new_account(db)
+        book = CreditBook(db, one)
+        await book.set_mode(a, "prepaid")
+        scope = [Scope("account", a, Limits(), prepaid=True)]
+        with pytest.raises(QuotaExceeded, match=r"\$0.000000000 available"):
+            await two.reserve(uuid.uuid4().hex, scope, 1, 1)  # balance 0: refused (and the counters are seeded)
+        await book.add(a, "topup", CENT)  # applied to the running limiter by row id
+        await book.sync_recent()  # the periodic re-apply of recent rows adds nothing more
+        await book.sync_recent()
+        assert (await two.counters(scope[0]))["credits_nanos"] == CENT
+        hold = await two.reserve(uuid.uuid4().hex, scope, 1, CENT)
+        with pytest.raises(QuotaExceeded):
+            await one.reserve(uuid.uuid4().hex, scope, 1, 1)
+        await one.settle(hold, 1, 0)
+    finally:
+        await one.close()
+        if two is not one:
+            await two.close()
+        await db.dispose()
+
+
+# property: any interleaving of concurrent requests, top-ups and restarts ------------------------
+STEP = st.one_of(
+    st.tuples(st.just("requests"), st.lists(st.tuples(st.integers(1, CENT), st.integers(0, 100)), min_size=1, max_size=8)),
+    st.tuples(st.just("topup"), st.integers(1, 2 * CENT)),
+    st.tuples(st.just("restart"), st.just(0)),
+)
+
+
+async def balance_property(url: str, kind: str, steps: list[tuple[str, Any]]) -> None:
+    db = create_engine(url)
+    limiters = list(_limiters(kind, db))
+    try:
+        a = await new_account(db)
+        book = CreditBook(db, limiters[0])
+        await book.set_mode(a, "prepaid")
+        await book.add(a, "grant", CENT, expires_at=utcnow() + timedelta(days=1))
+        scope = [Scope("account", a, Limits(), prepaid=True)]
+        credited, spent, seeded = CENT, 0, False  # seeded: a reservation since the last restart read the balance
+        for step, arg in steps:
+            if step == "topup":
+                await book.add(a, "topup", arg)
+                credited += arg
+            elif step == "restart":  # a new process (in memory: the state is gone; on Redis: a new client)
+                for lim in {id(x): x for x in limiters}.values():
+                    await lim.close()
+                limiters[:] = _limiters(kind, db) if kind == "memory" else [
+                    RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=limiters[0].prefix, timeout=2.0) for _ in range(2)]  # type: ignore[attr-defined]
+                book = CreditBook(db, limiters[0])
+                seeded = False
+            else:
+                seeded = True
+                async def one(i: int, worst: int, percent: int) -> int:
+                    lim = limiters[i % 2]
+                    try:
+                        hold = await lim.reserve(uuid.uuid4().hex, scope, 1, worst)
+                    except QuotaExceeded:
+                        return 0
+                    actual = worst * percent // 100
+                    await write_records(db, [UsageRecord(
+                        request_id=hold.request_id, account_id=a, key_id=1, model="m", prompt_tokens=0, completion_tokens=1,
+                        status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=actual)])
+                    await limiters[(i + 1) % 2].settle(hold, 1, actual)
+                    return actual
+
+                spent += sum(await asyncio.gather(*[one(i, w, p) for i, (w, p) in enumerate(arg)]))
+            assert spent <= credited  # never more than the account had, at any concurrency
+            balance = await book.balance(a)
+            assert balance is not None and balance["balance_nanos"] == credited - spent
+            seen = await limiters[0].counters(scope[0])
+            if seeded:  # the limiter's own view, once it has read the balance
+                assert (seen["credits_nanos"] - seen["spent_nanos"], seen["held_nanos"]) == (credited - spent, 0)
+        await book.post_usage(a)
+        assert await ledger_sum(db, a) == credited - spent == (await book.balance(a))["balance_nanos"]  # type: ignore[index]
+    finally:
+        for lim in {id(x): x for x in limiters}.values():
+            await lim.close()
+        await db.dispose()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(STEP, min_size=1, max_size=8))
+def test_balance_equals_the_credit_ledger_under_concurrency_top_ups_and_restarts(
+    steps: list[tuple[str, Any]], limiter_kind: str, pg_url_once: str
+) -> None:
+    run_coro(balance_property(pg_url_once, limiter_kind, steps))
+
+
+@pytest.fixture
+def pg_url_once(fresh_pg_database: Any) -> str:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    return url
+
+
+async def test_prepaid_usage_is_never_invoiced_and_the_month_is_a_statement(db_url: str) -> None:
+    from billing.invoicing import close_period
+    from billing.periods import Period
+    from billing.prices import PriceBook
+    from tests.billing.invoice_helpers import at
+
+    db = create_engine(db_url)
+    try:
+        book = PriceBook(db)
+        await book.add("m", "1.000", "1.000", at(9, 1, 0), backdate=True)
+        credits = CreditBook(db)
+        a = await new_account(db)
+        await spend(db, a, 5 * CENT, when=at(9, 5))  # postpaid then: invoiced
+        await credits.set_mode(a, "prepaid")
+        async with db.begin() as conn:  # as if it had become prepaid on Sep 10 and bought $1 that day
+            await conn.execute(sa.text("UPDATE accounts SET prepaid_since = :t WHERE id = :a"), {"t": at(9, 10), "a": a})
+        await credits.add(a, "topup", 100 * CENT, now=at(9, 10, 13))
+        await spend(db, a, 3 * CENT, when=at(9, 20))  # prepaid: paid from the balance
+        with pytest.raises(CreditError, match="stays prepaid"):
+            await credits.set_mode(a, "postpaid")
+        await close_period(db, book, Period.parse("2026-09"), now=at(10, 2))
+        async with db.connect() as conn:
+            tokens = (await conn.execute(sa.text(
+                "SELECT sum(l.tokens) FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.account_id = :a"), {"a": a})).scalar()
+        assert tokens == 2  # the one postpaid row's 1 + 1 tokens; the prepaid row is not on the invoice
+        statement = await credits.statement(a, at(9, 1, 0), at(10, 1, 0))
+        assert statement is not None
+        assert (statement["opening_balance_nanos"], statement["usage_nanos"], statement["closing_balance_nanos"]) == (0, 3 * CENT, 97 * CENT)
+        assert [c["kind"] for c in statement["credits"]] == ["topup"] and statement["amount_due"] == "0.00"
+    finally:
+        await db.dispose()
