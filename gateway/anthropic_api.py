@@ -60,6 +60,8 @@ def error_response(err: APIError, request_id: str) -> Response:
 def stop_reason(gen: Generation, called: bool = False) -> str | None:
     if gen.finish_reason == FINISH_LENGTH:
         return "max_tokens"
+    if gen.finish_reason == "tool_calls":  # a pass-through engine's upstream says it
+        return "tool_use"
     if gen.finish_reason == FINISH_STOP:
         if called:
             return "tool_use"

@@ -23,7 +23,9 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError
 from pydantic import BaseModel, TypeAdapter
 
-from tests.engines.conftest import models_db, tollgate_with  # noqa: F401 - fixtures: Tollgates configured by a models.yaml
+from tests.engines.conftest import models_db, tollgate_with, upstreams  # noqa: F401 - fixtures: Tollgates configured by a models.yaml, scripted upstreams
+from tests.engines.test_openai_pool import pool_yaml
+from tests.fakes.upstream import WORDS, Behaviour
 from tests.fakes import trtllm as double
 
 QUESTION = "What is the weather in Paris?"
@@ -419,6 +421,40 @@ async def test_a_client_leaving_a_tool_stream_leaves_a_cancelled_row_with_what_w
             generated = len(llm.requests[-1].outputs[0].token_ids)
             assert (row["status"], row["api"]) == ("cancelled", path.rsplit("/", 1)[1])
             assert row["completion_tokens"] == generated >= 2 and row["prompt_tokens"] == len(llm.requests[-1].prompt_token_ids)
+
+
+# an OpenAI-compatible pool: the translated chat completion goes upstream --------------------------------------
+async def test_a_pool_gets_the_chat_completion_and_its_tool_call_pieces_come_back(upstreams: Any, tollgate_with: Any) -> None:  # noqa: F811
+    up, url = upstreams()
+    pool = tollgate_with(pool_yaml(url))
+    calls = [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    client = await openai_client(pool)
+    for stream in (False, True):
+        up.script.append(Behaviour(tool_calls=calls))
+        if stream:
+            async with client.responses.stream(model="pool", input=QUESTION, tools=RESPONSES_TOOLS, max_output_tokens=50) as events:
+                pieces = [e.delta async for e in events if e.type == "response.function_call_arguments.delta"]
+                resp = await events.get_final_response()
+            assert pieces == ['{"city":', ' "Paris"}']  # the upstream's pieces, one delta each
+        else:
+            resp = await client.responses.create(model="pool", input=QUESTION, tools=RESPONSES_TOOLS, max_output_tokens=50)
+        sent = up.requests[-1]
+        assert sent.path == "/v1/chat/completions" and sent.body["messages"] == [{"role": "user", "content": QUESTION}]
+        assert (sent.body["tools"], sent.body["max_tokens"], sent.body["model"]) == (
+            [{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "strict": True}}], 50, "upstream-name")
+        [call] = resp.output
+        assert (call.type, call.call_id, call.name, call.arguments) == ("function_call", "call_0", "get_weather", '{"city": "Paris"}')
+        row = await pool.ledger_row(resp.id.removeprefix("resp_"))
+        assert (row["prompt_tokens"], row["completion_tokens"], row["api"]) == (17, resp.usage.output_tokens, "responses")  # the upstream's usage
+    up.script.append(Behaviour(tool_calls=calls))
+    async with await claude(pool) as anthropic_client:
+        async with anthropic_client.messages.stream(model="pool", max_tokens=50, messages=[{"role": "user", "content": QUESTION}],
+                                                    tools=ANTHROPIC_TOOLS) as events:
+            final = await events.get_final_message()
+        assert ([(b.type, b.name, b.input) for b in final.content], final.stop_reason) == ([("tool_use", "get_weather", {"city": "Paris"})], "tool_use")
+        assert up.requests[-1].body["tools"] == CHAT_TOOLS
+        text = await anthropic_client.messages.create(model="pool", max_tokens=50, messages=[{"role": "user", "content": QUESTION}])
+        assert (text.content[0].text, text.stop_reason) == ("".join(WORDS), "end_turn")
 
 
 # the translations alone ---------------------------------------------------------------------------------------
