@@ -68,15 +68,16 @@ class Scope:
         return self.prepaid or not self.limits.empty
 
     def limit_args(self) -> tuple[int, ...]:
-        return (*_limit_args(self.limits), 1 if self.prepaid else 0)
+        return _limit_args(self.limits, self.prepaid)
 
 
 @functools.lru_cache(maxsize=4096)
-def _limit_args(lim: Limits) -> tuple[int, ...]:
-    """A key's limits as the scripts take them, once per distinct Limits (the spend limit is Decimal
-    arithmetic; keys' limits change rarely and the principal cache hands out the same object)."""
+def _limit_args(lim: Limits, prepaid: bool = False) -> tuple[int, ...]:
+    """A key's limits as the scripts take them, and 1 for a scope that spends a prepaid balance, once
+    per distinct (Limits, prepaid) (the spend limit is Decimal arithmetic; keys' limits change rarely
+    and the principal cache hands out the same object)."""
     values = (lim.rpm, lim.tpm, lim.max_concurrent, lim.monthly_tokens, lim.monthly_spend_nanos)
-    return tuple(UNLIMITED if v is None else int(v) for v in values)
+    return (*(UNLIMITED if v is None else int(v) for v in values), 1 if prepaid else 0)
 
 
 @dataclass
