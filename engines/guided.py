@@ -111,6 +111,7 @@ class TokenMask:
 
     @staticmethod
     def make(hf_tokenizer: Any, eos_ids: list[int], device: Any, rows: int, always: bool) -> Any:
+        import numpy as np
         import torch
         from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
@@ -128,6 +129,7 @@ class TokenMask:
                 self._device = self._host.to(device)
                 self._shifts = torch.arange(32, dtype=torch.int32, device=device)
                 self._any = always
+                self._rows: list[int] = []  # this step's guided rows
 
             def tokenizer(self) -> Any:
                 """llguidance's view of the vocabulary: ~1 s to build, so once, on the first guided request."""
@@ -160,14 +162,17 @@ class TokenMask:
                         for eos in eos_ids:
                             self._host[i, eos // 32] |= 1 << (eos % 32)
                     flags[i] = 1
-                self._any = always or any(flags)
-                if any(flags):
+                self._rows = [i for i, flag in enumerate(flags) if flag]
+                self._any = always or bool(self._rows)
+                if always and self._rows:
                     self._device[: len(flags)].copy_(self._host[: len(flags)])
                 return torch.tensor(flags, dtype=torch.int32)
 
             def __call__(self, scores: Any, tensor_arg: Any) -> Any:
                 if not self._any:
                     return scores
+                if not always:  # eager: only the guided rows, unpacked by numpy (~0.2 ms a row on a CPU core)
+                    return self._masked_rows(scores)
                 batch, width = scores.shape
                 n = min(batch, rows)  # rows past the batch's requests are padding
                 bits = (self._device[:n].unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
@@ -177,6 +182,16 @@ class TokenMask:
                 unguided = (tensor_arg[:n] == 0).unsqueeze(-1)
                 head = scores[:n].masked_fill(~(allowed | unguided), float("-inf"))
                 return head if n == batch else torch.cat([head, scores[n:]])
+
+            def _masked_rows(self, scores: Any) -> Any:
+                width = scores.size(-1)
+                bits = np.unpackbits(self._host.numpy()[self._rows].view(np.uint8), axis=1, bitorder="little")[:, :width]
+                allowed = torch.from_numpy(bits).to(device=scores.device, dtype=torch.bool)
+                if allowed.size(-1) < width:  # logits wider than the vocabulary: padding ids are never allowed
+                    allowed = torch.cat([allowed, allowed.new_zeros(len(self._rows), width - allowed.size(-1))], dim=-1)
+                rows = torch.tensor(self._rows, device=scores.device)
+                # In place: these logits are this step's own (the lm head's output), read by nothing after sampling.
+                return scores.index_copy_(0, rows, scores.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
 
         return _TokenMask()
 
