@@ -1,4 +1,6 @@
-"""Billing settings: the monthly close, the grace period, and Stripe (optional).
+"""Billing settings: the monthly close, the grace period, Stripe (optional), and the seller
+identity printed on invoices (TOLLGATE_SELLER_*; without a legal name the documents are usage
+statements, not invoices).
 
 Read from the settings' `extra` mapping, which falls back to the environment variables of the
 same names (TOLLGATE_BILLING_*, TOLLGATE_STRIPE_*). Without a Stripe key, billing still closes
@@ -8,7 +10,9 @@ and renders invoices locally.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 COLLECTION_METHODS = ("send_invoice", "charge_automatically")
 
@@ -41,6 +45,60 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 @dataclass(frozen=True)
+class Seller:
+    """Who issues the invoices. Empty legal name: no seller identity, so documents are usage statements."""
+
+    legal_name: str = ""
+    address: tuple[str, ...] = ()  # lines, as printed
+    country: str = ""
+    tax_id: str = ""
+    email: str = ""
+    logo: Path | None = None  # a PNG or JPEG shown on HTML and PDF
+    invoice_prefix: str = "INV"
+    credit_note_prefix: str = "CN"
+
+    @property
+    def identified(self) -> bool:
+        return bool(self.legal_name)
+
+    @property
+    def key(self) -> str:
+        """What numbers are counted per: the seller's tax id, else its legal name."""
+        return self.tax_id or self.legal_name or "usage-statement"
+
+    def snapshot(self) -> dict[str, Any] | None:
+        if not self.identified:
+            return None
+        return {"legal_name": self.legal_name, "address": list(self.address), "country": self.country,
+                "tax_id": self.tax_id or None, "email": self.email or None,
+                "logo": str(self.logo) if self.logo else None}
+
+    @classmethod
+    def from_mapping(cls, env: Mapping[str, str]) -> "Seller":
+        logo = env.get("TOLLGATE_SELLER_LOGO") or None
+        if logo and not Path(logo).is_file():
+            raise SystemExit(f"TOLLGATE_SELLER_LOGO: no such file {logo!r}")
+        if logo and Path(logo).suffix.lower() not in (".png", ".jpg", ".jpeg"):
+            raise SystemExit("TOLLGATE_SELLER_LOGO must be a .png or .jpg file")
+        address = (env.get("TOLLGATE_SELLER_ADDRESS") or "").replace("\\n", "\n").replace("|", "\n")
+        prefix = env.get("TOLLGATE_INVOICE_PREFIX") or "INV"
+        credit_prefix = env.get("TOLLGATE_CREDIT_NOTE_PREFIX") or "CN"
+        for name, value in (("TOLLGATE_INVOICE_PREFIX", prefix), ("TOLLGATE_CREDIT_NOTE_PREFIX", credit_prefix)):
+            if not (1 <= len(value) <= 12 and value.replace("-", "").isalnum()):
+                raise SystemExit(f"{name} must be 1 to 12 letters, digits or dashes, got {value!r}")
+        return cls(
+            legal_name=(env.get("TOLLGATE_SELLER_NAME") or "").strip(),
+            address=tuple(line.strip() for line in address.splitlines() if line.strip()),
+            country=(env.get("TOLLGATE_SELLER_COUNTRY") or "").strip().upper(),
+            tax_id=(env.get("TOLLGATE_SELLER_TAX_ID") or "").strip(),
+            email=(env.get("TOLLGATE_SELLER_EMAIL") or "").strip(),
+            logo=Path(logo) if logo else None,
+            invoice_prefix=prefix,
+            credit_note_prefix=credit_prefix,
+        )
+
+
+@dataclass(frozen=True)
 class BillingConfig:
     auto_close: bool = True  # the server closes each month after it ends
     close_delay_seconds: float = 3600.0  # wait after month end so late ledger batches land first
@@ -56,6 +114,13 @@ class BillingConfig:
     days_until_due: int = 30
     send_invoices: bool = True  # email the finalized invoice through Stripe (send_invoice only)
     sync_after_close: bool = True
+    seller: Seller = field(default_factory=Seller)
+
+    @property
+    def payment_terms(self) -> str:
+        if self.collection_method == "charge_automatically":
+            return "Charged automatically to the payment method on file"
+        return f"Net {self.days_until_due} days" if self.days_until_due else "Due on receipt"
 
     @property
     def stripe_enabled(self) -> bool:
@@ -81,4 +146,5 @@ class BillingConfig:
             days_until_due=_int(env, "TOLLGATE_STRIPE_DAYS_UNTIL_DUE", 30),
             send_invoices=_bool(env, "TOLLGATE_STRIPE_SEND_INVOICES", True),
             sync_after_close=_bool(env, "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE", True),
+            seller=Seller.from_mapping(env),
         )

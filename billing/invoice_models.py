@@ -6,6 +6,10 @@
     invoice_lines     one per model, direction and price (and per late period for adjustments)
     billing_accounts  an account's Stripe customer and its billing state (active/past_due/suspended)
     stripe_events     webhook event ids already handled (deduplication)
+    billing_details   per account: the buyer's legal name, address, country, billing email, tax id, tax rate
+    tax_rates         per country: the tax rate (percent) an account there pays unless its own says otherwise
+    document_sequences per seller and kind: the last number given, so invoice and credit note numbers have no gaps
+    credit_notes      numbered credits against an issued invoice (an issued invoice is never edited)
 """
 
 from __future__ import annotations
@@ -80,6 +84,19 @@ class Invoice(SQLModel, table=True):
     stripe_synced_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     stripe_sent_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     stripe_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    # Issue 22: the document. Snapshots (JSON) of the seller and the buyer as they were at issue: a
+    # later change of either never rewrites an issued invoice. NULL seller: a usage statement.
+    seller: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    buyer: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    issued_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    due_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    payment_terms: str | None = Field(default=None, sa_column=sa.Column(sa.String(200), nullable=True))
+    subtotal_cents: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
+    # Percent, exact (19.000 = 19%); NULL: no tax. tax_cents = subtotal x rate / 100, half up, once.
+    tax_rate: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(7, 3), nullable=True))
+    tax_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
+    # Credit notes credited to the customer's balance, applied to this invoice's amount due.
+    credit_applied_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
 
 
 class InvoiceLine(SQLModel, table=True):
@@ -126,3 +143,70 @@ class StripeEvent(SQLModel, table=True):
     type: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
     created: datetime = Field(sa_column=_ts())
     processed_at: datetime = Field(sa_column=_ts())
+
+
+class BillingDetails(SQLModel, table=True):
+    """Who an account's invoices are made out to. Invoices copy it when issued (Invoice.buyer)."""
+
+    __tablename__ = "billing_details"
+
+    account_id: int = Field(
+        sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), primary_key=True, autoincrement=False)
+    )
+    legal_name: str = Field(sa_column=sa.Column(sa.String(200), nullable=False))
+    address_line1: str | None = Field(default=None, sa_column=sa.Column(sa.String(200), nullable=True))
+    address_line2: str | None = Field(default=None, sa_column=sa.Column(sa.String(200), nullable=True))
+    city: str | None = Field(default=None, sa_column=sa.Column(sa.String(100), nullable=True))
+    postal_code: str | None = Field(default=None, sa_column=sa.Column(sa.String(20), nullable=True))
+    region: str | None = Field(default=None, sa_column=sa.Column(sa.String(100), nullable=True))
+    country: str = Field(sa_column=sa.Column(sa.String(2), nullable=False))  # ISO 3166-1 alpha-2
+    email: str | None = Field(default=None, sa_column=sa.Column(sa.String(254), nullable=True))
+    tax_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(64), nullable=True))
+    tax_id_type: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))  # Stripe's, e.g. eu_vat
+    # The account's own tax rate (percent), over its country's; NULL: the country's.
+    tax_rate: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(7, 3), nullable=True))
+    updated_at: datetime = Field(sa_column=_ts())
+
+
+class TaxRate(SQLModel, table=True):
+    __tablename__ = "tax_rates"
+
+    country: str = Field(sa_column=sa.Column(sa.String(2), primary_key=True))
+    rate: Decimal = Field(sa_column=sa.Column(sa.Numeric(7, 3), nullable=False))  # percent
+    updated_at: datetime = Field(sa_column=_ts())
+
+
+class DocumentSequence(SQLModel, table=True):
+    """The last number given per (seller, kind): taken and advanced in the transaction that inserts
+    the document, so a rolled-back close leaves no gap."""
+
+    __tablename__ = "document_sequences"
+
+    seller: str = Field(sa_column=sa.Column(sa.String(200), primary_key=True))
+    kind: str = Field(sa_column=sa.Column(sa.String(16), primary_key=True))  # invoice | credit_note
+    last_number: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+
+
+class CreditNote(SQLModel, table=True):
+    __tablename__ = "credit_notes"
+
+    id: int | None = Field(default=None, primary_key=True)
+    number: str = Field(sa_column=sa.Column(sa.String(32), nullable=False, unique=True))
+    invoice_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("invoices.id"), nullable=False, index=True))
+    account_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), nullable=False, index=True))
+    kind: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # void | partial
+    reason: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
+    memo: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    subtotal_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    tax_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    total_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    # balance: the invoice was paid, so the credit goes to the customer's balance and the next
+    # invoice applies it; invoice: it reduces what is still due on the invoice.
+    applies_to: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))
+    seller: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    buyer: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    issued_at: datetime = Field(sa_column=_ts())
+    # The next invoice of the account, which lists it (and applies a balance credit).
+    shown_on_invoice_id: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, sa.ForeignKey("invoices.id"), nullable=True))
+    stripe_credit_note_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
+    stripe_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))

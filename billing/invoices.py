@@ -10,12 +10,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.invoice_models import Invoice, InvoiceLine
+from billing.invoice_models import CreditNote, Invoice, InvoiceLine
 from billing.invoicing import format_cents
 from billing.models import Account
 
 INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
+CREDIT_NOTES = CreditNote.__table__
 ACCOUNTS = Account.__table__
 
 
@@ -52,7 +53,37 @@ def line_view(row: Any) -> dict[str, Any]:
     }
 
 
-def invoice_view(row: Any, lines: list[Any], *, admin: bool) -> dict[str, Any]:
+def _rate(value: Any) -> str | None:
+    return None if value is None else format(Decimal(value).quantize(Decimal("0.001")), "f")
+
+
+def credit_note_view(row: Any, invoice_number: str | None = None) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "object": "credit_note",
+        "number": row.number,
+        "invoice_id": row.invoice_id,
+        "invoice_number": invoice_number,
+        "account_id": row.account_id,
+        "kind": row.kind,
+        "reason": row.reason,
+        "memo": row.memo,
+        "subtotal_cents": int(row.subtotal_cents),
+        "tax_cents": int(row.tax_cents),
+        "total_cents": int(row.total_cents),
+        "total": format_cents(int(row.total_cents)),
+        "applies_to": row.applies_to,
+        "issued_at": _iso(row.issued_at),
+        "shown_on_invoice_id": row.shown_on_invoice_id,
+        "stripe_credit_note_id": row.stripe_credit_note_id,
+    }
+
+
+def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[dict[str, Any]] | None = None,
+                 shown_credit_notes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    subtotal = int(row.subtotal_cents) if row.subtotal_cents is not None else int(row.total_cents)
+    due = int(row.total_cents) - int(row.credit_applied_cents or 0)
+    credited = sum(c["total_cents"] for c in credit_notes or [])
     view: dict[str, Any] = {
         "id": row.id,
         "object": "invoice",
@@ -64,8 +95,25 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool) -> dict[str, Any]:
         "period_end": _iso(row.period_end),
         "status": row.status,
         "currency": row.currency,
+        # An invoice with a seller identity; without one (or issued before issue 22) a usage statement.
+        "document": "invoice" if row.seller else "usage_statement",
+        "seller": json.loads(row.seller) if row.seller else None,
+        "buyer": json.loads(row.buyer) if row.buyer else None,
+        "issued_at": _iso(row.issued_at or row.created_at),
+        "due_at": _iso(row.due_at),
+        "payment_terms": row.payment_terms,
+        "subtotal_cents": subtotal,
+        "subtotal": format_cents(subtotal),
+        "tax": {"rate": _rate(row.tax_rate), "amount_cents": int(row.tax_cents or 0), "amount": format_cents(int(row.tax_cents or 0))}
+        if row.tax_rate is not None else None,
         "total_cents": int(row.total_cents),
         "total": format_cents(int(row.total_cents)),
+        "credit_applied_cents": int(row.credit_applied_cents or 0),
+        "amount_due_cents": due,
+        "amount_due": format_cents(due),
+        "credited_cents": credited,
+        "credit_notes": credit_notes or [],  # issued against this invoice (it is never edited)
+        "credit_notes_since_last_invoice": shown_credit_notes or [],
         "lines": [line_view(line) for line in lines],
         "price_versions": json.loads(row.price_versions),
         "created_at": _iso(row.created_at),
@@ -97,7 +145,28 @@ async def get_invoice(db: AsyncEngine, invoice_id: int, *, account_id: int | Non
         if row is None:
             return None
         lines = (await conn.execute(sa.select(LINES).where(LINES.c.invoice_id == invoice_id).order_by(LINES.c.position))).all()
-    return invoice_view(row, lines, admin=admin)
+        notes = await _credit_notes(conn, [invoice_id])
+    return invoice_view(row, lines, admin=admin, credit_notes=notes["against"].get(invoice_id), shown_credit_notes=notes["shown"].get(invoice_id))
+
+
+async def _credit_notes(conn: Any, invoice_ids: list[int]) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """Credit notes against these invoices, and those each of them lists as issued since the last one."""
+    out: dict[str, dict[int, list[dict[str, Any]]]] = {"against": {}, "shown": {}}
+    if not invoice_ids:
+        return out
+    query = (
+        sa.select(CREDIT_NOTES, INVOICES.c.number.label("invoice_number"))
+        .join(INVOICES, INVOICES.c.id == CREDIT_NOTES.c.invoice_id)
+        .where(sa.or_(CREDIT_NOTES.c.invoice_id.in_(invoice_ids), CREDIT_NOTES.c.shown_on_invoice_id.in_(invoice_ids)))
+        .order_by(CREDIT_NOTES.c.id)
+    )
+    for row in (await conn.execute(query)).all():
+        view = credit_note_view(row, row.invoice_number)
+        if row.invoice_id in invoice_ids:
+            out["against"].setdefault(row.invoice_id, []).append(view)
+        if row.shown_on_invoice_id in invoice_ids:
+            out["shown"].setdefault(row.shown_on_invoice_id, []).append(view)
+    return out
 
 
 async def list_invoices(
@@ -113,7 +182,9 @@ async def list_invoices(
         rows = (await conn.execute(query)).all()
         ids = [r.id for r in rows]
         lines = (await conn.execute(sa.select(LINES).where(LINES.c.invoice_id.in_(ids)).order_by(LINES.c.position))).all() if ids else []
+        notes = await _credit_notes(conn, ids)
     by_invoice: dict[int, list[Any]] = {}
     for line in lines:
         by_invoice.setdefault(line.invoice_id, []).append(line)
-    return [invoice_view(r, by_invoice.get(r.id, []), admin=admin) for r in rows]
+    return [invoice_view(r, by_invoice.get(r.id, []), admin=admin, credit_notes=notes["against"].get(r.id),
+                         shown_credit_notes=notes["shown"].get(r.id)) for r in rows]

@@ -5,7 +5,9 @@
                 -> invoice                            total = sum of the line amounts
 
 The ledger is the source of truth: amounts come from tokens x the price version (and account
-override) in force at each row's `created_at`, never from the rows' `cost_nanos`. Billed rows
+override) in force at each row's `admitted_at` (when the request was admitted and priced; a request
+that runs across a price change or a month end belongs to the instant it started), never from the
+rows' `cost_nanos`. Billed rows
 have status completed or cancelled (tokens really generated); error rows are not billed.
 
 Late usage: a row that lands after its period was closed is billed once, in the next invoice
@@ -32,6 +34,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from billing.config import BillingConfig
+from billing.documents import invoice_fields, list_credit_notes_on
 from billing.invoice_models import BillingPeriod, Invoice, InvoiceLine
 from billing.models import Account, LedgerEntry, utcnow
 from billing.periods import Period
@@ -99,7 +103,7 @@ async def priced_usage(
     summed per line key. The caller refreshes the price book first."""
     cuts = sorted(set(book.breakpoints(account_id, start, end)) | set(_month_starts(start, end)))
     bounds = [start, *cuts]
-    created = LEDGER.c.created_at
+    created = LEDGER.c.admitted_at  # the instant that prices a row and names its month
     segment: Any = sa.case(*[(created < cut, i) for i, cut in enumerate(cuts)], else_=len(cuts)) if cuts else sa.literal(0)
     rows = (
         sa.select(
@@ -280,10 +284,6 @@ def _ranges(periods: list[Period]) -> list[tuple[datetime, datetime]]:
 
 
 # invoices ---------------------------------------------------------------------------------------
-def invoice_number(account_id: int, period: Period) -> str:
-    return f"TG-{period.year:04d}{period.month:02d}-{account_id:06d}"
-
-
 def _price_versions(lines: list[LineDraft]) -> list[dict[str, Any]]:
     seen: dict[tuple[Any, ...], dict[str, Any]] = {}
     for line in lines:
@@ -293,7 +293,8 @@ def _price_versions(lines: list[LineDraft]) -> list[dict[str, Any]]:
 
 
 async def close_account(
-    db: AsyncEngine, book: PriceBook, account_id: int, period: Period, closed_before: list[Period], *, now: datetime
+    db: AsyncEngine, book: PriceBook, account_id: int, period: Period, closed_before: list[Period], *, now: datetime,
+    config: BillingConfig | None = None,
 ) -> tuple[int | None, bool]:
     """The account's invoice for the period: (id, created). (None, False) when nothing to bill.
     Idempotent: an invoice already there is returned unchanged."""
@@ -309,7 +310,7 @@ async def close_account(
             lines += await adjustment_lines(conn, book, account_id, closed_before, period)
             if not lines:
                 return None, False
-            return await _insert_invoice(conn, account_id, period, lines, now), True
+            return await _insert_invoice(conn, account_id, period, lines, now, config), True
     except IntegrityError:  # another instance made it first: a repeat is success
         async with db.connect() as conn:
             existing = await _invoice_id(conn, account_id, period)
@@ -328,30 +329,34 @@ async def _has_usage(conn: AsyncConnection, account_id: int, start: datetime, en
     query = sa.select(
         sa.exists().where(
             LEDGER.c.account_id == account_id,
-            LEDGER.c.created_at >= start,
-            LEDGER.c.created_at < end,
+            LEDGER.c.admitted_at >= start,
+            LEDGER.c.admitted_at < end,
             LEDGER.c.status.in_(BILLABLE_STATUSES),
         )
     )
     return bool((await conn.execute(query)).scalar())
 
 
-async def _insert_invoice(conn: AsyncConnection, account_id: int, period: Period, lines: list[LineDraft], now: datetime) -> int:
-    total = sum(line.amount_cents for line in lines)
+async def _insert_invoice(
+    conn: AsyncConnection, account_id: int, period: Period, lines: list[LineDraft], now: datetime, config: BillingConfig | None
+) -> int:
+    name = (await conn.execute(sa.select(ACCOUNTS.c.name).where(ACCOUNTS.c.id == account_id))).scalar_one()
+    amounts = [line.amount_cents for line in lines]
+    document = await invoice_fields(conn, config, account_id, name, amounts, now)  # number, snapshots, dates, tax
+    due = document.amount_due_cents
     values = dict(
-        number=invoice_number(account_id, period),
+        **document.values,
         account_id=account_id,
         period=str(period),
         period_start=period.start,
         period_end=period.end,
-        status="open" if total > 0 else "paid",
-        currency="usd",
-        total_cents=total,
+        status="open" if due > 0 else "paid",
         price_versions=json.dumps(_price_versions(lines)),
         created_at=now,
-        paid_at=None if total > 0 else now,
+        paid_at=None if due > 0 else now,
     )
     invoice_id = int((await conn.execute(INVOICES.insert().values(**values).returning(INVOICES.c.id))).scalar_one())
+    await list_credit_notes_on(conn, account_id, invoice_id)
     await conn.execute(
         LINES.insert(),
         [
@@ -431,6 +436,7 @@ async def close_period(
     progress: Progress | None = None,
     lookback_months: int = 3,
     wait: bool = True,
+    config: BillingConfig | None = None,
 ) -> CloseResult:
     """Closes a finished month for every account. Safe to re-run and to run on several instances:
     a closed period returns its invoices; an interrupted one resumes where it stopped."""
@@ -438,17 +444,19 @@ async def close_period(
     if period.end > now:
         raise PeriodNotEnded(f"period {period} has not ended yet (it ends {period.end.isoformat()})")
     async with close_lock(db, wait=wait):
-        return await close_period_locked(db, book, period, now=now, progress=progress, lookback_months=lookback_months)
+        return await close_period_locked(db, book, period, now=now, progress=progress, lookback_months=lookback_months, config=config)
 
 
 async def close_period_locked(
-    db: AsyncEngine, book: PriceBook, period: Period, *, now: datetime, progress: Progress | None = None, lookback_months: int = 3
+    db: AsyncEngine, book: PriceBook, period: Period, *, now: datetime, progress: Progress | None = None, lookback_months: int = 3,
+    config: BillingConfig | None = None,
 ) -> CloseResult:
-    """`close_period` for a caller that already holds `close_lock`."""
+    """`close_period` for a caller that already holds `close_lock`. `config`: the seller, terms and
+    due days the invoices are issued with (None: a usage statement, due in 30 days)."""
     for unfinished in await _periods(db, status="closing"):
         if unfinished != period:  # an earlier run stopped midway: finish it first
-            await _run(db, book, unfinished, now, None, lookback_months)
-    return await _run(db, book, period, now, progress, lookback_months)
+            await _run(db, book, unfinished, now, None, lookback_months, config)
+    return await _run(db, book, period, now, progress, lookback_months, config)
 
 
 async def _periods(db: AsyncEngine, *, status: str | None = None) -> list[Period]:
@@ -482,7 +490,8 @@ def _iso(value: datetime | None) -> str | None:
 
 
 async def _run(
-    db: AsyncEngine, book: PriceBook, period: Period, now: datetime, progress: Progress | None, lookback_months: int
+    db: AsyncEngine, book: PriceBook, period: Period, now: datetime, progress: Progress | None, lookback_months: int,
+    config: BillingConfig | None = None,
 ) -> CloseResult:
     status = await period_status(db, period)
     if status is not None and status["status"] == "closed":
@@ -495,7 +504,7 @@ async def _run(
     closed_before = [p for p in await _periods(db, status="closed") if earliest <= p < period]
     created: list[int] = []
     for done, account_id in enumerate(accounts, start=1):
-        invoice_id, made = await close_account(db, book, account_id, period, closed_before, now=now)
+        invoice_id, made = await close_account(db, book, account_id, period, closed_before, now=now, config=config)
         if made and invoice_id is not None:
             created.append(invoice_id)
         async with db.begin() as conn:

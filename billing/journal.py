@@ -245,6 +245,7 @@ def record_fields(row: dict[str, Any], cls: type) -> Any:
     """A journal row back into `cls` (UsageRecord), ignoring fields a newer version may have added."""
     names = {f.name for f in fields(cls)}
     values = {k: v for k, v in row.items() if k in names}
-    if isinstance(values.get("created_at"), str):
-        values["created_at"] = datetime.fromisoformat(values["created_at"])
+    for name in ("created_at", "admitted_at"):
+        if isinstance(values.get(name), str):
+            values[name] = datetime.fromisoformat(values[name])
     return cls(**values)

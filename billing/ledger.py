@@ -18,7 +18,7 @@ import logging
 import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,14 @@ class UsageRecord:
     cached: bool = False  # issue 10: served from the response cache
     cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache, when it said
     api: str | None = None  # chat | completions | embeddings | messages (issue 21)
-    created_at: datetime = field(default_factory=utcnow)
+    created_at: datetime = field(default_factory=utcnow)  # when it finished
+    # When it was admitted (its price looked up): prices it and decides its hour, day and month.
+    # None: derived as created_at minus total_ms (what migration 0010 backfilled).
+    admitted_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.admitted_at is None:
+            self.admitted_at = self.created_at - timedelta(milliseconds=self.total_ms or 0.0)
 
 
 def insert_ignoring_duplicates(dialect_name: str) -> Any:
@@ -73,7 +80,7 @@ _PG_COLUMNS = (
     ("completion_tokens", "int4"), ("status", "text"), ("finish_reason", "text"), ("total_ms", "float8"),
     ("queue_ms", "float8"), ("ttft_ms", "float8"), ("estimated", "bool"), ("cost_nanos", "int8"), ("cached", "bool"), ("api", "text"),
     ("cached_tokens", "int4"),
-    ("created_at", "timestamptz"),
+    ("created_at", "timestamptz"), ("admitted_at", "timestamptz"),
 )
 PG_ARRAY_INSERT = True  # False: SQLAlchemy's executemany (bench/ledger_writer.py compares the two)
 # The insert, together with what the rows it inserted add to the aggregates: one statement, so one round trip
@@ -125,7 +132,7 @@ async def _write_pg(driver: Any, records: list[UsageRecord]) -> int:
     columns = [[getattr(r, name) for r in unique] for name, _ in _PG_COLUMNS]
     extra = (
         columns[0],
-        [hour_of(r.created_at) for r in unique],
+        [hour_of(r.admitted_at) for r in unique],  # type: ignore[arg-type]
         [latency_bucket(r.total_ms) for r in unique],
         [None if r.ttft_ms is None else latency_bucket(r.ttft_ms) for r in unique],
     )
@@ -447,7 +454,7 @@ def _filtered(query: Any, account_id: int | None, start: datetime | None, end: d
     if account_id is not None:
         query = query.where(LEDGER.c.account_id == account_id)
     if start is not None:
-        query = query.where(LEDGER.c.created_at >= start)
+        query = query.where(LEDGER.c.admitted_at >= start)
     if end is not None:
-        query = query.where(LEDGER.c.created_at < end)
+        query = query.where(LEDGER.c.admitted_at < end)
     return query

@@ -79,7 +79,10 @@ class Price(SQLModel, table=True):
 
 class LedgerEntry(SQLModel, table=True):
     __tablename__ = "ledger_entries"
-    __table_args__ = (sa.Index("ix_ledger_account_created", "account_id", "created_at"),)
+    __table_args__ = (
+        sa.Index("ix_ledger_account_created", "account_id", "created_at"),
+        sa.Index("ix_ledger_account_admitted", "account_id", "admitted_at"),
+    )
 
     id: int | None = Field(
         default=None,
@@ -109,6 +112,11 @@ class LedgerEntry(SQLModel, table=True):
     ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
     created_at: datetime = Field(
+        default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
+    )
+    # When the request was admitted (its price looked up): the instant that prices it and decides its
+    # hour, day and month everywhere (invoices, usage, quotas). created_at is when it finished.
+    admitted_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )
 

@@ -370,7 +370,8 @@ class PriceBook:
     def models(self) -> list[str]:
         return sorted(self._by_model)
 
-    async def current_for(self, account_id: int, model: str) -> EffectivePrice | None:
+    async def current_for(self, account_id: int, model: str, at: datetime | None = None) -> EffectivePrice | None:
+        """The price in force now, or at `at` (a request's admission instant, which its ledger row keeps)."""
         if time.monotonic() - self._loaded_at >= self._refresh_seconds:
             if self._loaded_at == float("-inf"):
                 await self.refresh()  # nothing to price with yet
@@ -379,7 +380,7 @@ class PriceBook:
                 # failed read does too). Awaiting the read here made a burst that came after a quiet
                 # spell wait for one database round trip behind every request of the burst (issue 26).
                 self._loading = asyncio.ensure_future(self._load(force=False))
-        now = utcnow()
+        now = at or utcnow()
         pair = (account_id, model)
         hit = self._current.get(pair)
         if hit is not None and now < hit[1]:

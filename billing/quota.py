@@ -217,14 +217,14 @@ class LedgerTotals:
                 month = (
                     await conn.execute(
                         sa.select(sa.func.coalesce(sa.func.sum(tokens), 0), sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
-                            column == scope.id, LEDGER.c.created_at >= start
+                            column == scope.id, LEDGER.c.admitted_at >= start
                         )
                     )
                 ).one()
                 minute = (
                     await conn.execute(
                         sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(tokens), 0)).where(
-                            column == scope.id, LEDGER.c.created_at >= minute_start
+                            column == scope.id, LEDGER.c.admitted_at >= minute_start
                         )
                     )
                 ).one()

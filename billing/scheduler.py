@@ -70,7 +70,7 @@ class MonthlyClose:
                 status = await period_status(self._db, period)
                 if status is None or status["status"] != "closed":
                     result = await close_period_locked(
-                        self._db, self._book, period, now=now, lookback_months=self._config.lookback_months
+                        self._db, self._book, period, now=now, lookback_months=self._config.lookback_months, config=self._config
                     )
                 if self._stripe is not None and self._config.sync_after_close:
                     await self._stripe.push_pending()

@@ -1,8 +1,13 @@
 """Pushing closed invoices to Stripe with the official SDK (`StripeClient`).
 
-    account  -> Stripe customer (created on demand; id stored)
+    account  -> Stripe customer (created on demand; id stored) with the billing details' name,
+                email, address and tax id, brought up to date on every push
     invoice  -> draft Stripe invoice (id stored) -> one invoice item per line (ids stored)
+             -> the tax line as manual tax amounts on the lines (our tax, computed once on the
+                subtotal, shared over the lines so they sum to it exactly)
              -> total compared with ours -> finalized -> sent (per config) -> total compared again
+    credit note -> a Stripe credit note on the invoice: pre-payment while it is open, else to the
+                customer's balance (which Stripe applies to the next invoice)
 
 Every create carries a deterministic idempotency key, and every Stripe id is stored as soon as it
 is known. Stripe keeps idempotency keys for about 24 hours only, so a re-run also looks for what
@@ -13,6 +18,7 @@ that differs from ours is an error (recorded on the invoice and raised), never s
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime, timezone
 from typing import Any
@@ -22,8 +28,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 from stripe import StripeClient, StripeError
 
+from billing.billing_details import get_details, split_tax
 from billing.config import BillingConfig
-from billing.invoice_models import BillingAccount, Invoice, InvoiceLine
+from billing.invoice_models import BillingAccount, CreditNote, Invoice, InvoiceLine
 from billing.invoicing import format_cents
 from billing.models import Account, utcnow
 
@@ -33,6 +40,7 @@ INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
 ACCOUNTS = Account.__table__
 BILLING = BillingAccount.__table__
+CREDIT_NOTES = CreditNote.__table__
 MAX_ITEMS = 250  # Stripe's limit per invoice
 FINAL_STATUSES = ("open", "paid", "void", "uncollectible")
 
@@ -66,6 +74,27 @@ def account_ref(account_id: int, created_at: datetime) -> str:
     return f"{account_id}-{_micros(created_at)}"
 
 
+def _customer_fields(name: str, details: dict[str, Any] | None) -> dict[str, Any]:
+    """What a Stripe customer says of the buyer: the billing details, else the account's name."""
+    if details is None:
+        return {"name": name}
+    address = {"line1": details.get("address_line1") or "", "line2": details.get("address_line2") or "",
+               "city": details.get("city") or "", "postal_code": details.get("postal_code") or "",
+               "state": details.get("region") or "", "country": details["country"]}
+    return {"name": details["legal_name"], "email": details.get("email") or "", "address": address}
+
+
+def _differs(want: dict[str, Any], have: dict[str, Any]) -> bool:
+    for key, value in want.items():
+        if isinstance(value, dict):
+            current = have.get(key) or {}
+            if any((v or None) != (current.get(k) or None) for k, v in value.items()):
+                return True
+        elif (value or None) != (have.get(key) or None):
+            return True
+    return False
+
+
 def upsert(db: AsyncEngine, table: Any) -> Any:
     return postgresql.insert(table) if db.dialect.name == "postgresql" else sqlite.insert(table)
 
@@ -83,7 +112,9 @@ class StripeSync:
                 await conn.execute(sa.select(BILLING.c.stripe_customer_id).where(BILLING.c.account_id == account_id))
             ).scalar_one_or_none()
             account = (await conn.execute(sa.select(ACCOUNTS).where(ACCOUNTS.c.id == account_id))).one()
+        details = await get_details(self._db, account_id)
         if stored:
+            await self._update_customer(str(stored), account.name, details)
             return str(stored)
         ref = account_ref(account_id, account.created_at)
         found = await self._stripe.v1.customers.search_async({"query": f"metadata['tollgate_account']:'{ref}'"})
@@ -92,10 +123,11 @@ class StripeSync:
             customer_id = str(matches[0].id)
         else:
             customer = await self._stripe.v1.customers.create_async(
-                {"name": account.name, "metadata": {"tollgate_account": ref, "tollgate_account_id": str(account_id)}},
+                {**_customer_fields(account.name, details), "metadata": {"tollgate_account": ref, "tollgate_account_id": str(account_id)}},
                 {"idempotency_key": f"tollgate-customer-{ref}"},
             )
             customer_id = str(customer.id)
+        await self._update_customer(customer_id, account.name, details, fields=bool(matches))
         stmt = upsert(self._db, BILLING).values(
             account_id=account_id, stripe_customer_id=customer_id, state="active", updated_at=utcnow()
         )
@@ -104,6 +136,24 @@ class StripeSync:
                 stmt.on_conflict_do_update(index_elements=["account_id"], set_={"stripe_customer_id": customer_id})
             )
         return customer_id
+
+    async def _update_customer(self, customer_id: str, name: str, details: dict[str, Any] | None, *, fields: bool = True) -> None:
+        """The customer as the billing details say now (name, email, address), and their tax id."""
+        if fields:
+            want = _customer_fields(name, details)
+            have = _plain(await self._stripe.v1.customers.retrieve_async(customer_id))
+            if _differs(want, have):  # a re-run reads only
+                await self._stripe.v1.customers.update_async(customer_id, want)  # type: ignore[arg-type]
+        if details is None or not details.get("tax_id") or not details.get("tax_id_type"):
+            return
+        page = await self._stripe.v1.customers.tax_ids.list_async(customer_id, {"limit": 100})
+        async for tax_id in page.auto_paging_iter():
+            if tax_id.type == details["tax_id_type"] and tax_id.value == details["tax_id"]:
+                return
+        await self._stripe.v1.customers.tax_ids.create_async(
+            customer_id, {"type": details["tax_id_type"], "value": details["tax_id"]},
+            {"idempotency_key": f"tollgate-taxid-{customer_id}-{details['tax_id_type']}-{details['tax_id']}"},
+        )
 
     # invoices ----------------------------------------------------------------------------------
     async def push(self, invoice_id: int) -> dict[str, Any]:
@@ -127,6 +177,7 @@ class StripeSync:
         remote = await self._stripe_invoice(invoice, customer)
         if remote["status"] == "draft":
             await self._push_items(invoice, lines, remote["id"], customer)
+            await self._push_tax(invoice, remote["id"])
             remote = _plain(await self._stripe.v1.invoices.retrieve_async(remote["id"]))
             self._compare(invoice, remote, "draft")
             remote = _plain(
@@ -223,6 +274,31 @@ class StripeSync:
             async with self._db.begin() as conn:
                 await conn.execute(LINES.update().where(LINES.c.id == line.id).values(stripe_item_id=item_id))
 
+    async def _push_tax(self, invoice: Any, stripe_invoice: str) -> None:
+        """Our tax line as Stripe manual tax amounts: shared over the lines in proportion, summing to
+        our tax (computed once on the subtotal), so Stripe's total is ours. Stripe takes the amounts
+        as given; its tax rate (made from tax_rate_data) is what the document shows."""
+        tax = int(invoice.tax_cents or 0)
+        if invoice.tax_rate is None:
+            return
+        remote_lines = []
+        page = await self._stripe.v1.invoices.line_items.list_async(stripe_invoice, {"limit": 100})
+        async for line in page.auto_paging_iter():
+            remote_lines.append(_plain(line))
+        shares = split_tax([int(line["amount"]) for line in remote_lines], tax)
+        rate = format(invoice.tax_rate, "f")
+        buyer = json.loads(invoice.buyer) if invoice.buyer else {}
+        for line, share in zip(remote_lines, shares):
+            if [(t["amount"], t["taxable_amount"]) for t in line.get("taxes") or []] == [(share, int(line["amount"]))]:
+                continue  # already there (a re-run)
+            data: dict[str, Any] = {"display_name": "Tax", "inclusive": False, "percentage": rate}
+            if buyer.get("country"):
+                data["country"] = buyer["country"]
+            await self._stripe.v1.invoices.line_items.update_async(
+                stripe_invoice, line["id"],
+                {"tax_amounts": [{"amount": share, "taxable_amount": int(line["amount"]), "tax_rate_data": data}]},  # type: ignore[typeddict-item]
+            )
+
     def _compare(self, invoice: Any, remote: dict[str, Any], stage: str) -> None:
         if int(remote["total"]) != int(invoice.total_cents):
             raise StripeTotalMismatch(
@@ -248,6 +324,39 @@ class StripeSync:
                 log.error("Stripe sync of invoice %s failed: %s", invoice_id, exc)
                 results.append({"id": invoice_id, "result": f"error: {exc}"})
         return results
+
+    # credit notes --------------------------------------------------------------------------------
+    async def push_credit_note(self, note_id: int) -> dict[str, Any]:
+        """The Stripe credit note of one of ours; skipped while its invoice has no Stripe invoice."""
+        async with self._db.connect() as conn:
+            note = (await conn.execute(sa.select(CREDIT_NOTES).where(CREDIT_NOTES.c.id == note_id))).one()
+            invoice = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.id == note.invoice_id))).one()
+        if note.stripe_credit_note_id:
+            return {"id": note.id, "result": "synced", "stripe_credit_note_id": note.stripe_credit_note_id}
+        if not invoice.stripe_invoice_id:
+            return {"id": note.id, "result": "skipped: the invoice is not on Stripe", "stripe_credit_note_id": None}
+        try:
+            remote = _plain(await self._stripe.v1.invoices.retrieve_async(invoice.stripe_invoice_id))
+            params: dict[str, Any] = {
+                "invoice": invoice.stripe_invoice_id, "amount": int(note.total_cents),
+                "memo": note.memo or f"Credit note {note.number} for invoice {invoice.number}",
+                "metadata": {"tollgate_credit_note": note.number, "tollgate_invoice": invoice.number},
+            }
+            if note.reason:
+                params["reason"] = note.reason
+            post = int(note.total_cents) - (min(int(note.total_cents), int(remote["amount_remaining"])) if remote["status"] == "open" else 0)
+            if post:
+                params["credit_amount"] = post  # to the customer's balance: Stripe applies it to the next invoice
+            created = await self._stripe.v1.credit_notes.create_async(params, {"idempotency_key": f"tollgate-credit-note-{note.number}"})
+        except StripeError as exc:
+            async with self._db.begin() as conn:
+                await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
+                    stripe_error=f"{type(exc).__name__}: {exc.user_message or exc}"))
+            raise
+        async with self._db.begin() as conn:
+            await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
+                stripe_credit_note_id=str(created.id), stripe_error=None))
+        return {"id": note.id, "result": "synced", "stripe_credit_note_id": str(created.id)}
 
     # storage -----------------------------------------------------------------------------------
     async def _load(self, invoice_id: int) -> tuple[Any, list[Any]]:

@@ -69,7 +69,7 @@ def deltas(records: Iterable[UsageRecord]) -> tuple[list[dict[str, Any]], list[d
     usage: dict[tuple[Any, ...], dict[str, Any]] = {}
     latency: dict[tuple[Any, ...], int] = defaultdict(int)
     for r in records:
-        hour = hour_of(r.created_at)
+        hour = hour_of(r.admitted_at)  # type: ignore[arg-type]  # the hour it was admitted in, as invoices count it
         key = (hour, r.account_id, r.key_id, r.model)
         row = usage.get(key)
         if row is None:

@@ -5,8 +5,13 @@ monthly close, Stripe sync and webhooks. `start(app)` builds `app.state.billing`
     GET  /v1/invoices/{id}[/html|/pdf]         one of them
     GET  /admin/invoices                       ?account_id=&period=
     GET  /admin/invoices/{id}[/html|/pdf]
-    POST /admin/invoices/close                 {"period": "2026-10", "wait": true}
+    POST /admin/invoices/close                 {"period": "2026-10", "wait": true}; pushes to Stripe after
+                                               (TOLLGATE_STRIPE_SYNC_AFTER_CLOSE), as the CLI close does
     POST /admin/invoices/{id}/sync             push to Stripe
+    POST /admin/invoices/{id}/credit_notes     {"amount_cents": 120 | omitted: all that is left, "reason", "memo"}
+    GET  /admin/credit_notes/{id}[/html|/pdf]  (and /v1/credit_notes/{id}[...] for the account's own)
+    GET  /admin/accounts/{id}/billing_details  PUT (all fields) / PATCH (some): the buyer on invoices
+    GET  /admin/tax_rates                      PUT /admin/tax_rates/{country} {"rate": "19.000"}, DELETE
     GET  /admin/billing/periods/{period}       progress of a close
     GET  /admin/accounts/{id}/billing          billing state, unpaid invoices
     GET  /admin/accounts/{id}/prices           overrides and the prices in force now
@@ -31,13 +36,15 @@ from starlette.routing import Route
 from stripe import StripeError
 
 from billing.account_state import AccountStates, account_standing
+from billing.billing_details import InvalidBillingDetails, country_rates, delete_country_rate, get_details, set_country_rate, set_details
+from billing.credit_notes import CreditNoteRefused, CreditRequest, get_credit_note, issue_credit_note
 from billing.config import BillingConfig
 from billing.invoices import get_invoice, list_invoices
 from billing.invoicing import CloseResult, PeriodNotEnded, close_period, period_status
 from billing.keys import Principal
 from billing.periods import InvalidPeriod, Period
 from billing.prices import InvalidPrice, PriceBook, PriceConflict
-from billing.render import render_html, render_pdf
+from billing.render import render_credit_note_html, render_credit_note_pdf, render_html, render_pdf
 from billing.scheduler import MonthlyClose
 from billing.stripe_sync import StripeSync, StripeSyncError, StripeTotalMismatch, stripe_client
 from billing.webhooks import WebhookHandler, WebhookRejected
@@ -95,6 +102,12 @@ class Billing:
             await self.scheduler.stop()
         await self.states.stop()
 
+    async def push_after_close(self) -> list[dict[str, Any]] | None:
+        """What a close does next when Stripe is on and TOLLGATE_STRIPE_SYNC_AFTER_CLOSE is set (as the CLI)."""
+        if self.stripe is None or not self.config.sync_after_close:
+            return None
+        return await self.stripe.push_pending()
+
     async def _changed(self, account_id: int) -> None:
         await self.states.refresh()
 
@@ -106,9 +119,8 @@ class Billing:
 
     async def _close(self, period: Period) -> CloseResult | None:
         try:
-            result = await close_period(self.db, self.book, period, lookback_months=self.config.lookback_months)
-            if self.stripe is not None and self.config.sync_after_close:
-                await self.stripe.push_pending()
+            result = await close_period(self.db, self.book, period, lookback_months=self.config.lookback_months, config=self.config)
+            await self.push_after_close()
             return result
         except Exception:  # nobody awaits a background run: report it here (a re-run resumes it)
             log.exception("closing billing period %s failed", period)
@@ -250,10 +262,14 @@ async def admin_close(request: Request) -> Response:
         status = await period_status(billing.db, period)
         return json_response(status or {"object": "billing_period", "period": str(period), "status": "queued"}, 202)
     try:
-        result = await close_period(billing.db, billing.book, period, lookback_months=billing.config.lookback_months)
+        result = await close_period(billing.db, billing.book, period, lookback_months=billing.config.lookback_months, config=billing.config)
     except PeriodNotEnded as exc:
         raise InvalidRequest(str(exc), param="period", code="period_not_ended") from None
-    return json_response(result.view())
+    payload = result.view()
+    synced = await billing.push_after_close()  # errors are recorded per invoice and listed here
+    if synced is not None:
+        payload["stripe"] = synced
+    return json_response(payload)
 
 
 async def admin_period(request: Request) -> Response:
@@ -339,6 +355,116 @@ async def admin_add_override(request: Request) -> Response:
     return json_response(version.view(), 201)
 
 
+# billing details, tax rates, credit notes ----------------------------------------------------------
+def _details_error(exc: InvalidBillingDetails) -> InvalidRequest:
+    return InvalidRequest(str(exc), param=exc.field, code="invalid_value")
+
+
+async def admin_get_details(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    account = await _account(request)
+    details = await get_details(_billing(request).db, account["id"])
+    if details is None:
+        raise NotFound(f"Account {account['id']} has no billing details yet; PUT them.", param="account_id", code="no_billing_details")
+    return json_response(details)
+
+
+async def admin_set_details(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    account = await _account(request)
+    body = await read_json(request, state.settings.max_body_bytes)
+    try:
+        details = await set_details(_billing(request).db, account["id"], body, replace=request.method == "PUT")
+    except InvalidBillingDetails as exc:
+        raise _details_error(exc) from None
+    return json_response(details)
+
+
+async def admin_tax_rates(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    return json_response({"object": "list", "data": await country_rates(_billing(request).db)})
+
+
+async def admin_set_tax_rate(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    body = await read_json(request, state.settings.max_body_bytes)
+    if not isinstance(body, dict) or set(body) != {"rate"}:
+        raise InvalidRequest('the body must be {"rate": "19.000"} (percent)', param="rate")
+    try:
+        return json_response(await set_country_rate(_billing(request).db, request.path_params["country"], body["rate"]))
+    except InvalidBillingDetails as exc:
+        raise _details_error(exc) from None
+
+
+async def admin_delete_tax_rate(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    try:
+        deleted = await delete_country_rate(_billing(request).db, request.path_params["country"])
+    except InvalidBillingDetails as exc:
+        raise _details_error(exc) from None
+    if not deleted:
+        raise NotFound("No tax rate for that country.", param="country")
+    return json_response({"object": "tax_rate", "country": request.path_params["country"].upper(), "deleted": True})
+
+
+class CreditNoteBody(_Model):
+    amount_cents: StrictInt | None = None
+    reason: str | None = None
+    memo: str | None = Field(default=None, max_length=500)
+
+    def check_supported(self, passthrough: bool = False) -> None:
+        return None
+
+
+async def admin_credit_note(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    billing = _billing(request)
+    invoice_id = _id(request, "invoice_id", "invoice")
+    body = parse(CreditNoteBody, await read_json(request, state.settings.max_body_bytes))
+    try:
+        note = await issue_credit_note(billing.db, invoice_id, CreditRequest(body.amount_cents, body.reason, body.memo), billing.config)
+    except CreditNoteRefused as exc:
+        if exc.code == "not_found":
+            raise NotFound(str(exc), param="id") from None
+        raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from None
+    if billing.stripe is not None:
+        try:
+            note["stripe"] = await billing.stripe.push_credit_note(note["id"])
+        except StripeError as exc:  # the note stands; a later sync retries
+            note["stripe"] = {"result": f"error: {exc.user_message or exc}"}
+    return json_response(note, 201)
+
+
+def _credit_note_response(note: dict[str, Any], fmt: str) -> Response:
+    if fmt == "html":
+        return Response(render_credit_note_html(note), media_type="text/html; charset=utf-8")
+    if fmt == "pdf":
+        headers = {"Content-Disposition": f'attachment; filename="{note["number"]}.pdf"'}
+        return Response(render_credit_note_pdf(note), media_type="application/pdf", headers=headers)
+    return json_response(note)
+
+
+async def admin_get_credit_note(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    fmt = _format(request)
+    note = await get_credit_note(_billing(request).db, _id(request, "note_id", "credit note"))
+    if note is None:
+        raise NotFound("No such credit note.", param="id")
+    return _credit_note_response(note, fmt)
+
+
+async def my_credit_note(request: Request) -> Response:
+    principal = await authenticate(request, request.app.state.keys)
+    fmt = _format(request)
+    note = await get_credit_note(_billing(request).db, _id(request, "note_id", "credit note"), account_id=principal.account_id)
+    if note is None:
+        raise NotFound("No such credit note.", param="id")
+    return _credit_note_response(note, fmt)
+
+
 # webhooks ---------------------------------------------------------------------------------------
 async def _raw_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
@@ -378,5 +504,15 @@ routes = [
     Route("/admin/accounts/{account_id}/billing", admin_account_billing, methods=["GET"]),
     Route("/admin/accounts/{account_id}/prices", admin_account_prices, methods=["GET"]),
     Route("/admin/accounts/{account_id}/prices", admin_add_override, methods=["POST"]),
+    Route("/admin/invoices/{invoice_id}/credit_notes", admin_credit_note, methods=["POST"]),
+    Route("/admin/credit_notes/{note_id}", admin_get_credit_note, methods=["GET"]),
+    Route("/admin/credit_notes/{note_id}/{fmt:str}", admin_get_credit_note, methods=["GET"]),
+    Route("/v1/credit_notes/{note_id}", my_credit_note, methods=["GET"]),
+    Route("/v1/credit_notes/{note_id}/{fmt:str}", my_credit_note, methods=["GET"]),
+    Route("/admin/accounts/{account_id}/billing_details", admin_get_details, methods=["GET"]),
+    Route("/admin/accounts/{account_id}/billing_details", admin_set_details, methods=["PUT", "PATCH"]),
+    Route("/admin/tax_rates", admin_tax_rates, methods=["GET"]),
+    Route("/admin/tax_rates/{country}", admin_set_tax_rate, methods=["PUT"]),
+    Route("/admin/tax_rates/{country}", admin_delete_tax_rate, methods=["DELETE"]),
     Route("/webhooks/stripe", stripe_webhook, methods=["POST"]),
 ]

@@ -5,6 +5,9 @@ directly, like the other commands; Stripe settings come from the environment (TO
     tollgate invoices list [--period P] [--account NAME]
     tollgate invoices show ID [--format json|html|pdf] [--output FILE]
     tollgate invoices sync (ID | --period P)
+    tollgate invoices credit ID [--amount-cents N] [--reason R] [--memo TEXT]   a credit note (all that is left by default)
+    tollgate billing details --account NAME [--legal-name ... --country DE --email ... --tax-id ...]   show / set
+    tollgate billing tax-rate COUNTRY [RATE | --delete]                                               per-country tax (percent)
     tollgate prices list [--model M]
     tollgate prices add MODEL --input X --output Y [--cached-input Z] [--effective-from ISO] [--backdate]
     tollgate prices overrides --account NAME
@@ -24,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from billing.billing_details import InvalidBillingDetails, country_rates, delete_country_rate, get_details, set_country_rate, set_details
 from billing.config import BillingConfig
 from billing.db import create_engine
 from billing.invoices import get_invoice, list_invoices
@@ -91,7 +95,7 @@ def _guarded(fn: Callable[[Settings, argparse.Namespace], int]) -> Callable[[Set
     def run(settings: Settings, args: argparse.Namespace) -> int:
         try:
             return fn(settings, args)
-        except (CommandError, InvalidPrice, PeriodNotEnded) as exc:
+        except (CommandError, InvalidPrice, PeriodNotEnded, InvalidBillingDetails) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
 
@@ -128,7 +132,7 @@ def cmd_invoices_close(settings: Settings, args: argparse.Namespace) -> int:
 
     async def close(db: Any) -> tuple[CloseResult, list[dict[str, Any]]]:
         try:
-            result = await close_period(db, PriceBook(db), period, progress=bar, lookback_months=config.lookback_months)
+            result = await close_period(db, PriceBook(db), period, progress=bar, lookback_months=config.lookback_months, config=config)
         finally:
             bar.close()
         synced: list[dict[str, Any]] = []
@@ -203,6 +207,59 @@ def cmd_invoices_sync(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if any(str(r["result"]).startswith("error") for r in results) else 0
 
 
+def cmd_invoices_credit(settings: Settings, args: argparse.Namespace) -> int:
+    from billing.credit_notes import CreditNoteRefused, CreditRequest, issue_credit_note
+
+    config = _config(settings)
+
+    async def credit(db: Any) -> dict[str, Any]:
+        try:
+            note = await issue_credit_note(db, args.id, CreditRequest(args.amount_cents, args.reason, args.memo), config)
+        except CreditNoteRefused as exc:
+            raise CommandError(str(exc)) from None
+        if config.stripe_enabled:
+            note["stripe"] = await _stripe(db, config).push_credit_note(note["id"])
+        return note
+
+    _print(_run(settings, credit))
+    return 0
+
+
+# billing details --------------------------------------------------------------------------------
+DETAIL_OPTIONS = ("legal_name", "address_line1", "address_line2", "city", "postal_code", "region", "country", "email",
+                  "tax_id", "tax_id_type", "tax_rate")
+
+
+def cmd_billing_details(settings: Settings, args: argparse.Namespace) -> int:
+    changes = {name: getattr(args, name) for name in DETAIL_OPTIONS if getattr(args, name) is not None}
+
+    async def run(db: Any) -> Any:
+        account_id = await _account_id(settings, db, args.account)
+        if not changes:
+            details = await get_details(db, account_id)
+            if details is None:
+                raise CommandError(f"account {args.account!r} has no billing details yet (give --legal-name and --country)")
+            return details
+        return await set_details(db, account_id, {k: (v or None) for k, v in changes.items()})
+
+    _print(_run(settings, run))
+    return 0
+
+
+def cmd_billing_tax_rate(settings: Settings, args: argparse.Namespace) -> int:
+    async def run(db: Any) -> Any:
+        if args.delete:
+            if not await delete_country_rate(db, args.country):
+                raise CommandError(f"no tax rate for {args.country}")
+            return {"country": args.country.upper(), "deleted": True}
+        if args.rate is None:
+            return [r for r in await country_rates(db) if r["country"] == args.country.upper()] or {"country": args.country.upper(), "rate": None}
+        return await set_country_rate(db, args.country, args.rate)
+
+    _print(_run(settings, run))
+    return 0
+
+
 # prices -----------------------------------------------------------------------------------------
 def cmd_prices_list(settings: Settings, args: argparse.Namespace) -> int:
     _print([v.view() for v in _run(settings, lambda db: PriceBook(db).list(args.model))])
@@ -260,6 +317,26 @@ def register(sub: Any) -> None:
     sync.add_argument("id", type=int, nargs="?", help="one invoice id")
     sync.add_argument("--period", help="every invoice of this month")
     sync.set_defaults(func=_guarded(cmd_invoices_sync))
+    credit = inv.add_parser("credit", help="issue a credit note against an invoice (the invoice is never edited)")
+    credit.add_argument("id", type=int)
+    credit.add_argument("--amount-cents", type=int, help="how much to credit, tax included (default: all that is left: a void)")
+    credit.add_argument("--reason", choices=["duplicate", "fraudulent", "order_change", "product_unsatisfactory"])
+    credit.add_argument("--memo", help="printed on the credit note")
+    credit.set_defaults(func=_guarded(cmd_invoices_credit))
+
+    billing = sub.add_parser("billing", help="buyer billing details per account, tax rates per country")
+    bl = billing.add_subparsers(dest="action", required=True, metavar="ACTION")
+    details = bl.add_parser("details", help="show an account's billing details, or change the fields given")
+    details.add_argument("--account", required=True, help="the account (name)")
+    for name in DETAIL_OPTIONS:
+        details.add_argument("--" + name.replace("_", "-"), dest=name, help="an empty value clears it" if name not in (
+            "legal_name", "country") else None)
+    details.set_defaults(func=_guarded(cmd_billing_details))
+    tax = bl.add_parser("tax-rate", help="show, set or delete a country's tax rate (percent, e.g. 19.000)")
+    tax.add_argument("country", help="ISO 3166-1 alpha-2, e.g. DE")
+    tax.add_argument("rate", nargs="?", help='e.g. "19.000"')
+    tax.add_argument("--delete", action="store_true")
+    tax.set_defaults(func=_guarded(cmd_billing_tax_rate))
 
     prices = sub.add_parser("prices", help="price versions and per-account overrides")
     pr = prices.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -22,7 +22,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Response
@@ -35,6 +34,8 @@ from billing.limits import Limits
 from billing.models import ApiKey
 from billing.quota import Scope
 from billing.usage import Period, latency_percentiles, usage_groups, usd
+from gateway import dashboard_billing
+from gateway.dashboard_billing import billing_section, invoices_table
 from gateway.http import id_value
 from gateway.sessions import (
     LOGIN_CSRF_COOKIE,
@@ -197,43 +198,6 @@ async def logout(request: Request) -> Response:
 
 
 # data for the pages -----------------------------------------------------------------------------
-async def invoices_for(request: Request, account_id: int | None, limit: int = 50) -> list[dict[str, Any]] | None:
-    """Invoices when the invoices table exists (issue 5), newest first; None when it does not."""
-    db = request.app.state.read_db
-
-    def reflect(sync_conn: Any) -> sa.Table | None:
-        if not sa.inspect(sync_conn).has_table("invoices"):
-            return None
-        return sa.Table("invoices", sa.MetaData(), autoload_with=sync_conn)
-
-    async with db.connect() as conn:
-        table = await conn.run_sync(reflect)
-        if table is None:
-            return None
-        query = sa.select(table).limit(limit)
-        if "id" in table.c:
-            query = query.order_by(table.c.id.desc())
-        if account_id is not None:
-            if "account_id" not in table.c:
-                return []
-            query = query.where(table.c.account_id == account_id)
-        rows = (await conn.execute(query)).all()
-    shown = ("id", "number", "account_id", "period", "status", "state", "currency", "total_cents", "total_nanos",
-             "total", "stripe_status", "created_at", "finalized_at")
-    return [{k: v for k, v in row._mapping.items() if k in shown} for row in rows]
-
-
-def invoice_url(request: Request, invoice: dict[str, Any], admin: bool = False) -> str | None:
-    """The invoice's PDF when the app serves invoices (issue 5: gateway.billing_api), else None."""
-    base = "/admin/invoices" if admin else "/v1/invoices"
-    paths = {getattr(route, "path", "") for route in request.app.routes}
-    if f"{base}/{{invoice_id}}/{{fmt:str}}" in paths:
-        return f"{base}/{invoice.get('id')}/pdf"
-    if f"{base}/{{invoice_id}}" in paths:
-        return f"{base}/{invoice.get('id')}"
-    return None
-
-
 async def quota_rows(request: Request, account_id: int | None = None) -> list[dict[str, Any]]:
     """Accounts and keys that have limits: limits, month-to-date use, and live counters."""
     keys_store = request.app.state.keys
@@ -298,15 +262,14 @@ async def admin_overview(request: Request) -> Response:
         key = keys.get(row["key_id"], {})
         row.update(prefix=key.get("prefix", "?"), name=key.get("name"), account=accounts.get(row["account_id"], "?"))
     [totals] = await usage_groups(db, period)
-    invoices = await invoices_for(request, None)
+    invoices = await invoices_table(request, None, admin=True)
     context = {
         "session": session, "days": days, "periods": PERIODS, "totals": totals,
         "models": await usage_groups(db, period, ("model",)),
         "top_keys": top,
         "latency": await latency_percentiles(db, period),
         "quota": await quota_rows(request),
-        "invoices": invoices,
-        "invoice_links": {inv.get("id"): invoice_url(request, inv, admin=True) for inv in invoices or []},
+        "invoices": invoices, "admin_view": True,
         **chart_context(period),
     }
     return page(request, "admin.html", context)
@@ -375,6 +338,8 @@ async def render_account(
         "new_key": new_key, "error": error, "served_models": sorted(request.app.state.service.engines),
         "quota": await quota_rows(request, account_id), "limit_fields": LIMIT_FIELDS,
         **chart_context(period, account_id),
+        "billing": await billing_section(request, account_id) if getattr(request.app.state, "billing", None) else None,
+        "admin_view": True,
     }
     return page(request, "account_admin.html", context, status_code)
 
@@ -505,13 +470,12 @@ async def customer_view(request: Request) -> Response:
     period, days = chosen_period(request)
     usage = {g["key_id"]: g for g in await usage_groups(request.app.state.read_db, period, ("key",), account_id=account_id)}
     [totals] = await usage_groups(request.app.state.read_db, period, (), account_id=account_id)
-    invoices = await invoices_for(request, account_id)
+    invoices = await invoices_table(request, account_id, admin=False)
     context = {
         "session": session, "account": await store.get_account(account_id=account_id), "days": days, "periods": PERIODS,
         "keys": await store.list_keys(account_id), "usage": usage, "totals": totals,
         "models": await usage_groups(request.app.state.read_db, period, ("model",), account_id=account_id),
         "quota": await quota_rows(request, account_id), "invoices": invoices,
-        "invoice_links": {inv.get("id"): invoice_url(request, inv) for inv in invoices or []},
         **chart_context(period, account_id),
         # issue 25: the prepaid balance and the spend alerts that fired
         "credit": await request.app.state.credits.balance(account_id), "alerts": await request.app.state.alerts.events(account_id, 20),
@@ -540,5 +504,6 @@ routes = [
     Route("/dashboard/admin/keys/{key_id}/limits", set_limits, methods=["POST"]),
     Route("/dashboard/account", customer_view, methods=["GET"]),
     Route("/static/vendor/plotly.min.js", plotly_js, methods=["GET"]),
+    *dashboard_billing.routes,
     Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
 ]

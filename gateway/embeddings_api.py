@@ -32,6 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from billing.ledger import UsageRecord
+from billing.models import utcnow
 from engines.base import EngineError
 from engines.embeddings import DEFAULT_EMBEDDING_MODEL, EmbeddingModel
 from gateway import metering
@@ -181,14 +182,15 @@ async def create_embeddings(request: Request) -> Response:
     tokens = sum(len(x) for x in ids)
 
     metering.refuse_if_backlogged(state)
-    price = await metering.price_of(state, model.model_id, principal.account_id)
+    admitted_at = utcnow()
+    price = await metering.price_of(state, model.model_id, principal.account_id, admitted_at)
     nanos = price.cost_nanos(tokens, 0) if price else 0
     hold = await metering.reserve(state, principal, request_id, tokens, nanos)
     started = time.perf_counter()
     record = UsageRecord(
         request_id=request_id, account_id=principal.account_id, key_id=principal.key_id, model=model.model_id,
         prompt_tokens=tokens, completion_tokens=0, status="interrupted", finish_reason=None, total_ms=0.0,
-        cost_nanos=nanos if price else None, api="embeddings",
+        cost_nanos=nanos if price else None, api="embeddings", created_at=admitted_at, admitted_at=admitted_at,
     )
     state.ledger.admitted(record, hold.to_json() if hold else None)
     status, used = "cancelled", 0
@@ -205,6 +207,7 @@ async def create_embeddings(request: Request) -> Response:
         record.prompt_tokens = used
         record.cost_nanos = (nanos if used else 0) if price else None
         record.total_ms = (time.perf_counter() - started) * 1000.0
+        record.created_at = utcnow()
         state.ledger.record(record)
     data = [
         {"object": "embedding", "index": i, "embedding": encode(shape(v, body.dimensions, model), body.encoding_format)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
@@ -19,11 +20,11 @@ log = logging.getLogger("tollgate.metering")
 _settling: set[asyncio.Task[Any]] = set()
 
 
-async def price_of(state: Any, model: str, account_id: int) -> EffectivePrice | None:
-    """What `account_id` pays for `model` now: its override, else its multiplier, else the base
-    price (the same rule completions and invoices use)."""
+async def price_of(state: Any, model: str, account_id: int, at: datetime | None = None) -> EffectivePrice | None:
+    """What `account_id` pays for `model` now (or at `at`, the request's admission): its override,
+    else its multiplier, else the base price (the same rule completions and invoices use)."""
     prices = getattr(state, "prices", None)
-    return await prices.current_for(account_id, model) if prices is not None else None
+    return await prices.current_for(account_id, model, at) if prices is not None else None
 
 
 def share_of(nanos: int, share: Decimal) -> int:

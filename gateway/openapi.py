@@ -133,6 +133,12 @@ RESPONSES: dict[str, dict[str, Any]] = {
         "entries": {"type": "array", "items": _obj({"request_id": STR, "account_id": INT, "key_id": INT, "status": STR})},
     }),
     "BillingPeriod": _obj({"object": {"const": "billing_period"}, "period": STR, "status": STR}),
+    # issue 22
+    "BillingDetails": _obj({"object": {"const": "billing_details"}, "account_id": INT, "legal_name": STR, "country": STR},
+                           {"email": _nullable(STR), "tax_id": _nullable(STR), "tax_rate": _nullable(STR)}),
+    "TaxRate": _obj({"object": {"const": "tax_rate"}, "country": STR}, {"rate": STR, "deleted": BOOL}),
+    "CreditNote": _obj({"id": INT, "object": {"const": "credit_note"}, "number": STR, "invoice_id": INT, "subtotal_cents": INT,
+                        "tax_cents": INT, "total_cents": INT, "applies_to": {"enum": ["invoice", "balance"]}}),
     "BillingAccount": _obj({"object": {"const": "billing_account"}, "account_id": INT, "state": STR, "unpaid_invoices": {"type": "array"}}),
     "AccountPrices": _obj({"object": {"const": "list"}, "account_id": INT, "data": {"type": "array"}, "effective": {"type": "array"}}),
     # issue 25
@@ -293,12 +299,55 @@ def _paths() -> dict[str, Any]:
         "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,
                                                        params=[_path("period", PERIOD)])},
         **_credit_paths(account),  # issue 25
+        **_document_paths(account, invoice),  # issue 22
         "/webhooks/stripe": {"post": {
             **_op("Stripe events (signed)", {"200": _json(_obj({"received": BOOL}))}, 400, 404, 408, 413, 431, 502, public=True),
             "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object"}}}},
             "parameters": [{"name": "Stripe-Signature", "in": "header", "required": False, "schema": STR}],
         }},
     }
+
+
+def _document_paths(account: list[Any], invoice: list[Any]) -> dict[str, Any]:
+    """Billing details, tax rates and credit notes (gateway/billing_api.py, issue 22)."""
+    note = [_path("note_id", ID)]
+    page = {"200": {"description": "The credit note as an HTML page or a PDF file",
+                    "content": {"text/html": {"schema": STR}, "application/pdf": {"schema": {"type": "string", "format": "binary"}}}}}
+    country = [_path("country", {"type": "string", "minLength": 1})]
+    details = _json(_ref("BillingDetails"))
+    return {
+        "/admin/accounts/{account_id}/billing_details": {
+            "get": _op("The buyer on the account's invoices", {"200": details}, *AUTHED, 404, params=account),
+            "put": _op("Set the billing details (all fields)", {"200": details}, *WITH_BODY, 404, body="BillingDetailsBody", params=account),
+            "patch": _op("Change some billing details", {"200": details}, *WITH_BODY, 404, body="BillingDetailsBody", params=account),
+        },
+        "/admin/tax_rates": {"get": _op("Tax rates per country", {"200": _json(_list_of("TaxRate"))}, *AUTHED)},
+        "/admin/tax_rates/{country}": {
+            "put": _op("Set a country's tax rate (percent)", {"200": _json(_ref("TaxRate"))}, *WITH_BODY, body="TaxRateBody", params=country),
+            "delete": _op("Remove a country's tax rate", {"200": _json(_ref("TaxRate"))}, *AUTHED, 404, params=country),
+        },
+        "/admin/invoices/{invoice_id}/credit_notes": {"post": _op(
+            "Issue a credit note against an invoice (never edits it)", {"201": _json(_ref("CreditNote"), "Created")}, *WITH_BODY, 404,
+            body="CreditNoteBody", params=invoice)},
+        "/admin/credit_notes/{note_id}": {"get": _op("One credit note", {"200": _json(_ref("CreditNote"))}, *AUTHED, 404, params=note)},
+        "/admin/credit_notes/{note_id}/{fmt}": {"get": _op("A credit note as a page or PDF", page, *AUTHED, 404, params=[*note, FORMAT])},
+        "/v1/credit_notes/{note_id}": {"get": _op("One of the caller's credit notes", {"200": _json(_ref("CreditNote"))}, *AUTHED, 404,
+                                                  params=note)},
+        "/v1/credit_notes/{note_id}/{fmt}": {"get": _op("One of the caller's credit notes as a page or PDF", page, *AUTHED, 404,
+                                                        params=[*note, FORMAT])},
+    }
+
+
+DETAIL_TEXT = {"type": "string", "maxLength": 200}
+BILLING_DETAILS_BODY = {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        **{name: _nullable(DETAIL_TEXT) for name in ("legal_name", "address_line1", "address_line2", "city", "postal_code", "region",
+                                                    "email", "tax_id", "tax_id_type")},
+        "country": {"type": "string", "description": "ISO 3166-1 alpha-2, e.g. DE"},
+        "tax_rate": _nullable({"type": "string", "description": "percent, at most 3 decimals, e.g. 19.000"}),
+    },
+}
 
 
 def _credit_paths(account: list[Any]) -> dict[str, Any]:
@@ -361,6 +410,7 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "CreateKey": admin.CreateKey,
     "AddPrice": admin.AddPrice,
     "CloseRequest": billing_api.CloseRequest,
+    "CreditNoteBody": billing_api.CreditNoteBody,
     "AddOverride": billing_api.AddOverride,
     "AddCredit": credits_api.AddCredit,
     "BillingMode": credits_api.BillingMode,
@@ -389,6 +439,8 @@ def _request_schemas() -> dict[str, Any]:
             "properties": {"limits": LIMITS, "priority": _nullable({"type": "string", "maxLength": 32, "description": "a scheduling class"})},
         },
         "EmbeddingRequest": EMBEDDING_REQUEST,
+        "BillingDetailsBody": BILLING_DETAILS_BODY,
+        "TaxRateBody": _obj({"rate": {"type": "string", "description": "percent, e.g. 19.000"}}),
     }
     for name, model in REQUEST_MODELS.items():
         schema = _times(model.model_json_schema(ref_template="#/components/schemas/{model}"))

@@ -39,6 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 
+from billing.models import utcnow
 from engines.base import FINISH_LENGTH, FINISH_STOP, EngineOutput
 from gateway import metering
 from gateway.serving import Generation
@@ -219,14 +220,14 @@ async def replay(request: Request, gen: Generation, respond: Callable[[Any, dict
 
     metering.refuse_if_backlogged(state)
     prompt, completion = int(entry["prompt_tokens"]), int(entry["completion_tokens"])
-    gen.price = await metering.price_of(state, gen.model, gen.principal.account_id)
+    gen.admitted_at = utcnow()
+    gen.price = await metering.price_of(state, gen.model, gen.principal.account_id, gen.admitted_at)
     nanos = metering.share_of(gen.price.cost_nanos(prompt, completion), cache.config.hit_price) if gen.price else 0
     gen.hold = await metering.reserve(state, gen.principal, gen.request_id, prompt + completion, nanos)
     gen.prompt_tokens = prompt
     headers = {"x-request-id": gen.request_id, **(gen.hold.headers if gen.hold else {}), HEADER: "hit"}
     outputs = _replayed(state, gen, entry, nanos)
     return respond(outputs, headers) if respond is not None else GenerationResponse(gen, outputs, headers)
-
 
 
 async def _replayed(state: Any, gen: Generation, entry: dict[str, Any], nanos: int) -> AsyncIterator[EngineOutput]:

@@ -15,10 +15,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from billing.keys import Principal
 from billing.ledger import LedgerWriter, UsageRecord
+from billing.models import utcnow
 from billing.prices import EffectivePrice, PriceBook
 from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
 from engines.base import (
@@ -63,6 +65,7 @@ class Generation:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
+    admitted_at: datetime = field(default_factory=utcnow)  # reset at admission: prices it, names its period
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
@@ -120,6 +123,7 @@ class CompletionService:
         an `interrupted` row and a hold to release (docs/reliability.md)."""
         if self.ledger.refusing:
             raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
+        gen.admitted_at = utcnow()
         await self._reserve(gen)
         self._live[gen.request_id] = gen
         self._idle.clear()
@@ -129,7 +133,7 @@ class CompletionService:
         """Reserves prompt + max_tokens (and its price) on the key and its account, or refuses."""
         if self.prices is not None:
             # The account's override (custom price or multiplier) applies when it has one.
-            gen.price = await self.prices.current_for(gen.principal.account_id, gen.model)
+            gen.price = await self.prices.current_for(gen.principal.account_id, gen.model, gen.admitted_at)
         if self.limiter is None:
             return
         worst_completion = gen.engine_request.max_tokens * gen.engine_request.sequences  # every sequence may run to max_tokens
@@ -409,6 +413,7 @@ class CompletionService:
             cached_tokens=gen.cached_tokens,
             cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen.price else None,
             api=gen.api,
+            admitted_at=gen.admitted_at,
         )
 
 

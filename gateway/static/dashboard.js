@@ -42,6 +42,34 @@
     });
   }
 
+  // Money axes: one number of decimals for every tick, enough to tell the ticks apart
+  // (never "$0.0001, $0, $0"): cents from a dollar up, more places below a cent.
+  function highest(data) {
+    const sums = new Map();
+    data.forEach(function (t) { t.x.forEach(function (x, i) { sums.set(x, (sums.get(x) || 0) + t.y[i]); }); });
+    return Math.max(0, ...sums.values());
+  }
+
+  function moneyFormat(data) {
+    const top = highest(data);
+    const places = top >= 0.05 || top === 0 ? 2 : Math.min(9, Math.max(2, Math.ceil(-Math.log10(top / 5))));
+    return "$,." + places + "f";
+  }
+
+  function empty(el) {
+    el.textContent = "";
+    const title = document.createElement("figcaption");
+    title.textContent = el.dataset.title;
+    title.className = "chart-title";
+    const text = document.createElement("p");
+    text.className = "chart-empty";
+    text.textContent = "No usage in this range";
+    el.append(title, text);
+    el.dataset.traces = "";
+    el.dataset.total = "0";
+    el.dataset.state = "empty";
+  }
+
   async function draw(el) {
     const query = new URLSearchParams({ group_by: el.dataset.groupBy, start: el.dataset.start, end: el.dataset.end });
     if (el.dataset.accountId) query.set("account_id", el.dataset.accountId);
@@ -57,12 +85,18 @@
     }
     const metrics = el.dataset.metric.split(",");
     const data = traces(body.data, el.dataset.series, metrics);
+    if (body.data.length === 0) {
+      empty(el);
+      return;
+    }
     const layout = {
       title: { text: el.dataset.title, font: { size: 14 } },
       barmode: el.dataset.series ? "stack" : "overlay",
       height: 300, margin: { l: 60, r: 20, t: 40, b: 40 },
       xaxis: { type: "date", range: [naive(body.start), naive(body.end)] },
-      yaxis: { rangemode: "tozero", tickformat: metrics[0] === "cost_usd" ? "$,.4~f" : ",~s" },
+      yaxis: metrics[0] === "cost_usd" ? { rangemode: "tozero", nticks: 6, tickformat: moneyFormat(data) }
+        // counts are whole: a handful gets one tick per unit (not "200m, 400m")
+        : Object.assign({ rangemode: "tozero", tickformat: ",~s" }, highest(data) <= 5 ? { dtick: 1 } : { nticks: 6 }),
       legend: { orientation: "h", y: -0.2 },
       paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
     };

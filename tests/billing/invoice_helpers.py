@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,12 @@ def at(month: int, day: int, hour: int = 12, minute: int = 0, second: int = 0, m
 
 
 async def usage(db: Any, account_id: int, model: str, prompt: int, completion: int, when: datetime, status: str = "completed") -> None:
-    # cost_nanos is deliberately nonsense: invoices must price tokens themselves.
+    # cost_nanos is deliberately nonsense: invoices must price tokens themselves. `when` is the
+    # admission instant (what prices a row and names its month); it finished 1 ms later.
     await write_records(db, [UsageRecord(
         request_id=uuid.uuid4().hex, account_id=account_id, key_id=1, model=model, prompt_tokens=prompt,
-        completion_tokens=completion, status=status, finish_reason="stop", total_ms=1.0, cost_nanos=7, created_at=when,
+        completion_tokens=completion, status=status, finish_reason="stop", total_ms=1.0, cost_nanos=7,
+        created_at=when + timedelta(milliseconds=1), admitted_at=when,
     )])
 
 
@@ -71,12 +73,12 @@ class App:
 
 
 @contextmanager
-def serve(db_url: str, tmp: Path, **billing: str) -> Iterator[App]:
+def serve(db_url: str, tmp: Path, engines: dict[str, Any] | None = None, **billing: str) -> Iterator[App]:
     """`billing`: TOLLGATE_BILLING_* / TOLLGATE_STRIPE_* settings (the scheduler is off unless given)."""
     admin_key = bootstrap(db_url, SECRET)
     extra = {"TOLLGATE_BILLING_AUTO_CLOSE": "0", "TOLLGATE_BILLING_STATE_REFRESH_SECONDS": "0.1", **billing}
     settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, extra=extra)
-    app = create_app(settings, engines={})
+    app = create_app(settings, engines=engines or {})
     server = ServerThread(app).__enter__()
     try:
         yield App(db_url, admin_key, f"http://127.0.0.1:{server.port}", app)

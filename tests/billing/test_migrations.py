@@ -18,7 +18,8 @@ from tests.conftest import run_coro
 TABLES = {
     "accounts", "api_keys", "ledger_entries", "prices", "usage_hourly", "latency_hourly", "dashboard_sessions",
     "price_overrides", "billing_periods", "invoices", "invoice_lines", "billing_accounts", "stripe_events",
-    "stored_responses", "credit_entries", "credit_settings", "alert_rules", "alert_events", "alert_deliveries",  # issue 25
+    "stored_responses", "credit_entries", "credit_settings", "alert_rules", "alert_events", "alert_deliveries",
+    "billing_details", "tax_rates", "document_sequences", "credit_notes",  # issue 22
 }
 
 

@@ -82,7 +82,7 @@ async def test_aggregates_equal_ledger_sums_with_repeats(db_url: str) -> None:
                 f"model = '{group['model']}' AND key_id = {group['key_id']} AND account_id = {group['account_id']}"
             )
             in_day = [r for r in records if r.model == group["model"] and r.key_id == group["key_id"]
-                      and r.account_id == group["account_id"] and r.created_at.date().isoformat() == group["day"]]
+                      and r.account_id == group["account_id"] and r.admitted_at.date().isoformat() == group["day"]]
             assert group["requests"] == len(in_day), where
             assert group["prompt_tokens"] == sum(r.prompt_tokens for r in in_day)
             assert group["cost_nanos"] == sum(r.cost_nanos or 0 for r in in_day)

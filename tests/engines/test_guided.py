@@ -109,3 +109,27 @@ def test_the_engine_process_follows_the_schema(separate: EngineLoop) -> None:
 
     for text in separate.run(answer()):
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_schemas_as_sdks_send_them_compile() -> None:
+    """pydantic's schemas (what openai's parse and LangChain send): nested models as $defs/$ref,
+    enums, optional fields as anyOf with null; and auto tool choice with a response format."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: str
+        country: Literal["FR", "DE", "IT"]
+
+    class Person(BaseModel):
+        name: str
+        nickname: str | None = None
+        home: Address
+        past: list[Address]
+
+    schema = Person.model_json_schema()
+    assert "$defs" in schema
+    assert plan({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}}, "hermes", True) is not None
+    both = plan({"tools": [WEATHER], "tool_choice": "auto", "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "hermes", True)
+    assert both is not None and both.grammar is not None and both.parser == "hermes"  # calls or the JSON answer

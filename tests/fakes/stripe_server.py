@@ -9,8 +9,17 @@ Faithful to Stripe's documented behaviour where Tollgate depends on it:
 - errors are `{"error": {"type", "message", "param", "code"}}` with Stripe's status codes;
 - faults can be injected: 500 / 429 (`Stripe-Should-Retry: true`, as for lock timeouts) before a
   request runs, or a dropped connection after it ran (the response is lost, the effect is not);
-- invoices: draft -> open (finalize) -> paid / void; items only on drafts, 250 at most; totals
-  are the sum of the items; list endpoints page with `limit`/`starting_after`;
+- invoices: draft -> open (finalize) -> paid / void; items only on drafts, 250 at most; the
+  subtotal is the sum of the items, the total adds the lines' exclusive tax amounts (set per line
+  with `tax_amounts` while a draft, as Stripe's manual tax amounts; Stripe uses the amounts as
+  given and reuses one tax rate per identical `tax_rate_data`); finalizing copies the customer's
+  name, email, address and tax ids onto the invoice and applies the customer's balance
+  (`starting_balance`, `amount_due`); list endpoints page with `limit`/`starting_after`;
+- customers carry name, email, address, balance; tax ids are their own objects (`txi_`, typed);
+- credit notes: on open or paid invoices only, at most what is left; first reduce the invoice's
+  `amount_remaining` (pre-payment; an invoice left with nothing due is paid), the rest must be
+  split exactly into `credit_amount` (to the customer's balance), `refund_amount` and
+  `out_of_band_amount`; numbered per invoice;
 - events are signed like Stripe's webhooks: `Stripe-Signature: t=<unix>,v1=<hex HMAC-SHA256 of
   f"{t}.{body}" under the endpoint secret>`.
 """
@@ -92,6 +101,25 @@ def _bool(params: dict[str, Any], name: str, default: bool) -> bool:
     return raw == "true"
 
 
+TAX_ID_TYPES = frozenset({  # a subset of Stripe's customer tax id types
+    "eu_vat", "gb_vat", "ch_vat", "no_vat", "us_ein", "ca_bn", "au_abn", "nz_gst", "in_gst", "jp_cn", "sg_gst", "za_vat",
+    "br_cnpj", "mx_rfc", "kr_brn", "ae_trn", "il_vat", "tr_tin",
+})
+ADDRESS_FIELDS = ("line1", "line2", "city", "postal_code", "state", "country")
+
+
+def _address(params: dict[str, Any]) -> dict[str, Any] | None:
+    raw = params.get("address")
+    if raw is None or raw == "":
+        return None
+    if not isinstance(raw, dict):
+        raise StripeFailure(400, "Invalid address: must be a hash", param="address")
+    unknown = sorted(set(raw) - set(ADDRESS_FIELDS))
+    if unknown:
+        raise StripeFailure(400, f"Received unknown parameter: address[{unknown[0]}]", param=f"address[{unknown[0]}]")
+    return {name: raw.get(name) or None for name in ADDRESS_FIELDS}
+
+
 def _metadata(params: dict[str, Any]) -> dict[str, str]:
     meta = params.get("metadata") or {}
     if not isinstance(meta, dict):
@@ -115,6 +143,9 @@ class FakeStripe:
         self.invoices: dict[str, dict[str, Any]] = {}
         self.items: dict[str, dict[str, Any]] = {}
         self.subscriptions: dict[str, dict[str, Any]] = {}
+        self.tax_ids: dict[str, dict[str, Any]] = {}
+        self.tax_rates: dict[str, dict[str, Any]] = {}
+        self.credit_notes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.sent: dict[str, int] = {}  # invoice id -> emails sent
         self.requests: list[tuple[str, str, str | None, int]] = []  # method, path, idempotency key, status
@@ -304,6 +335,13 @@ class FakeStripe:
             ("POST", r"/v1/customers", self._create_customer),
             ("GET", r"/v1/customers/search", self._search_customers),
             ("GET", r"/v1/customers/(?P<id>[^/]+)", lambda p, id: self._get(self.customers, "customer", id)),
+            ("POST", r"/v1/customers/(?P<id>[^/]+)", self._update_customer),
+            ("POST", r"/v1/customers/(?P<id>[^/]+)/tax_ids", self._create_tax_id),
+            ("GET", r"/v1/customers/(?P<id>[^/]+)/tax_ids", self._list_tax_ids),
+            ("GET", r"/v1/invoices/(?P<id>[^/]+)/lines", self._list_lines),
+            ("POST", r"/v1/invoices/(?P<id>[^/]+)/lines/(?P<line>[^/]+)", self._update_line),
+            ("POST", r"/v1/credit_notes", self._create_credit_note),
+            ("GET", r"/v1/credit_notes", lambda p: self._list("/v1/credit_notes", self.credit_notes, p, "invoice")),
             ("POST", r"/v1/invoices", self._create_invoice),
             ("GET", r"/v1/invoices", lambda p: self._list("/v1/invoices", self.invoices, p, "customer")),
             ("GET", r"/v1/invoices/(?P<id>[^/]+)", lambda p, id: self._get(self.invoices, "invoice", id)),
@@ -345,10 +383,104 @@ class FakeStripe:
     def _create_customer(self, params: dict[str, Any]) -> dict[str, Any]:
         customer = {
             "id": self._id("cus"), "object": "customer", "name": params.get("name"), "email": params.get("email"),
+            "address": _address(params), "balance": 0, "currency": None,
             "metadata": _metadata(params), "created": int(time.time()), "livemode": False, "delinquent": False,
         }
         self.customers[customer["id"]] = customer
         return customer
+
+    def _update_customer(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        customer = self._get(self.customers, "customer", id)
+        for name in ("name", "email"):
+            if name in params:
+                customer[name] = params[name] or None  # an empty string unsets, as on Stripe
+        if "address" in params:
+            customer["address"] = _address(params)
+        if "metadata" in params:
+            customer["metadata"].update(_metadata(params))
+        return customer
+
+    def _create_tax_id(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        self._get(self.customers, "customer", id)
+        kind, value = params.get("type"), params.get("value")
+        for name, given in (("type", kind), ("value", value)):
+            if not given:
+                raise StripeFailure(400, f"Missing required param: {name}.", param=name, code="parameter_missing")
+        if kind not in TAX_ID_TYPES:
+            raise StripeFailure(400, f"Invalid value for type: {kind}", param="type", code="parameter_invalid_string")
+        tax_id = {"id": self._id("txi"), "object": "tax_id", "customer": id, "type": kind, "value": value,
+                  "country": None, "created": int(time.time()), "livemode": False,
+                  "verification": {"status": "pending", "verified_address": None, "verified_name": None}}
+        self.tax_ids[tax_id["id"]] = tax_id
+        return tax_id
+
+    def _list_tax_ids(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        self._get(self.customers, "customer", id)
+        return self._list(f"/v1/customers/{id}/tax_ids", self.tax_ids, {**params, "customer": id}, "customer")
+
+    def _list_lines(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        invoice = self._get(self.invoices, "invoice", id)
+        table = {line["id"]: line for line in reversed(invoice["lines"]["data"])}  # _list reverses: lines keep their order
+        return self._list(f"/v1/invoices/{id}/lines", table, params, "invoice")
+
+    def _update_line(self, params: dict[str, Any], id: str, line: str) -> dict[str, Any]:
+        invoice = self._get(self.invoices, "invoice", id)
+        found = [x for x in invoice["lines"]["data"] if x["id"] == line]
+        if not found:
+            raise missing("invoice line item", line)
+        if invoice["status"] != "draft":
+            raise StripeFailure(400, "Updating an invoice's line item is only possible before the invoice is finalized.",
+                                code="invoice_not_editable")
+        if "tax_amounts" in params:
+            found[0]["taxes"] = [self._tax(entry, i) for i, entry in enumerate(params["tax_amounts"] or [])]
+        self._total(invoice)
+        return found[0]
+
+    def _tax(self, entry: Any, i: int) -> dict[str, Any]:
+        where = f"tax_amounts[{i}]"
+        if not isinstance(entry, dict):
+            raise StripeFailure(400, f"Invalid {where}: must be a hash", param=where)
+        amount = _int(entry, "amount", required=True)
+        taxable = _int(entry, "taxable_amount", required=True)
+        data = entry.get("tax_rate_data")
+        if not isinstance(data, dict):
+            raise StripeFailure(400, f"Missing required param: {where}[tax_rate_data].", param=f"{where}[tax_rate_data]",
+                                code="parameter_missing")
+        for name in ("display_name", "inclusive", "percentage"):
+            if name not in data:
+                raise StripeFailure(400, f"Missing required param: {where}[tax_rate_data][{name}].",
+                                    param=f"{where}[tax_rate_data][{name}]", code="parameter_missing")
+        if not re.fullmatch(r"\d{1,3}(\.\d{1,4})?", data["percentage"]) or float(data["percentage"]) > 100:
+            raise StripeFailure(400, "percentage must be between 0 and 100 with at most 4 decimal places",
+                                param=f"{where}[tax_rate_data][percentage]")
+        inclusive = _bool(data, "inclusive", False)
+        fields = {"display_name": data["display_name"], "inclusive": inclusive, "percentage": float(data["percentage"]),
+                  "country": data.get("country"), "jurisdiction": data.get("jurisdiction"), "tax_type": data.get("tax_type")}
+        rate = next((r for r in self.tax_rates.values() if {k: r[k] for k in fields} == fields), None)
+        if rate is None:  # the same tax_rate_data reuses one rate; created archived (active: false)
+            rate = {"id": self._id("txr"), "object": "tax_rate", "active": False, "created": int(time.time()),
+                    "livemode": False, **fields}
+            self.tax_rates[rate["id"]] = rate
+        return {"amount": amount, "taxable_amount": taxable, "tax_behavior": "inclusive" if inclusive else "exclusive",
+                "taxability_reason": entry.get("taxability_reason") or "standard_rated", "type": "tax_rate_details",
+                "tax_rate_details": {"tax_rate": rate["id"]}}
+
+    @staticmethod
+    def _total(invoice: dict[str, Any]) -> None:
+        lines = invoice["lines"]["data"]
+        subtotal = sum(line["amount"] for line in lines)
+        by_rate: dict[str, dict[str, Any]] = {}
+        for line in lines:
+            for tax in line.get("taxes") or []:
+                key = tax["tax_rate_details"]["tax_rate"]
+                slot = by_rate.setdefault(key, {**tax, "amount": 0, "taxable_amount": 0})
+                slot["amount"] += tax["amount"]
+                slot["taxable_amount"] += tax["taxable_amount"]
+        exclusive = sum(t["amount"] for t in by_rate.values() if t["tax_behavior"] == "exclusive")
+        total = subtotal + exclusive
+        invoice.update(subtotal=subtotal, subtotal_excluding_tax=subtotal, total=total,
+                       total_excluding_tax=total - sum(t["amount"] for t in by_rate.values()),
+                       total_taxes=list(by_rate.values()), amount_due=total, amount_remaining=total)
 
     def _search_customers(self, params: dict[str, Any]) -> dict[str, Any]:
         query = params.get("query")
@@ -380,6 +512,9 @@ class FakeStripe:
             "auto_advance": _bool(params, "auto_advance", False), "currency": params.get("currency", "usd"),
             "description": params.get("description"), "metadata": _metadata(params),
             "subtotal": 0, "total": 0, "amount_due": 0, "amount_paid": 0, "amount_remaining": 0,
+            "subtotal_excluding_tax": 0, "total_excluding_tax": 0, "total_taxes": [], "starting_balance": 0,
+            "ending_balance": None, "pre_payment_credit_notes_amount": 0, "post_payment_credit_notes_amount": 0,
+            "customer_name": None, "customer_email": None, "customer_address": None, "customer_tax_ids": [],
             "attempted": False, "attempt_count": 0, "paid": False, "next_payment_attempt": None,
             "status_transitions": {"finalized_at": None, "paid_at": None, "voided_at": None},
             "lines": {"object": "list", "url": "/v1/invoices/lines", "has_more": False, "data": []},
@@ -416,10 +551,13 @@ class FakeStripe:
         }
         self.items[item["id"]] = item
         if invoice is not None:
-            invoice["lines"]["data"].append({"id": "il_" + item["id"][3:], "object": "line_item", "amount": amount,
-                                             "description": item["description"], "invoice_item": item["id"]})
-            total = sum(line["amount"] for line in invoice["lines"]["data"])
-            invoice.update(subtotal=total, total=total, amount_due=total, amount_remaining=total)
+            invoice["lines"]["data"].append({
+                "id": "il_" + item["id"][3:], "object": "line_item", "amount": amount, "subtotal": amount, "currency": currency,
+                "description": item["description"], "invoice": invoice_id, "metadata": dict(item["metadata"]), "taxes": [],
+                "parent": {"type": "invoice_item_details", "invoice_item_details": {"invoice_item": item["id"]}},
+                "livemode": False,
+            })
+            self._total(invoice)
         return item
 
     def _finalize(self, params: dict[str, Any], id: str) -> dict[str, Any]:
@@ -431,6 +569,14 @@ class FakeStripe:
         invoice["auto_advance"] = _bool(params, "auto_advance", invoice["auto_advance"])
         invoice["number"] = f"FAKE-{len([i for i in self.invoices.values() if i['number']]) + 1:04d}"
         invoice["status_transitions"]["finalized_at"] = now
+        customer = self.customers[invoice["customer"]]
+        invoice.update(customer_name=customer["name"], customer_email=customer["email"], customer_address=customer["address"],
+                       customer_tax_ids=[{"type": t["type"], "value": t["value"]} for t in self.tax_ids.values()
+                                         if t["customer"] == customer["id"]])
+        applied = min(invoice["total"], max(0, -customer["balance"]))  # a credit balance pays part of it
+        customer["balance"] += applied
+        invoice.update(starting_balance=-applied, ending_balance=customer["balance"],
+                       amount_due=invoice["total"] - applied, amount_remaining=invoice["total"] - applied)
         invoice["hosted_invoice_url"] = f"https://invoice.stripe.test/{invoice['id']}"
         if invoice["collection_method"] == "send_invoice":
             invoice["due_date"] = now + 86400 * (invoice["days_until_due"] or 0)
@@ -440,6 +586,51 @@ class FakeStripe:
         else:
             invoice["status"] = "open"
         return invoice
+
+    def _create_credit_note(self, params: dict[str, Any]) -> dict[str, Any]:
+        invoice_id = params.get("invoice")
+        if not invoice_id:
+            raise StripeFailure(400, "Missing required param: invoice.", param="invoice", code="parameter_missing")
+        invoice = self._get(self.invoices, "invoice", invoice_id)
+        if invoice["status"] not in ("open", "paid"):
+            raise StripeFailure(400, f"You can only create credit notes on open or paid invoices; {invoice_id} is "
+                                     f"{invoice['status']}.", param="invoice", code="invoice_not_editable")
+        amount = _int(params, "amount")
+        if amount is None:
+            raise StripeFailure(400, "One of amount, lines, or shipping_cost must be provided.", param="amount")
+        credited = sum(c["total"] for c in self.credit_notes.values() if c["invoice"] == invoice_id and c["status"] == "issued")
+        if amount <= 0 or amount > invoice["total"] - credited:
+            raise StripeFailure(400, f"The credit note amount ({amount}) must be positive and at most the invoice's "
+                                     f"remaining total ({invoice['total'] - credited}).", param="amount")
+        reason = params.get("reason")
+        if reason is not None and reason not in ("duplicate", "fraudulent", "order_change", "product_unsatisfactory"):
+            raise StripeFailure(400, f"Invalid reason: {reason}", param="reason")
+        pre = min(amount, invoice["amount_remaining"]) if invoice["status"] == "open" else 0
+        post = amount - pre
+        credit, refund, out_of_band = (_int(params, n) or 0 for n in ("credit_amount", "refund_amount", "out_of_band_amount"))
+        if credit + refund + out_of_band != post:
+            raise StripeFailure(400, f"The sum of credit_amount, refund_amount and out_of_band_amount ({credit + refund + out_of_band})"
+                                     f" must equal the credit note's post-payment amount ({post}).", param="credit_amount")
+        customer = self.customers[invoice["customer"]]
+        number = f"{invoice['number']}-CN-{len([c for c in self.credit_notes.values() if c['invoice'] == invoice_id]) + 1:02d}"
+        note = {
+            "id": self._id("cn"), "object": "credit_note", "invoice": invoice_id, "customer": customer["id"],
+            "amount": amount, "subtotal": amount, "total": amount, "currency": invoice["currency"], "number": number,
+            "pre_payment_amount": pre, "post_payment_amount": post, "credit_amount": credit, "refund_amount": refund,
+            "out_of_band_amount": out_of_band, "reason": reason, "memo": params.get("memo"), "metadata": _metadata(params),
+            "status": "issued", "type": "pre_payment" if post == 0 else ("post_payment" if pre == 0 else "mixed"),
+            "created": int(time.time()), "livemode": False,
+        }
+        self.credit_notes[note["id"]] = note
+        invoice["pre_payment_credit_notes_amount"] += pre
+        invoice["post_payment_credit_notes_amount"] += post
+        invoice["amount_due"] -= pre
+        invoice["amount_remaining"] -= pre
+        if invoice["status"] == "open" and invoice["amount_remaining"] == 0:
+            invoice.update(status="paid", paid=True)
+            invoice["status_transitions"]["paid_at"] = int(time.time())
+        customer["balance"] -= credit  # negative: credit the customer holds
+        return note
 
     def _send(self, params: dict[str, Any], id: str) -> dict[str, Any]:
         invoice = self._get(self.invoices, "invoice", id)

@@ -329,9 +329,10 @@ def _invoice() -> dict[str, Any]:
     return {
         "number": "TG-2026-10-0001", "account_name": "acme", "account_id": 1, "period": "2026-10",
         "period_start": "2026-10-01T00:00:00+00:00", "period_end": "2026-11-01T00:00:00+00:00", "status": "open",
-        "created_at": "2026-11-01T00:00:00+00:00", "currency": "usd", "total": "1.50",
+        "created_at": "2026-11-01T00:00:00+00:00", "currency": "usd", "total": "1.50", "object": "invoice",
+        "issued_at": "2026-11-01T00:00:00+00:00", "subtotal_cents": 150, "total_cents": 150, "amount_due_cents": 150,
         "lines": [{"position": 1, "description": "alpha tokens", "usage_period": "2026-10", "tokens": 1000,
-                   "unit_price_per_million": "1.500", "amount": "1.50"}],
+                   "unit_price_per_million": "1.500", "amount": "1.50", "amount_cents": 150}],
         "price_versions": [],
     }
 

@@ -1,0 +1,154 @@
+"""The dashboards' billing parts (issue 22): invoices tables as people read them, downloads that
+the logged-in session authorises, and the admin account page's billing section.
+
+    GET  /dashboard/invoices/{id}/{html|pdf}       an invoice; a customer's session: its own account's only
+    GET  /dashboard/credit_notes/{id}/{html|pdf}   the same for credit notes
+    POST /dashboard/admin/accounts/{id}/billing    the account's billing details (form, CSRF checked)
+
+A session is the cookie the dashboard login set (gateway.sessions); an invoice of another account
+is a 404 page, never a hint that it exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from billing.account_state import account_standing
+from billing.billing_details import COUNTRIES, FIELDS, InvalidBillingDetails, get_details, set_details
+from billing.credit_notes import get_credit_note
+from billing.invoices import get_invoice, list_invoices
+from billing.render import money, render_credit_note_html, render_credit_note_pdf, render_html, render_pdf
+from gateway.http import id_value
+
+STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
+
+
+def _date(iso: str | None) -> str:
+    return iso[:10] if iso else "-"
+
+
+def invoice_rows(invoices: list[dict[str, Any]], *, admin: bool) -> list[dict[str, Any]]:
+    """What an invoices table shows: number, period, status, formatted money, dates, Stripe state, link."""
+    rows = []
+    for inv in invoices:
+        stripe = inv.get("stripe") or {}
+        rows.append({
+            "id": inv["id"], "number": inv["number"], "account": inv["account_name"], "period": inv["period"],
+            "status": inv["status"].replace("_", " "), "total": money(inv["total_cents"]),
+            "amount_due": money(max(0, inv["amount_due_cents"] - inv.get("credited_cents", 0))),
+            "issued": _date(inv.get("issued_at")), "due": _date(inv.get("due_at")),
+            "stripe": (stripe.get("status") or ("error" if stripe.get("error") else "not sent")) if admin else None,
+            "kind": "Invoice" if inv.get("document") == "invoice" else "Usage statement",
+            "pdf": f"/dashboard/invoices/{inv['id']}/pdf", "html": f"/dashboard/invoices/{inv['id']}/html",
+            "credit_notes": [{"number": c["number"], "total": money(-c["total_cents"]), "pdf": f"/dashboard/credit_notes/{c['id']}/pdf"}
+                             for c in inv.get("credit_notes", [])],
+        })
+    return rows
+
+
+async def invoices_table(request: Request, account_id: int | None, *, admin: bool, limit: int = 50) -> list[dict[str, Any]] | None:
+    billing = getattr(request.app.state, "billing", None)
+    if billing is None:
+        return None
+    return invoice_rows(await list_invoices(billing.db, account_id=account_id, admin=admin, limit=limit), admin=admin)
+
+
+async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
+    """The admin account page's billing: state (since when, why), invoices, price overrides, details."""
+    billing = request.app.state.billing
+    standing = await account_standing(billing.db, account_id, grace_seconds=billing.config.grace_seconds)
+    reasons = [f"invoice {u['number']} (${u['total']}) unpaid" + (", payment failed" if u["payment_failed"] else "")
+               for u in standing["unpaid_invoices"]]
+    return {
+        "state": STATE_LABELS.get(standing["state"], standing["state"]),
+        "state_code": standing["state"],
+        "since": _date(standing["delinquent_since"]) if standing["delinquent_since"] else None,
+        "suspends_at": _date(standing["suspends_at"]) if standing["suspends_at"] else None,
+        "reasons": reasons,
+        "invoices": await invoices_table(request, account_id, admin=True),
+        "overrides": [o.view() for o in await billing.book.overrides(account_id)],
+        "details": await get_details(billing.db, account_id) or {},
+        "countries": sorted(COUNTRIES),
+    }
+
+
+async def _session(request: Request) -> Any:
+    from gateway.dashboard import session_or_none
+
+    return await session_or_none(request)
+
+
+def _not_found(request: Request, session: Any, what: str) -> HTMLResponse:
+    from gateway.dashboard import message_page
+
+    return message_page(request, "Not found", f"No such {what}.", 404, session)
+
+
+async def _document(request: Request, kind: str) -> Response:
+    from gateway.dashboard import SECURITY_HEADERS, to_login
+
+    session = await _session(request)
+    if session is None:
+        return to_login()
+    fmt = request.path_params["fmt"]
+    doc_id = id_value(request.path_params["doc_id"])
+    if fmt not in ("html", "pdf") or doc_id is None:
+        return _not_found(request, session, kind.replace("_", " "))
+    own = None if session.principal.is_admin else session.principal.account_id
+    db = request.app.state.billing.db
+    if kind == "invoice":
+        doc = await get_invoice(db, doc_id, account_id=own, admin=False)
+        renderers = (render_html, render_pdf)
+    else:
+        doc = await get_credit_note(db, doc_id, account_id=own)
+        renderers = (render_credit_note_html, render_credit_note_pdf)
+    if doc is None:
+        return _not_found(request, session, kind.replace("_", " "))
+    if fmt == "html":
+        response: Response = HTMLResponse(renderers[0](doc))
+        # The document's own inline style and its logo as a data: image; nothing else loads.
+        response.headers.update({**SECURITY_HEADERS, "content-security-policy":
+                                 "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'"})
+        return response
+    headers = {"Content-Disposition": f'attachment; filename="{doc["number"]}.pdf"', "cache-control": "no-store",
+               "x-content-type-options": "nosniff"}
+    return Response(renderers[1](doc), media_type="application/pdf", headers=headers)
+
+
+async def session_invoice(request: Request) -> Response:
+    return await _document(request, "invoice")
+
+
+async def session_credit_note(request: Request) -> Response:
+    return await _document(request, "credit_note")
+
+
+async def save_billing_details(request: Request) -> Response:
+    from gateway.dashboard import _path_int, admin_session, form_with_csrf, refused, render_account
+
+    session = await admin_session(request)
+    if isinstance(session, Response):
+        return session
+    form = await form_with_csrf(request, session)
+    if form is None:
+        return refused(request, session)
+    account_id = _path_int(request, "account_id")
+    if account_id is None or await request.app.state.keys.get_account(account_id=account_id) is None:
+        return _not_found(request, session, "account")
+    body = {name: str(form.get(name) or "").strip() or None for name in FIELDS}
+    try:
+        await set_details(request.app.state.billing.db, account_id, body, replace=True)
+    except InvalidBillingDetails as exc:
+        return await render_account(request, session, account_id, error=f"Billing details: {exc}", status_code=400)
+    return RedirectResponse(f"/dashboard/admin/accounts/{account_id}#billing", status_code=303)
+
+
+routes = [
+    Route("/dashboard/invoices/{doc_id}/{fmt}", session_invoice, methods=["GET"]),
+    Route("/dashboard/credit_notes/{doc_id}/{fmt}", session_credit_note, methods=["GET"]),
+    Route("/dashboard/admin/accounts/{account_id}/billing", save_billing_details, methods=["POST"]),
+]
