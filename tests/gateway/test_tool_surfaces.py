@@ -483,3 +483,24 @@ def test_tool_choices_and_formats_translate_to_chats() -> None:
     assert responses(text={"format": {"type": "json_object"}})["response_format"] == {"type": "json_object"}
     assert "response_format" not in responses(text={"format": {"type": "text"}})
     assert messages(stop_sequences=[f"s{i}" for i in range(10)])["stop"] == [f"s{i}" for i in range(10)]  # Anthropic allows more than chat's 4
+
+
+async def test_over_quota_streams_are_429s_in_each_apis_shape_without_a_row(gw: Any) -> None:
+    import openai
+
+    from tests.gateway.test_quotas import set_limits
+
+    key = await gw.new_key()
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"monthly_tokens": 40})
+    client = AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0)
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.responses.create(model="llama", input=QUESTION, tools=RESPONSES_TOOLS, max_output_tokens=100, stream=True)
+    assert refused.value.body["type"] == "insufficient_quota" and int(refused.value.response.headers["retry-after"]) >= 1
+    async with anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=key["key"], max_retries=0) as claude_client:
+        with pytest.raises(anthropic.RateLimitError) as caught:
+            await claude_client.messages.create(model="llama", max_tokens=100, messages=[{"role": "user", "content": QUESTION}],
+                                                tools=ANTHROPIC_TOOLS, stream=True)
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "rate_limit_error"
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+    await gw.flush_ledger()
+    assert await gw.ledger_count(key_id=key["id"]) == 0
