@@ -348,6 +348,97 @@ def _whole_call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
+_LLAMA_HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+
+
+def _objects(text: str) -> list[tuple[int, int | None, int | None]]:
+    """The top-level JSON objects in `text`: (start, where the value of depth 1 that is open or last
+    closed ends (exclusive), end: one past the closing brace, or None while open)."""
+    out: list[tuple[int, int | None, int | None]] = []
+    depth, in_string, escaped, start, inner_end = 0, False, False, 0, None
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, in_string) if escaped else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "{[":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 1:
+                inner_end = i + 1
+            elif depth == 0:
+                out.append((start, inner_end, i + 1))
+                inner_end = None
+            elif depth < 0:
+                break
+    if depth > 0:
+        out.append((start, inner_end, None))
+    return out
+
+
+class Llama3Deltas:
+    """Llama 3 JSON tool calls (the whole answer is `{"name": ..., "parameters": {...}}`, several
+    separated by ';', optionally after <|python_tag|>) as OpenAI's stream carries them: a call's id
+    and name once its name is written, then its arguments while the model writes them. An answer that
+    does not begin like a call is content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._decided: bool | None = None
+        self._sent: list[int] = []  # per call: characters of its arguments sent
+        self.calls: list[ToolCall] = []
+
+    def push(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        if self._decided is False:
+            return text, []
+        self._buf += text
+        head = self._buf.lstrip()
+        if self._decided is None:
+            if head.startswith("{") or head.startswith(self.TAG):
+                self._decided = True
+            elif head and not self.TAG.startswith(head) or final:
+                self._decided = False
+                out, self._buf = self._buf, ""
+                return out, []
+            else:
+                return "", []
+        body = head.removeprefix(self.TAG)
+        deltas: list[dict[str, Any]] = []
+        for i, (start, inner_end, end) in enumerate(_objects(body)):
+            match = _LLAMA_HEADER.match(body, start)
+            if i == len(self.calls):  # a call not seen before
+                if match is None:  # its name is not first: it leaves whole once it is whole
+                    whole = _whole_call(body[start:end].replace('"parameters"', '"arguments"', 1)) if end is not None else None
+                    if whole is None:
+                        break
+                    deltas.append(whole.openai(i))
+                    self.calls.append(whole)
+                    self._sent.append(len(whole.arguments))
+                    continue
+                self.calls.append(ToolCall(json.loads(f'"{match.group(1)}"'), ""))
+                self._sent.append(0)
+                deltas.append({"index": i, "id": self.calls[i].id, "type": "function", "function": {"name": self.calls[i].name, "arguments": ""}})
+            if match is None:
+                continue
+            # The arguments: up to where their value closed, else all that is written of them so far.
+            closed = inner_end is not None and inner_end > match.end()
+            args = body[match.end(): inner_end if closed else len(body)].rstrip()
+            call = self.calls[i]
+            if len(args) > self._sent[i] and args.startswith(call.arguments):
+                deltas.append({"index": i, "function": {"arguments": args[self._sent[i]:]}})
+                call.arguments, self._sent[i] = args, len(args)
+        if final and not self.calls:  # began like JSON but held no call: the answer is content
+            out, self._buf = self._buf, ""
+            return out, deltas
+        return "", deltas
+
+
 class AnswerShape:
     """Outputs of a request with tools as OpenAI choice objects (EngineOutput.raw_choice): streamed, a
     chunk's choice with `delta` (content and tool call deltas); not, the final output carries the whole
@@ -355,7 +446,9 @@ class AnswerShape:
 
     def __init__(self, parser: str, stream: bool) -> None:
         self.stream = stream
-        self.deltas = HermesDeltas() if stream and parser == "hermes" else None
+        self.deltas: HermesDeltas | Llama3Deltas | None = None
+        if stream:
+            self.deltas = HermesDeltas() if parser == "hermes" else Llama3Deltas()
         self.parser: ToolCallParser = parser_for(parser)
         self.calls: list[ToolCall] = []
         self.content: list[str] = []

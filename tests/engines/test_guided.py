@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from engines.base import FINISH_STOP, EngineOutput, EngineRequest, EngineRequestRejected, SamplingParams
-from engines.structured import AnswerShape, HermesDeltas, plan
+from engines.structured import AnswerShape, HermesDeltas, Llama3Deltas, plan
 from tests.engines.test_hf_process import EngineLoop
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -21,9 +21,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def streamed(text: str, cuts: list[int]) -> tuple[str, dict[int, dict[str, str]]]:
-    """The content and calls (index -> name, id, arguments) HermesDeltas makes of `text` cut at `cuts`."""
-    parser = HermesDeltas()
+def streamed(text: str, cuts: list[int], parser: HermesDeltas | Llama3Deltas | None = None) -> tuple[str, dict[int, dict[str, str]]]:
+    """The content and calls (index -> name, id, arguments) a streamed parser makes of `text` cut at `cuts`."""
+    parser = parser or HermesDeltas()
     content, calls = "", {}
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     for i, piece in enumerate(pieces):
@@ -133,3 +133,26 @@ def test_schemas_as_sdks_send_them_compile() -> None:
     assert plan({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}}, "hermes", True) is not None
     both = plan({"tools": [WEATHER], "tool_choice": "auto", "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "hermes", True)
     assert both is not None and both.grammar is not None and both.parser == "hermes"  # calls or the JSON answer
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_streamed_llama3_json_calls_are_the_same_however_the_text_is_cut(seed: int) -> None:
+    text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pa\\"ris} {", "days": [1, 2]}} ; '
+            '{"parameters": {"city": "Rome"}, "name": "get_weather"}')
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 25)))
+    content, calls = streamed(text, cuts, Llama3Deltas())
+    assert content == ""
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": 'Pa"ris} {', "days": [1, 2]}
+    assert json.loads(calls[1]["arguments"]) == {"city": "Rome"}  # name after arguments: sent whole at its end
+    arguments_deltas = []
+    parser = Llama3Deltas()
+    for piece in [text[:40], text[40:60], text[60:]]:
+        arguments_deltas += [d for d in parser.push(piece)[1] if "id" not in d]
+    assert len(arguments_deltas) >= 2  # the first call's arguments left as they were written
+
+
+def test_a_llama3_json_answer_that_is_no_call_is_content() -> None:
+    assert streamed("Paris is sunny.", [3, 7], Llama3Deltas()) == ("Paris is sunny.", {})
+    assert streamed('{"answer": 42}', [3, 7], Llama3Deltas()) == ('{"answer": 42}', {})
