@@ -201,8 +201,16 @@ class StripeSync:
             stripe_synced_at=utcnow(),
             stripe_error=None,
         )
+        await self._push_waiting_credit_notes(invoice_id)  # issued before the invoice reached Stripe
         invoice, _ = await self._load(invoice_id)
         return self._result(invoice, "synced")
+
+    async def _push_waiting_credit_notes(self, invoice_id: int) -> None:
+        async with self._db.connect() as conn:
+            ids = [int(i) for i in (await conn.execute(sa.select(CREDIT_NOTES.c.id).where(
+                CREDIT_NOTES.c.invoice_id == invoice_id, CREDIT_NOTES.c.stripe_credit_note_id.is_(None)).order_by(CREDIT_NOTES.c.id))).scalars()]
+        for note_id in ids:
+            await self.push_credit_note(note_id)
 
     def _should_send(self, invoice: Any, remote: dict[str, Any]) -> bool:
         return (

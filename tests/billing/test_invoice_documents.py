@@ -342,3 +342,21 @@ async def test_the_seller_logo_is_on_html_and_pdf(db: Any, tmp_path: Path) -> No
     assert sum(len(page.images) for page in PdfReader(io.BytesIO(render_pdf(invoice))).pages) == 1
     with pytest.raises(SystemExit, match="TOLLGATE_SELLER_LOGO"):
         BillingConfig.from_mapping({**SELLER, "TOLLGATE_SELLER_LOGO": str(tmp_path / "missing.png")})
+
+
+async def test_a_credit_note_issued_before_the_invoice_reached_stripe_follows_it(db_url: str, db: Any, fake: FakeStripe,
+                                                                                 tmp_path: Path) -> None:
+    ids = await september(db)
+    with serve(db_url, tmp_path, **stripe_env(fake), **SELLER, TOLLGATE_STRIPE_SYNC_AFTER_CLOSE="0") as app:
+        async with app.admin() as admin:
+            assert (await admin.post("/admin/invoices/close", json={"period": "2026-09"})).status_code == 200
+            [a] = (await admin.get("/admin/invoices", params={"account_id": ids["a"]})).json()["data"]
+            note = (await admin.post(f"/admin/invoices/{a['id']}/credit_notes", json={"amount_cents": 9})).json()
+            assert note["stripe"]["result"] == "skipped: the invoice is not on Stripe" and fake.credit_notes == {}
+            synced = (await admin.post(f"/admin/invoices/{a['id']}/sync")).json()
+            assert synced["result"] == "synced", synced
+            [remote_note] = fake.credit_notes.values()
+            assert remote_note["metadata"]["tollgate_credit_note"] == note["number"] and remote_note["pre_payment_amount"] == 9
+            assert fake.invoices[synced["stripe_invoice_id"]]["amount_remaining"] == a["total_cents"] - 9
+            again = (await admin.post(f"/admin/invoices/{a['id']}/sync")).json()  # a repeat sends nothing more
+            assert again["result"] == "synced" and len(fake.credit_notes) == 1
