@@ -2,7 +2,7 @@
 
 Writers call `LedgerWriter.record()` from a `finally`; it never awaits and never raises, so a
 cancelled request task still gets its row. A background task inserts rows in batches with
-`ON CONFLICT (request_id) DO NOTHING`, retrying (never dropping) while the database is down.
+`ON CONFLICT (request_id, admitted_at) DO NOTHING`, retrying (never dropping) while the database is down.
 The same transaction adds the rows it actually inserted to the hourly aggregates
 (`billing.usage`), so those stay exact sums of the ledger however often a batch is retried.
 
@@ -64,11 +64,16 @@ class UsageRecord:
             self.admitted_at = self.created_at - timedelta(milliseconds=self.total_ms or 0.0)
 
 
+# The ledger's unique key: the request id and its admission instant, Postgres' partition key
+# (billing/partitions.py: why that is still one row per request).
+CONFLICT_KEY = ["request_id", "admitted_at"]
+
+
 def insert_ignoring_duplicates(dialect_name: str) -> Any:
     if dialect_name == "postgresql":
-        return postgresql.insert(LEDGER).on_conflict_do_nothing(index_elements=["request_id"])
+        return postgresql.insert(LEDGER).on_conflict_do_nothing(index_elements=CONFLICT_KEY)
     if dialect_name == "sqlite":
-        return sqlite.insert(LEDGER).on_conflict_do_nothing(index_elements=["request_id"])
+        return sqlite.insert(LEDGER).on_conflict_do_nothing(index_elements=CONFLICT_KEY)
     raise ValueError(f"unsupported dialect {dialect_name}")
 
 
@@ -101,7 +106,7 @@ _N = len(_PG_COLUMNS)
 _PG_BATCH = (
     f"WITH ins AS (INSERT INTO {LEDGER.name} ({', '.join(c for c, _ in _PG_COLUMNS)}) "
     f"SELECT * FROM unnest({', '.join(f'${i}::{t}[]' for i, (_, t) in enumerate(_PG_COLUMNS, 1))}) "
-    "ON CONFLICT (request_id) DO NOTHING "
+    f"ON CONFLICT ({', '.join(CONFLICT_KEY)}) DO NOTHING "
     "RETURNING request_id, account_id, key_id, model, prompt_tokens, completion_tokens, status, total_ms, ttft_ms, cost_nanos, cached_tokens), "
     f"fresh AS (SELECT ins.*, d.hour, d.total_bucket, d.ttft_bucket FROM ins JOIN unnest(${_N + 1}::text[], "
     f"${_N + 2}::timestamptz[], ${_N + 3}::int2[], ${_N + 4}::int2[]) AS d(request_id, hour, total_bucket, ttft_bucket) "
@@ -208,6 +213,7 @@ class LedgerWriter:
         journal: LedgerJournal | None = None,
         max_backlog: int = 0,
         linger: float = 0.0,
+        copy_connections: int = 0,
     ) -> None:
         self._engine = engine
         # Seconds the writer waits after the first row of a batch for more to join it (unless the
@@ -226,7 +232,11 @@ class LedgerWriter:
         self._closing = False
         self._listeners: list[Callable[[UsageRecord], None]] = []
         self.write_errors = 0
-        self._session = PgSession(engine) if PgSession.applies(engine) else None
+        self._session: Any = PgSession(engine) if PgSession.applies(engine) else None
+        if copy_connections and self._session is not None:  # binary COPY on several connections (billing/ledger_copy.py)
+            from billing.ledger_copy import CopySession
+
+            self._session = CopySession(engine, copy_connections)
 
     @property
     def backlog(self) -> int:

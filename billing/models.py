@@ -82,6 +82,8 @@ class LedgerEntry(SQLModel, table=True):
     __table_args__ = (
         sa.Index("ix_ledger_account_created", "account_id", "created_at"),
         sa.Index("ix_ledger_account_admitted", "account_id", "admitted_at"),
+        # One row per request: the key holds admitted_at, Postgres' partition key (billing/partitions.py).
+        sa.UniqueConstraint("request_id", "admitted_at", name="uq_ledger_request_admitted"),
     )
 
     id: int | None = Field(
@@ -90,7 +92,7 @@ class LedgerEntry(SQLModel, table=True):
             sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True
         ),
     )
-    request_id: str = Field(sa_column=sa.Column(sa.String(64), nullable=False, unique=True))
+    request_id: str = Field(sa_column=sa.Column(sa.String(64), nullable=False))
     account_id: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
     key_id: int = Field(sa_column=sa.Column(sa.Integer, nullable=False, index=True))
     model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))

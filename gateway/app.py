@@ -23,7 +23,9 @@ from starlette.routing import Route
 from billing.db import create_engine
 from billing.keys import KeyStore, Principal
 from billing.journal import JournalLocked, LedgerJournal, Recovered
+from billing import partitions
 from billing.ledger import LedgerWriter, adopt_journal, release_interrupted
+from billing.models import utcnow
 from billing.prices import EffectivePrice, PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine, EngineError
@@ -104,12 +106,12 @@ def share_replicas(engines: dict[str, Engine], workers: int) -> None:
 def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
     """The ledger writer; with the journal on, rows an earlier run left unwritten are queued first."""
     if not settings.ledger_journal:
-        return LedgerWriter(db, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger), Recovered()
+        return LedgerWriter(db, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger, **_ingest(settings)), Recovered()
     # One journal directory per process. With several workers each takes the first one no other
     # worker holds (journal, journal-1, ...): a worker that replaces a dead one recovers its rows.
     def writer(name: str) -> LedgerWriter:
         journal = LedgerJournal(settings.data_dir / name, fsync_interval=settings.ledger_fsync_interval)
-        return LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger)
+        return LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger, **_ingest(settings))
 
     names = ["journal"] + [f"journal-{i}" for i in range(1, settings.workers)]
     for name in names[:-1]:
@@ -120,6 +122,14 @@ def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
             continue
     ledger = writer(names[-1])
     return ledger, ledger.recover()  # JournalLocked here: every directory is held
+
+
+def _ingest(settings: Settings) -> dict[str, int]:
+    """The ledger writer's Postgres path: binary COPY on several connections with larger batches
+    (billing/ledger_copy.py; bench/ledger_writer.py compares), or the one-statement insert."""
+    if settings.ledger_copy_connections:
+        return {"copy_connections": settings.ledger_copy_connections, "batch_size": 2500 * settings.ledger_copy_connections}
+    return {}
 
 
 def orphan_journals(settings: Settings) -> list[Path]:
@@ -407,6 +417,7 @@ def create_app(
         limiter = build_limiter(settings, db, ledger)
         releasing = asyncio.create_task(release_interrupted(ledger, limiter.settle, recovered, wait=30.0))
         adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]
+        partitioning = asyncio.create_task(partitions.keep_ahead(db, utcnow), name="ledger-partitions")  # issue 24
         app.state.prices = prices
         app.state.limiter = limiter
         app.state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
@@ -439,6 +450,7 @@ def create_app(
             await embeddings_api.stop(app)  # issue 10
             await response_cache.stop(app)  # issue 10
             releasing.cancel()
+            partitioning.cancel()
             for task in adopting:
                 task.cancel()
             for task in loading:

@@ -15,7 +15,7 @@ from typing import Any
 from billing import migrate as migrations
 from billing.db import create_engine
 from billing.keys import AccountExists, KeyStore, UnknownAccount
-from gateway import cli_billing, cli_ops
+from gateway import cli_billing, cli_ledger, cli_ops
 from gateway import cli_credits  # issue 25
 from gateway.config import Settings, load_settings
 from gateway.logs import configure_logging
@@ -361,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     k_limits.set_defaults(func=cmd_keys_limits)
     cli_ops.register(sub)
     cli_billing.register(sub)  # invoices, prices (issue 5)
+    cli_ledger.register(sub)  # the ledger's partitions (issue 24)
     cli_credits.register(sub)  # prepaid credit (issue 25)
     return parser
 

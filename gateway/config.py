@@ -82,6 +82,7 @@ class Settings:
     ledger_fsync_interval: float = 0.05  # seconds; one fsync per window (group commit)
     ledger_max_backlog: int = 0  # rows not yet in the database; 0: keep serving, N: 503 above N
     ledger_linger: float = 0.02  # seconds a batch waits for more rows before its insert (0: none)
+    ledger_copy_connections: int = 2  # Postgres: binary COPY on this many connections (billing/ledger_copy.py); 0: one INSERT
     key_stale_seconds: float = 300.0  # serve a cached key this long while the database is unreachable
     request_read_timeout: float = 30.0  # seconds to receive a request's headers and body
     max_header_bytes: int = 64 * 1024
@@ -206,6 +207,7 @@ def load_settings() -> Settings:
         ledger_fsync_interval=_env_float("TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
         ledger_max_backlog=_env_int("TOLLGATE_LEDGER_MAX_BACKLOG", 0),
         ledger_linger=_env_float("TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
+        ledger_copy_connections=max(0, _env_int("TOLLGATE_LEDGER_COPY_CONNECTIONS", 2)),
         key_stale_seconds=_env_float("TOLLGATE_KEY_STALE_SECONDS", 300.0),
         request_read_timeout=_env_float("TOLLGATE_REQUEST_READ_SECONDS", 30.0),
         max_header_bytes=_env_int("TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
