@@ -428,7 +428,7 @@ class Llama3Deltas:
                 continue
             # The arguments: up to where their value closed, else all that is written of them so far.
             closed = inner_end is not None and inner_end > match.end()
-            args = body[match.end(): inner_end if closed else len(body)].rstrip()
+            args = body[match.end(): inner_end if closed else len(body)].strip()
             call = self.calls[i]
             if len(args) > self._sent[i] and args.startswith(call.arguments):
                 deltas.append({"index": i, "function": {"arguments": args[self._sent[i]:]}})

@@ -8,6 +8,7 @@ import json
 import random
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 import pytest
@@ -156,3 +157,22 @@ def test_streamed_llama3_json_calls_are_the_same_however_the_text_is_cut(seed: i
 def test_a_llama3_json_answer_that_is_no_call_is_content() -> None:
     assert streamed("Paris is sunny.", [3, 7], Llama3Deltas()) == ("Paris is sunny.", {})
     assert streamed('{"answer": 42}', [3, 7], Llama3Deltas()) == ('{"answer": 42}', {})
+
+
+async def test_a_llama3_json_model_calls_the_named_tool(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The llama3_json parser end to end on the real model: the tools described in its format, the
+    named call forced by its grammar, streamed as argument deltas, parsed back into the call."""
+    monkeypatch.setattr(engine, "tool_parser", "llama3_json")
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"], "additionalProperties": False}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    body = {"messages": messages, "tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stream": True}
+    prompt = engine.encode_chat(messages, [weather])
+    assert '"parameters": <args-json-object>' in engine.tokenizer.decode(prompt)
+    req = EngineRequest(request_id=uuid.uuid4().hex, max_tokens=40, sampling=SamplingParams(temperature=0.0), prompt_token_ids=prompt, extra=body)
+    outs = [out async for out in engine.stream(req)]
+    deltas = [d for o in outs if o.raw_choice for d in o.raw_choice["delta"].get("tool_calls", [])]
+    assert outs[-1].raw_choice["finish_reason"] == "tool_calls"
+    assert deltas[0]["function"]["name"] == "get_weather" and len(deltas) > 2
+    arguments = json.loads("".join(d["function"].get("arguments", "") for d in deltas))
+    jsonschema.validate(arguments, city)
