@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from playwright.async_api import Browser, Page, async_playwright, expect
 from pypdf import PdfReader
 
@@ -188,6 +189,19 @@ async def test_admin_and_customer_download_invoices_from_the_dashboard(browser: 
                 saved = (await api.get(f"/admin/accounts/{account}/billing_details")).json()
                 assert saved["email"] == "invoices@acme.example" and saved["country"] == "DE"
                 assert (await api.get(f"/admin/invoices/{invoice['id']}")).json()["buyer"]["email"] == "ap@acme.example"
+            # A failed payment: the page says past due, since when, until when, and why.
+            failed = datetime.now(timezone.utc) - timedelta(days=2)
+            async with db.begin() as conn:
+                await conn.execute(sa.text("UPDATE invoices SET payment_failed_at = :t WHERE id = :i"), {"t": failed, "i": invoice["id"]})
+                await conn.execute(sa.text("INSERT INTO billing_accounts (account_id, state, delinquent_since, updated_at) "
+                                           "VALUES (:a, 'past_due', :t, now())"), {"a": account, "t": failed})
+            await page.goto(f"{app.base_url}/dashboard/admin/accounts/{account}")
+            state = page.locator("#billing-state")
+            await expect(state).to_contain_text("Past due")
+            await expect(state).to_contain_text(f"since {failed.date().isoformat()}")
+            await expect(state).to_contain_text(f"suspended from {(failed + timedelta(days=7)).date().isoformat()}")
+            await expect(page.locator("#billing-reasons")).to_contain_text(f"invoice {invoice['number']} ({dollars(total)}) unpaid, payment failed")
+            await shot(page, "06-admin-account-past-due")
             admin.problems = [p for p in admin.problems if "status of 400" not in p]  # the refused form above
             assert admin.problems == [], admin.problems
 
