@@ -1,6 +1,7 @@
 """Prepaid credit (issue 25): the credit ledger (grants before purchased credit, expiry by a row,
 balance == the ledger's sum once usage is posted) and the limiter's balance check, in-process and
-on Redis with two limiters sharing it (two gateway processes), exact to the nano."""
+on Redis with two limiters sharing it (two gateway processes), exact to the nano; a hypothesis
+property over concurrent requests, top-ups, process restarts and lost counters."""
 
 from __future__ import annotations
 
@@ -189,6 +190,7 @@ STEP = st.one_of(
     st.tuples(st.just("requests"), st.lists(st.tuples(st.integers(1, CENT), st.integers(0, 100)), min_size=1, max_size=8)),
     st.tuples(st.just("topup"), st.integers(1, 2 * CENT)),
     st.tuples(st.just("restart"), st.just(0)),
+    st.tuples(st.just("lose"), st.just(0)),  # the store loses its counters (a Redis restart or flush)
 )
 
 
@@ -213,6 +215,12 @@ async def balance_property(url: str, kind: str, steps: list[tuple[str, Any]]) ->
                     RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=limiters[0].prefix, timeout=2.0) for _ in range(2)]  # type: ignore[attr-defined]
                 book = CreditBook(db, limiters[0])
                 seeded = False
+            elif step == "lose":
+                if kind == "redis":
+                    await limiters[0].flush_all()  # type: ignore[attr-defined]
+                else:
+                    await limiters[0].invalidate(scope[0])
+                seeded = False
             else:
                 seeded = True
                 async def one(i: int, worst: int, percent: int) -> int:
@@ -225,7 +233,7 @@ async def balance_property(url: str, kind: str, steps: list[tuple[str, Any]]) ->
                     await write_records(db, [UsageRecord(
                         request_id=hold.request_id, account_id=a, key_id=1, model="m", prompt_tokens=0, completion_tokens=1,
                         status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=actual)])
-                    await limiters[(i + 1) % 2].settle(hold, 1, actual)
+                    await lim.settle(hold, 1, actual)  # the process that admitted it settles it
                     return actual
 
                 spent += sum(await asyncio.gather(*[one(i, w, p) for i, (w, p) in enumerate(arg)]))
