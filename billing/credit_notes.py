@@ -60,8 +60,10 @@ async def issue_credit_note(db: AsyncEngine, invoice_id: int, request: CreditReq
     if request.memo is not None and len(request.memo) > 500:
         raise CreditNoteRefused("memo is longer than 500 characters", "memo")
     async with db.begin() as conn:
-        invoice = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.id == invoice_id).with_for_update()
-                                      if db.dialect.name == "postgresql" else sa.select(INVOICES).where(INVOICES.c.id == invoice_id))).first()
+        query = sa.select(INVOICES).where(INVOICES.c.id == invoice_id)
+        if db.dialect.name == "postgresql":
+            query = query.with_for_update()  # two credit notes at once: the second sees what the first took
+        invoice = (await conn.execute(query)).first()
         if invoice is None:
             raise CreditNoteRefused("No such invoice.", "id", "not_found")
         credited = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDIT_NOTES.c.total_cents), 0)).where(

@@ -360,3 +360,15 @@ async def test_a_credit_note_issued_before_the_invoice_reached_stripe_follows_it
             assert fake.invoices[synced["stripe_invoice_id"]]["amount_remaining"] == a["total_cents"] - 9
             again = (await admin.post(f"/admin/invoices/{a['id']}/sync")).json()  # a repeat sends nothing more
             assert again["result"] == "synced" and len(fake.credit_notes) == 1
+
+
+async def test_two_credit_notes_at_once_never_credit_more_than_the_invoice(db: Any) -> None:
+    from billing.credit_notes import CreditNoteRefused, CreditRequest, issue_credit_note
+
+    ids = await september(db)
+    await close_period(db, PriceBook(db), SEPT, now=at(10, 1, 2))
+    [invoice] = await list_invoices(db, account_id=ids["a"])
+    results = await asyncio.gather(*(issue_credit_note(db, invoice["id"], CreditRequest(None)) for _ in range(4)), return_exceptions=True)
+    made = [r for r in results if isinstance(r, dict)]
+    assert len(made) == 1 and made[0]["total_cents"] == invoice["total_cents"], results
+    assert all(isinstance(r, CreditNoteRefused) and r.code == "nothing_to_credit" for r in results if not isinstance(r, dict)), results
