@@ -52,7 +52,9 @@ async def test_cached_tokens_are_written_and_summed(database_url: str) -> None:
         writer.start()
         for r in records:
             writer.record(r)
-        writer.record(record(request_id=records[0].request_id, cached_tokens=999))  # a repeat adds nothing
+        # A repeat adds nothing. Every row of one request carries its admission instant (the ledger's
+        # unique key is (request_id, admitted_at): the partition key must be in it, issue 24).
+        writer.record(record(request_id=records[0].request_id, cached_tokens=999, admitted_at=records[0].admitted_at))
         await writer.flush(timeout=30)
         await writer.close()
         await write_records(db, [records[1]])  # nor does a replayed row through the other path
