@@ -49,11 +49,15 @@ def passed_kwargs(engine: HFEngine, monkeypatch: pytest.MonkeyPatch) -> dict[str
 
     class Model:
         generation_config = type("G", (), {"eos_token_id": 2})()
+        device = "cpu"
 
         def init_continuous_batching(self, **kwargs: Any) -> None:
             return None
 
     monkeypatch.setattr(cu, "ContinuousBatchingConfig", Recorder)
+    import engines.guided
+
+    monkeypatch.setattr(engines.guided, "install", lambda *args, **kwargs: False)  # no manager is built here to install on
     engine._model, engine._tokenizer = Model(), type("T", (), {"eos_token_id": 2, "pad_token_id": 2})()
     engine._make_manager()
     return seen

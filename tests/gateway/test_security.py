@@ -64,7 +64,7 @@ def two_accounts(secure_gw: Gateway) -> dict[str, Any]:
         try:
             await PriceBook(db).add(MODEL, "1.000", "2.000", datetime(2026, 9, 1, tzinfo=timezone.utc), backdate=True)
             for key in (a, b):
-                await usage(db, key["account_id"], MODEL, 1000, 500, IN_PAST)
+                await usage(db, key["account_id"], MODEL, 1_000_000, 500_000, IN_PAST)  # $2.00: something to credit
         finally:
             await db.dispose()
         async with secure_gw.admin_client() as admin:
@@ -91,7 +91,7 @@ def id_routes(gw: Gateway) -> set[tuple[str, str]]:
 
 async def test_customer_keys_never_reach_admin_endpoints(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
     b = two_accounts["b"]
-    ids = {"account_id": b["account_id"], "key_id": b["id"], "invoice_id": two_accounts["b_invoice"], "fmt": "pdf", "period": PAST}
+    ids = {"account_id": b["account_id"], "key_id": b["id"], "invoice_id": two_accounts["b_invoice"], "fmt": "pdf", "period": PAST, "note_id": 1, "country": "DE"}
     tried = 0
     async with as_key(secure_gw, two_accounts["a"]["key"]) as c:
         for route in secure_gw.app.routes:
@@ -133,9 +133,11 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
     form = s.get("/dashboard/login")
     assert s.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": a["key"]}).status_code == 303
     token = TOKEN.search(s.get("/dashboard/account").text).group(1)
+    documents = await documents_probe(secure_gw, s, two_accounts)
+    checked |= documents
     ids = {"account_id": b["account_id"], "key_id": b["id"]}
     for method, path in sorted(id_routes(secure_gw)):
-        if not path.startswith("/dashboard"):
+        if not path.startswith("/dashboard") or (method, path) in documents:
             continue
         data = {"csrf_token": token, "name": "x", "models": "m", "rpm": "1"} if method == "POST" else None
         r = s.request(method, fill(path, ids), data=data)
@@ -146,6 +148,31 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
         assert after["revoked_at"] is None and after["limits"] == {} and after["models"] is None
     admin_only = {(m, p) for m, p in id_routes(secure_gw) if p.startswith("/admin")}  # covered by the test above
     assert id_routes(secure_gw) - admin_only <= checked, "a route that takes an id has no cross-account check here"
+
+
+async def documents_probe(gw: Gateway, session: httpx.Client, accounts: dict[str, Any]) -> set[tuple[str, str]]:
+    """A credit note on each account's invoice (issue 22). a's key reads its own note, JSON, HTML and PDF,
+    and gets 404s naming nothing of b for b's; a's dashboard session downloads its own invoice and
+    note and gets 404 for b's (the session authorises its own account's documents only)."""
+    a, b = accounts["a"], accounts["b"]
+    notes: dict[str, int] = {}
+    async with gw.admin_client() as admin:
+        for who in ("a", "b"):
+            made = await admin.post(f"/admin/invoices/{accounts[who + '_invoice']}/credit_notes", json={"amount_cents": 1, "memo": "probe"})
+            assert made.status_code == 201, made.text
+            notes[who] = made.json()["id"]
+    async with as_key(gw, a["key"]) as c:
+        for suffix in ("", "/html", "/pdf"):
+            assert (await c.get(f"/v1/credit_notes/{notes['a']}{suffix}")).status_code == 200
+            other = await c.get(f"/v1/credit_notes/{notes['b']}{suffix}")
+            assert other.status_code == 404 and str(b["account_id"]) not in other.text.replace(str(notes["b"]), ""), other.text
+    for kind, own, theirs in (("invoices", accounts["a_invoice"], accounts["b_invoice"]), ("credit_notes", notes["a"], notes["b"])):
+        for fmt in ("html", "pdf"):
+            assert session.get(f"/dashboard/{kind}/{own}/{fmt}").status_code == 200
+            other = session.get(f"/dashboard/{kind}/{theirs}/{fmt}")
+            assert other.status_code == 404, (kind, fmt, other.status_code)
+    return {("GET", "/v1/credit_notes/{note_id}"), ("GET", "/v1/credit_notes/{note_id}/{fmt:str}"),
+            ("GET", "/dashboard/invoices/{doc_id}/{fmt}"), ("GET", "/dashboard/credit_notes/{doc_id}/{fmt}")}
 
 
 async def stored_responses_probe(gw: Gateway, a: dict[str, Any], b: dict[str, Any]) -> set[tuple[str, str]]:

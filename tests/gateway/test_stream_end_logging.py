@@ -53,10 +53,10 @@ async def test_a_complete_stream_logs_nothing(gateway: Gateway, caplog: pytest.L
 def test_an_engine_failure_and_a_failed_write_say_so(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="tollgate.responses")
     failed = SimpleNamespace(kind="chat", request_id="req-engine", cancel_requested=False, finish_reason=FINISH_ERROR,
-                             error="CUDA error: device-side assert", stream=True, completion_tokens=7, started=0.0)
+                             error="CUDA error: device-side assert", stream=True, completion_tokens=7, started=0.0, cut=False)
     GenerationResponse(failed, None, {})._report_abnormal_end(write_failed=False)  # type: ignore[arg-type]
     left = SimpleNamespace(kind="chat", request_id="req-write", cancel_requested=True, finish_reason=None, error=None,
-                           stream=False, completion_tokens=0, started=0.0)
+                           stream=False, completion_tokens=0, started=0.0, cut=False)
     GenerationResponse(left, None, {})._report_abnormal_end(write_failed=True)  # type: ignore[arg-type]
     assert "the engine failed: CUDA error: device-side assert" in early_ends(caplog, "req-engine")[0]
     assert "a write to the client failed" in early_ends(caplog, "req-write")[0]
