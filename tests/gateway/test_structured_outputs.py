@@ -118,7 +118,9 @@ async def test_beta_parse_fills_a_pydantic_model(gw: Gateway, key: dict[str, Any
 async def test_langchain_with_structured_output(gw: Gateway, key: dict[str, Any]) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=gw.v1, api_key=key["key"], model=MODEL, max_tokens=40, temperature=0.5, max_retries=0)
+    # 96 tokens: a tool call wraps the object (hermes tags, the name, "arguments") and a 24-character name
+    # can take a token a character; at 40 a sampled name could cut the call short (None from LangChain).
+    llm = ChatOpenAI(base_url=gw.v1, api_key=key["key"], model=MODEL, max_tokens=96, temperature=0.5, max_retries=0)
     for method in ("json_schema", "function_calling"):  # response_format, then a named tool_choice
         person = await llm.with_structured_output(Person, method=method).ainvoke("Invent a person with a name and an age.")
         assert isinstance(person, Person), (method, person)
