@@ -90,7 +90,7 @@ async def test_json_schema_answers_validate_in_20_of_20_seeded_runs(gw: Gateway,
 async def test_json_object_streamed_parses_and_its_usage_is_the_ledgers(gw: Gateway, key: dict[str, Any]) -> None:
     client = sdk(gw, key)
     stream = await client.chat.completions.create(
-        model=MODEL, messages=ASK_PERSON, response_format={"type": "json_object"}, max_tokens=60, temperature=0.7,
+        model=MODEL, messages=ASK_PERSON, response_format={"type": "json_object"}, max_tokens=60, temperature=0,
         stream=True, stream_options={"include_usage": True})
     text, finish, usage, request_id = "", None, None, None
     async for chunk in stream:
