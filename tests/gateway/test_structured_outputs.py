@@ -75,7 +75,7 @@ async def test_json_schema_answers_validate_in_20_of_20_seeded_runs(gw: Gateway,
 
     async def one(seed: int) -> Any:
         return await client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=ASK_PERSON, response_format=fmt, max_tokens=40, temperature=1.0, seed=seed)
+            model=MODEL, messages=ASK_PERSON, response_format=fmt, max_tokens=64, temperature=1.0, seed=seed)  # room for the longest person
 
     raws = await asyncio.gather(*(one(seed) for seed in range(20)))
     for raw in raws:
@@ -109,7 +109,7 @@ async def test_json_object_streamed_parses_and_its_usage_is_the_ledgers(gw: Gate
 async def test_beta_parse_fills_a_pydantic_model(gw: Gateway, key: dict[str, Any]) -> None:
     client = sdk(gw, key)
     for parse in (client.beta.chat.completions.parse, client.chat.completions.parse):
-        resp = await parse(model=MODEL, messages=ASK_PERSON, response_format=Person, max_tokens=40, temperature=0.8)
+        resp = await parse(model=MODEL, messages=ASK_PERSON, response_format=Person, max_tokens=96, temperature=0.8)  # room for the longest Person
         person = resp.choices[0].message.parsed
         assert isinstance(person, Person), resp.choices[0].message.content
         assert 0 <= person.age <= 120
