@@ -208,9 +208,23 @@ class Engine(abc.ABC):
             raise EngineRequestRejected("response_format other than text is not supported by this model", param="response_format", code="unsupported_parameter")
 
     def refusal(self, request: EngineRequest) -> EngineOverloadedError | None:
-        """Why the engine would turn this request away now, or None. Asked before the quota is
-        reserved, so a refusal costs the client nothing."""
+        """Why the engine would turn this request away now, or None. A question: it takes nothing
+        (`admit()` takes the place). Asked before the quota is reserved, so a refusal costs the
+        client nothing."""
         return None if self.has_capacity() else EngineOverloadedError("The engine is at capacity; retry shortly.")
+
+    def admit(self, request: EngineRequest) -> None:
+        """Takes a place for this request until `stream()`/`complete()` comes with it, or
+        `release()`; raises the refusal (EngineOverloadedError) instead. This default holds nothing:
+        an engine without a queue of its own only answers the question."""
+        refused = self.refusal(request)
+        if refused is not None:
+            raise refused
+
+    def release(self, request_id: str) -> None:
+        """Gives back the place `admit()` took for a request that never came to `stream()` (its
+        quota refused it, or it failed before); a no-op once it has come, or when none was held."""
+        return None
 
 
 async def collect(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:

@@ -171,6 +171,27 @@ class FallbackEngine(Engine):
             return EngineOverloadedError(f"no engine of {self.model_id} can take a request now")
         return min(refusals, key=lambda r: r.retry_after)
 
+    def admit(self, request: EngineRequest) -> None:
+        """A place at the first engine of the chain that takes the request, else the refusal that
+        clears soonest."""
+        refusals = []
+        for engine in self.candidates:
+            if not (engine.ready and engine.healthy):
+                continue
+            try:
+                engine.admit(request)
+            except EngineOverloadedError as refused:
+                refusals.append(refused)
+                continue
+            return
+        if not refusals:
+            raise EngineOverloadedError(f"no engine of {self.model_id} can take a request now")
+        raise min(refusals, key=lambda r: r.retry_after)
+
+    def release(self, request_id: str) -> None:
+        for engine in self.candidates:
+            engine.release(request_id)
+
     def cancel(self, request_id: str) -> None:
         if request_id not in self._routes:  # not streaming: an engine may hold a place for it (a scheduler)
             for engine in self.candidates:

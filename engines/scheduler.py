@@ -42,7 +42,7 @@ log = logging.getLogger("tollgate.engines.scheduler")
 
 UNLIMITED = 1 << 30
 EWMA = 0.2  # weight of the newest sample in the running averages
-HOLD_S = 3.0  # a place promised at admission lapses if the request does not arrive by then (refused by its quota, answered from a cache)
+HOLD_S = 3.0  # a place taken by admit() lapses if the request does not arrive by then (and release() never came)
 MAX_REMEMBERED_ACCOUNTS = 10_000
 
 
@@ -274,14 +274,21 @@ class ScheduledEngine(Engine):
         return (ahead - max(free, 0) + 1) * self.hold_s / regular
 
     def refusal(self, request: EngineRequest) -> EngineOverloadedError | None:
-        """The admission decision; an admitted request holds its place until `stream()` (or
-        `cancel()`, or HOLD_S seconds)."""
+        """The admission decision, as a question: it holds nothing (`admit()` does)."""
         if self._held:
             self._lapse_holds()
-        refused = self._check(request)
-        if refused is None:
-            self._held[request.request_id] = (request.account_id, self.rank_of(request), self._clock() + HOLD_S)
-        return refused
+        return self._check(request)
+
+    def admit(self, request: EngineRequest) -> None:
+        """Takes a place for an admitted request until `stream()` comes with it (or `release()`,
+        `cancel()`, or HOLD_S seconds); raises the refusal instead."""
+        refused = self.refusal(request)
+        if refused is not None:
+            raise refused
+        self._held[request.request_id] = (request.account_id, self.rank_of(request), self._clock() + HOLD_S)
+
+    def release(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
 
     def _lapse_holds(self) -> None:
         now = self._clock()

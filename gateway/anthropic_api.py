@@ -19,12 +19,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engines.base import FINISH_LENGTH, FINISH_STOP
-from gateway import response_cache
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.errors import APIError, AuthenticationFailed, EngineOverloaded, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
 from gateway.protocol import parse
+from gateway.generate import answer
 from gateway.responses import CompletedResponse, GenerationResponse
 from gateway.serving import CompletionService, Generation
 
@@ -236,23 +236,12 @@ async def _create_message(request: Request, request_id: str) -> Any:
     gen = service.prepare_messages(principal, body, request_id)  # as the chat completion it translates to
     render = MessageRenderer(gen)
 
-    def respond(outputs: Any, headers: dict[str, str]) -> GenerationResponse:
-        return GenerationResponse(gen, outputs, {**headers, "request-id": request_id}, render)
-
-    cached = await response_cache.replay(request, gen, respond)  # a hit is metered and served from the cache, as chat's
-    if cached is not None:
-        gen.engine.cancel(request_id)  # never reaches the engine: gives back the place the scheduler held
-        return cached
-    try:
-        await service.admit(gen)
-    except BaseException:
-        gen.engine.cancel(request_id)  # gives back the place the scheduler held at prepare
-        raise
-    # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
-    headers = {"x-request-id": request_id, "request-id": request_id, **(gen.hold.headers if gen.hold else {})}
-    if not gen.stream and gen.engine.completes and not response_cache.records(request):
-        return CompletedResponse(gen, service, headers, render)
-    return respond(response_cache.recording(request, gen, service.metered(gen)), headers)
+    return await answer(
+        request, service, gen,
+        streamed=lambda outputs, headers, admission: GenerationResponse(gen, outputs, headers, render, admission=admission),
+        completed=lambda headers, admission: CompletedResponse(gen, service, headers, render, admission=admission),
+        headers={"request-id": request_id},
+    )
 
 
 async def count_tokens(request: Request) -> Response:

@@ -36,6 +36,7 @@ from gateway import credits_api  # issue 25
 from gateway import embeddings_api, response_cache  # issue 10
 from engines.router import route_body  # issue 10
 from gateway.config import Settings
+from gateway.generate import answer
 from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import RequestContext, request_id_of
@@ -178,15 +179,6 @@ def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
     return MemoryLimiter(totals, hold_seconds=settings.quota_hold_seconds)
 
 
-async def _admit(service: CompletionService, gen: Any) -> None:
-    """Quota admission; a refused request gives back the place the scheduler held for it at prepare."""
-    try:
-        await service.admit(gen)
-    except BaseException:
-        gen.engine.cancel(gen.request_id)
-        raise
-
-
 async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     state = request.app.state
     request_id = request_id_of(request)  # made by RequestContext; also the ledger row's id
@@ -200,16 +192,11 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
         gen = service.prepare_chat(principal, body, request_id)
     else:
         gen = service.prepare_text(principal, body, request_id)
-    cached = await response_cache.replay(request, gen)  # issue 10: a hit is metered and served from the cache
-    if cached is not None:
-        gen.engine.cancel(request_id)  # never reaches the engine: gives back the place the scheduler held
-        return cached
-    await _admit(service, gen)
-    # Admitted from here on: the metered stream settles the quota and writes the ledger row.
-    headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
-    if not gen.stream and gen.engine.completes and not response_cache.records(request):
-        return CompletedResponse(gen, service, headers)  # one body from a chain that answers as one coroutine
-    return GenerationResponse(gen, response_cache.recording(request, gen, service.metered(gen)), headers)  # issue 10
+    return await answer(
+        request, service, gen,
+        streamed=lambda outputs, headers, admission: GenerationResponse(gen, outputs, headers, admission=admission),
+        completed=lambda headers, admission: CompletedResponse(gen, service, headers, admission=admission),
+    )
 
 
 async def chat_completions(request: Request) -> Any:

@@ -35,7 +35,7 @@ from billing.ledger import UsageRecord
 from billing.models import utcnow
 from engines.base import EngineError
 from engines.embeddings import DEFAULT_EMBEDDING_MODEL, EmbeddingModel
-from gateway import metering
+from gateway.metering import Admission, Meter
 from gateway.errors import ContextLengthExceeded, EngineNotReady, InvalidRequest, ModelNotFound, PermissionDenied, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
@@ -181,40 +181,42 @@ async def create_embeddings(request: Request) -> Response:
     ids = token_ids(model, body.inputs)
     tokens = sum(len(x) for x in ids)
 
-    metering.refuse_if_backlogged(state)
-    admitted_at = utcnow()
-    price = await metering.price_of(state, model.model_id, principal.account_id, admitted_at)
-    nanos = price.cost_nanos(tokens, 0) if price else 0
-    hold = await metering.reserve(state, principal, request_id, tokens, nanos)
+    meter: Meter = state.service.meter
     started = time.perf_counter()
-    record = UsageRecord(
-        request_id=request_id, account_id=principal.account_id, key_id=principal.key_id, model=model.model_id,
-        prompt_tokens=tokens, completion_tokens=0, status="interrupted", finish_reason=None, total_ms=0.0,
-        cost_nanos=nanos if price else None, api="embeddings", created_at=admitted_at, admitted_at=admitted_at,
-    )
-    state.ledger.admitted(record, hold.to_json() if hold else None)
-    status, used = "cancelled", 0
+
+    def row(admission: Admission, status: str | None) -> UsageRecord:
+        """Input tokens at the model's input price while running (the journal's); after, what was used."""
+        status = status or "cancelled"  # ended without its vectors: the client left
+        done = status in ("completed", "interrupted")
+        price = admission.price
+        nanos = price.cost_nanos(tokens, 0) if price is not None and done else 0
+        final = status != "interrupted"
+        return UsageRecord(
+            request_id=request_id, account_id=principal.account_id, key_id=principal.key_id, model=model.model_id,
+            prompt_tokens=tokens if done else 0, completion_tokens=0, status=status,
+            finish_reason="stop" if status == "completed" else None,
+            total_ms=(time.perf_counter() - started) * 1000.0 if final else 0.0,
+            cost_nanos=nanos if price is not None else None, api="embeddings",
+            created_at=utcnow() if final else admission.admitted_at, admitted_at=admission.admitted_at,
+        )
+
+    admission = await meter.admit(request_id, principal, model.model_id, tokens=tokens, cost=lambda price: price.cost_nanos(tokens, 0), row=row)
+    started = time.perf_counter()
+    status: str | None = None
     try:
         vectors = await model.embed(ids)
-        status, used = "completed", tokens
+        status = "completed"
     except EngineError as exc:
         status = "error"
         raise ServiceUnavailable(f"The embedding model failed this request: {exc}", code="engine_error") from None
     finally:
-        metering.settle(state, hold, used, nanos if used else 0)
-        record.status = status
-        record.finish_reason = "stop" if status == "completed" else None
-        record.prompt_tokens = used
-        record.cost_nanos = (nanos if used else 0) if price else None
-        record.total_ms = (time.perf_counter() - started) * 1000.0
-        record.created_at = utcnow()
-        state.ledger.record(record)
+        admission.settle(status)
     data = [
         {"object": "embedding", "index": i, "embedding": encode(shape(v, body.dimensions, model), body.encoding_format)}
         for i, v in enumerate(vectors)
     ]
     payload = {"object": "list", "data": data, "model": model.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    headers = {"x-request-id": request_id, **(hold.headers if hold else {})}
+    headers = {"x-request-id": request_id, **admission.headers}
     return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
 
 
@@ -239,7 +241,6 @@ async def stop(app: Any) -> None:
     service = getattr(app.state, "embeddings", None)
     if service is not None:
         await service.stop()
-    await metering.drain()
 
 
 routes = [Route("/v1/embeddings", create_embeddings, methods=["POST"])]

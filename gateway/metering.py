@@ -1,30 +1,39 @@
-"""Quota and ledger for requests that do not run through `CompletionService.metered()`:
-embeddings and response-cache hits. The same limiter, price book and ledger, the same rules:
-reserve the worst case before any work, settle the actual use after, one ledger row per request.
+"""What one admitted request holds, and the one place it lets go of it.
+
+    Meter.admit()       takes, in order: the engine's place (`engine.admit()`), the ledger's
+                        backlog check, the price, the quota hold (the worst case) and the journal
+                        entry (the provisional `interrupted` row). A refusal at any step gives back
+                        what the steps before it took, and leaves no row.
+    Admission.settle()  the request's one ledger row, its quota settled with what it used, its
+                        place in the engine freed: exactly once, however often it is called.
+
+Every metered request comes through here: chat and text completions, Anthropic Messages, OpenAI
+Responses, response-cache hits and embeddings. The response's `finally` (gateway/responses.py) or
+the route's own (embeddings) calls `settle()`; streams also call it right before their last chunk
+leaves, so that a client that saw the end has its row.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from billing.keys import Principal
-from billing.prices import EffectivePrice
-from billing.quota import Hold, QuotaExceeded, QuotaUnavailable, Scope
-from gateway.errors import RateLimited, ServiceUnavailable
+from billing.ledger import LedgerWriter, UsageRecord
+from billing.models import utcnow
+from billing.prices import EffectivePrice, PriceBook
+from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
+from engines.base import Engine, EngineOverloadedError, EngineRequest
+from gateway.errors import APIError, EngineOverloaded, RateLimited, ServiceUnavailable
 
 log = logging.getLogger("tollgate.metering")
-_settling: set[asyncio.Task[Any]] = set()
 
-
-async def price_of(state: Any, model: str, account_id: int, at: datetime | None = None) -> EffectivePrice | None:
-    """What `account_id` pays for `model` now (or at `at`, the request's admission): its override,
-    else its multiplier, else the base price (the same rule completions and invoices use)."""
-    prices = getattr(state, "prices", None)
-    return await prices.current_for(account_id, model, at) if prices is not None else None
+# row(admission, status) -> the request's ledger row with that status (None: the status its state says)
+RowOf = Callable[["Admission", "str | None"], UsageRecord]
 
 
 def share_of(nanos: int, share: Decimal) -> int:
@@ -32,48 +41,180 @@ def share_of(nanos: int, share: Decimal) -> int:
     return int((Decimal(nanos) * share).quantize(Decimal(1), ROUND_HALF_UP))
 
 
-def refuse_if_backlogged(state: Any) -> None:
-    if state.ledger.refusing:
-        raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
+def overloaded(refused: EngineOverloadedError) -> APIError:
+    """The scheduler's refusal as the client sees it: 429 when the caller's own queued requests
+    are the wait, else 503; both with Retry-After."""
+    headers = {"Retry-After": str(refused.retry_after)}
+    if refused.own_backlog:
+        return RateLimited(str(refused), code="too_many_queued_requests", headers=headers)
+    return EngineOverloaded(str(refused), headers=headers)
 
 
-async def reserve(state: Any, principal: Principal, request_id: str, tokens: int, nanos: int) -> Hold | None:
-    """Reserves `tokens` and `nanos` on the key and its account, or raises the 429/503 that
-    completions raise for the same refusal."""
-    limiter = getattr(state, "limiter", None)
-    if limiter is None:
-        return None
-    scopes = [Scope("key", principal.key_id, principal.key_limits),
-              Scope("account", principal.account_id, principal.account_limits, principal.prepaid)]
-    try:
-        return await limiter.reserve(request_id, scopes, tokens, nanos)
-    except QuotaExceeded as exc:
-        service = getattr(state, "service", None)
-        for callback in getattr(service, "on_quota_rejected", []):
-            callback(exc.limit)
-        err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
-        err.error_type = exc.error_type
-        raise err from None
-    except QuotaUnavailable:
-        raise ServiceUnavailable("Quota service is unavailable; retry shortly.", code="quota_unavailable", headers={"Retry-After": "1"}) from None
+class Admission:
+    """Everything one admitted request holds: its place in the engine (`slot`), its quota `hold`,
+    its journal entry. Made only by `Meter.admit()`; ended only by `settle()`."""
+
+    __slots__ = ("meter", "request_id", "principal", "slot", "hold", "price", "admitted_at", "journaled", "settled", "_row", "_cut")
+
+    def __init__(self, meter: "Meter", request_id: str, principal: Principal, row: RowOf, cut: Callable[[], None] | None) -> None:
+        self.meter = meter
+        self.request_id = request_id
+        self.principal = principal
+        self.slot: Engine | None = None  # the engine that holds a place for it
+        self.hold: Hold | None = None
+        self.price: EffectivePrice | None = None
+        self.admitted_at: datetime = utcnow()  # reset at admission: prices it, names its period
+        self.journaled = False
+        self.settled = False
+        self._row = row
+        self._cut = cut
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The quota's rate-limit headers for the response."""
+        return self.hold.headers if self.hold is not None else {}
+
+    def settle(self, outcome: str | None = None) -> bool:
+        """Ends the request: its one ledger row (with status `outcome`, or the one its state says),
+        its quota settled with what the row says it used (in the background: never awaited in a
+        `finally`), its engine place given back. Only the first call does anything; returns
+        whether this one did. A request refused before its journal entry gets no row."""
+        if self.settled:
+            return False
+        self.settled = True
+        meter = self.meter
+        try:
+            row = self._row(self, outcome) if self.journaled else None
+            if row is not None:
+                meter.ledger.record(row)
+            if self.hold is not None:
+                used = row.prompt_tokens + row.completion_tokens if row is not None else 0
+                meter.settle_later(self.hold, used, (row.cost_nanos or 0) if row is not None else 0)
+        finally:
+            if self.slot is not None:
+                self.slot.release(self.request_id)
+            meter.ended(self)
+        return True
+
+    def cut(self) -> bool:
+        """The server's drain deadline: stops the work (its row then says `interrupted`)."""
+        if self._cut is None:
+            return False
+        self._cut()
+        return True
 
 
-def settle(state: Any, hold: Hold | None, tokens: int, nanos: int) -> None:
-    """Commits the actual use in the background (never awaited in a `finally`)."""
-    limiter = getattr(state, "limiter", None)
-    if limiter is None or hold is None:
-        return
-    task = asyncio.get_running_loop().create_task(limiter.settle(hold, tokens, nanos, background=True))
-    _settling.add(task)
-    task.add_done_callback(_settled)
+class Meter:
+    """The ledger, the limiter and the price book as one request sees them, and the requests
+    admitted and not yet settled (graceful drain waits on these)."""
 
+    def __init__(self, ledger: LedgerWriter, *, limiter: Limiter | None = None, prices: PriceBook | None = None) -> None:
+        self.ledger = ledger
+        self.limiter = limiter
+        self.prices = prices
+        self.on_quota_rejected: list[Callable[[str], None]] = []  # callbacks(limit_name) for metrics
+        self._live: dict[str, Admission] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._settling: set[asyncio.Task[Any]] = set()
 
-def _settled(task: asyncio.Task[Any]) -> None:
-    _settling.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.error("quota settlement failed: %s", type(task.exception()).__name__)
+    async def admit(
+        self,
+        request_id: str,
+        principal: Principal,
+        model: str,
+        *,
+        tokens: int,
+        cost: Callable[[EffectivePrice], int],
+        row: RowOf,
+        slot: tuple[Engine, EngineRequest] | None = None,
+        cut: Callable[[], None] | None = None,
+    ) -> Admission:
+        """Admits a request that may use up to `tokens` tokens and `cost(price)` nano-USD, or raises
+        the 429/503 that says why not. `row(admission, status)` is its ledger row; `slot`: the
+        engine (and request) it takes a place in; `cut`: what stops it at the drain deadline."""
+        admission = Admission(self, request_id, principal, row, cut)
+        try:
+            if slot is not None:
+                engine, engine_request = slot
+                try:
+                    engine.admit(engine_request)
+                except EngineOverloadedError as refused:
+                    raise overloaded(refused) from None
+                admission.slot = engine
+            if self.ledger.refusing:
+                raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
+            admission.admitted_at = utcnow()
+            if self.prices is not None:
+                # The account's override (custom price or multiplier) applies when it has one.
+                admission.price = await self.prices.current_for(principal.account_id, model, admission.admitted_at)
+            nanos = cost(admission.price) if admission.price is not None else 0
+            admission.hold = await self._reserve(request_id, principal, tokens, nanos)
+            provisional = row(admission, "interrupted")
+            self._live[request_id] = admission
+            self._idle.clear()
+            # Journaled: a crash from here on still leaves an `interrupted` row and a hold to release.
+            self.ledger.admitted(provisional, admission.hold.to_json() if admission.hold else None)
+            admission.journaled = True
+        except BaseException:
+            admission.settle()  # gives back what the steps before took; no row
+            raise
+        return admission
 
+    async def _reserve(self, request_id: str, principal: Principal, tokens: int, nanos: int) -> Hold | None:
+        """Reserves `tokens` and `nanos` on the key and its account, or refuses."""
+        if self.limiter is None:
+            return None
+        scopes = [Scope("key", principal.key_id, principal.key_limits),
+                  Scope("account", principal.account_id, principal.account_limits, principal.prepaid)]
+        try:
+            return await self.limiter.reserve(request_id, scopes, tokens, nanos)
+        except QuotaExceeded as exc:
+            for callback in self.on_quota_rejected:
+                callback(exc.limit)
+            err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
+            err.error_type = exc.error_type
+            raise err from None
+        except QuotaUnavailable:
+            raise ServiceUnavailable(
+                "Quota service is unavailable; retry shortly.", code="quota_unavailable", headers={"Retry-After": "1"}
+            ) from None
 
-async def drain(timeout: float = 10.0) -> None:
-    if _settling:
-        await asyncio.wait(list(_settling), timeout=timeout)
+    def settle_later(self, hold: Hold, tokens: int, nanos: int) -> None:
+        """Commits actual use in the background: never awaited inside a `finally`."""
+        if self.limiter is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.limiter.settle(hold, tokens, nanos, background=True))
+        self._settling.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._settling.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("quota settlement failed: %s", type(task.exception()).__name__)
+
+    def ended(self, admission: Admission) -> None:
+        if self._live.get(admission.request_id) is admission:
+            del self._live[admission.request_id]
+            if not self._live:
+                self._idle.set()
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Waits for background settlements (shutdown and tests)."""
+        if self._settling:
+            await asyncio.wait(list(self._settling), timeout=timeout)
+
+    def live_count(self) -> int:
+        return len(self._live)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Whether every admitted request has been settled within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def cut_live(self) -> int:
+        """Stops every running generation (graceful drain's deadline); returns how many."""
+        return sum(1 for admission in list(self._live.values()) if admission.cut())

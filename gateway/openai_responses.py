@@ -38,8 +38,9 @@ from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
 from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.protocol import parse
+from gateway.generate import answer
+from gateway.metering import Admission
 from gateway.responses import CompletedResponse, GenerationResponse
-from gateway import response_cache
 from gateway.serving import RESPONSES_PARAMS, CompletionService, Generation, renamed
 
 log = logging.getLogger("tollgate.openai_responses")
@@ -345,14 +346,16 @@ class _Storing:
 
 
 class StoredGenerationResponse(_Storing, GenerationResponse):
-    def __init__(self, gen: Generation, outputs: Any, headers: dict[str, str], render: ResponseRenderer, keep: Any) -> None:
-        super().__init__(gen, outputs, headers, render)
+    def __init__(self, gen: Generation, outputs: Any, headers: dict[str, str], render: ResponseRenderer, keep: Any,
+                 admission: Admission) -> None:
+        super().__init__(gen, outputs, headers, render, admission=admission)
         self.keep = keep
 
 
 class StoredCompletedResponse(_Storing, CompletedResponse):
-    def __init__(self, gen: Generation, service: Any, headers: dict[str, str], render: ResponseRenderer, keep: Any) -> None:
-        super().__init__(gen, service, headers, render)
+    def __init__(self, gen: Generation, service: Any, headers: dict[str, str], render: ResponseRenderer, keep: Any,
+                 admission: Admission) -> None:
+        super().__init__(gen, service, headers, render, admission=admission)
         self.keep = keep
 
 
@@ -402,23 +405,11 @@ async def create_response(request: Request) -> Any:
 
     keeper = keep if body.store is not False else None
 
-    def respond(outputs: Any, headers: dict[str, str]) -> StoredGenerationResponse:
-        return StoredGenerationResponse(gen, outputs, headers, render, keeper)
-
-    cached = await response_cache.replay(request, gen, respond)  # a hit is metered and served from the cache, as chat's
-    if cached is not None:
-        gen.engine.cancel(request_id)  # never reaches the engine: gives back the place the scheduler held
-        return cached
-    try:
-        await service.admit(gen)
-    except BaseException:
-        gen.engine.cancel(request_id)  # gives back the place the scheduler held at prepare
-        raise
-    # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
-    headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
-    if not gen.stream and gen.engine.completes and not response_cache.records(request):
-        return StoredCompletedResponse(gen, service, headers, render, keeper)
-    return respond(response_cache.recording(request, gen, service.metered(gen)), headers)
+    return await answer(
+        request, service, gen,
+        streamed=lambda outputs, headers, admission: StoredGenerationResponse(gen, outputs, headers, render, keeper, admission),
+        completed=lambda headers, admission: StoredCompletedResponse(gen, service, headers, render, keeper, admission),
+    )
 
 
 def _not_found(response_id: str) -> NotFound:

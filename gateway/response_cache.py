@@ -21,7 +21,6 @@ request would have cost at the model's price (TOLLGATE_CACHE_HIT_PRICE: 0 = free
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import logging
 import os
@@ -39,9 +38,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 
-from billing.models import utcnow
 from engines.base import FINISH_LENGTH, FINISH_STOP, EngineOutput
-from gateway import metering
+from gateway.metering import Admission
 from gateway.serving import Generation
 
 log = logging.getLogger("tollgate.response_cache")
@@ -202,12 +200,26 @@ def _model_opted_in(engine: Any) -> bool:
 
 
 # gateway hooks ------------------------------------------------------------------------------------
-async def replay(request: Request, gen: Generation, respond: Callable[[Any, dict[str, str]], Any] | None = None) -> Any:
-    """A response replayed from the cache (metered as a hit), or None: run the request (a miss
-    is then stored by `recording`). `respond(outputs, headers)`: the API's response for the
-    replayed outputs (OpenAI's chat chunks by default)."""
-    state = request.app.state
-    cache: ResponseCache | None = getattr(state, "response_cache", None)
+@dataclass(frozen=True)
+class Hit:
+    """A stored completion for this request, and the share of the normal cost a hit pays."""
+
+    entry: dict[str, Any]
+    hit_price: Decimal
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.entry["prompt_tokens"])
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.entry["completion_tokens"])
+
+
+async def lookup(request: Request, gen: Generation) -> Hit | None:
+    """The stored completion for this request, or None: run it (a cacheable miss is then stored
+    by `recording`)."""
+    cache: ResponseCache | None = getattr(request.app.state, "response_cache", None)
     if cache is None or not cache.applies(request, gen):
         return None
     key = cache.key(gen)
@@ -216,26 +228,15 @@ async def replay(request: Request, gen: Generation, respond: Callable[[Any, dict
     if entry is None:
         setattr(request.state, _STATE_KEY, key)
         return None
-    from gateway.responses import GenerationResponse  # responses imports serving; keep import order simple
-
-    metering.refuse_if_backlogged(state)
-    prompt, completion = int(entry["prompt_tokens"]), int(entry["completion_tokens"])
-    gen.admitted_at = utcnow()
-    gen.price = await metering.price_of(state, gen.model, gen.principal.account_id, gen.admitted_at)
-    nanos = metering.share_of(gen.price.cost_nanos(prompt, completion), cache.config.hit_price) if gen.price else 0
-    gen.hold = await metering.reserve(state, gen.principal, gen.request_id, prompt + completion, nanos)
-    gen.prompt_tokens = prompt
-    headers = {"x-request-id": gen.request_id, **(gen.hold.headers if gen.hold else {}), HEADER: "hit"}
-    outputs = _replayed(state, gen, entry, nanos)
-    return respond(outputs, headers) if respond is not None else GenerationResponse(gen, outputs, headers)
+    return Hit(entry, cache.config.hit_price)
 
 
-async def _replayed(state: Any, gen: Generation, entry: dict[str, Any], nanos: int) -> AsyncIterator[EngineOutput]:
-    """The stored increments as engine outputs; the ledger row is written before the last one
-    is handed over (as `metered` does), or in `finally` as cancelled when the client left."""
-    texts: list[str] = entry["texts"]
-    prompt, completion = int(entry["prompt_tokens"]), int(entry["completion_tokens"])
-    recorded = False
+async def replayed(gen: Generation, hit: Hit, admission: Admission) -> AsyncIterator[EngineOutput]:
+    """The stored increments as engine outputs; the admission is settled (its row written) before
+    the last one is handed over, as `metered` does, or in `finally` as cancelled, billed nothing,
+    when the client left before the end."""
+    texts: list[str] = hit.entry["texts"]
+    prompt, completion = hit.prompt_tokens, hit.completion_tokens
     try:
         for i, text in enumerate(texts):
             if gen.cancel_requested:
@@ -245,30 +246,14 @@ async def _replayed(state: Any, gen: Generation, entry: dict[str, Any], nanos: i
             if i < len(texts) - 1:
                 yield EngineOutput(text, [], None, prompt, 0)
                 continue
-            gen.finish_reason = entry["finish_reason"]
-            gen.stop_sequence = entry.get("stop_sequence")
+            gen.finish_reason = hit.entry["finish_reason"]
+            gen.stop_sequence = hit.entry.get("stop_sequence")
             gen.completion_tokens = completion
-            gen.estimated = bool(entry.get("estimated"))
-            _record_hit(state, gen, True, nanos)
-            recorded = True
+            gen.estimated = bool(hit.entry.get("estimated"))
+            admission.settle()
             yield EngineOutput(text, [], gen.finish_reason, prompt, completion)
     finally:
-        if not recorded:  # left before the end: nothing billed
-            _record_hit(state, gen, False, nanos)
-
-
-def _record_hit(state: Any, gen: Generation, delivered: bool, nanos: int) -> None:
-    service = state.service
-    if delivered:
-        metering.settle(state, gen.hold, gen.prompt_tokens + gen.completion_tokens, nanos)
-        record = service.usage_record(gen, "completed")
-        record = dataclasses.replace(record, cached=True, cost_nanos=nanos if gen.price else None)
-    else:
-        metering.settle(state, gen.hold, 0, 0)
-        gen.completion_tokens = 0
-        record = service.usage_record(gen, "cancelled")
-        record = dataclasses.replace(record, prompt_tokens=0, completion_tokens=0, cached=True, cost_nanos=0 if gen.price else None)
-    state.ledger.record(record)
+        admission.settle()  # a no-op once delivered
 
 
 def records(request: Request) -> bool:

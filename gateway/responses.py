@@ -2,8 +2,8 @@
 
 Plain ASGI on purpose: the connection is watched the whole time (the guarded protocol's
 ConnectionWatch, else a task waiting for `http.disconnect`), so a client that leaves cancels the
-engine request at once (not at the next token), and the metered stream is always closed here, which
-writes its ledger row.
+engine request at once (not at the next token), and the metered stream is always closed here; then
+the request's Admission is settled (its one ledger row), from this response's `finally`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from engines.base import FINISH_CANCELLED, FINISH_ERROR, EngineError, EngineOutp
 from gateway.drain import draining_error
 from gateway.errors import APIError, EngineOverloaded, InvalidRequest, ServiceUnavailable
 from gateway.hardening import WATCH_KEY
+from gateway.metering import Admission
 from gateway.serving import Generation, usage_body
 
 log = logging.getLogger("tollgate.responses")
@@ -120,25 +121,38 @@ def _error_for(exc: Exception) -> APIError:
 
 
 class GenerationResponse:
-    """`render`: the API's shapes (ChunkRenderer's methods); OpenAI's chunks by default."""
+    """`render`: the API's shapes (ChunkRenderer's methods); OpenAI's chunks by default.
+    `admission`: what the request holds (gateway/metering.py); this response's `finally` settles it,
+    whatever happened before (a stream that never started included)."""
 
-    def __init__(self, gen: Generation, outputs: AsyncIterator[EngineOutput], headers: dict[str, str], render: Any = None) -> None:
+    def __init__(
+        self, gen: Generation, outputs: AsyncIterator[EngineOutput], headers: dict[str, str], render: Any = None,
+        *, admission: Admission | None = None,
+    ) -> None:
         self.gen = gen
         self.outputs = outputs
         self.headers = headers
         self.render = render or ChunkRenderer(gen)
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stop_watching = self._watch(scope, receive)
-        write_failed = False
+        write_failed = failed = False
         try:
             await self._respond(send)
         except OSError:
             write_failed = True
             self.gen.cancel()  # the client went away while we wrote to it
+        except BaseException:
+            failed = True
+            raise
         finally:
             stop_watching()
-            await self._close()
+            try:
+                await self._close()
+            finally:
+                if self.admission is not None:
+                    self.admission.settle("error" if failed else None)  # a no-op when the stream has settled it
             self._report_abnormal_end(write_failed)
 
     def _report_abnormal_end(self, write_failed: bool) -> None:
@@ -286,15 +300,16 @@ class CompletedResponse(GenerationResponse):
     coroutine (engines that complete natively) instead of a stream of outputs through a generator per
     layer. The same watcher, errors and body as `GenerationResponse` for a non-streaming request."""
 
-    def __init__(self, gen: Generation, service: Any, headers: dict[str, str], render: Any = None) -> None:
+    def __init__(self, gen: Generation, service: Any, headers: dict[str, str], render: Any = None, *, admission: Admission) -> None:
         self.gen = gen
         self.service = service
         self.headers = headers
         self.render = render or ChunkRenderer(gen)
+        self.admission = admission
 
     async def _respond(self, send: Send) -> None:
         try:
-            final = await self.service.complete(self.gen)  # the ledger row is written when this returns
+            final = await self.service.complete(self.gen, self.admission)  # the ledger row is written when this returns
         except Exception as exc:
             await self._send_error(send, _error_for(exc))
             return

@@ -1,14 +1,14 @@
 """Turns a protocol request into one engine stream and meters it.
 
-    prepare()  -> model, key permissions, prompt tokens, context and capacity checks
-    admit()    -> quota reservation of the worst case (one atomic step)
-    metered()  -> the engine stream; its `finally` settles the quota and writes the one ledger row
+    prepare()  -> model, key permissions, prompt tokens, context and capacity checks (questions only)
+    admit()    -> an Admission (gateway/metering.py): the engine's place, the worst case reserved, the journal entry
+    metered()  -> the engine stream; its `finally` settles the admission (the one ledger row)
     complete() -> the same for a one-body answer from an engine that completes natively (one coroutine)
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import inspect
 import logging
 import time
@@ -16,13 +16,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from billing.keys import Principal
 from billing.ledger import LedgerWriter, UsageRecord
 from billing.models import utcnow
 from billing.prices import EffectivePrice, PriceBook
-from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
+from billing.quota import Hold, Limiter
 from engines.base import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -33,16 +34,14 @@ from engines.base import (
     EngineRequestRejected,
     SamplingParams,
 )
+from gateway.metering import Admission, Meter, overloaded, share_of
 from gateway.errors import (
     APIError,
     ContextLengthExceeded,
     EngineNotReady,
-    EngineOverloaded,
     InvalidRequest,
     ModelNotFound,
     PermissionDenied,
-    RateLimited,
-    ServiceUnavailable,
 )
 from gateway.anthropic_protocol import MessagesRequest
 from gateway.openai_responses_protocol import ResponsesRequest
@@ -76,8 +75,10 @@ class Generation:
     error: str | None = None
     cancel_requested: bool = False
     cut: bool = False  # the server ended it (drain deadline): its row says `interrupted`
-    hold: Hold | None = None
+    hold: Hold | None = None  # the admission's, for the row and the headers (Admission owns it)
     price: EffectivePrice | None = None
+    hit: bool = False  # answered from the response cache
+    hit_nanos: int = 0  # what a cache hit costs, delivered whole
     api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages | responses
     stop_sequence: str | None = None  # the stop string that ended it, when the engine says
 
@@ -107,73 +108,63 @@ class CompletionService:
         *,
         limiter: Limiter | None = None,
         prices: PriceBook | None = None,
+        meter: Meter | None = None,
     ) -> None:
         self.engines = engines
-        self.ledger = ledger
-        self.limiter = limiter
-        self.prices = prices
-        self._settling: set[asyncio.Task[Any]] = set()
-        self._live: dict[str, Generation] = {}  # admitted, row not yet recorded (graceful drain waits on these)
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.on_quota_rejected: list[Any] = []  # callbacks(limit_name) for metrics
+        self.meter = meter or Meter(ledger, limiter=limiter, prices=prices)
+        self.ledger = self.meter.ledger
+        self.limiter = self.meter.limiter
+        self.prices = self.meter.prices
 
-    async def admit(self, gen: Generation) -> None:
-        """Reserves the worst case, then journals the admission: a crash from here on still leaves
-        an `interrupted` row and a hold to release (docs/reliability.md)."""
-        if self.ledger.refusing:
-            raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
-        gen.admitted_at = utcnow()
-        await self._reserve(gen)
-        self._live[gen.request_id] = gen
-        self._idle.clear()
-        self.ledger.admitted(self.usage_record(gen, "interrupted"), gen.hold.to_json() if gen.hold else None)
+    @property
+    def on_quota_rejected(self) -> list[Any]:
+        return self.meter.on_quota_rejected
 
-    async def _reserve(self, gen: Generation) -> None:
-        """Reserves prompt + max_tokens (and its price) on the key and its account, or refuses."""
-        if self.prices is not None:
-            # The account's override (custom price or multiplier) applies when it has one.
-            gen.price = await self.prices.current_for(gen.principal.account_id, gen.model, gen.admitted_at)
-        if self.limiter is None:
-            return
-        worst_completion = gen.engine_request.max_tokens * gen.engine_request.sequences  # every sequence may run to max_tokens
-        worst_tokens = gen.prompt_tokens + worst_completion
-        worst_nanos = gen.price.cost_nanos(gen.prompt_tokens, worst_completion) if gen.price else 0
-        p = gen.principal
-        scopes = [Scope("key", p.key_id, p.key_limits), Scope("account", p.account_id, p.account_limits, p.prepaid)]
-        try:
-            gen.hold = await self.limiter.reserve(gen.request_id, scopes, worst_tokens, worst_nanos)
-        except QuotaExceeded as exc:
-            for callback in self.on_quota_rejected:
-                callback(exc.limit)
-            err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
-            err.error_type = exc.error_type
-            raise err from None
-        except QuotaUnavailable:
-            raise ServiceUnavailable(
-                "Quota service is unavailable; retry shortly.", code="quota_unavailable", headers={"Retry-After": "1"}
-            ) from None
-
-    def _settle(self, gen: Generation) -> None:
-        """Commits actual usage in the background: never awaited inside a `finally`."""
-        if self.limiter is None or gen.hold is None:
-            return
-        nanos = gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen.price else 0
-        task = asyncio.get_running_loop().create_task(
-            self.limiter.settle(gen.hold, gen.prompt_tokens + gen.completion_tokens, nanos, background=True)
+    async def admit(self, gen: Generation) -> Admission:
+        """Takes the engine's place, reserves the worst case and journals the admission (Meter.admit);
+        the Admission's `settle()` ends it."""
+        request = gen.engine_request
+        worst_completion = request.max_tokens * request.sequences  # every sequence may run to max_tokens
+        return await self.meter.admit(
+            gen.request_id, gen.principal, gen.model,
+            tokens=gen.prompt_tokens + worst_completion,
+            cost=lambda price: price.cost_nanos(gen.prompt_tokens, worst_completion),
+            row=lambda admission, status: self.row_of(gen, admission, status),
+            slot=(gen.engine, request),
+            cut=gen.cut_short,
         )
-        self._settling.add(task)
-        task.add_done_callback(self._settled)
 
-    def _settled(self, task: asyncio.Task[Any]) -> None:
-        self._settling.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("quota settlement failed: %s", type(task.exception()).__name__)
+    async def admit_hit(self, gen: Generation, prompt: int, completion: int, hit_price: Decimal) -> Admission:
+        """A response-cache hit: no engine place; its tokens count against token limits like the
+        original's, and it costs `hit_price` times what the request would cost (billing/prices)."""
+        gen.hit = True
+        admission = await self.meter.admit(
+            gen.request_id, gen.principal, gen.model,
+            tokens=prompt + completion,
+            cost=lambda price: share_of(price.cost_nanos(prompt, completion), hit_price),
+            row=lambda admission, status: self.row_of(gen, admission, status),
+        )
+        gen.prompt_tokens = prompt
+        gen.hit_nanos = share_of(gen.price.cost_nanos(prompt, completion), hit_price) if gen.price else 0
+        return admission
+
+    def row_of(self, gen: Generation, admission: Admission, status: str | None) -> UsageRecord:
+        """The generation's ledger row: `interrupted` while it runs (the journal's), then with its
+        final status (None: the one its state says). A cache hit that was not delivered whole is
+        billed nothing."""
+        gen.admitted_at, gen.price, gen.hold = admission.admitted_at, admission.price, admission.hold
+        if not gen.hit:
+            return self.usage_record(gen, status or final_status(gen))
+        if status is None and gen.finish_reason is not None:
+            record = self.usage_record(gen, "completed")
+            return dataclasses.replace(record, cached=True, cost_nanos=gen.hit_nanos if gen.price else None)
+        gen.completion_tokens = 0
+        record = self.usage_record(gen, status if status == "interrupted" else "cancelled")
+        return dataclasses.replace(record, prompt_tokens=0, completion_tokens=0, cached=True, cost_nanos=0 if gen.price else None)
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Waits for background settlements (shutdown and tests)."""
-        if self._settling:
-            await asyncio.wait(list(self._settling), timeout=timeout)
+        await self.meter.drain(timeout)
 
     def engine_for(self, model: str, principal: Principal) -> Engine:
         engine = self.engines.get(model)
@@ -287,12 +278,9 @@ class CompletionService:
             engine.check_request(engine_request)  # tools, response_format: what this engine honours
         except EngineRequestRejected as exc:
             raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from None
-        refused = engine.refusal(engine_request)  # the scheduler's admission control, before any quota is held
+        refused = engine.refusal(engine_request)  # a question: the place is taken at admission (Meter.admit)
         if refused is not None:
-            headers = {"Retry-After": str(refused.retry_after)}
-            if refused.own_backlog:  # the caller's own queued requests are the wait
-                raise RateLimited(str(refused), code="too_many_queued_requests", headers=headers)
-            raise EngineOverloaded(str(refused), headers=headers)
+            raise overloaded(refused)
         return Generation(
             request_id=request_id,
             principal=principal,
@@ -305,8 +293,8 @@ class CompletionService:
             api=api,
         )
 
-    async def metered(self, gen: Generation) -> AsyncIterator[EngineOutput]:
-        """The engine's outputs; whatever happens, the ledger gets this request's one row."""
+    async def metered(self, gen: Generation, admission: Admission) -> AsyncIterator[EngineOutput]:
+        """The engine's outputs; whatever happens, the admission is settled (its one ledger row)."""
         status: str | None = None
         last: EngineOutput | None = None
         try:
@@ -330,14 +318,14 @@ class CompletionService:
             gen.error = failure_text(exc)
             raise
         finally:
-            self._close(gen, status)  # on completion, on engine failure, and when the consumer closes us early
+            admission.settle(status)  # on completion, on engine failure, and when the consumer closes us early
         if last is not None:
             yield last
 
-    async def complete(self, gen: Generation) -> EngineOutput:
+    async def complete(self, gen: Generation, admission: Admission) -> EngineOutput:
         """`metered()` for a client that wants one body, through the engine's native `complete()`:
-        the final output (earlier ones in its `before`); whatever happens, the ledger gets this
-        request's one row before the caller sees the result."""
+        the final output (earlier ones in its `before`); whatever happens, the admission is settled
+        before the caller sees the result."""
         failed = False
         try:
             out = await gen.engine.complete(gen.engine_request)
@@ -347,33 +335,18 @@ class CompletionService:
             failed, gen.error = True, failure_text(exc)
             raise
         finally:
-            self._close(gen, "error" if failed else None)
-
-    def _close(self, gen: Generation, status: str | None) -> None:
-        """The generation is over: its quota settles (in the background) and its one row is recorded."""
-        self._settle(gen)
-        self.ledger.record(self.usage_record(gen, status or final_status(gen)))
-        self._live.pop(gen.request_id, None)
-        if not self._live:
-            self._idle.set()
+            admission.settle("error" if failed else None)
 
     def live_count(self) -> int:
-        return len(self._live)
+        return self.meter.live_count()
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Whether every admitted generation has ended within `timeout` seconds."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        """Whether every admitted request has been settled within `timeout` seconds."""
+        return await self.meter.wait_idle(timeout)
 
     def cut_live(self) -> int:
         """Ends every running generation (graceful drain's deadline); returns how many."""
-        live = list(self._live.values())
-        for gen in live:
-            gen.cut_short()
-        return len(live)
+        return self.meter.cut_live()
 
     def _observe(self, gen: Generation, out: EngineOutput) -> None:
         if gen.ttft_ms is None:

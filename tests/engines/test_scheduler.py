@@ -239,7 +239,6 @@ async def test_expected_wait_over_the_class_limit_is_refused_with_retry_after() 
     sched = ScheduledEngine(inner, capacity=1, reserve=0, classes=classes, clock=lambda: now[0])
     tasks = await submit(sched, req("warm", 1))
     assert sched.refusal(req("probe", 9)) is None  # nothing measured yet
-    sched.cancel("probe")  # gives back the place it held
     now[0] += 2.0
     await drain(inner, tasks)
     assert sched.hold_s == pytest.approx(2.0)
@@ -248,7 +247,6 @@ async def test_expected_wait_over_the_class_limit_is_refused_with_retry_after() 
     refused = sched.refusal(req("a2", 1))
     assert refused is not None and refused.own_backlog and refused.retry_after == 1  # 4 s - 3 s allowed
     assert sched.refusal(req("b0", 2, priority="batch")) is None  # batch allows 100 s
-    sched.cancel("b0")
     tasks += await submit(sched, *[req(f"a{i}", 1, priority="batch") for i in range(2, 5)])
     refused = sched.refusal(req("c", 3))
     assert refused is not None and not refused.own_backlog  # interactive, behind a1 and a turn: 4 s > 3 s
@@ -314,14 +312,14 @@ async def test_a_burst_admitted_at_once_counts_its_own_places() -> None:
     await drain(inner, tasks)
     tasks = await submit(sched, req("running", 1))
     # Admission happens before the quota is reserved; the requests arrive at the queue later.
-    assert sched.refusal(req("x1", 2)) is None  # 2 s: one turn
+    sched.admit(req("x1", 2))  # 2 s: one turn
     assert sched.refusal(req("x2", 2)) is not None  # 4 s: x1 holds the turn before it
     tasks += await submit(sched, req("x1", 2))  # arrives: its held place becomes its ticket
     assert sched.queue_depth() == 1 and sched.refusal(req("x3", 2)) is not None
     now[0] += 11.0  # a place held by a request that never arrives lapses
     assert sched.refusal(req("y1", 3)) is not None  # x1 really waits
     await drain(inner, tasks)
-    assert sched.refusal(req("z1", 3)) is None  # the free slot is z1's
+    sched.admit(req("z1", 3))  # the free slot is z1's
     assert sched.expected_wait(req("z2", 4)) > 0
     now[0] += 11.0
     assert sched.expected_wait(req("z2", 4)) == 0  # z1 never came: its place lapsed
@@ -406,9 +404,12 @@ async def test_a_place_held_at_admission_is_given_back_through_the_chain() -> No
     inner = GatedEngine()
     sched = ScheduledEngine(inner, capacity=1, reserve=0, max_queue=1)
     chain = FallbackEngine("m", [sched])
-    assert chain.refusal(req("r", 1)) is None
+    assert chain.refusal(req("r", 1)) is None and chain.refusal(req("r", 1)) is None  # a question takes nothing
+    chain.admit(req("r", 1))
     assert chain.refusal(req("other", 2)) is not None  # the one place is held for r
-    chain.cancel("r")  # r was refused by its quota: what the gateway does then
+    with pytest.raises(EngineOverloadedError):
+        chain.admit(req("other", 2))
+    chain.release("r")  # r was refused by its quota: what its Admission's settle() does then
     assert chain.refusal(req("other", 2)) is None
 
 

@@ -1,0 +1,164 @@
+"""One Admission per request (gateway/metering.py): what a request holds (its place in the engine's
+queue, its quota hold, its journal entry) is let go by one `settle()`, exactly once, whatever
+happens between admission and the end of the stream. Real scheduler, limiter, ledger writer and
+journal on SQLite; the engine is tests/fakes/engine.py (the tests are about metering)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+
+from billing import migrate
+from billing.db import create_engine
+from billing.journal import LedgerJournal
+from billing.keys import Principal
+from billing.ledger import LedgerWriter, UsageRecord
+from billing.limits import Limits
+from billing.quota import LedgerTotals, MemoryLimiter
+from engines.base import EngineOverloadedError, EngineRequest
+from engines.scheduler import ScheduledEngine
+from gateway.errors import RateLimited
+from gateway.generate import answer
+from gateway.protocol import ChatCompletionRequest, parse
+from gateway.responses import GenerationResponse
+from gateway.serving import CompletionService
+from tests.fakes.engine import FakeEngine
+
+MODEL = "fake"
+
+
+class Setup:
+    def __init__(self, tmp: Path) -> None:
+        url = f"sqlite:///{tmp / 'ledger.db'}"
+        migrate.upgrade(url)
+        self.db = create_engine(url)
+        self.journal = LedgerJournal(tmp / "journal")
+        self.journal.open()
+        self.ledger = LedgerWriter(self.db, journal=self.journal)  # not started: rows stay queued, counted here
+        self.rows: list[UsageRecord] = []
+        self.ledger.add_listener(self.rows.append)
+        self.limiter = MemoryLimiter(LedgerTotals(self.db))
+        self.settled: list[tuple[str, int]] = []
+        settle = self.limiter.settle
+
+        async def counting_settle(hold: Any, tokens: int, nanos: int, background: bool = False) -> bool:
+            self.settled.append((hold.request_id, tokens))
+            return await settle(hold, tokens, nanos, background)
+
+        self.limiter.settle = counting_settle  # type: ignore[method-assign]
+        # One place in the engine and one in its queue: a place still held is seen at once.
+        self.engine = ScheduledEngine(FakeEngine(MODEL), capacity=1, reserve=0, max_queue=1)
+        self.service = CompletionService({MODEL: self.engine}, self.ledger, limiter=self.limiter)
+
+    def gen(self, request_id: str, principal: Principal, *, stream: bool = True) -> Any:
+        body = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream})
+        return self.service.prepare_chat(principal, body, request_id)
+
+    def place_is_free(self) -> bool:
+        """Whether another request can take the one place now (it would be refused while one is held)."""
+        probe = EngineRequest("probe", 3, prompt_token_ids=[1, 2], account_id=9)
+        try:
+            self.engine.admit(probe)
+        except EngineOverloadedError:
+            return False
+        self.engine.release("probe")
+        return True
+
+    async def close(self) -> None:
+        await self.service.drain()
+        self.journal.close()
+        await self.db.dispose()
+
+
+def principal(key_id: int = 1, key_limits: Limits = Limits()) -> Principal:
+    return Principal(key_id=key_id, account_id=1, is_admin=False, models=None, expires_at=None, revoked=False, key_limits=key_limits)
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[Setup]:
+    yield Setup(tmp_path)
+
+
+async def test_a_second_settle_does_nothing(setup: Setup) -> None:
+    admission = await setup.service.admit(setup.gen("r1", principal()))
+    assert not setup.place_is_free()  # admitted: the place is the request's until it settles
+    assert admission.settle("completed") is True
+    assert admission.settle("error") is False and admission.settle() is False
+    await setup.service.drain()
+    assert [(r.request_id, r.status) for r in setup.rows] == [("r1", "completed")]
+    assert [rid for rid, _ in setup.settled] == ["r1"]  # the quota hold settled once
+    assert setup.place_is_free() and setup.service.live_count() == 0
+    await setup.close()
+
+
+async def test_a_quota_refusal_frees_the_place_and_writes_no_row(setup: Setup) -> None:
+    refused = principal(key_id=2, key_limits=Limits(rpm=0))
+    with pytest.raises(RateLimited):
+        await setup.service.admit(setup.gen("r2", refused))
+    assert setup.place_is_free()  # not held until HOLD_S lapses: given back at once
+    assert setup.rows == [] and setup.journal.outstanding == 0 and setup.service.live_count() == 0
+    await setup.close()
+
+
+async def test_a_failure_before_the_stream_starts_still_settles_once(setup: Setup) -> None:
+    """The response fails before it reads the engine stream (its generator never starts, so no
+    `finally` of the stream runs): the response's own `finally` settles the admission."""
+
+    class Failing(GenerationResponse):
+        async def _respond(self, send: Any) -> None:
+            raise RuntimeError("boom before the first output")
+
+    gen = setup.gen("r3", principal())
+    admission = await setup.service.admit(gen)
+    response = Failing(gen, setup.service.metered(gen, admission), {}, admission=admission)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise AssertionError("nothing is sent")
+
+    with pytest.raises(RuntimeError):
+        await response({"type": "http"}, receive, send)
+    await setup.service.drain()
+    assert [(r.request_id, r.status) for r in setup.rows] == [("r3", "error")]
+    assert [rid for rid, _ in setup.settled] == ["r3"] and setup.place_is_free()
+    await setup.close()
+
+
+async def test_a_failure_between_admission_and_the_response_settles_once(setup: Setup) -> None:
+    """`answer()` admits, then building the response fails: the admission is settled there."""
+    gen = setup.gen("r4", principal())
+
+    app = SimpleNamespace(state=SimpleNamespace(response_cache=None))  # no response cache configured
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "app": app})
+
+    def streamed(outputs: AsyncIterator[Any], headers: dict[str, str], admission: Any) -> Any:
+        raise RuntimeError("boom building the response")
+
+    with pytest.raises(RuntimeError):
+        await answer(request, setup.service, gen, streamed=streamed, completed=streamed)
+    await setup.service.drain()
+    assert [(r.request_id, r.status) for r in setup.rows] == [("r4", "error")]
+    assert [rid for rid, _ in setup.settled] == ["r4"] and setup.place_is_free()
+    await setup.close()
+
+
+async def test_a_stream_read_to_its_end_settles_once_before_its_last_output(setup: Setup) -> None:
+    gen = setup.gen("r5", principal())
+    admission = await setup.service.admit(gen)
+    seen_rows_at_last: list[int] = []
+    async for out in setup.service.metered(gen, admission):
+        if out.finished:
+            seen_rows_at_last.append(len(setup.rows))
+    assert seen_rows_at_last == [1]  # the row was recorded before the client could see the end
+    assert admission.settle() is False  # what the response's finally then does: nothing
+    await setup.service.drain()
+    assert [(r.request_id, r.status, r.completion_tokens) for r in setup.rows] == [("r5", "completed", 3)]
+    assert [rid for rid, _ in setup.settled] == ["r5"] and setup.place_is_free()
+    await setup.close()
