@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
-import orjson
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,12 +18,11 @@ from billing.quota import Scope
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.http import MAX_ID, authenticate_admin, id_value, read_json
 from gateway.protocol import StrictInt, _Model, parse
+from gateway.json_response import json_response
 
 StrictStr = Annotated[str, Field(strict=True)]
 
 
-def json_response(payload: Any, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
 
 
 class CreateAccount(_Model):

@@ -25,6 +25,7 @@ from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
 from gateway.protocol import parse
 from gateway.generate import answer
+from gateway.json_response import json_response
 from gateway.responses import CompletedResponse, GenerationResponse
 from gateway.serving import CompletionService, Generation
 
@@ -54,7 +55,7 @@ def error_shape(err: APIError) -> tuple[int, dict[str, Any]]:
 def error_response(err: APIError, request_id: str) -> Response:
     status, body = error_shape(err)
     headers = {**err.headers, "request-id": request_id, "x-request-id": request_id}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+    return json_response(body, status, headers)
 
 
 def stop_reason(gen: Generation, called: bool = False) -> str | None:
@@ -213,7 +214,7 @@ async def _answered(request: Request, answer: Any) -> Any:
     except APIError as err:
         return error_response(err, request_id)
     except Exception as exc:
-        from gateway.app import database_unreachable  # the app's one judgement of an outage
+        from gateway.error_handlers import database_unreachable  # the app's one judgement of an outage
 
         if database_unreachable(exc):
             err: APIError = ServiceUnavailable("The database is unavailable; retry shortly.", headers={"Retry-After": "1"})
@@ -257,7 +258,7 @@ async def _count_tokens(request: Request, request_id: str) -> Response:
     service: CompletionService = state.service
     engine = service.engine_for(body.model, principal)
     tokens = len(service.prompt_of(engine, body.chat_body(), "messages", {}, tools=True))  # what the engine bills
-    return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json", headers={"request-id": request_id})
+    return json_response({"input_tokens": tokens}, headers={"request-id": request_id})
 
 
 routes = [

@@ -27,7 +27,6 @@ import os
 from datetime import datetime, timezone
 from typing import Any
 
-import orjson
 from pydantic import Field
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -52,6 +51,7 @@ from gateway.errors import APIError, Conflict, InvalidRequest, NotFound, Payload
 from gateway.http import MAX_ID, authenticate, authenticate_admin, id_value, read_json
 from gateway.admin import StrictStr
 from gateway.protocol import StrictInt, _Model, parse
+from gateway.json_response import json_response
 
 log = logging.getLogger("tollgate.billing")
 
@@ -132,7 +132,7 @@ async def start(app: Starlette) -> Billing:
     settings = app.state.settings
     # Billing settings come from Settings.extra, falling back to the environment (same names).
     config = BillingConfig.from_mapping({**os.environ, **settings.extra})
-    book = getattr(app.state, "prices", None) or PriceBook(app.state.db)
+    book = app.state.prices or PriceBook(app.state.db)
     billing = Billing(app.state.db, book, config)
     await billing.start()
     app.state.billing = billing
@@ -140,14 +140,12 @@ async def start(app: Starlette) -> Billing:
 
 
 async def stop(app: Starlette) -> None:
-    billing: Billing | None = getattr(app.state, "billing", None)
+    billing: Billing | None = app.state.billing
     if billing is not None:
         await billing.stop()
 
 
 # helpers ----------------------------------------------------------------------------------------
-def json_response(payload: Any, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
 
 
 def _billing(request: Request) -> Billing:

@@ -103,7 +103,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     app.state.stop_server = stop
     server.drain = Drain(app, settings.drain_seconds, stop)
     server.run()
-    fatal = getattr(app.state, "fatal", None)
+    fatal = app.state.fatal
     if fatal:
         print(f"error: {fatal}", file=sys.stderr)
         return 1

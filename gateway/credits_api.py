@@ -338,7 +338,7 @@ async def start(app: Starlette) -> None:
 
 
 async def stop(app: Starlette) -> None:
-    task = getattr(app.state, "credits_task", None)
+    task = app.state.credits_task
     if task is not None:
         task.cancel()
     await app.state.alerts.close()

@@ -233,7 +233,7 @@ async def quota_rows(request: Request, account_id: int | None = None) -> list[di
 
 async def live_counters(request: Request, kind: str, scope_id: int, limits: dict[str, Any]) -> dict[str, int]:
     """This minute's requests/tokens and requests in flight, from the quota limiter (issue 3)."""
-    limiter = getattr(request.app.state, "limiter", None)
+    limiter = request.app.state.limiter
     if limiter is None or not hasattr(limiter, "counters"):
         return {}
     try:
@@ -338,7 +338,7 @@ async def render_account(
         "new_key": new_key, "error": error, "served_models": sorted(request.app.state.service.engines),
         "quota": await quota_rows(request, account_id), "limit_fields": LIMIT_FIELDS,
         **chart_context(period, account_id),
-        "billing": await billing_section(request, account_id) if getattr(request.app.state, "billing", None) else None,
+        "billing": await billing_section(request, account_id) if request.app.state.billing else None,
         "admin_view": True,
     }
     return page(request, "account_admin.html", context, status_code)
@@ -452,7 +452,7 @@ async def set_limits(request: Request) -> Response:
         return await render_account(request, session, account_id, error=str(exc), status_code=400)
     if updated is None:
         return message_page(request, "Not found", f"No such {kind}.", 404, session)
-    limiter = getattr(request.app.state, "limiter", None)
+    limiter = request.app.state.limiter
     if limiter is not None:
         await limiter.invalidate(Scope(kind, scope_id, Limits()))
     return RedirectResponse(f"/dashboard/admin/accounts/{account_id}", status_code=303)

@@ -51,7 +51,7 @@ def invoice_rows(invoices: list[dict[str, Any]], *, admin: bool) -> list[dict[st
 
 
 async def invoices_table(request: Request, account_id: int | None, *, admin: bool, limit: int = 50) -> list[dict[str, Any]] | None:
-    billing = getattr(request.app.state, "billing", None)
+    billing = request.app.state.billing
     if billing is None:
         return None
     return invoice_rows(await list_invoices(billing.db, account_id=account_id, admin=admin, limit=limit), admin=admin)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -35,6 +34,7 @@ from billing.ledger import UsageRecord
 from billing.models import utcnow
 from engines.base import EngineError
 from engines.embeddings import DEFAULT_EMBEDDING_MODEL, EmbeddingModel
+from gateway.json_response import json_response
 from gateway.metering import Admission, Meter
 from gateway.errors import ContextLengthExceeded, EngineNotReady, InvalidRequest, ModelNotFound, PermissionDenied, ServiceUnavailable
 from gateway.http import authenticate, read_json
@@ -163,7 +163,7 @@ def encode(vector: list[float], fmt: str) -> list[float] | str:
 
 async def create_embeddings(request: Request) -> Response:
     state = request.app.state
-    service: EmbeddingService | None = getattr(state, "embeddings", None)
+    service: EmbeddingService | None = state.embeddings
     request_id = request_id_of(request)
     principal = await authenticate(request, state.keys)
     state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
@@ -217,12 +217,12 @@ async def create_embeddings(request: Request) -> Response:
     ]
     payload = {"object": "list", "data": data, "model": model.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     headers = {"x-request-id": request_id, **admission.headers}
-    return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
+    return json_response(payload, headers=headers)
 
 
 async def start(app: Any) -> None:
     """Builds the embedding service and loads its models in the background (lifespan hook)."""
-    service = getattr(app.state, "embeddings", None) or EmbeddingService.from_environment()
+    service = app.state.embeddings or EmbeddingService.from_environment()
     app.state.embeddings = service
     app.state.embeddings_loading = asyncio.get_running_loop().create_task(_load(service), name="load-embeddings")
 
@@ -235,10 +235,10 @@ async def _load(service: EmbeddingService) -> None:
 
 
 async def stop(app: Any) -> None:
-    loading = getattr(app.state, "embeddings_loading", None)
+    loading = app.state.embeddings_loading
     if loading is not None:
         loading.cancel()
-    service = getattr(app.state, "embeddings", None)
+    service = app.state.embeddings
     if service is not None:
         await service.stop()
 

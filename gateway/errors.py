@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from starlette.responses import Response
 
 from billing.keyformat import mask_keys
+from gateway.json_response import json_response
 
 # Anything shaped like an API key is masked in every error message, whatever echoed it (the same
 # rule as the logs and echoed headers: billing/keyformat.py).
@@ -66,12 +66,7 @@ class APIError(Exception):
         }
 
     def response(self) -> Response:
-        return Response(
-            orjson.dumps(self.body()),
-            status_code=self.status_code,
-            media_type="application/json",
-            headers=self.headers,
-        )
+        return json_response(self.body(), self.status_code, self.headers)
 
 
 class InvalidRequest(APIError):

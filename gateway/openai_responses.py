@@ -39,6 +39,7 @@ from gateway.logs import request_id_of
 from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.protocol import parse
 from gateway.generate import answer
+from gateway.json_response import json_response
 from gateway.metering import Admission
 from gateway.responses import CompletedResponse, GenerationResponse
 from gateway.serving import RESPONSES_PARAMS, CompletionService, Generation, renamed
@@ -286,7 +287,7 @@ class ResponseStore:
     @classmethod
     def of(cls, request: Request) -> "ResponseStore":
         state = request.app.state
-        store = getattr(state, "response_store", None)
+        store = state.response_store
         if store is None:
             store = state.response_store = cls(state.db, state.settings.responses_retention_days)
         return store
@@ -360,7 +361,7 @@ class StoredCompletedResponse(_Storing, CompletedResponse):
 
 
 def _json(payload: Any, request_id: str, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json", headers={"x-request-id": request_id})
+    return json_response(payload, status_code, {"x-request-id": request_id})
 
 
 def answer_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -219,7 +219,7 @@ class Hit:
 async def lookup(request: Request, gen: Generation) -> Hit | None:
     """The stored completion for this request, or None: run it (a cacheable miss is then stored
     by `recording`)."""
-    cache: ResponseCache | None = getattr(request.app.state, "response_cache", None)
+    cache: ResponseCache | None = request.app.state.response_cache
     if cache is None or not cache.applies(request, gen):
         return None
     key = cache.key(gen)
@@ -261,7 +261,7 @@ def records(request: Request) -> bool:
     `request.state` keeps its values in the scope's "state" dict: read there, a request that set
     nothing costs no AttributeError."""
     marks = request.scope.get("state")
-    return bool(marks) and marks.get(_STATE_KEY) is not None and getattr(request.app.state, "response_cache", None) is not None
+    return bool(marks) and marks.get(_STATE_KEY) is not None and request.app.state.response_cache is not None
 
 
 def recording(request: Request, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
@@ -295,13 +295,13 @@ async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: As
 
 async def start(app: Any) -> None:
     settings = app.state.settings
-    config = getattr(app.state, "response_cache_config", None) or CacheConfig.from_environment()
+    config = app.state.response_cache_config or CacheConfig.from_environment()
     if settings.redis_url:
         store: Any = RedisStore(settings.redis_url, settings.redis_prefix + "rc:", max(0.05, settings.redis_timeout))
     else:
         store = MemoryStore(config.max_entries)
     cache = ResponseCache(store, config)
-    metrics = getattr(app.state, "metrics", None)
+    metrics = app.state.metrics
     if metrics is not None:
         cache.lookups = Counter(
             "tollgate_response_cache_lookups", "Response-cache lookups of cacheable requests, by model and result (hit|miss).",
@@ -312,7 +312,7 @@ async def start(app: Any) -> None:
 
 
 async def stop(app: Any) -> None:
-    cache: ResponseCache | None = getattr(app.state, "response_cache", None)
+    cache: ResponseCache | None = app.state.response_cache
     if cache is not None:
         await cache.flush()
         await cache.store.close()

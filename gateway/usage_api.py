@@ -13,7 +13,6 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,13 +21,12 @@ from billing.usage import GROUPS, Period, usage_groups
 from gateway.errors import InvalidRequest, PermissionDenied
 from gateway.http import MAX_ID, authenticate, id_value
 from gateway.sessions import current_session
+from gateway.json_response import json_response
 
 DEFAULT_DAYS = 30
 MAX_DAYS = 3 * 366
 
 
-def json_response(payload: Any, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status_code, media_type="application/json")
 
 
 async def caller(request: Request) -> Principal:

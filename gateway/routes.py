@@ -1,0 +1,154 @@
+"""The routes: thin; each reads what it needs from `request.app.state` (a Services) and hands the
+work to the service that owns it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from billing.keys import Principal
+from billing.prices import EffectivePrice
+from engines.base import Engine
+from engines.router import route_body  # issue 10
+from gateway import admin, anthropic_api, billing_api, credits_api, dashboard, embeddings_api, openai_responses
+from gateway.errors import EngineNotReady, NotFound, ServiceUnavailable
+from gateway.generate import answer
+from gateway.http import authenticate, read_json
+from gateway.json_response import json_response
+from gateway.logs import request_id_of
+from gateway.metrics import metrics_endpoint
+from gateway.openapi import openapi_document
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
+from gateway.responses import CompletedResponse, GenerationResponse
+from gateway.serving import CompletionService
+from gateway.usage_api import get_usage
+
+
+async def _generate(request: Request, model: type[Any], kind: str) -> Any:
+    state = request.app.state
+    request_id = request_id_of(request)  # made by RequestContext; also the ledger row's id
+    principal = await authenticate(request, state.keys)
+    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    raw = await read_json(request, state.settings.max_body_bytes)
+    raw = route_body(state.service.engines, raw, kind)  # issue 10: a virtual model (`auto`) names a real one
+    body = parse(model, raw, passthrough=_passes_through(state.service, raw))
+    service: CompletionService = state.service
+    if kind == "chat":
+        gen = service.prepare_chat(principal, body, request_id)
+    else:
+        gen = service.prepare_text(principal, body, request_id)
+    return await answer(
+        request, service, gen,
+        streamed=lambda outputs, headers, admission: GenerationResponse(gen, outputs, headers, admission=admission),
+        completed=lambda headers, admission: CompletedResponse(gen, service, headers, admission=admission),
+    )
+
+
+async def chat_completions(request: Request) -> Any:
+    return await _generate(request, ChatCompletionRequest, "chat")
+
+
+async def completions(request: Request) -> Any:
+    return await _generate(request, CompletionRequest, "text")
+
+
+def _model_card(engine: Engine, price: EffectivePrice | None = None) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": engine.owned_by}
+    if price is not None:
+        # What the caller's account pays now (its overrides applied), exact decimal strings.
+        card["pricing"] = {
+            "input_per_million": format(price.input_per_million, "f"),
+            "output_per_million": format(price.output_per_million, "f"),
+            "currency": price.currency,
+        }
+    return card
+
+
+async def _priced_card(request: Request, principal: Principal, engine: Engine) -> dict[str, Any]:
+    return _model_card(engine, await request.app.state.prices.current_for(principal.account_id, engine.model_id))
+
+
+def _passes_through(service: CompletionService, raw: Any) -> bool:
+    """Whether the requested model's engine forwards fields it does not use (see Engine.passthrough)."""
+    name = raw.get("model") if isinstance(raw, dict) else None
+    engine = service.engines.get(name) if isinstance(name, str) else None
+    return bool(engine is not None and engine.passthrough)
+
+
+async def _embedding_card(request: Request, principal: Principal, model: Any) -> dict[str, Any]:
+    """An embedding model's card: its vectors' size once it has loaded (`dimensions`)."""
+    card = await _priced_card(request, principal, model)
+    card["type"] = "embedding"
+    if model.dimensions:
+        card["dimensions"] = model.dimensions
+    return card
+
+
+def _embedding_models(request: Request) -> dict[str, Any]:
+    service = request.app.state.embeddings
+    return service.models if service is not None else {}
+
+
+async def list_models(request: Request) -> Response:
+    principal = await authenticate(request, request.app.state.keys)
+    engines: dict[str, Engine] = request.app.state.service.engines
+    # Aliases resolve to the same engine under another key; the list names each model once.
+    data = [await _priced_card(request, principal, e) for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
+    data += [await _embedding_card(request, principal, m) for mid, m in _embedding_models(request).items() if principal.may_use(mid)]
+    return json_response({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> Response:
+    principal = await authenticate(request, request.app.state.keys)
+    model_id = request.path_params["model_id"]
+    engine = request.app.state.service.engines.get(model_id)
+    if engine is not None and (principal.may_use(model_id) or principal.may_use(engine.model_id)):
+        return json_response(await _priced_card(request, principal, engine))
+    embedding = _embedding_models(request).get(model_id)
+    if embedding is not None and principal.may_use(model_id):
+        return json_response(await _embedding_card(request, principal, embedding))
+    raise NotFound(f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    if request.app.draining:  # SIGTERM: out of the load balancer at once (gateway/drain.py)
+        return ServiceUnavailable("This server is shutting down.", code="draining", headers={"Retry-After": "1"}).response()
+    engines: dict[str, Engine] = request.app.state.service.engines
+    failed = request.app.state.load_failures
+    if failed:
+        reasons = "; ".join(f"{mid}: {why}" for mid, why in failed.items())
+        return ServiceUnavailable(f"models failed to load: {reasons}", code="model_load_failed").response()
+    pending = [mid for mid, e in engines.items() if not e.ready]
+    if pending:
+        return EngineNotReady(f"models still loading: {', '.join(pending)}", headers={"Retry-After": "5"}).response()
+    return json_response({"status": "ready", "models": list(engines)})
+
+
+# Most of the traffic: dispatched before Starlette's router (gateway/app.py:Gateway).
+HOT = {"/v1/chat/completions": chat_completions, "/v1/completions": completions}
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/readyz", readyz, methods=["GET"]),
+    Route("/openapi.json", openapi_document, methods=["GET"]),
+    *admin.routes,
+    Route("/v1/usage", get_usage, methods=["GET"]),
+    Route("/metrics", metrics_endpoint, methods=["GET"]),
+    *dashboard.routes,
+    *billing_api.routes,
+    *credits_api.routes,  # issue 25
+    *embeddings_api.routes,  # issue 10
+    *anthropic_api.routes,  # issue 21
+    *openai_responses.routes,  # issue 21
+]

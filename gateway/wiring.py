@@ -1,0 +1,265 @@
+"""Wiring: builds what the app serves with (engines, scheduler, ledger, limiter, prices, the
+metering every request goes through) from the settings, once, in the lifespan; the routes find it
+all in `app.state`, one typed Services (gateway/services.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from billing import partitions
+from billing.db import create_engine
+from billing.journal import JournalLocked, LedgerJournal, Recovered
+from billing.keys import KeyStore
+from billing.ledger import LedgerWriter, adopt_journal, release_interrupted
+from billing.models import utcnow
+from billing.prices import PriceBook
+from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
+from engines.base import Engine, EngineError
+from engines.scheduler import ScheduledEngine, schedule_engines
+from gateway import billing_api, credits_api, embeddings_api, response_cache
+from gateway.config import Settings
+from gateway.metrics import Metrics
+from gateway.serving import CompletionService
+from gateway.services import Services
+from gateway.sessions import SessionStore
+
+log = logging.getLogger("tollgate")
+
+
+def build_engines(settings: Settings) -> dict[str, Engine]:
+    if settings.models_file:
+        from engines.registry import ModelsConfigError, load_models
+
+        try:
+            built = load_models(settings.models_file).build()
+        except ModelsConfigError as exc:
+            raise SystemExit(f"error in the models file:\n{exc}") from None
+        if settings.workers > 1:
+            share_replicas(built, settings.workers)
+        return built
+    if settings.engine_backend != "hf":
+        raise SystemExit(
+            f"TOLLGATE_ENGINE={settings.engine_backend!r}: without a models file only the hf backend is served; "
+            "describe trtllm and openai models in a models.yaml (TOLLGATE_MODELS or --models)"
+        )
+    from engines.hf import HFEngine
+    from engines.hf_process import HFProcessEngine
+
+    params: dict[str, Any] = dict(
+        model_path=settings.model_path,
+        device=settings.device,
+        max_batch_size=settings.max_batch_size,
+        max_queue=settings.max_queue,
+        kv_cache_tokens=settings.kv_cache_tokens,
+        max_batch_tokens=settings.max_batch_tokens,
+        cuda_graphs=settings.cuda_graphs,
+        warmup=settings.warmup,
+    )
+    if settings.engine_process:
+        engine: HFEngine = HFProcessEngine(model_id=settings.model_id, gather_ms=settings.engine_gather_ms, **params)
+    else:
+        engine = HFEngine(model_id=settings.model_id, **params)
+    return {engine.model_id: engine}
+
+
+def share_replicas(engines: dict[str, Engine], workers: int) -> None:
+    """Each of `workers` processes sends a replica its share of the requests the replica takes at
+    once (`max_concurrency`, rounded up), so that together they do not overload it."""
+    from engines.openai_pool import OpenAIPoolEngine
+
+    seen: set[int] = set()
+    for chain in engines.values():
+        for engine in getattr(chain, "candidates", [chain]):
+            if isinstance(engine, OpenAIPoolEngine) and id(engine) not in seen:
+                seen.add(id(engine))
+                engine.pool.max_concurrency = max(1, -(-engine.pool.max_concurrency // workers))
+
+
+def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
+    """The ledger writer; with the journal on, rows an earlier run left unwritten are queued first."""
+    if not settings.ledger_journal:
+        return LedgerWriter(db, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger, **_ingest(settings)), Recovered()
+    # One journal directory per process. With several workers each takes the first one no other
+    # worker holds (journal, journal-1, ...): a worker that replaces a dead one recovers its rows.
+    def writer(name: str) -> LedgerWriter:
+        journal = LedgerJournal(settings.data_dir / name, fsync_interval=settings.ledger_fsync_interval)
+        return LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger, **_ingest(settings))
+
+    names = ["journal"] + [f"journal-{i}" for i in range(1, settings.workers)]
+    for name in names[:-1]:
+        ledger = writer(name)
+        try:
+            return ledger, ledger.recover()
+        except JournalLocked:
+            continue
+    ledger = writer(names[-1])
+    return ledger, ledger.recover()  # JournalLocked here: every directory is held
+
+
+def _ingest(settings: Settings) -> dict[str, int]:
+    """The ledger writer's Postgres path: binary COPY on several connections with larger batches
+    (billing/ledger_copy.py; bench/ledger_writer.py compares), or the one-statement insert."""
+    if settings.ledger_copy_connections:
+        return {"copy_connections": settings.ledger_copy_connections, "batch_size": 2500 * settings.ledger_copy_connections}
+    return {}
+
+
+def orphan_journals(settings: Settings) -> list[Path]:
+    """Journal directories of workers beyond the current count (the server ran with more before):
+    no worker claims them now, so their rows are finished here (billing.ledger.adopt_journal)."""
+    if not settings.ledger_journal:
+        return []
+    found = []
+    for path in settings.data_dir.glob("journal-*"):
+        suffix = path.name.removeprefix("journal-")
+        if path.is_dir() and suffix.isdigit() and int(suffix) >= settings.workers:
+            found.append(path)
+    return sorted(found)
+
+
+def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, Engine], list[ScheduledEngine]]:
+    """The gateway's queue in front of every engine (docs/scheduling.md); off: the engines as they are."""
+    if not settings.scheduler:
+        return served, []
+    classes = settings.priority_classes
+
+    def make(engine: Engine) -> ScheduledEngine:
+        return ScheduledEngine(
+            engine,
+            capacity=-(-settings.scheduler_capacity // settings.workers) or None,  # each worker's share
+            capacity_tokens=settings.scheduler_capacity_tokens or None,
+            reserve=settings.scheduler_reserve,
+            classes=classes,
+            max_queue=settings.scheduler_max_queue,
+        )
+
+    return schedule_engines(served, make)
+
+
+def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
+    totals = LedgerTotals(db, flush=lambda: ledger.flush(timeout=2.0))
+    if settings.redis_url:
+        return RedisLimiter(
+            settings.redis_url,
+            totals,
+            prefix=settings.redis_prefix,
+            timeout=settings.redis_timeout,
+            fail_open=settings.quota_fail_open,
+            hold_seconds=settings.quota_hold_seconds,
+        )
+    return MemoryLimiter(totals, hold_seconds=settings.quota_hold_seconds)
+
+
+def freeze_heap() -> None:
+    """Moves what is alive now out of the cyclic collector's scans (`gc.freeze()`), after a
+    collection: what starting up built (models, tokenizers, SQLAlchemy and pydantic state, the
+    embedding model's modules) lives as long as the process. Left in the oldest generation it was
+    scanned by every full collection, and request garbage promoted under load triggers one every
+    second or two: ~360k objects, ~160 ms with the event loop stopped (docs/performance.md)."""
+    gc.collect()
+    gc.freeze()
+
+
+def lifespan(
+    settings: Settings, engines: dict[str, Engine] | None, *, freeze_gc: bool, exit_on_load_failure: bool
+) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: builds the services into `app.state` (a Services), starts the
+    background work, and stops it all in reverse at shutdown. Engines passed in are the caller's
+    (not started or stopped here)."""
+    owns_engines = engines is None
+
+    @contextlib.asynccontextmanager
+    async def run(app: Any) -> AsyncIterator[None]:
+        state: Services = app.state
+        db = create_engine(settings.resolved_database_url)
+        ledger, recovered = open_ledger(db, settings)
+        ledger.start()
+        state.settings = settings
+        state.db = db
+        # Dashboards, /v1/usage and /admin/usage read here: a replica when DATABASE_READ_URL is set.
+        read_db = create_engine(settings.database_read_url) if settings.database_read_url else db
+        state.read_db = read_db
+        state.keys = KeyStore(
+            db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds, stale_seconds=settings.key_stale_seconds
+        )
+        state.ledger = ledger
+        served, schedulers = schedule(engines if engines is not None else build_engines(settings), settings)
+        prices = PriceBook(db)
+        limiter = build_limiter(settings, db, ledger)
+        releasing = asyncio.create_task(release_interrupted(ledger, limiter.settle, recovered, wait=30.0))
+        adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]
+        partitioning = asyncio.create_task(partitions.keep_ahead(db, utcnow), name="ledger-partitions")  # issue 24
+        state.prices = prices
+        state.limiter = limiter
+        state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
+        # Observability and dashboards (issue 6).
+        state.metrics = Metrics(served, ledger)
+        state.metrics.watch_queues(schedulers)
+        ledger.add_listener(state.metrics.observe_usage)
+        state.service.on_quota_rejected.append(state.metrics.quota_rejected)
+        state.sessions = SessionStore(db, state.keys)
+        await embeddings_api.start(app)  # issue 10
+        await response_cache.start(app)  # issue 10
+        await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
+        await credits_api.start(app)  # prepaid credit (issue 25)
+        loading: list[asyncio.Task[None]] = []
+        state.load_failures = {}
+        state.model_loads = loading  # the background loads (tests wait on them)
+        if owns_engines:
+            loading[:] = [asyncio.create_task(e.start(), name=f"load-{mid}") for mid, e in served.items()]
+            for mid, task in zip(served, loading):
+                task.add_done_callback(_load_watcher(app, mid, len(served), exit_on_load_failure))
+        if freeze_gc:
+            freeze_heap()
+            for task in [*loading, state.embeddings_loading]:
+                task.add_done_callback(lambda _task: freeze_heap())
+        try:
+            yield
+        finally:
+            await billing_api.stop(app)
+            await credits_api.stop(app)
+            await embeddings_api.stop(app)  # issue 10
+            await response_cache.stop(app)  # issue 10
+            releasing.cancel()
+            partitioning.cancel()
+            for task in adopting:
+                task.cancel()
+            for task in loading:
+                task.cancel()
+            if owns_engines:
+                for e in served.values():
+                    await e.stop()
+            await state.service.drain()
+            await limiter.close()
+            await ledger.close()
+            await db.dispose()
+            if read_db is not db:
+                await read_db.dispose()
+
+    return run
+
+
+def _load_watcher(app: Any, model_id: str, models: int, exit_when_all_failed: bool) -> Any:
+    """A done-callback for one model's load: a failure is logged, kept for /readyz, and when every
+    model the server loads has failed (`tollgate serve`), the server stops with a non-zero exit."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, EngineError) else str(exc)
+        app.state.load_failures[model_id] = reason
+        log.error("model %s failed to load: %s", model_id, reason)
+        if exit_when_all_failed and len(app.state.load_failures) == models:
+            app.state.fatal = f"no model could be loaded ({model_id}: {reason})"
+            stop = app.state.stop_server  # set by `tollgate serve`, which then exits 1
+            if stop is not None:
+                stop()
+
+    return done
