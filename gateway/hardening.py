@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -236,12 +235,20 @@ def guarded_http_protocol(*, read_timeout: float = 30.0, max_header_bytes: int =
     )
 
 
+def _worker_limits() -> tuple[float, int]:
+    from gateway.config import worker_settings
+
+    settings = worker_settings()
+    if settings is None:
+        return GuardedHttpToolsProtocol.read_timeout, GuardedHttpToolsProtocol.max_header_bytes
+    return settings.request_read_timeout, settings.max_header_bytes
+
+
 class EnvGuardedHttpToolsProtocol(GuardedHttpToolsProtocol):
     """The guarded protocol by import string, for worker processes (`tollgate serve --workers N`):
-    its limits come from the environment each worker starts with."""
+    its limits come from the Settings the parent handed its workers (gateway/config.py:for_workers)."""
 
-    read_timeout = float(os.environ.get("TOLLGATE_REQUEST_READ_SECONDS") or 30.0)
-    max_header_bytes = int(os.environ.get("TOLLGATE_MAX_HEADER_BYTES") or 64 * 1024)
+    read_timeout, max_header_bytes = _worker_limits()
 
 
 def repeated_query_parameter(scope: Scope) -> APIError | None:

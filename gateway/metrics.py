@@ -10,7 +10,6 @@ class names only: never keys, accounts or anything a client can make up.
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -88,7 +87,8 @@ class _QueueState(Collector):
 
 
 class Metrics:
-    def __init__(self, engines: Mapping[str, Engine], ledger: LedgerWriter) -> None:
+    def __init__(self, engines: Mapping[str, Engine], ledger: LedgerWriter, *, multiproc_dir: str | None = None) -> None:
+        self.multiproc_dir = multiproc_dir  # several workers: where prometheus_client keeps every worker's values
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter("tollgate_requests", "Metered requests by model and ledger status.", ["model", "status"], registry=reg)
@@ -158,7 +158,7 @@ class Metrics:
         return child
 
     def render(self) -> bytes:
-        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        shared = self.multiproc_dir
         if not shared:
             return generate_latest(self.registry)
         # Several workers (`tollgate serve --workers N`): counters and histograms summed over every

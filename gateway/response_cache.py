@@ -21,15 +21,15 @@ request would have cost at the model's price (TOLLGATE_CACHE_HIT_PRICE: 0 = free
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 
 from engines.base import FINISH_LENGTH, FINISH_STOP, EngineOutput
+from gateway.config import CacheSettings, parse_hit_price  # noqa: F401  (parse_hit_price: re-exported)
 from gateway.metering import Admission
 from gateway.serving import Generation
 
@@ -50,6 +51,8 @@ _STATE_KEY = "tollgate_cache_key"
 
 @dataclass
 class CacheConfig:
+    """The running cache's policy: from its group of the one Settings (gateway/config.py:CacheSettings)."""
+
     ttl_seconds: float = 3600.0
     hit_price: Decimal = Decimal(0)  # share of the normal cost billed for a hit (exact: money is never a float)
     models: frozenset[str] = frozenset()  # cached by default (besides models.yaml `cache: true`)
@@ -57,25 +60,8 @@ class CacheConfig:
     max_entry_bytes: int = 1_000_000
 
     @classmethod
-    def from_environment(cls, environ: dict[str, str] | None = None) -> "CacheConfig":
-        env = os.environ if environ is None else environ
-        models = frozenset(m.strip() for m in env.get("TOLLGATE_CACHE_MODELS", "").split(",") if m.strip())
-        return cls(
-            ttl_seconds=float(env.get("TOLLGATE_CACHE_TTL", "3600")),
-            hit_price=parse_hit_price(env.get("TOLLGATE_CACHE_HIT_PRICE", "0")),
-            models=models,
-        )
-
-
-def parse_hit_price(raw: str) -> Decimal:
-    """TOLLGATE_CACHE_HIT_PRICE: the share of the normal cost a hit pays, a decimal in [0, 1]."""
-    try:
-        value = Decimal(raw.strip())
-    except InvalidOperation:
-        raise SystemExit(f"TOLLGATE_CACHE_HIT_PRICE: {raw!r} is not a decimal number (e.g. 0 or 0.25)") from None
-    if not value.is_finite() or not 0 <= value <= 1:
-        raise SystemExit(f"TOLLGATE_CACHE_HIT_PRICE: {raw!r} must be between 0 and 1")
-    return value
+    def from_settings(cls, settings: CacheSettings) -> "CacheConfig":
+        return cls(**dataclasses.asdict(settings))
 
 
 class MemoryStore:
@@ -295,7 +281,7 @@ async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: As
 
 async def start(app: Any) -> None:
     settings = app.state.settings
-    config = app.state.response_cache_config or CacheConfig.from_environment()
+    config = app.state.response_cache_config or CacheConfig.from_settings(settings.cache)
     if settings.redis_url:
         store: Any = RedisStore(settings.redis_url, settings.redis_prefix + "rc:", max(0.05, settings.redis_timeout))
     else:

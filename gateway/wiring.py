@@ -199,7 +199,7 @@ def lifespan(
         state.limiter = limiter
         state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
         # Observability and dashboards (issue 6).
-        state.metrics = Metrics(served, ledger)
+        state.metrics = Metrics(served, ledger, multiproc_dir=settings.dashboards.prometheus_multiproc_dir)
         state.metrics.watch_queues(schedulers)
         ledger.add_listener(state.metrics.observe_usage)
         state.service.on_quota_rejected.append(state.metrics.quota_rejected)

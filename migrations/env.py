@@ -9,15 +9,20 @@ from sqlalchemy.engine import Connection
 
 from billing.db import create_engine
 from billing.models import SQLModel
-from gateway.config import load_settings
 
 config = context.config
 target_metadata = SQLModel.metadata
 
 
 def database_url() -> str:
-    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
-    return url or load_settings().resolved_database_url
+    """The database to migrate, as given: by `tollgate migrate` / `tollgate serve` (billing.migrate
+    passes the settings' URL), by `-x database_url=...`, or by `sqlalchemy.url` in the ini. The
+    gateway's settings are not imported here (they read the environment in one place)."""
+    url = (config.attributes.get("database_url") or context.get_x_argument(as_dictionary=True).get("database_url")
+           or config.get_main_option("sqlalchemy.url"))
+    if not url:
+        raise SystemExit("no database to migrate: run `tollgate migrate` (it reads DATABASE_URL), or alembic with -x database_url=...")
+    return url
 
 
 def run_with(connection: Connection) -> None:
