@@ -117,7 +117,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "PriceOverride": _obj({
         "id": INT, "object": {"const": "price_override"}, "account_id": INT, "model": STR, "kind": STR,
         "input_per_million": _nullable(STR), "output_per_million": _nullable(STR), "multiplier": _nullable(STR), "effective_from": STR,
-    }),
+    }, {"cached_input_per_million": _nullable(STR)}),
     "Invoice": _obj({
         "id": INT, "object": {"const": "invoice"}, "number": STR, "account_id": INT, "period": STR, "status": STR,
         "currency": STR, "total_cents": INT, "total": STR,
