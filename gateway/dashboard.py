@@ -35,7 +35,7 @@ from billing.models import ApiKey
 from billing.quota import Scope
 from billing.usage import Period, latency_percentiles, usage_groups, usd
 from gateway import dashboard_billing
-from gateway.dashboard_billing import billing_section, invoices_table
+from gateway.dashboard_billing import billing_section, invoices_table, statements_table
 from gateway.http import id_value
 from gateway.sessions import (
     LOGIN_CSRF_COOKIE,
@@ -479,6 +479,7 @@ async def customer_view(request: Request) -> Response:
         **chart_context(period, account_id),
         # issue 25: the prepaid balance and the spend alerts that fired
         "credit": await request.app.state.credits.balance(account_id), "alerts": await request.app.state.alerts.events(account_id, 20),
+        "statements": await statements_table(request, account_id),
         "checkout_enabled": request.app.state.checkout is not None,
     }
     return page(request, "customer.html", context)
