@@ -377,8 +377,10 @@ async def _loop(book: CreditBook, db: Any, alerts: AlertService, checkout: Check
 
 async def start(app: Starlette) -> None:
     settings = app.state.settings
-    every = float({**os.environ, **settings.extra}.get("TOLLGATE_CREDITS_CHECK_SECONDS", "30"))
-    app.state.credits = CreditBook(app.state.db, app.state.limiter)
+    env = {**os.environ, **settings.extra}
+    every = float(env.get("TOLLGATE_CREDITS_CHECK_SECONDS", "30"))
+    settle = env.get("TOLLGATE_CREDITS_SETTLE_SECONDS")  # unset: 120 s on Postgres, 0 on SQLite
+    app.state.credits = CreditBook(app.state.db, app.state.limiter, settle_seconds=None if settle in (None, "") else float(settle))
     app.state.alerts = AlertService(app.state.db, app.state.credits)
     billing = app.state.billing
     app.state.checkout = None
