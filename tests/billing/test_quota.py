@@ -216,19 +216,26 @@ async def test_counters_are_rebuilt_from_the_ledger(limiter: Limiter, ledger_url
 
 async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:
     hold = await limiter.reserve(rid(), [scope(), scope("account")], 10**6, 10**9, now=NOW)
-    assert hold.scopes == () and hold.headers == {}
+    assert hold.scopes == () and hold.remaining == ()
     assert await limiter.settle(hold, 5, 5) is False
 
 
 async def test_ratelimit_headers(limiter: Limiter) -> None:
+    from gateway.ratelimit import hold_headers, refusal_headers
+
     key = scope(rpm=10, tpm=1000)
-    account = scope("account", rpm=5)
+    account = scope("account", rpm=1)
     hold = await limiter.reserve(rid(), [key, account], 100, 0, now=NOW)
-    assert hold.headers["x-ratelimit-limit-requests"] == "5"
-    assert hold.headers["x-ratelimit-remaining-requests"] == "4"
-    assert hold.headers["x-ratelimit-limit-tokens"] == "1000"
-    assert hold.headers["x-ratelimit-remaining-tokens"] == "900"
-    assert hold.headers["x-ratelimit-reset-requests"].endswith("s")
+    headers = hold_headers(hold)
+    assert headers["x-ratelimit-limit-requests"] == "1"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    assert headers["x-ratelimit-remaining-tokens"] == "900"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key, account], 100, 0, now=NOW)
+    refused = refusal_headers(info.value)
+    assert refused["Retry-After"] == str(info.value.retry_after) and refused["x-ratelimit-remaining-requests"] == "0"
 
 
 @pytest.mark.parametrize(
