@@ -39,10 +39,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.credits import prepaid_totals
 from billing.limits import Limits
-from billing.models import LedgerEntry
+from billing.models import ApiKey, LedgerEntry
 
 log = logging.getLogger("tollgate.quota")
 LEDGER = LedgerEntry.__table__
+KEYS = ApiKey.__table__
 UNLIMITED = -1
 MONTHLY = ("monthly_tokens", "monthly_spend")
 BALANCE = "insufficient_quota"  # a prepaid account's balance is too low for the worst case (OpenAI's code)
@@ -54,10 +55,19 @@ class Scope:
     id: int
     limits: Limits
     prepaid: bool = False  # an account that spends its prepaid balance
+    account: int | None = None  # a key's account, where the caller knows it (reads of a key's counters)
 
     @property
     def name(self) -> str:
         return f"{self.kind[0]}{self.id}"
+
+    @property
+    def tag(self) -> str:
+        """The group this scope's counters share a Redis Cluster hash slot with: its account's
+        (a key whose account is unknown is a group of its own)."""
+        if self.kind == "account":
+            return f"a{self.id}"
+        return f"a{self.account}" if self.account is not None else self.name
 
     @property
     def limited(self) -> bool:
@@ -87,6 +97,7 @@ class Hold:
     minute: int
     month: str
     degraded: bool = False  # admitted without a reservation (fail-open while the store was down)
+    tag: str = ""  # the account group every scope's counters live in (Scope.tag), "" when nothing is limited
     # (requests, tokens) left this minute on each scope, after this reservation; gateway/ratelimit.py
     # turns them into x-ratelimit-* headers.
     remaining: tuple[tuple[int, int], ...] = ()
@@ -96,14 +107,25 @@ class Hold:
         """What settling needs later (the ledger journal keeps it for a crashed request)."""
         return {
             "request_id": self.request_id, "scopes": [[s.kind, s.id] for s in self.scopes], "tokens": self.tokens,
-            "nanos": self.nanos, "minute": self.minute, "month": self.month, "degraded": self.degraded,
+            "nanos": self.nanos, "minute": self.minute, "month": self.month, "degraded": self.degraded, "tag": self.tag,
         }
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "Hold":
         scopes = tuple(Scope(str(kind), int(sid), Limits()) for kind, sid in raw["scopes"])
+        tag = str(raw.get("tag") or group_tag(scopes))  # a journal written before hash tags has none
         return cls(raw["request_id"], scopes, int(raw["tokens"]), int(raw["nanos"]), int(raw["minute"]), str(raw["month"]),
-                   bool(raw.get("degraded", False)))
+                   bool(raw.get("degraded", False)), tag)
+
+
+def group_tag(scopes: Any) -> str:
+    """The tag of one request's scopes: its account's where an account scope is among them."""
+    first = ""
+    for scope in scopes:
+        if scope.kind == "account" or scope.account is not None:
+            return scope.tag
+        first = first or scope.tag
+    return first
 
 
 class QuotaExceeded(Exception):
@@ -218,6 +240,12 @@ class LedgerTotals:
                     out[scope.name].credits, out[scope.name].spent = await prepaid_totals(conn, scope.id)
         return out
 
+    async def account_of_key(self, key_id: int) -> int | None:
+        """A key's account from the database (None for an unknown key)."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sa.select(KEYS.c.account_id).where(KEYS.c.id == key_id))).first()
+        return None if row is None else int(row[0])
+
 
 class Limiter(abc.ABC):
     """Shared admission logic; backends implement the atomic steps."""
@@ -232,6 +260,8 @@ class Limiter(abc.ABC):
         hold = Hold(request_id, limited, tokens, nanos, minute_of(now), month_of(now))
         if not limited:
             return hold
+        hold.tag = group_tag(scopes)  # every scope passed, limited or not: the account scope names the group
+        self._grouped(scopes, hold.tag)
         for _ in range(3):
             outcome = await self._reserve(hold, now)
             if outcome[0] == "ok":
@@ -251,14 +281,17 @@ class Limiter(abc.ABC):
                 totals = await self.totals.for_scopes(missing, now)
             except Exception as exc:  # the ledger database is unreachable: no counters to trust
                 raise QuotaUnavailable(f"ledger unreachable: {type(exc).__name__}") from None
-            await self._seed(missing, totals, now)
+            await self._seed(hold, missing, totals, now)
         raise QuotaUnavailable("quota counters could not be rebuilt")
+
+    def _grouped(self, scopes: list[Scope], tag: str) -> None:
+        """A reservation showed which group these scopes belong to (RedisLimiter remembers it)."""
 
     @abc.abstractmethod
     async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]: ...
 
     @abc.abstractmethod
-    async def _seed(self, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None: ...
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None: ...
 
     @abc.abstractmethod
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:

@@ -1,16 +1,20 @@
 """The Redis quota backend: the Lua scripts (billing/quota/lua/) run atomically on Redis, one
 round trip each for reserve and settle, shared by every gateway process.
 
-Key layout: every key lives under one prefix on one Redis (not Redis Cluster).
-  {p}{scope}:rpm:{minute}  {p}{scope}:tpm:{minute}           this minute's requests / tokens
-  {p}{scope}:mtok:{month}  {p}{scope}:mspend:{month}         committed usage this month
-  {p}{scope}:holds (hash rid -> "tok:nanos:minute")  {p}{scope}:hexp (zset rid -> expiry)
-  {p}{scope}:held:tok  {p}{scope}:held:nanos                 sums of live holds
-  {p}{scope}:synced:{month}:{epoch}                          counters valid for this month
-  {p}{scope}:cred (hash credit row id -> nanos)  {p}{scope}:cred:sum  {p}{scope}:spent   prepaid balance
-  {p}{scope}:bsynced:{epoch}                                 balance read from the database
-  {p}proc:{id} (one per gateway process; gone = Redis lost its state, re-register live holds)
-  {p}epoch (bumped to force a rebuild of every scope)   {p}settled:{rid} (settle once)
+Key layout: every key of one account and its keys shares the group prefix `{p}{a<account>}:`
+(`{p}{k<key>}:` for a key reserved without its account), a Redis Cluster hash tag: a reservation
+is one atomic script in one round trip on a cluster too. With g = the group prefix:
+  {g}{scope}:rpm:{minute}  {g}{scope}:tpm:{minute}           this minute's requests / tokens
+  {g}{scope}:mtok:{month}  {g}{scope}:mspend:{month}         committed usage this month
+  {g}{scope}:holds (hash rid -> "tok:nanos:minute")  {g}{scope}:hexp (zset rid -> expiry)
+  {g}{scope}:held:tok  {g}{scope}:held:nanos                 sums of live holds
+  {g}{scope}:synced:{month}:{epoch}                          counters valid for this month
+  {g}{scope}:cred (hash credit row id -> nanos)  {g}{scope}:cred:sum  {g}{scope}:spent   prepaid balance
+  {g}{scope}:bsynced:{epoch}                                 balance read from the database
+  {g}procs (zset process id -> registered until; missing = Redis lost the group: re-register live holds)
+  {g}epoch (bumped to rebuild the group from the ledger)   {g}settled:{rid} (settle once)
+  {g}node (Cluster, Sentinel: the replication id of the master that last reserved here; another
+          one = a failover, which may have lost writes: holds re-registered, counters rebuilt)
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from billing import resp
 from billing.limits import Limits
-from billing.quota.base import Hold, LedgerTotals, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
+from billing.quota.base import Hold, LedgerTotals, group_tag, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
 from billing.quota.scripts import CREDIT_LUA, REHOLD_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
 
 log = logging.getLogger("tollgate.quota")
@@ -81,11 +85,14 @@ class RedisLimiter(Limiter):
         self.prefix = prefix
         self.fail_open = fail_open
         self.breaker = breaker or CircuitBreaker()
-        self._resync_needed = False
-        # Holds this process reserved and has not settled, re-registered if Redis loses them (a restart):
-        # counters rebuilt from the ledger alone would not see requests still running.
+        # Groups whose usage went unrecorded in Redis (admitted while it was unreachable, a settlement
+        # that failed): their counters are rebuilt from the ledger once Redis answers again.
+        self._resync: set[str] = set()
+        # Holds this process reserved and has not settled, re-registered if Redis loses them (a restart,
+        # a failover): counters rebuilt from the ledger alone would not see requests still running.
         self._live: dict[str, tuple[Hold, float]] = {}
-        self._proc_key = f"{prefix}proc:{uuid.uuid4().hex}"
+        self._proc = uuid.uuid4().hex
+        self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
         self._watcher: asyncio.Task[None] | None = None
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
@@ -98,23 +105,27 @@ class RedisLimiter(Limiter):
         """Whether the scripts run through billing.resp rather than redis-py."""
         return self._client.lean
 
+    def group(self, tag: str) -> str:
+        """The prefix of every key of one group (`<prefix>{<tag>}:`): one Redis Cluster hash slot."""
+        return f"{self.prefix}{{{tag}}}:"
+
     async def _call(self, script: Any, args: list[Any], linger: float = 0.0) -> Any:
         """One round trip, guarded by the breaker; raises QuotaUnavailable when Redis is out.
-        `linger`: the call may wait that long to leave with the next one (redis-py sends at once)."""
+        `linger`: the call may wait that long to leave with the next one (redis-py sends at once).
+        args[0] is the group's prefix, so its epoch key routes the call on a cluster."""
         if not self.breaker.allow():
             raise QuotaUnavailable("quota store unavailable (circuit open)")
+        key = args[0] + "epoch"
         try:
-            if self._resync_needed:
-                # Usage admitted while Redis was unreachable is only in the ledger: rebuild every scope.
-                await self._redis.incr(self.prefix + "epoch")
-                self._resync_needed = False
+            if self._resync:
+                await self._bump_epochs()
             try:
-                result = await self._client.run(script, args, linger)
+                result = await self._client.run(script, key, args, linger)
             except (TimeoutError, asyncio.TimeoutError, RedisTimeout, RedisConnectionError, resp.RespConnectionError):
                 # One retry: a busy event loop can miss a short deadline although Redis answered, and a
                 # pooled connection to a Redis that restarted fails once before the pool reconnects.
                 # Every script is idempotent by request id, so a call that did run is not counted twice.
-                result = await self._client.run(script, args, 0.0)  # the retry goes at once
+                result = await self._client.run(script, key, args, 0.0)  # the retry goes at once
         except Exception as exc:  # connection refused, timeout, server error
             self.breaker.failure()
             log.warning("quota store call failed: %s", type(exc).__name__)
@@ -122,23 +133,39 @@ class RedisLimiter(Limiter):
         self.breaker.success()
         return result
 
-    async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
+    async def _bump_epochs(self) -> None:
+        """Usage admitted while Redis was unreachable is only in the ledger: those groups are rebuilt."""
+        tags = list(self._resync)
+        await self._client.incr_all([self.group(tag) + "epoch" for tag in tags])
+        self._resync.difference_update(tags)
+
+    def _grouped(self, scopes: list[Scope], tag: str) -> None:
+        for scope in scopes:
+            if scope.kind == "key":
+                self._key_groups[scope.id] = tag
+
+    def reserve_args(self, hold: Hold, now: float) -> list[Any]:
+        """The reservation script's arguments (bench/overhead_floor.py calls the script itself)."""
         args: list[Any] = [
-            self.prefix, f"{now:.3f}", hold.request_id, hold.minute, hold.month,
+            self.group(hold.tag), f"{now:.3f}", hold.request_id, hold.minute, hold.month,
             f"{now + self.hold_seconds:.3f}", hold.tokens, hold.nanos, len(hold.scopes),
         ]
         for scope in hold.scopes:
             args += [scope.name, *scope.limit_args()]
-        args.append(self._proc_key)
+        args += [self._proc, 1 if self._client.replicated else 0]
+        return args
+
+    async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
+        args = self.reserve_args(hold, now)
         self._watch()
         try:
             result = await self._call(self._reserve_script, args)
             if result[0] == "lost":
-                await self._rehold(now)
+                await self._rehold(hold.tag, now)
                 result = await self._call(self._reserve_script, args)
         except QuotaUnavailable:
             if self.fail_open:
-                self._resync_needed = True
+                self._resync.add(hold.tag)
                 return ("degraded",)
             raise
         if result[0] == "lost":
@@ -150,8 +177,8 @@ class RedisLimiter(Limiter):
             return ("deny", result[1], result[2], [tuple(r) for r in result[3]], int(result[4]))
         return ("sync", list(result[1]))
 
-    async def _seed(self, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None:
-        args: list[Any] = [self.prefix, month_of(now), minute_of(now), len(scopes)]
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None:
+        args: list[Any] = [self.group(hold.tag), month_of(now), minute_of(now), len(scopes)]
         for scope in scopes:
             t = totals[scope.name]
             args += [scope.name, t.month_tokens, t.month_nanos, t.minute_requests, t.minute_tokens]
@@ -163,32 +190,38 @@ class RedisLimiter(Limiter):
         await self._call(self._seed_script, args)
 
     async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
-        await self._client.run(self._credit_script, [self.prefix, Scope("account", account_id, Limits()).name, entry_id, nanos])
+        account = Scope("account", account_id, Limits())
+        await self._client.run(self._credit_script, self.group(account.tag) + "epoch",
+                               [self.group(account.tag), account.name, entry_id, nanos])
 
-    async def _rehold(self, now: float) -> None:
-        """Puts this process's unsettled holds back (after Redis lost them) and marks the process seen."""
+    async def _rehold(self, tag: str, now: float) -> None:
+        """Puts this process's unsettled holds of one group back (after Redis lost them) and registers
+        the process there."""
         self._live = {rid: (h, exp) for rid, (h, exp) in self._live.items() if exp > now}
-        args: list[Any] = [self.prefix, self._proc_key, 86400, len(self._live)]
-        for hold, expiry in self._live.values():
+        live = [(h, exp) for h, exp in self._live.values() if h.tag == tag]
+        args: list[Any] = [self.group(tag), self._proc, f"{now:.3f}", 86400, len(live)]
+        for hold, expiry in live:
             args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, f"{expiry:.3f}", len(hold.scopes), *[s.name for s in hold.scopes]]
         await self._call(self._rehold_script, args)
-        if self._live:
-            log.warning("quota store lost its state: re-registered %d holds of requests still running", len(self._live))
+        if live:
+            log.warning("quota store lost its state: re-registered %d holds of requests still running", len(live))
 
     def _watch(self) -> None:
         if self._watcher is None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_loop(), name="quota-hold-watch")
 
     async def _watch_loop(self, interval: float = 1.0) -> None:
-        """An idle process notices a Redis restart too, so its running requests' holds come back
-        within `interval` even if it admits nothing new."""
+        """An idle process notices a Redis restart (or a failover) too, so its running requests' holds
+        come back within `interval` even if it admits nothing new."""
         while True:
             await asyncio.sleep(interval)
             if not self._live or not self.breaker.allow():
                 continue
             try:
-                if not await self._redis.exists(self._proc_key):
-                    await self._rehold(time.time())
+                now = time.time()
+                tags = sorted({h.tag for h, _ in self._live.values()})
+                for tag in await self._client.lost_groups([self.group(t) for t in tags], tags, self._proc, now):
+                    await self._rehold(tag, now)
             except Exception as exc:  # Redis still down: the next round or the next reserve retries
                 log.debug("hold watch: %s", type(exc).__name__)
 
@@ -200,31 +233,48 @@ class RedisLimiter(Limiter):
         # the immediate retry, never later: an interrupted request's release only follows a process
         # that never settled it), not a day: a day of markers is ~86M keys at 1,000 requests/s.
         keep = max(60, int(self.hold_seconds))
-        args = [self.prefix, hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep]
+        tag = hold.tag or group_tag(hold.scopes)
+        args = [self.group(tag), hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep]
         try:
             return bool(await self._call(self._settle_script, args, SETTLE_LINGER if background else 0.0))
         except QuotaUnavailable:
             # The hold expires by itself; the ledger row carries the usage for the next rebuild.
-            self._resync_needed = True
+            self._resync.add(tag)
             return False
 
-    async def invalidate(self, scope: Scope) -> None:
+    async def _tag_of(self, scope: Scope) -> str:
+        """The group of a scope named without its account (a key, from the dashboard or the admin API)."""
+        if scope.kind == "account" or scope.account is not None:
+            return scope.tag
+        known = self._key_groups.get(scope.id)
+        if known is not None:
+            return known
         try:
-            # SCAN walks the whole keyspace: 1000 keys a round trip, not Redis's default of 10
-            # (each request leaves a `settled:` marker for the hold time, so a busy Redis holds many).
-            keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}{scope.name}:synced:*", count=1000)]
-            if keys:
-                await self._redis.delete(*keys)
+            account = await self.totals.account_of_key(scope.id)
+        except Exception as exc:  # the database is out: find the key's counters in Redis itself
+            log.debug("key %s's account from Redis (database: %s)", scope.id, type(exc).__name__)
+            suffix = f"}}:{scope.name}:"
+            async for name in self._redis.scan_iter(match=f"{self.prefix}{{a*{suffix}*", count=1000):
+                return str(name)[len(self.prefix) + 1:str(name).index(suffix)]
+            return scope.tag
+        return scope.tag if account is None else f"a{account}"
+
+    async def invalidate(self, scope: Scope) -> None:
+        tag = scope.tag
+        try:
+            tag = await self._tag_of(scope)
+            # A new epoch: every scope of the group is rebuilt from the ledger at its next admission.
+            await self._client.incr_all([self.group(tag) + "epoch"])
         except Exception as exc:
             log.warning("could not invalidate quota counters for %s: %s", scope.name, type(exc).__name__)
-            self._resync_needed = True
+            self._resync.add(tag)
 
     async def counters(self, scope: Scope, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
-        k = f"{self.prefix}{scope.name}:"
+        k = f"{self.group(await self._tag_of(scope))}{scope.name}:"
         minute, month = minute_of(now), month_of(now)
         names = [f"rpm:{minute}", f"tpm:{minute}", f"mtok:{month}", f"mspend:{month}", "held:tok", "held:nanos", "cred:sum", "spent"]
-        values = await self._redis.mget([k + n for n in names])
+        values = await self._redis.mget([k + n for n in names])  # one group: one hash slot
         in_flight = await self._redis.zcard(k + "hexp")
         ints = [int(v or 0) for v in values]
         return {
@@ -235,9 +285,7 @@ class RedisLimiter(Limiter):
 
     async def flush_all(self) -> None:
         """Deletes every counter under the prefix (tests and operators use it to simulate a loss)."""
-        keys = [k async for k in self._redis.scan_iter(match=f"{self.prefix}*", count=1000)]
-        if keys:
-            await self._redis.delete(*keys)
+        await self._client.delete_matching(f"{self.prefix}*")
 
     async def close(self) -> None:
         if self._watcher is not None:

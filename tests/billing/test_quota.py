@@ -1,4 +1,5 @@
-"""Limiter semantics, run against both backends: real Redis (Lua) and the in-process limiter."""
+"""Limiter semantics, run against every backend: real Redis (Lua), a real local Redis Cluster
+(3 masters + 3 replicas) and the in-process limiter."""
 
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ def ledger_url(fresh_pg_database: Any) -> str:
     return url
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["redis", "cluster", "memory"])
 async def limiter(request: pytest.FixtureRequest, ledger_url: str) -> Any:
     db = create_engine(ledger_url)
     totals = LedgerTotals(db)
     if request.param == "redis":
         require_redis(REDIS_URL)
         lim: Limiter = RedisLimiter(REDIS_URL, totals, prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
+    elif request.param == "cluster":  # Redis Cluster: every key one script touches in its account's hash slot
+        url = request.getfixturevalue("redis_cluster").url
+        lim = RedisLimiter(url, totals, prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
     else:
         lim = MemoryLimiter(totals)
     yield lim
@@ -282,7 +286,7 @@ async def test_the_settle_once_marker_lives_as_long_as_a_hold(ledger_url: str) -
         assert await lim.settle(hold, 40, 0) is True
         assert await lim.settle(hold, 40, 0) is False  # the repeat is a no-op
         assert (await lim.counters(key))["month_tokens"] == 40
-        ttl = await client.ttl(f"{prefix}settled:{hold.request_id}")
+        ttl = await client.ttl(f"{lim.group(hold.tag)}settled:{hold.request_id}")  # the key's group: {k<id>}
         assert 60 <= ttl <= 120
     finally:
         await lim.flush_all()

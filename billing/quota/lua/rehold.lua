@@ -1,5 +1,5 @@
-local proc = ARGV[2]; local ttl = tonumber(ARGV[3]); local n = tonumber(ARGV[4])
-local i = 5
+local proc = ARGV[2]; local now = tonumber(ARGV[3]); local ttl = tonumber(ARGV[4]); local n = tonumber(ARGV[5])
+local i = 6
 for _ = 1, n do
   local rid = ARGV[i]; local tok = ARGV[i + 1]; local nanos = ARGV[i + 2]; local minute = ARGV[i + 3]
   local expiry = ARGV[i + 4]; local k = tonumber(ARGV[i + 5])
@@ -16,5 +16,6 @@ for _ = 1, n do
   end
   i = i + 6 + k
 end
-redis.call('SET', proc, '1', 'EX', ttl)
+redis.call('ZREMRANGEBYSCORE', p .. 'procs', '-inf', now)  -- processes not seen for a day
+redis.call('ZADD', p .. 'procs', now + ttl, proc)
 return 1

@@ -1,8 +1,26 @@
 local now = tonumber(ARGV[2]); local rid = ARGV[3]; local minute = ARGV[4]; local month = ARGV[5]
 local expiry = tonumber(ARGV[6]); local tok = tonumber(ARGV[7]); local nanos = tonumber(ARGV[8])
 local n = tonumber(ARGV[9])
--- This process's marker gone: Redis lost its state; re-register our live holds before anything else.
-if redis.call('EXISTS', ARGV[10 + n * 7]) == 0 then return {'lost'} end
+local proc = ARGV[10 + n * 7]
+-- Replicated Redis (Cluster, Sentinel): a master other than the one that last wrote this group took
+-- over (a failover), and may lack the old one's latest writes. Every process re-registers its live
+-- holds here and the counters are rebuilt from the ledger.
+if ARGV[11 + n * 7] == '1' then
+  local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)')
+  local seen = redis.call('GET', p .. 'node')
+  if seen ~= id then
+    redis.call('SET', p .. 'node', id)
+    if seen then
+      redis.call('DEL', p .. 'procs')
+      redis.call('INCR', p .. 'epoch')
+      return {'lost'}
+    end
+  end
+end
+-- This process not registered in the group (Redis lost its state, or a first call here): it
+-- re-registers its live holds before anything else.
+local registered = redis.call('ZSCORE', p .. 'procs', proc)
+if not registered or tonumber(registered) < now then return {'lost'} end
 local scopes = {}
 local missing = {}
 for i = 0, n - 1 do
