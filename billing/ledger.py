@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.journal import JournalLocked, LedgerJournal, Recovered, record_fields, row_of
+from billing.journal import JournalLocked, LedgerJournal, Recovered, fields_of, record_fields
 from billing.models import LedgerEntry, utcnow
 from billing.quota import Hold
 from billing.usage import COUNTS, HOURLY, LATENCY, SUMS, add_to_aggregates, hour_of, latency_bucket
@@ -259,7 +259,7 @@ class LedgerWriter:
         so a crash before its final row still leaves a row and a hold to release. Never raises."""
         if self.journal is not None:
             try:
-                self.journal.admitted(row_of(record), hold)
+                self.journal.admitted(fields_of(record), hold)
             except Exception:
                 log.exception("ledger journal: admission not journaled")
 
@@ -296,7 +296,7 @@ class LedgerWriter:
         """Queues a row. Synchronous on purpose: safe inside `finally` of a cancelled task."""
         if self.journal is not None:
             try:
-                self.journal.final(row_of(record))
+                self.journal.final(fields_of(record))
             except Exception:
                 log.exception("ledger journal: row kept in memory only")
         self._pending.append(record)
