@@ -15,19 +15,19 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from billing.periods import Period
+from billing.records import UsageRecord
 from billing.usage_models import LatencyHour, UsageHour
 
-if TYPE_CHECKING:
-    from billing.ledger import UsageRecord
+__all__ = ["Period"]  # billing.usage.Period: the one Period type (billing/periods.py), where the readers take it
 
 HOURLY = UsageHour.__table__
 LATENCY = LatencyHour.__table__
@@ -187,34 +187,6 @@ async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord
 
 
 # reading --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Period:
-    """Whole hours [start, end), UTC: the resolution of the aggregates."""
-
-    start: datetime
-    end: datetime
-
-    @classmethod
-    def covering(cls, start: datetime, end: datetime) -> "Period":
-        first = hour_of(start)
-        last = hour_of(end)
-        if last < end.astimezone(timezone.utc):
-            last += timedelta(hours=1)
-        return cls(first, max(last, first + timedelta(hours=1)))
-
-    @classmethod
-    def last_days(cls, days: int, now: datetime | None = None) -> "Period":
-        now = now or datetime.now(timezone.utc)
-        end = hour_of(now) + timedelta(hours=1)
-        return cls(end - timedelta(days=days), end)
-
-    @classmethod
-    def month(cls, year: int, month: int) -> "Period":
-        start = datetime(year, month, 1, tzinfo=timezone.utc)
-        end = datetime(year + (month == 12), month % 12 + 1, 1, tzinfo=timezone.utc)
-        return cls(start, end)
-
-
 def _day_expr(dialect_name: str, column: Any) -> Any:
     if dialect_name == "postgresql":
         return sa.cast(sa.func.timezone("UTC", column), sa.Date)
@@ -344,7 +316,7 @@ async def month_to_date(
 ) -> dict[str, int]:
     """Tokens and spend (nano-USD) since the start of this calendar month (UTC)."""
     now = now or datetime.now(timezone.utc)
-    period = Period(datetime(now.year, now.month, 1, tzinfo=timezone.utc), hour_of(now) + timedelta(hours=1))
+    period = Period(Period.containing(now).start, hour_of(now) + timedelta(hours=1))
     rows = await usage_groups(engine, period, (), account_id=account_id, key_id=key_id)
     totals = rows[0] if rows else {"total_tokens": 0, "cost_nanos": 0, "requests": 0}
     return {"tokens": totals["total_tokens"], "cost_nanos": totals["cost_nanos"], "requests": totals["requests"]}
