@@ -158,6 +158,7 @@ class Settings:
     embeddings: EmbeddingSettings = EmbeddingSettings()
     billing: BillingConfig | None = None  # None: from `extra` (TOLLGATE_BILLING_*, _STRIPE_*, _SELLER_* names)
     credits_check_seconds: float = 30.0  # prepaid balances and alerts are checked this often (0: never)
+    credits_settle_seconds: float | None = None  # TOLLGATE_CREDITS_SETTLE_SECONDS; None: 120 s on Postgres, 0 on SQLite
     dashboards: DashboardSettings = DashboardSettings()
     process: ProcessSettings = ProcessSettings()
     # Settings by their environment names, for what is set in code rather than the environment
@@ -169,6 +170,8 @@ class Settings:
             object.__setattr__(self, "billing", BillingConfig.from_mapping(self.extra))
         if "TOLLGATE_CREDITS_CHECK_SECONDS" in self.extra:
             object.__setattr__(self, "credits_check_seconds", float(self.extra["TOLLGATE_CREDITS_CHECK_SECONDS"]))
+        if self.extra.get("TOLLGATE_CREDITS_SETTLE_SECONDS"):
+            object.__setattr__(self, "credits_settle_seconds", float(self.extra["TOLLGATE_CREDITS_SETTLE_SECONDS"]))
 
     @property
     def priority_classes(self) -> tuple[PriorityClass, ...]:
@@ -200,6 +203,26 @@ class Settings:
             with os.fdopen(fd, "w") as fh:
                 fh.write(secrets.token_urlsafe(48))
         return path.read_text().strip().encode()
+
+
+def _redis_url(raw: str | None) -> str | None:
+    """REDIS_URL: one Redis, redis+cluster://host:port,... or redis+sentinel://host:port,.../service
+    (billing/redis_url.py); a malformed one stops the start with the reason."""
+    if not raw:
+        return None
+    from billing.redis_url import InvalidRedisUrl, parse
+
+    try:
+        parse(raw)
+    except InvalidRedisUrl as exc:
+        raise SystemExit(str(exc)) from None
+    return raw
+
+
+def _redis_prefix(raw: str) -> str:
+    if "{" in raw or "}" in raw:  # the quota keys' own {account} hash tag must be the first braces
+        raise SystemExit(f"TOLLGATE_REDIS_PREFIX must not contain braces, got {raw!r}")
+    return raw
 
 
 def _fail_mode(raw: str) -> bool:
@@ -256,7 +279,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         data_dir=Path(env.get("TOLLGATE_DATA_DIR", ".tollgate")),
         database_url=env.get("DATABASE_URL") or None,
         database_read_url=env.get("DATABASE_READ_URL") or None,
-        redis_url=env.get("REDIS_URL") or None,
+        redis_url=_redis_url(env.get("REDIS_URL")),
         server_secret=env.get("TOLLGATE_SECRET") or None,
         admin_key=_admin_key(env.get("TOLLGATE_ADMIN_KEY")),
         model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
@@ -279,7 +302,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
         max_body_bytes=_env_int(env, "TOLLGATE_MAX_BODY_BYTES", 1 << 20),
         key_cache_seconds=_env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0),
-        redis_prefix=env.get("TOLLGATE_REDIS_PREFIX", "tg:q:"),
+        redis_prefix=_redis_prefix(env.get("TOLLGATE_REDIS_PREFIX", "tg:q:")),
         redis_timeout=_env_float(env, "TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
         quota_fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
         quota_hold_seconds=_env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
@@ -310,6 +333,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         billing=BillingConfig.from_mapping(env),
         credits_check_seconds=_env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0),
+        credits_settle_seconds=float(env["TOLLGATE_CREDITS_SETTLE_SECONDS"]) if env.get("TOLLGATE_CREDITS_SETTLE_SECONDS") else None,
         dashboards=DashboardSettings(prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None),
         process=ProcessSettings(
             log_format=env.get("TOLLGATE_LOG_FORMAT", "json"),
@@ -344,7 +368,7 @@ TOLLGATE_LEDGER_LINGER_MS TOLLGATE_LEDGER_COPY_CONNECTIONS TOLLGATE_REQUEST_READ
 TOLLGATE_METRICS_TOKEN TOLLGATE_RESPONSES_RETENTION_DAYS TOLLGATE_WORKERS TOLLGATE_DRAIN_SECONDS
 TOLLGATE_CACHE_TTL TOLLGATE_CACHE_HIT_PRICE TOLLGATE_CACHE_MODELS
 TOLLGATE_EMBEDDINGS TOLLGATE_EMBEDDING_MODEL TOLLGATE_EMBEDDING_MODEL_PATH TOLLGATE_EMBEDDING_BATCH TOLLGATE_EMBEDDING_BATCH_WAIT_MS
-TOLLGATE_CREDITS_CHECK_SECONDS TOLLGATE_LOG_FORMAT TOLLGATE_LOG_LEVEL TOLLGATE_GC_GEN0
+TOLLGATE_CREDITS_CHECK_SECONDS TOLLGATE_CREDITS_SETTLE_SECONDS TOLLGATE_LOG_FORMAT TOLLGATE_LOG_LEVEL TOLLGATE_GC_GEN0
 TOLLGATE_BILLING_AUTO_CLOSE TOLLGATE_BILLING_CLOSE_DELAY_SECONDS TOLLGATE_BILLING_CHECK_SECONDS TOLLGATE_BILLING_LOOKBACK_MONTHS
 TOLLGATE_BILLING_GRACE_SECONDS TOLLGATE_BILLING_STATE_REFRESH_SECONDS
 TOLLGATE_STRIPE_API_KEY TOLLGATE_STRIPE_WEBHOOK_SECRET TOLLGATE_STRIPE_API_BASE TOLLGATE_STRIPE_MAX_RETRIES

@@ -29,6 +29,7 @@ from billing.prices import EffectivePrice, PriceBook
 from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
 from engines.base import Engine, EngineOverloadedError, EngineRequest
 from gateway.errors import APIError, EngineOverloaded, RateLimited, ServiceUnavailable
+from gateway.ratelimit import hold_headers, refusal_headers
 
 log = logging.getLogger("tollgate.metering")
 
@@ -72,7 +73,7 @@ class Admission:
     @property
     def headers(self) -> dict[str, str]:
         """The quota's rate-limit headers for the response."""
-        return self.hold.headers if self.hold is not None else {}
+        return hold_headers(self.hold)
 
     def settle(self, outcome: str | None = None) -> bool:
         """Ends the request: its one ledger row (with status `outcome`, or the one its state says),
@@ -172,7 +173,7 @@ class Meter:
         except QuotaExceeded as exc:
             for callback in self.on_quota_rejected:
                 callback(exc.limit)
-            err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
+            err = RateLimited(str(exc), code=exc.limit, headers=refusal_headers(exc))
             err.error_type = exc.error_type
             raise err from None
         except QuotaUnavailable:

@@ -93,9 +93,9 @@ class MemoryStore:
 
 class RedisStore:
     def __init__(self, url: str, prefix: str, timeout: float) -> None:
-        import redis.asyncio as redis
+        from billing import redis_url
 
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._redis = redis_url.connect(url, timeout=timeout)  # one Redis, Redis Cluster or Sentinel
         self._prefix = prefix
 
     async def get(self, key: str) -> bytes | None:
