@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from billing.alerts import AlertService
@@ -58,4 +58,3 @@ class Services:
     model_loads: list[asyncio.Task[None]] = field(default_factory=list)  # the background loads (tests wait on them)
     fatal: str | None = None  # why `tollgate serve` stops with exit 1
     stop_server: Callable[[], None] | None = None  # set by `tollgate serve`
-    extra: dict[str, Any] = field(default_factory=dict)
