@@ -54,7 +54,7 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
     from billing.keys import hash_key
     from billing.limits import Limits
     from billing.ledger import LedgerWriter, UsageRecord
-    from billing.quota import RESERVE_LUA, SETTLE_LUA, RedisLimiter, LedgerTotals, Scope, minute_of, month_of
+    from billing.quota import RESERVE_LUA, SETTLE_LUA, Hold, RedisLimiter, LedgerTotals, Scope, minute_of, month_of
     from engines.openai_stream import TokenCounter
     from engines.upstream_http import UpstreamPool
 
@@ -109,10 +109,9 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
         now = time.time()
         scopes = state["scopes"]
         minute, month = minute_of(now), month_of(now)
-        args: list[Any] = [prefix, f"{now:.3f}", rid, minute, month, f"{now + 900:.3f}", prompt + max_tokens, 0, len(scopes)]
-        for s in scopes:
-            args += [s.name, *s.limit_args()]
-        args.append(state["limiter"]._proc_key)  # the process mark the reservation script checks
+        group = state["limiter"].group(f"a{scopes[1].id}")  # the account's keys: one hash slot
+        hold = Hold(rid, tuple(scopes), prompt + max_tokens, 0, minute, month, tag=f"a{scopes[1].id}")
+        args = state["limiter"].reserve_args(hold, now)  # as the limiter sends it, process mark included
         result = await state["runner"].evalsha(reserve, args)
         if result[0] == "sync":  # a new minute: counters rebuilt through the limiter, as the gateway does
             hold = await state["limiter"].reserve(rid, scopes, prompt + max_tokens, 0)
@@ -157,7 +156,7 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
         record.status, record.finish_reason = "completed", finish or "stop"
         record.total_ms = (time.perf_counter() - started) * 1000.0
         state["ledger"].record(record)
-        settle_args = [prefix, rid, month, record.prompt_tokens + record.completion_tokens, 0, len(scopes),
+        settle_args = [group, rid, month, record.prompt_tokens + record.completion_tokens, 0, len(scopes),
                        *[s.name for s in scopes], 900]
         task = asyncio.get_running_loop().create_task(state["runner"].evalsha(settle, settle_args, 0.002))
         settling.add(task)

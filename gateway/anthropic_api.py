@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from engines.base import FINISH_LENGTH, FINISH_STOP
 from gateway import response_cache
+from gateway.ratelimit import hold_headers
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.errors import APIError, AuthenticationFailed, EngineOverloaded, ServiceUnavailable
 from gateway.http import authenticate, read_json
@@ -249,7 +250,7 @@ async def _create_message(request: Request, request_id: str) -> Any:
         gen.engine.cancel(request_id)  # gives back the place the scheduler held at prepare
         raise
     # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
-    headers = {"x-request-id": request_id, "request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    headers = {"x-request-id": request_id, "request-id": request_id, **hold_headers(gen.hold)}
     if not gen.stream and gen.engine.completes and not response_cache.records(request):
         return CompletedResponse(gen, service, headers, render)
     return respond(response_cache.recording(request, gen, service.metered(gen)), headers)

@@ -35,6 +35,7 @@ from gateway import billing_api
 from gateway import credits_api  # issue 25
 from gateway import embeddings_api, response_cache  # issue 10
 from engines.router import route_body  # issue 10
+from gateway.ratelimit import hold_headers
 from gateway.config import Settings
 from gateway.errors import APIError, EngineNotReady, MethodNotAllowed, NotFound, ServiceUnavailable
 from gateway.http import authenticate, read_json
@@ -206,7 +207,7 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
         return cached
     await _admit(service, gen)
     # Admitted from here on: the metered stream settles the quota and writes the ledger row.
-    headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    headers = {"x-request-id": request_id, **hold_headers(gen.hold)}
     if not gen.stream and gen.engine.completes and not response_cache.records(request):
         return CompletedResponse(gen, service, headers)  # one body from a chain that answers as one coroutine
     return GenerationResponse(gen, response_cache.recording(request, gen, service.metered(gen)), headers)  # issue 10

@@ -125,6 +125,26 @@ class Settings:
         return path.read_text().strip().encode()
 
 
+def _redis_url(raw: str | None) -> str | None:
+    """REDIS_URL: one Redis, redis+cluster://host:port,... or redis+sentinel://host:port,.../service
+    (billing/redis_url.py); a malformed one stops the start with the reason."""
+    if not raw:
+        return None
+    from billing.redis_url import InvalidRedisUrl, parse
+
+    try:
+        parse(raw)
+    except InvalidRedisUrl as exc:
+        raise SystemExit(str(exc)) from None
+    return raw
+
+
+def _redis_prefix(raw: str) -> str:
+    if "{" in raw or "}" in raw:  # the quota keys' own {account} hash tag must be the first braces
+        raise SystemExit(f"TOLLGATE_REDIS_PREFIX must not contain braces, got {raw!r}")
+    return raw
+
+
 def _fail_mode(raw: str) -> bool:
     if raw not in ("open", "closed"):
         raise SystemExit(f"TOLLGATE_QUOTA_FAIL_MODE must be 'open' or 'closed', got {raw!r}")
@@ -176,7 +196,7 @@ def load_settings() -> Settings:
         data_dir=Path(env.get("TOLLGATE_DATA_DIR", ".tollgate")),
         database_url=env.get("DATABASE_URL") or None,
         database_read_url=env.get("DATABASE_READ_URL") or None,
-        redis_url=env.get("REDIS_URL") or None,
+        redis_url=_redis_url(env.get("REDIS_URL")),
         server_secret=env.get("TOLLGATE_SECRET") or None,
         admin_key=_admin_key(env.get("TOLLGATE_ADMIN_KEY")),
         model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
@@ -199,7 +219,7 @@ def load_settings() -> Settings:
         cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
         max_body_bytes=_env_int("TOLLGATE_MAX_BODY_BYTES", 1 << 20),
         key_cache_seconds=_env_float("TOLLGATE_KEY_CACHE_SECONDS", 1.0),
-        redis_prefix=env.get("TOLLGATE_REDIS_PREFIX", "tg:q:"),
+        redis_prefix=_redis_prefix(env.get("TOLLGATE_REDIS_PREFIX", "tg:q:")),
         redis_timeout=_env_float("TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
         quota_fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
         quota_hold_seconds=_env_float("TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),

@@ -36,6 +36,7 @@ from billing.models import utcnow
 from engines.base import EngineError
 from engines.embeddings import DEFAULT_EMBEDDING_MODEL, EmbeddingModel
 from gateway import metering
+from gateway.ratelimit import hold_headers
 from gateway.errors import ContextLengthExceeded, EngineNotReady, InvalidRequest, ModelNotFound, PermissionDenied, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
@@ -214,7 +215,7 @@ async def create_embeddings(request: Request) -> Response:
         for i, v in enumerate(vectors)
     ]
     payload = {"object": "list", "data": data, "model": model.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    headers = {"x-request-id": request_id, **(hold.headers if hold else {})}
+    headers = {"x-request-id": request_id, **hold_headers(hold)}
     return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from billing.keys import Principal
 from billing.prices import EffectivePrice
 from billing.quota import Hold, QuotaExceeded, QuotaUnavailable, Scope
+from gateway.ratelimit import refusal_headers
 from gateway.errors import RateLimited, ServiceUnavailable
 
 log = logging.getLogger("tollgate.metering")
@@ -51,7 +52,7 @@ async def reserve(state: Any, principal: Principal, request_id: str, tokens: int
         service = getattr(state, "service", None)
         for callback in getattr(service, "on_quota_rejected", []):
             callback(exc.limit)
-        err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
+        err = RateLimited(str(exc), code=exc.limit, headers=refusal_headers(exc))
         err.error_type = exc.error_type
         raise err from None
     except QuotaUnavailable:

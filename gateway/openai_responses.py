@@ -33,6 +33,7 @@ from starlette.types import Message, Send
 from billing.keys import Principal
 from billing.response_models import StoredResponse
 from engines.base import FINISH_LENGTH
+from gateway.ratelimit import hold_headers
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
@@ -415,7 +416,7 @@ async def create_response(request: Request) -> Any:
         gen.engine.cancel(request_id)  # gives back the place the scheduler held at prepare
         raise
     # Admitted from here on: the metered stream (or complete()) settles the quota and writes the row.
-    headers = {"x-request-id": request_id, **(gen.hold.headers if gen.hold else {})}
+    headers = {"x-request-id": request_id, **hold_headers(gen.hold)}
     if not gen.stream and gen.engine.completes and not response_cache.records(request):
         return StoredCompletedResponse(gen, service, headers, render, keeper)
     return respond(response_cache.recording(request, gen, service.metered(gen)), headers)

@@ -42,6 +42,7 @@ from starlette.requests import Request
 from billing.models import utcnow
 from engines.base import FINISH_LENGTH, FINISH_STOP, EngineOutput
 from gateway import metering
+from gateway.ratelimit import hold_headers
 from gateway.serving import Generation
 
 log = logging.getLogger("tollgate.response_cache")
@@ -109,9 +110,9 @@ class MemoryStore:
 
 class RedisStore:
     def __init__(self, url: str, prefix: str, timeout: float) -> None:
-        import redis.asyncio as redis
+        from billing import redis_url
 
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._redis = redis_url.connect(url, timeout=timeout)  # one Redis, Redis Cluster or Sentinel
         self._prefix = prefix
 
     async def get(self, key: str) -> bytes | None:
@@ -225,7 +226,7 @@ async def replay(request: Request, gen: Generation, respond: Callable[[Any, dict
     nanos = metering.share_of(gen.price.cost_nanos(prompt, completion), cache.config.hit_price) if gen.price else 0
     gen.hold = await metering.reserve(state, gen.principal, gen.request_id, prompt + completion, nanos)
     gen.prompt_tokens = prompt
-    headers = {"x-request-id": gen.request_id, **(gen.hold.headers if gen.hold else {}), HEADER: "hit"}
+    headers = {"x-request-id": gen.request_id, **hold_headers(gen.hold), HEADER: "hit"}
     outputs = _replayed(state, gen, entry, nanos)
     return respond(outputs, headers) if respond is not None else GenerationResponse(gen, outputs, headers)
 

@@ -33,6 +33,7 @@ from engines.base import (
     EngineRequestRejected,
     SamplingParams,
 )
+from gateway.ratelimit import refusal_headers
 from gateway.errors import (
     APIError,
     ContextLengthExceeded,
@@ -146,7 +147,7 @@ class CompletionService:
         except QuotaExceeded as exc:
             for callback in self.on_quota_rejected:
                 callback(exc.limit)
-            err = RateLimited(str(exc), code=exc.limit, headers={"Retry-After": str(exc.retry_after), **exc.headers})
+            err = RateLimited(str(exc), code=exc.limit, headers=refusal_headers(exc))
             err.error_type = exc.error_type
             raise err from None
         except QuotaUnavailable:

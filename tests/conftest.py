@@ -172,6 +172,17 @@ def fresh_pg_database() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A private Redis Cluster (3 masters + 3 replicas, tests/redis_topologies.py) for the quota suite;
+    no test kills its nodes (the failover tests make their own)."""
+    from tests.redis_topologies import LocalCluster
+
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
 def engine() -> Iterator[HFEngine]:
     """The real embedded model, loaded once for the whole session."""
     eng = HFEngine(model_id=MODEL, max_batch_size=32, max_queue=64)

@@ -93,19 +93,25 @@ async def test_grants_are_spent_first_and_expire_by_a_row(db_url: str) -> None:
         await db.dispose()
 
 
+CLUSTER_URL: list[str] = []  # the session's local Redis Cluster, once a test asked for it
+
+
 def _limiters(kind: str, db: Any) -> tuple[Limiter, Limiter]:
-    """Two limiters sharing one store: two gateway processes on Redis; one process in memory."""
+    """Two limiters sharing one store: two gateway processes on Redis (or Redis Cluster); one process in memory."""
     if kind == "memory":
         one = MemoryLimiter(LedgerTotals(db))
         return one, one
+    url = CLUSTER_URL[0] if kind == "cluster" else REDIS_URL
     prefix = f"tgtest:credits:{uuid.uuid4().hex[:8]}:"
-    return RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=2.0), RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=2.0)
+    return RedisLimiter(url, LedgerTotals(db), prefix=prefix, timeout=2.0), RedisLimiter(url, LedgerTotals(db), prefix=prefix, timeout=2.0)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def limiter_kind(request: pytest.FixtureRequest) -> str:
     if request.param == "redis":
         require_redis(REDIS_URL)
+    if request.param == "cluster":
+        CLUSTER_URL[:] = [request.getfixturevalue("redis_cluster").url]
     return str(request.param)
 
 
@@ -212,11 +218,12 @@ async def balance_property(url: str, kind: str, steps: list[tuple[str, Any]]) ->
                 for lim in {id(x): x for x in limiters}.values():
                     await lim.close()
                 limiters[:] = _limiters(kind, db) if kind == "memory" else [
-                    RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=limiters[0].prefix, timeout=2.0) for _ in range(2)]  # type: ignore[attr-defined]
+                    RedisLimiter(CLUSTER_URL[0] if kind == "cluster" else REDIS_URL, LedgerTotals(db), prefix=limiters[0].prefix,  # type: ignore[attr-defined]
+                                 timeout=2.0) for _ in range(2)]
                 book = CreditBook(db, limiters[0], settle_seconds=0)
                 seeded = False
             elif step == "lose":
-                if kind == "redis":
+                if kind != "memory":
                     await limiters[0].flush_all()  # type: ignore[attr-defined]
                 else:
                     await limiters[0].invalidate(scope[0])

@@ -1,4 +1,5 @@
-"""Limiter semantics, run against both backends: real Redis (Lua) and the in-process limiter."""
+"""Limiter semantics, run against every backend: real Redis (Lua), a real local Redis Cluster
+(3 masters + 3 replicas) and the in-process limiter."""
 
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ def ledger_url(fresh_pg_database: Any) -> str:
     return url
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["redis", "cluster", "memory"])
 async def limiter(request: pytest.FixtureRequest, ledger_url: str) -> Any:
     db = create_engine(ledger_url)
     totals = LedgerTotals(db)
     if request.param == "redis":
         require_redis(REDIS_URL)
         lim: Limiter = RedisLimiter(REDIS_URL, totals, prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
+    elif request.param == "cluster":  # Redis Cluster: every key one script touches in its account's hash slot
+        url = request.getfixturevalue("redis_cluster").url
+        lim = RedisLimiter(url, totals, prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
     else:
         lim = MemoryLimiter(totals)
     yield lim
@@ -216,19 +220,26 @@ async def test_counters_are_rebuilt_from_the_ledger(limiter: Limiter, ledger_url
 
 async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:
     hold = await limiter.reserve(rid(), [scope(), scope("account")], 10**6, 10**9, now=NOW)
-    assert hold.scopes == () and hold.headers == {}
+    assert hold.scopes == () and hold.remaining == ()
     assert await limiter.settle(hold, 5, 5) is False
 
 
 async def test_ratelimit_headers(limiter: Limiter) -> None:
+    from gateway.ratelimit import hold_headers, refusal_headers
+
     key = scope(rpm=10, tpm=1000)
-    account = scope("account", rpm=5)
+    account = scope("account", rpm=1)
     hold = await limiter.reserve(rid(), [key, account], 100, 0, now=NOW)
-    assert hold.headers["x-ratelimit-limit-requests"] == "5"
-    assert hold.headers["x-ratelimit-remaining-requests"] == "4"
-    assert hold.headers["x-ratelimit-limit-tokens"] == "1000"
-    assert hold.headers["x-ratelimit-remaining-tokens"] == "900"
-    assert hold.headers["x-ratelimit-reset-requests"].endswith("s")
+    headers = hold_headers(hold)
+    assert headers["x-ratelimit-limit-requests"] == "1"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    assert headers["x-ratelimit-remaining-tokens"] == "900"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key, account], 100, 0, now=NOW)
+    refused = refusal_headers(info.value)
+    assert refused["Retry-After"] == str(info.value.retry_after) and refused["x-ratelimit-remaining-requests"] == "0"
 
 
 @pytest.mark.parametrize(
@@ -275,7 +286,7 @@ async def test_the_settle_once_marker_lives_as_long_as_a_hold(ledger_url: str) -
         assert await lim.settle(hold, 40, 0) is True
         assert await lim.settle(hold, 40, 0) is False  # the repeat is a no-op
         assert (await lim.counters(key))["month_tokens"] == 40
-        ttl = await client.ttl(f"{prefix}settled:{hold.request_id}")
+        ttl = await client.ttl(f"{lim.group(hold.tag)}settled:{hold.request_id}")  # the key's group: {k<id>}
         assert 60 <= ttl <= 120
     finally:
         await lim.flush_all()

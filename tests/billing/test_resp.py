@@ -430,7 +430,7 @@ async def test_limiter_lean_and_redis_py_paths_agree() -> None:
             hold = await lim.reserve(f"r-{uuid.uuid4().hex}", [key], 300, 0, now=1_795_000_000.0)
             settled = await lim.settle(hold, 200, 0)
             again = await lim.settle(hold, 200, 0)
-            outcomes.append((hold.headers, settled, again, await lim.counters(key, now=1_795_000_000.0)))
+            outcomes.append((hold.remaining, settled, again, await lim.counters(key, now=1_795_000_000.0)))
         finally:
             await lim.flush_all()
             await lim.close()

@@ -1,0 +1,314 @@
+"""What every quota backend shares: scopes, holds, refusals, the ledger read-back, and the
+`Limiter` interface the gateway calls (billing/quota/memory.py and billing/quota/redis_limiter.py
+implement it).
+
+Quotas and rate limits with no overspend under concurrency.
+
+Admission reserves the worst case (prompt tokens + max_tokens, and its price) on every scope
+(the key and its account) in ONE atomic step: everything is reserved or nothing is. Settlement
+commits the actual usage and releases the rest; it is idempotent by request_id. Holds expire by
+themselves, so a crashed gateway's reservations free up. When a scope's counters are missing
+(Redis restarted or flushed, a new process, limits just changed) they are rebuilt from the
+ledger before more traffic is admitted.
+
+Backends: `RedisLimiter` (Lua scripts in billing/quota/lua/, one round trip each for reserve and
+settle) and `MemoryLimiter` (one process, same semantics) for the embedded default.
+
+A prepaid account's scope also holds its balance (billing/credits.py): credits (each credit-ledger
+row applied once, by id) minus usage settled since it became prepaid. Admission reserves the worst
+case against credits - spent - held in the same atomic step; settlement adds the actual cost to
+spent and releases the rest.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import calendar
+import functools
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from billing.credits import prepaid_totals
+from billing.limits import Limits
+from billing.models import ApiKey, LedgerEntry
+
+log = logging.getLogger("tollgate.quota")
+LEDGER = LedgerEntry.__table__
+KEYS = ApiKey.__table__
+UNLIMITED = -1
+MONTHLY = ("monthly_tokens", "monthly_spend")
+BALANCE = "insufficient_quota"  # a prepaid account's balance is too low for the worst case (OpenAI's code)
+
+
+@dataclass(frozen=True)
+class Scope:
+    kind: str  # "key" | "account"
+    id: int
+    limits: Limits
+    prepaid: bool = False  # an account that spends its prepaid balance
+    account: int | None = None  # a key's account, where the caller knows it (reads of a key's counters)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind[0]}{self.id}"
+
+    @property
+    def tag(self) -> str:
+        """The group this scope's counters share a Redis Cluster hash slot with: its account's
+        (a key whose account is unknown is a group of its own)."""
+        if self.kind == "account":
+            return f"a{self.id}"
+        return f"a{self.account}" if self.account is not None else self.name
+
+    @property
+    def limited(self) -> bool:
+        return self.prepaid or not self.limits.empty
+
+    def limit_args(self) -> tuple[int, ...]:
+        return _limit_args(self.limits, self.prepaid)
+
+
+@functools.lru_cache(maxsize=4096)
+def _limit_args(lim: Limits, prepaid: bool = False) -> tuple[int, ...]:
+    """A key's limits as the scripts take them, and 1 for a scope that spends a prepaid balance, once
+    per distinct (Limits, prepaid) (the spend limit is Decimal arithmetic; keys' limits change rarely
+    and the principal cache hands out the same object)."""
+    values = (lim.rpm, lim.tpm, lim.max_concurrent, lim.monthly_tokens, lim.monthly_spend_nanos)
+    return (*(UNLIMITED if v is None else int(v) for v in values), 1 if prepaid else 0)
+
+
+@dataclass
+class Hold:
+    """What admission reserved for one request."""
+
+    request_id: str
+    scopes: tuple[Scope, ...]
+    tokens: int
+    nanos: int
+    minute: int
+    month: str
+    degraded: bool = False  # admitted without a reservation (fail-open while the store was down)
+    tag: str = ""  # the account group every scope's counters live in (Scope.tag), "" when nothing is limited
+    # (requests, tokens) left this minute on each scope, after this reservation; gateway/ratelimit.py
+    # turns them into x-ratelimit-* headers.
+    remaining: tuple[tuple[int, int], ...] = ()
+    at: float = 0.0  # when it was reserved
+
+    def to_json(self) -> dict[str, Any]:
+        """What settling needs later (the ledger journal keeps it for a crashed request)."""
+        return {
+            "request_id": self.request_id, "scopes": [[s.kind, s.id] for s in self.scopes], "tokens": self.tokens,
+            "nanos": self.nanos, "minute": self.minute, "month": self.month, "degraded": self.degraded, "tag": self.tag,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "Hold":
+        scopes = tuple(Scope(str(kind), int(sid), Limits()) for kind, sid in raw["scopes"])
+        tag = str(raw.get("tag") or group_tag(scopes))  # a journal written before hash tags has none
+        return cls(raw["request_id"], scopes, int(raw["tokens"]), int(raw["nanos"]), int(raw["minute"]), str(raw["month"]),
+                   bool(raw.get("degraded", False)), tag)
+
+
+def group_tag(scopes: Any) -> str:
+    """The tag of one request's scopes: its account's where an account scope is among them."""
+    first = ""
+    for scope in scopes:
+        if scope.kind == "account" or scope.account is not None:
+            return scope.tag
+        first = first or scope.tag
+    return first
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, scope: Scope, limit: str, retry_after: int, scopes: tuple[Scope, ...] = (),
+                 remaining: tuple[tuple[int, int], ...] = (), at: float = 0.0, balance: int | None = None) -> None:
+        self.scope = scope
+        self.limit = limit
+        self.retry_after = retry_after
+        self.scopes = scopes  # every limited scope of the request, and what each has left this minute
+        self.remaining = remaining
+        self.at = at
+        self.error_type = "insufficient_quota" if limit in MONTHLY or limit == BALANCE else "rate_limit_exceeded"
+        owner = "API key" if scope.kind == "key" else "account"
+        if limit == BALANCE:
+            super().__init__(f"The account's prepaid balance (${usd(balance or 0)} available) is too low for this "
+                             "request's worst-case cost; add credit to continue.")
+            return
+        value = scope.limits.view().get(limit)
+        super().__init__(f"The {owner}'s {limit} limit ({value}) is reached.")
+
+
+def usd(nanos: int) -> str:
+    """Exact nano-USD as dollars with 9 places."""
+    sign = "-" if nanos < 0 else ""
+    return f"{sign}{abs(nanos) // 10**9}.{abs(nanos) % 10**9:09d}"
+
+
+class QuotaUnavailable(Exception):
+    """The quota store is unreachable and the policy is fail-closed."""
+
+
+def minute_of(now: float) -> int:
+    return int(now // 60)
+
+
+def month_of(now: float) -> str:
+    return _month_of_minute(int(now // 60))  # every request asks; the month changes on a minute's boundary
+
+
+@functools.lru_cache(maxsize=4)
+def _month_of_minute(minute: int) -> str:
+    return time.strftime("%Y%m", time.gmtime(minute * 60))
+
+
+def month_start(now: float) -> datetime:
+    t = time.gmtime(now)
+    return datetime(t.tm_year, t.tm_mon, 1, tzinfo=timezone.utc)
+
+
+def seconds_to_next_month(now: float) -> int:
+    t = time.gmtime(now)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    return max(1, math.ceil(calendar.timegm((year, month, 1, 0, 0, 0)) - now))
+
+
+def retry_after(limit: str, now: float) -> int:
+    if limit == BALANCE:
+        return 60  # until someone adds credit
+    if limit in MONTHLY:
+        return seconds_to_next_month(now)
+    if limit == "max_concurrent":
+        return 1
+    return max(1, math.ceil(60 - now % 60))
+
+
+@dataclass
+class ScopeTotals:
+    month_tokens: int = 0
+    month_nanos: int = 0
+    minute_requests: int = 0
+    minute_tokens: int = 0
+    credits: tuple[tuple[int, int], ...] = ()  # prepaid: (credit row id, nano-USD) of every non-usage row
+    spent: int = 0  # prepaid: cost of usage since the account became prepaid
+
+
+class LedgerTotals:
+    """Reads current-window usage back from the ledger, to rebuild lost counters."""
+
+    def __init__(self, engine: AsyncEngine, flush: Callable[[], Awaitable[None]] | None = None) -> None:
+        self._engine = engine
+        self._flush = flush
+
+    async def for_scopes(self, scopes: list[Scope], now: float) -> dict[str, ScopeTotals]:
+        if self._flush is not None:
+            try:
+                await self._flush()
+            except asyncio.TimeoutError:
+                log.warning("rebuilding quota counters while ledger rows are still pending")
+        start = month_start(now)
+        minute_start = datetime.fromtimestamp(minute_of(now) * 60, tz=timezone.utc)
+        tokens = LEDGER.c.prompt_tokens + LEDGER.c.completion_tokens
+        out: dict[str, ScopeTotals] = {}
+        async with self._engine.connect() as conn:
+            for scope in scopes:
+                column = LEDGER.c.key_id if scope.kind == "key" else LEDGER.c.account_id
+                month = (
+                    await conn.execute(
+                        sa.select(sa.func.coalesce(sa.func.sum(tokens), 0), sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
+                            column == scope.id, LEDGER.c.admitted_at >= start
+                        )
+                    )
+                ).one()
+                minute = (
+                    await conn.execute(
+                        sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(tokens), 0)).where(
+                            column == scope.id, LEDGER.c.admitted_at >= minute_start
+                        )
+                    )
+                ).one()
+                out[scope.name] = ScopeTotals(int(month[0]), int(month[1]), int(minute[0]), int(minute[1]))
+                if scope.prepaid:
+                    out[scope.name].credits, out[scope.name].spent = await prepaid_totals(conn, scope.id)
+        return out
+
+    async def account_of_key(self, key_id: int) -> int | None:
+        """A key's account from the database (None for an unknown key)."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sa.select(KEYS.c.account_id).where(KEYS.c.id == key_id))).first()
+        return None if row is None else int(row[0])
+
+
+class Limiter(abc.ABC):
+    """Shared admission logic; backends implement the atomic steps."""
+
+    def __init__(self, totals: LedgerTotals, *, hold_seconds: float = 900.0) -> None:
+        self.totals = totals
+        self.hold_seconds = hold_seconds
+
+    async def reserve(self, request_id: str, scopes: list[Scope], tokens: int, nanos: int, now: float | None = None) -> Hold:
+        now = time.time() if now is None else now
+        limited = tuple(s for s in scopes if s.limited)
+        hold = Hold(request_id, limited, tokens, nanos, minute_of(now), month_of(now))
+        if not limited:
+            return hold
+        hold.tag = group_tag(scopes)  # every scope passed, limited or not: the account scope names the group
+        self._grouped(scopes, hold.tag)
+        for _ in range(3):
+            outcome = await self._reserve(hold, now)
+            if outcome[0] == "ok":
+                hold.remaining, hold.at = tuple(outcome[1]), now
+                return hold
+            if outcome[0] == "degraded":
+                hold.degraded = True
+                return hold
+            if outcome[0] == "deny":
+                scope = next(s for s in limited if s.name == outcome[1])
+                limit = outcome[2]
+                raise QuotaExceeded(scope, limit, retry_after(limit, now), limited, tuple(outcome[3]), now,
+                                    int(outcome[4]) if len(outcome) > 4 else None)
+            # "sync": some scopes have no counters for this window; rebuild them from the ledger.
+            missing = [s for s in limited if s.name in outcome[1]]
+            try:
+                totals = await self.totals.for_scopes(missing, now)
+            except Exception as exc:  # the ledger database is unreachable: no counters to trust
+                raise QuotaUnavailable(f"ledger unreachable: {type(exc).__name__}") from None
+            await self._seed(hold, missing, totals, now)
+        raise QuotaUnavailable("quota counters could not be rebuilt")
+
+    def _grouped(self, scopes: list[Scope], tag: str) -> None:
+        """A reservation showed which group these scopes belong to (RedisLimiter remembers it)."""
+
+    @abc.abstractmethod
+    async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]: ...
+
+    @abc.abstractmethod
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None: ...
+
+    @abc.abstractmethod
+    async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
+        """Commits actual usage and releases the rest. False when already settled. `background`:
+        nobody waits for the answer, so the store's round trip may be shared with the next call
+        (RedisLimiter: up to SETTLE_LINGER seconds)."""
+
+    @abc.abstractmethod
+    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+        """A credit-ledger row (not usage) changed a prepaid balance: applied once per row id."""
+
+    @abc.abstractmethod
+    async def invalidate(self, scope: Scope) -> None:
+        """Limits changed: rebuild this scope's counters from the ledger next time."""
+
+    @abc.abstractmethod
+    async def counters(self, scope: Scope, now: float | None = None) -> dict[str, int]: ...
+
+    async def close(self) -> None:
+        return None

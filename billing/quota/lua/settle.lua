@@ -1,0 +1,25 @@
+local rid = ARGV[2]; local month = ARGV[3]; local tok = tonumber(ARGV[4]); local nanos = tonumber(ARGV[5])
+local n = tonumber(ARGV[6])
+local keep = tonumber(ARGV[7 + n]) or 86400
+if not redis.call('SET', p .. 'settled:' .. rid, '1', 'NX', 'EX', keep) then return 0 end
+for i = 0, n - 1 do
+  local k = p .. ARGV[7 + i] .. ':'
+  local v = redis.call('HGET', k .. 'holds', rid)
+  if v then
+    local t, c, m = string.match(v, '^(%d+):(%d+):(%d+)')
+    redis.call('HDEL', k .. 'holds', rid)
+    redis.call('ZREM', k .. 'hexp', rid)
+    redis.call('DECRBY', k .. 'held:tok', t)
+    redis.call('DECRBY', k .. 'held:nanos', c)
+    if tonumber(t) > tok and redis.call('EXISTS', k .. 'tpm:' .. m) == 1 then
+      redis.call('DECRBY', k .. 'tpm:' .. m, tonumber(t) - tok)
+    end
+  end
+  -- Counters that were lost are rebuilt from the ledger, which will hold this request's row.
+  if redis.call('EXISTS', k .. 'synced:' .. month .. ':' .. epoch) == 1 then
+    redis.call('INCRBY', k .. 'mtok:' .. month, tok)
+    redis.call('INCRBY', k .. 'mspend:' .. month, nanos)
+  end
+  if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 1 then redis.call('INCRBY', k .. 'spent', nanos) end
+end
+return 1

@@ -1,0 +1,135 @@
+"""The in-process quota backend: one process, the same semantics as Redis, state in dicts (the
+event loop serialises it). The embedded default (no REDIS_URL)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from billing.limits import Limits
+from billing.quota.base import BALANCE, Hold, LedgerTotals, Limiter, Scope, ScopeTotals, minute_of, month_of
+
+
+@dataclass
+class _ScopeState:
+    month: str = ""
+    month_tokens: int = 0
+    month_nanos: int = 0
+    minutes: dict[int, list[int]] = field(default_factory=dict)  # minute -> [requests, tokens]
+    holds: dict[str, tuple[int, int, int, float]] = field(default_factory=dict)  # rid -> tokens, nanos, minute, expiry
+    balance_synced: bool = False  # prepaid: credits and spent read from the database
+    credits: dict[int, int] = field(default_factory=dict)  # credit row id -> nano-USD
+    spent: int = 0
+
+    def held(self) -> tuple[int, int]:
+        return sum(h[0] for h in self.holds.values()), sum(h[1] for h in self.holds.values())
+
+
+class MemoryLimiter(Limiter):
+    """One process: the same semantics as Redis, state in dicts (the event loop serialises it)."""
+
+    def __init__(self, totals: LedgerTotals, *, hold_seconds: float = 900.0) -> None:
+        super().__init__(totals, hold_seconds=hold_seconds)
+        self._scopes: dict[str, _ScopeState] = {}
+        self._settled: dict[str, float] = {}
+
+    async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
+        missing = [s.name for s in hold.scopes if s.name not in self._scopes or self._scopes[s.name].month != hold.month
+                   or (s.prepaid and not self._scopes[s.name].balance_synced)]
+        if missing:
+            return ("sync", missing)
+        remaining: list[tuple[int, int]] = []
+        for scope in hold.scopes:
+            state = self._scopes[scope.name]
+            for rid in [r for r, h in state.holds.items() if h[3] <= now]:
+                del state.holds[rid]
+            rpm, tpm, conc, mtok, mspend, prepaid = scope.limit_args()
+            requests, tokens = state.minutes.get(hold.minute, [0, 0])
+            held_tok, held_nanos = state.held()
+            available = sum(state.credits.values()) - state.spent - held_nanos
+            denied = (
+                "rpm" if rpm >= 0 and requests + 1 > rpm else
+                "tpm" if tpm >= 0 and tokens + hold.tokens > tpm else
+                "max_concurrent" if conc >= 0 and len(state.holds) + 1 > conc else
+                "monthly_tokens" if mtok >= 0 and state.month_tokens + held_tok + hold.tokens > mtok else
+                "monthly_spend" if mspend >= 0 and state.month_nanos + held_nanos + hold.nanos > mspend else
+                BALANCE if prepaid and hold.nanos > available else
+                None
+            )
+            if denied:
+                return ("deny", scope.name, denied, [(max(0, rpm - requests), max(0, tpm - tokens)) for _ in hold.scopes],
+                        max(0, available))
+            remaining.append((rpm - requests - 1, tpm - tokens - hold.tokens))
+        expiry = now + self.hold_seconds
+        for scope in hold.scopes:
+            state = self._scopes[scope.name]
+            window = state.minutes.setdefault(hold.minute, [0, 0])
+            window[0] += 1
+            window[1] += hold.tokens
+            for old in [m for m in state.minutes if m < hold.minute - 1]:
+                del state.minutes[old]
+            state.holds[hold.request_id] = (hold.tokens, hold.nanos, hold.minute, expiry)
+        return ("ok", remaining)
+
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None:
+        month, minute = month_of(now), minute_of(now)
+        for scope in scopes:
+            current = self._scopes.get(scope.name)
+            t = totals[scope.name]
+            if current is None or current.month != month:
+                state = _ScopeState(month=month, month_tokens=t.month_tokens, month_nanos=t.month_nanos)
+                state.minutes[minute] = [t.minute_requests, t.minute_tokens]
+                if current is not None:
+                    state.holds = current.holds
+                    state.balance_synced, state.credits, state.spent = current.balance_synced, current.credits, current.spent
+                self._scopes[scope.name] = state
+            state = self._scopes[scope.name]
+            if scope.prepaid and not state.balance_synced:
+                state.credits.update(t.credits)  # rows applied meanwhile stay applied once
+                state.spent, state.balance_synced = t.spent, True
+
+    async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
+        if hold.degraded or not hold.scopes or hold.request_id in self._settled:
+            return False
+        now = time.time()
+        self._settled[hold.request_id] = now + max(60.0, self.hold_seconds)  # as long as Redis keeps its marker
+        if len(self._settled) > 100_000:
+            self._settled = {r: t for r, t in self._settled.items() if t > now}
+        for scope in hold.scopes:
+            state = self._scopes.get(scope.name)
+            if state is None:
+                continue  # rebuilt later from the ledger, which will hold this row
+            held = state.holds.pop(hold.request_id, None)
+            if held is not None and held[0] > tokens and held[2] in state.minutes:
+                state.minutes[held[2]][1] -= held[0] - tokens
+            if state.month == hold.month:
+                state.month_tokens += tokens
+                state.month_nanos += nanos
+            if state.balance_synced:
+                state.spent += nanos
+        return True
+
+    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+        state = self._scopes.setdefault(Scope("account", account_id, Limits()).name, _ScopeState())
+        state.credits.setdefault(entry_id, nanos)
+
+    async def invalidate(self, scope: Scope) -> None:
+        state = self._scopes.get(scope.name)
+        if state is not None:
+            state.month = ""  # counters rebuilt from the ledger at the next admission; holds kept
+            state.balance_synced = False
+
+    async def counters(self, scope: Scope, now: float | None = None) -> dict[str, int]:
+        now = time.time() if now is None else now
+        state = self._scopes.get(scope.name)
+        if state is None:
+            return {}
+        requests, tokens = state.minutes.get(minute_of(now), [0, 0])
+        held_tok, held_nanos = state.held()
+        return {
+            "minute_requests": requests, "minute_tokens": tokens, "in_flight": len(state.holds),
+            "month_tokens": state.month_tokens, "month_nanos": state.month_nanos,
+            "held_tokens": held_tok, "held_nanos": held_nanos,
+            "credits_nanos": sum(state.credits.values()), "spent_nanos": state.spent,
+        }

@@ -1,0 +1,293 @@
+"""The Redis quota backend: the Lua scripts (billing/quota/lua/) run atomically on Redis, one
+round trip each for reserve and settle, shared by every gateway process.
+
+Key layout: every key of one account and its keys shares the group prefix `{p}{a<account>}:`
+(`{p}{k<key>}:` for a key reserved without its account), a Redis Cluster hash tag: a reservation
+is one atomic script in one round trip on a cluster too. With g = the group prefix:
+  {g}{scope}:rpm:{minute}  {g}{scope}:tpm:{minute}           this minute's requests / tokens
+  {g}{scope}:mtok:{month}  {g}{scope}:mspend:{month}         committed usage this month
+  {g}{scope}:holds (hash rid -> "tok:nanos:minute")  {g}{scope}:hexp (zset rid -> expiry)
+  {g}{scope}:held:tok  {g}{scope}:held:nanos                 sums of live holds
+  {g}{scope}:synced:{month}:{epoch}                          counters valid for this month
+  {g}{scope}:cred (hash credit row id -> nanos)  {g}{scope}:cred:sum  {g}{scope}:spent   prepaid balance
+  {g}{scope}:bsynced:{epoch}                                 balance read from the database
+  {g}procs (zset process id -> registered until; missing = Redis lost the group: re-register live holds)
+  {g}epoch (bumped to rebuild the group from the ledger)   {g}settled:{rid} (settle once)
+  {g}node (Cluster, Sentinel: the replication id of the master that last reserved here; another
+          one = a failover, which may have lost writes: holds re-registered, counters rebuilt)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeout
+
+from billing import resp
+from billing.limits import Limits
+from billing.quota.base import Hold, LedgerTotals, group_tag, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
+from billing.quota.scripts import CREDIT_LUA, REHOLD_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
+
+log = logging.getLogger("tollgate.quota")
+# How long a settlement nobody waits for may wait to share its Redis round trip with the next call
+# (usually the next request's reservation: one send and one reply read instead of two each). Its
+# hold stays that much longer: conservative (never an overspend), and too short to matter to limits.
+SETTLE_LINGER = 0.002
+
+
+class CircuitBreaker:
+    """Opens after `threshold` consecutive failures; lets one probe through after `cooldown`."""
+
+    def __init__(self, threshold: int = 5, cooldown: float = 1.0) -> None:
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self.failures = 0
+        self.opened_at: float | None = None
+
+    def allow(self) -> bool:
+        if self.opened_at is None:
+            return True
+        return time.monotonic() - self.opened_at >= self.cooldown
+
+    def success(self) -> None:
+        self.failures = 0
+        self.opened_at = None
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self.opened_at = time.monotonic()
+
+
+class RedisLimiter(Limiter):
+    def __init__(
+        self,
+        url: str,
+        totals: LedgerTotals,
+        *,
+        prefix: str = "tg:q:",
+        timeout: float = 0.05,
+        fail_open: bool = False,
+        hold_seconds: float = 900.0,
+        breaker: CircuitBreaker | None = None,
+        max_connections: int = 64,
+        lean: bool = True,
+    ) -> None:
+        """`lean`: run the Lua scripts through billing.resp (one pipelined connection, a fraction of
+        redis-py's CPU per call) where the URL is redis://; redis-py's scripts otherwise (rediss://,
+        unix://, or lean=False). Everything else goes through redis-py either way."""
+        super().__init__(totals, hold_seconds=hold_seconds)
+        self.prefix = prefix
+        self.fail_open = fail_open
+        self.breaker = breaker or CircuitBreaker()
+        # Groups whose usage went unrecorded in Redis (admitted while it was unreachable, a settlement
+        # that failed): their counters are rebuilt from the ledger once Redis answers again.
+        self._resync: set[str] = set()
+        # Holds this process reserved and has not settled, re-registered if Redis loses them (a restart,
+        # a failover): counters rebuilt from the ledger alone would not see requests still running.
+        self._live: dict[str, tuple[Hold, float]] = {}
+        self._proc = uuid.uuid4().hex
+        self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
+        self._watcher: asyncio.Task[None] | None = None
+        self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
+        self._redis = self._client.redis
+        self._reserve_script, self._settle_script, self._seed_script, self._rehold_script, self._credit_script = (
+            self._client.script(lua) for lua in (RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA)
+        )
+
+    @property
+    def lean(self) -> bool:
+        """Whether the scripts run through billing.resp rather than redis-py."""
+        return self._client.lean
+
+    def group(self, tag: str) -> str:
+        """The prefix of every key of one group (`<prefix>{<tag>}:`): one Redis Cluster hash slot."""
+        return f"{self.prefix}{{{tag}}}:"
+
+    async def _call(self, script: Any, args: list[Any], linger: float = 0.0) -> Any:
+        """One round trip, guarded by the breaker; raises QuotaUnavailable when Redis is out.
+        `linger`: the call may wait that long to leave with the next one (redis-py sends at once).
+        args[0] is the group's prefix, so its epoch key routes the call on a cluster."""
+        if not self.breaker.allow():
+            raise QuotaUnavailable("quota store unavailable (circuit open)")
+        key = args[0] + "epoch"
+        try:
+            if self._resync:
+                await self._bump_epochs()
+            try:
+                result = await self._client.run(script, key, args, linger)
+            except (TimeoutError, asyncio.TimeoutError, RedisTimeout, RedisConnectionError, resp.RespConnectionError):
+                # One retry: a busy event loop can miss a short deadline although Redis answered, and a
+                # pooled connection to a Redis that restarted fails once before the pool reconnects.
+                # Every script is idempotent by request id, so a call that did run is not counted twice.
+                result = await self._client.run(script, key, args, 0.0)  # the retry goes at once
+        except Exception as exc:  # connection refused, timeout, server error
+            self.breaker.failure()
+            log.warning("quota store call failed: %s", type(exc).__name__)
+            raise QuotaUnavailable(str(type(exc).__name__)) from None
+        self.breaker.success()
+        return result
+
+    async def _bump_epochs(self) -> None:
+        """Usage admitted while Redis was unreachable is only in the ledger: those groups are rebuilt."""
+        tags = list(self._resync)
+        await self._client.incr_all([self.group(tag) + "epoch" for tag in tags])
+        self._resync.difference_update(tags)
+
+    def _grouped(self, scopes: list[Scope], tag: str) -> None:
+        for scope in scopes:
+            if scope.kind == "key":
+                self._key_groups[scope.id] = tag
+
+    def reserve_args(self, hold: Hold, now: float) -> list[Any]:
+        """The reservation script's arguments (bench/overhead_floor.py calls the script itself)."""
+        args: list[Any] = [
+            self.group(hold.tag), f"{now:.3f}", hold.request_id, hold.minute, hold.month,
+            f"{now + self.hold_seconds:.3f}", hold.tokens, hold.nanos, len(hold.scopes),
+        ]
+        for scope in hold.scopes:
+            args += [scope.name, *scope.limit_args()]
+        args += [self._proc, 1 if self._client.replicated else 0]
+        return args
+
+    async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
+        args = self.reserve_args(hold, now)
+        self._watch()
+        try:
+            result = await self._call(self._reserve_script, args)
+            if result[0] == "lost":
+                await self._rehold(hold.tag, now)
+                result = await self._call(self._reserve_script, args)
+        except QuotaUnavailable:
+            if self.fail_open:
+                self._resync.add(hold.tag)
+                return ("degraded",)
+            raise
+        if result[0] == "lost":
+            raise QuotaUnavailable("quota store keeps losing its state")
+        if result[0] == "ok":
+            self._live[hold.request_id] = (hold, now + self.hold_seconds)
+            return ("ok", [tuple(r) for r in result[1]])
+        if result[0] == "deny":
+            return ("deny", result[1], result[2], [tuple(r) for r in result[3]], int(result[4]))
+        return ("sync", list(result[1]))
+
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None:
+        args: list[Any] = [self.group(hold.tag), month_of(now), minute_of(now), len(scopes)]
+        for scope in scopes:
+            t = totals[scope.name]
+            args += [scope.name, t.month_tokens, t.month_nanos, t.minute_requests, t.minute_tokens]
+        prepaid = [s for s in scopes if s.prepaid]
+        args.append(len(prepaid))
+        for scope in prepaid:
+            t = totals[scope.name]
+            args += [scope.name, t.spent, len(t.credits), *[v for row in t.credits for v in row]]
+        await self._call(self._seed_script, args)
+
+    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+        account = Scope("account", account_id, Limits())
+        await self._client.run(self._credit_script, self.group(account.tag) + "epoch",
+                               [self.group(account.tag), account.name, entry_id, nanos])
+
+    async def _rehold(self, tag: str, now: float) -> None:
+        """Puts this process's unsettled holds of one group back (after Redis lost them) and registers
+        the process there."""
+        self._live = {rid: (h, exp) for rid, (h, exp) in self._live.items() if exp > now}
+        live = [(h, exp) for h, exp in self._live.values() if h.tag == tag]
+        args: list[Any] = [self.group(tag), self._proc, f"{now:.3f}", 86400, len(live)]
+        for hold, expiry in live:
+            args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, f"{expiry:.3f}", len(hold.scopes), *[s.name for s in hold.scopes]]
+        await self._call(self._rehold_script, args)
+        if live:
+            log.warning("quota store lost its state: re-registered %d holds of requests still running", len(live))
+
+    def _watch(self) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_loop(), name="quota-hold-watch")
+
+    async def _watch_loop(self, interval: float = 1.0) -> None:
+        """An idle process notices a Redis restart (or a failover) too, so its running requests' holds
+        come back within `interval` even if it admits nothing new."""
+        while True:
+            await asyncio.sleep(interval)
+            if not self._live or not self.breaker.allow():
+                continue
+            try:
+                now = time.time()
+                tags = sorted({h.tag for h, _ in self._live.values()})
+                for tag in await self._client.lost_groups([self.group(t) for t in tags], tags, self._proc, now):
+                    await self._rehold(tag, now)
+            except Exception as exc:  # Redis still down: the next round or the next reserve retries
+                log.debug("hold watch: %s", type(exc).__name__)
+
+    async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
+        self._live.pop(hold.request_id, None)
+        if hold.degraded or not hold.scopes:
+            return False
+        # The settle-once marker lives as long as a hold does (a repeat of a settlement comes from
+        # the immediate retry, never later: an interrupted request's release only follows a process
+        # that never settled it), not a day: a day of markers is ~86M keys at 1,000 requests/s.
+        keep = max(60, int(self.hold_seconds))
+        tag = hold.tag or group_tag(hold.scopes)
+        args = [self.group(tag), hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep]
+        try:
+            return bool(await self._call(self._settle_script, args, SETTLE_LINGER if background else 0.0))
+        except QuotaUnavailable:
+            # The hold expires by itself; the ledger row carries the usage for the next rebuild.
+            self._resync.add(tag)
+            return False
+
+    async def _tag_of(self, scope: Scope) -> str:
+        """The group of a scope named without its account (a key, from the dashboard or the admin API)."""
+        if scope.kind == "account" or scope.account is not None:
+            return scope.tag
+        known = self._key_groups.get(scope.id)
+        if known is not None:
+            return known
+        try:
+            account = await self.totals.account_of_key(scope.id)
+        except Exception as exc:  # the database is out: find the key's counters in Redis itself
+            log.debug("key %s's account from Redis (database: %s)", scope.id, type(exc).__name__)
+            suffix = f"}}:{scope.name}:"
+            async for name in self._redis.scan_iter(match=f"{self.prefix}{{a*{suffix}*", count=1000):
+                return str(name)[len(self.prefix) + 1:str(name).index(suffix)]
+            return scope.tag
+        return scope.tag if account is None else f"a{account}"
+
+    async def invalidate(self, scope: Scope) -> None:
+        tag = scope.tag
+        try:
+            tag = await self._tag_of(scope)
+            # A new epoch: every scope of the group is rebuilt from the ledger at its next admission.
+            await self._client.incr_all([self.group(tag) + "epoch"])
+        except Exception as exc:
+            log.warning("could not invalidate quota counters for %s: %s", scope.name, type(exc).__name__)
+            self._resync.add(tag)
+
+    async def counters(self, scope: Scope, now: float | None = None) -> dict[str, int]:
+        now = time.time() if now is None else now
+        k = f"{self.group(await self._tag_of(scope))}{scope.name}:"
+        minute, month = minute_of(now), month_of(now)
+        names = [f"rpm:{minute}", f"tpm:{minute}", f"mtok:{month}", f"mspend:{month}", "held:tok", "held:nanos", "cred:sum", "spent"]
+        values = await self._redis.mget([k + n for n in names])  # one group: one hash slot
+        in_flight = await self._redis.zcard(k + "hexp")
+        ints = [int(v or 0) for v in values]
+        return {
+            "minute_requests": ints[0], "minute_tokens": ints[1], "in_flight": int(in_flight),
+            "month_tokens": ints[2], "month_nanos": ints[3], "held_tokens": ints[4], "held_nanos": ints[5],
+            "credits_nanos": ints[6], "spent_nanos": ints[7],
+        }
+
+    async def flush_all(self) -> None:
+        """Deletes every counter under the prefix (tests and operators use it to simulate a loss)."""
+        await self._client.delete_matching(f"{self.prefix}*")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        await self._client.close()
