@@ -228,35 +228,25 @@ class CreditBook:
         }
 
     async def statement(self, account_id: int, start: datetime, end: datetime) -> dict[str, Any] | None:
-        """A prepaid account's month: opening balance, the credit rows (not usage) in [start, end),
-        its usage cost per model, closing balance. Nothing is due: usage was paid from the balance."""
+        """A prepaid account's month, computed now (the close's document is billing/statements.py, and
+        this is the same reading): opening balance, the credit rows (not usage) of the month, its
+        usage per model (rows admitted in it), closing balance. Nothing is due: usage was paid from
+        the balance. `start` names the month."""
+        from billing.periods import Period
+        from billing.statements import figures
+
+        period = Period.containing(start)
         async with self._engine.connect() as conn:
             since = await _since(conn, account_id)
             if since is None:
                 return None
-
-            async def credits_before(t: datetime) -> int:
-                return int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
-                    CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage", CREDITS.c.created_at < t))).scalar_one())
-
-            opening = await credits_before(start) - await _usage_cost(conn, account_id, since, start)
-            closing = await credits_before(end) - await _usage_cost(conn, account_id, since, end)
-            rows = (await conn.execute(sa.select(CREDITS).where(
-                CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage", CREDITS.c.created_at >= start,
-                CREDITS.c.created_at < end).order_by(CREDITS.c.created_at, CREDITS.c.id))).all()
-            usage = (await conn.execute(sa.select(
-                LEDGER.c.model, sa.func.count(), sa.func.sum(LEDGER.c.prompt_tokens), sa.func.sum(LEDGER.c.completion_tokens),
-                sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0),
-            ).where(LEDGER.c.account_id == account_id, LEDGER.c.created_at >= max(since, start), LEDGER.c.created_at < end)
-                .group_by(LEDGER.c.model).order_by(LEDGER.c.model))).all()
-        used = sum(int(u[4]) for u in usage)
+            month = await figures(conn, account_id, since, period)
         return {
-            "object": "credit_statement", "account_id": account_id, "start": start.isoformat(), "end": end.isoformat(),
-            "opening_balance_nanos": opening, "opening_balance": usd(opening),
-            "credits": [entry_view(r) for r in rows],
-            "usage": [{"model": u[0], "requests": int(u[1]), "prompt_tokens": int(u[2] or 0), "completion_tokens": int(u[3] or 0),
-                       "cost_nanos": int(u[4]), "cost": usd(int(u[4]))} for u in usage],
-            "usage_nanos": used, "closing_balance_nanos": closing, "closing_balance": usd(closing), "amount_due": "0.00",
+            "object": "credit_statement", "account_id": account_id, "start": period.start.isoformat(), "end": period.end.isoformat(),
+            "opening_balance_nanos": month["opening"], "opening_balance": usd(month["opening"]),
+            "late_nanos": month["late"], "credits_nanos": month["credits"], "credits": month["content"]["credits"],
+            "usage": month["content"]["usage"], "usage_nanos": month["usage"],
+            "closing_balance_nanos": month["closing"], "closing_balance": usd(month["closing"]), "amount_due": "0.00",
         }
 
     async def entries(self, account_id: int, limit: int = 100) -> list[dict[str, Any]]:

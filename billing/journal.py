@@ -48,7 +48,7 @@ class Recovered:
 
 
 def _dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj, default=_default) + b"\n"
+    return orjson.dumps(obj, default=_default, option=orjson.OPT_APPEND_NEWLINE)  # the line without another copy
 
 
 def _default(value: Any) -> Any:

@@ -75,7 +75,7 @@ async def _usage_by_model(conn: AsyncConnection, account_id: int, since: datetim
             for r in (await conn.execute(query)).all()]
 
 
-async def _figures(conn: AsyncConnection, account_id: int, since: datetime, period: Period) -> dict[str, Any]:
+async def figures(conn: AsyncConnection, account_id: int, since: datetime, period: Period) -> dict[str, Any]:
     previous = (await conn.execute(sa.select(STATEMENTS.c.closing_nanos).where(
         STATEMENTS.c.account_id == account_id, STATEMENTS.c.period < str(period)).order_by(STATEMENTS.c.period.desc()).limit(1))).first()
     at_start = await _credits_before(conn, account_id, period.start) - await _usage_before(conn, account_id, since, period.start)
@@ -119,15 +119,15 @@ async def close_statement(
             account = (await conn.execute(sa.select(ACCOUNTS.c.name, ACCOUNTS.c.prepaid_since).where(ACCOUNTS.c.id == account_id))).first()
             if account is None or account.prepaid_since is None or _aware(account.prepaid_since) >= period.end:
                 return None, False
-            figures = await _figures(conn, account_id, _aware(account.prepaid_since), period)
-            if not any((figures["opening"], figures["late"], figures["content"]["credits"], figures["content"]["usage"])):
+            month = await figures(conn, account_id, _aware(account.prepaid_since), period)
+            if not any((month["opening"], month["late"], month["content"]["credits"], month["content"]["usage"])):
                 return None, False
             seller = config.seller
             number = f"{STATEMENT_PREFIX}-{await next_number(conn, SEQUENCE, 'statement'):06d}"
             statement_id = (await conn.execute(STATEMENTS.insert().values(
                 number=number, account_id=account_id, period=str(period), period_start=period.start, period_end=period.end,
-                opening_nanos=figures["opening"], credits_nanos=figures["credits"], usage_nanos=figures["usage"],
-                late_nanos=figures["late"], closing_nanos=figures["closing"], content=json.dumps(figures["content"]),
+                opening_nanos=month["opening"], credits_nanos=month["credits"], usage_nanos=month["usage"],
+                late_nanos=month["late"], closing_nanos=month["closing"], content=json.dumps(month["content"]),
                 seller=json.dumps(seller.snapshot()) if seller.identified else None,
                 buyer=json.dumps(buyer_snapshot(await get_details(conn, account_id), account.name)), issued_at=now,
             ).returning(STATEMENTS.c.id))).scalar_one()

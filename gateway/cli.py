@@ -160,6 +160,9 @@ def worker_app() -> Any:
     configure_logging(settings.process.log_format, settings.process.log_level)
     app = create_app(settings, freeze_gc=True)
     _tune_gc(settings)
+    from gateway.drain import install_in_worker
+
+    install_in_worker(app, settings.drain_seconds)  # SIGTERM from the master drains this worker (gateway/drain.py)
     return app
 
 

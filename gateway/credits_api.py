@@ -20,8 +20,10 @@
                                                    "5.00" (USD) or tokens, or "percent": 80; "key_id"; "url"} -> the secret, once
 
 A background task (every TOLLGATE_CREDITS_CHECK_SECONDS, default 30) applies credit rows written
-elsewhere to this instance's limiter, removes expired grants, posts prepaid usage and checks the
-spend alerts (billing/alerts.py), and charges auto-recharges that are due (billing/checkout.py).
+elsewhere to this instance's limiter, removes expired grants, posts prepaid usage (incrementally, up
+to the ledger ids seen TOLLGATE_CREDITS_SETTLE_SECONDS before: billing/credit_models.py
+CreditUsageMark) and checks the spend alerts (billing/alerts.py), and charges auto-recharges that
+are due (billing/checkout.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ the logged-in session authorises, and the admin account page's billing section.
     POST /dashboard/admin/accounts/{id}/billing    the account's billing details (form, CSRF checked)
 
 A session is the cookie the dashboard login set (gateway.sessions); an invoice of another account
-is a 404 page, never a hint that it exists.
+is a 404 page, never a hint that it exists. Every read here goes to the read database (a replica
+when DATABASE_READ_URL is set, `app.state.read_db`), as the usage dashboards' do; only saving
+billing details writes, to the writer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from billing.statements import get_statement, list_statements
 from gateway.http import id_value
 
 STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
+
+
+def _reader(request: Request) -> Any:
+    """Where the dashboards read: the replica when DATABASE_READ_URL names one, else the writer."""
+    return getattr(request.app.state, "read_db", None) or request.app.state.billing.db
 
 
 def _date(iso: str | None) -> str:
@@ -59,7 +66,7 @@ async def invoices_table(request: Request, account_id: int | None, *, admin: boo
     billing = request.app.state.billing
     if billing is None:
         return None
-    return invoice_rows(await list_invoices(billing.db, account_id=account_id, admin=admin, limit=limit), admin=admin)
+    return invoice_rows(await list_invoices(_reader(request), account_id=account_id, admin=admin, limit=limit), admin=admin)
 
 
 async def statements_table(request: Request, account_id: int, limit: int = 24) -> list[dict[str, Any]]:
@@ -74,7 +81,7 @@ async def statements_table(request: Request, account_id: int, limit: int = 24) -
 async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
     """The admin account page's billing: state (since when, why), invoices, price overrides, details."""
     billing = request.app.state.billing
-    standing = await account_standing(billing.db, account_id, grace_seconds=billing.config.grace_seconds)
+    standing = await account_standing(_reader(request), account_id, grace_seconds=billing.config.grace_seconds)
     reasons = [f"invoice {u['number']} (${u['total']}) unpaid" + (", payment failed" if u["payment_failed"] else "")
                for u in standing["unpaid_invoices"]]
     return {
@@ -86,7 +93,7 @@ async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
         "invoices": await invoices_table(request, account_id, admin=True),
         "statements": await statements_table(request, account_id),
         "overrides": [o.view() for o in await billing.book.overrides(account_id)],
-        "details": await get_details(billing.db, account_id) or {},
+        "details": await get_details(_reader(request), account_id) or {},
         "countries": sorted(COUNTRIES),
     }
 
@@ -114,7 +121,7 @@ async def _document(request: Request, kind: str) -> Response:
     if fmt not in ("html", "pdf") or doc_id is None:
         return _not_found(request, session, kind.replace("_", " "))
     own = None if session.principal.is_admin else session.principal.account_id
-    db = request.app.state.billing.db
+    db = _reader(request)
     if kind == "invoice":
         doc = await get_invoice(db, doc_id, account_id=own, admin=False)
         renderers = (render_html, render_pdf)

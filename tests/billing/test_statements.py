@@ -80,6 +80,8 @@ async def test_the_close_makes_one_statement_per_prepaid_month_and_late_usage_sh
             invoiced = (await conn.execute(sa.text(
                 "SELECT sum(l.tokens) FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.account_id = :a"), {"a": a})).scalar()
         assert invoiced == 15
+        live = await CreditBook(db).statement(a, at(9, 1, 0), at(10, 1, 0))  # GET /v1/billing/statement: the same reading
+        assert live is not None and (live["usage_nanos"], live["closing_balance_nanos"]) == (3 * CENT, 147 * CENT)
 
         # a September row reaching the ledger after September's statement, an October refund and usage
         await spend(db, a, CENT, at(9, 28), finished=at(10, 5))
