@@ -18,4 +18,5 @@ for _ = 1, n do
 end
 redis.call('ZREMRANGEBYSCORE', p .. 'procs', '-inf', now)  -- processes not seen for a day
 redis.call('ZADD', p .. 'procs', now + ttl, proc)
+redis.call('ZREM', p .. 'procs:stale', proc)
 return 1
