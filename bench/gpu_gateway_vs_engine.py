@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sqlite3
 import subprocess
 import sys
@@ -48,10 +49,11 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # one request ---------------------------------------------------------------------------------
 class Timing:
-    __slots__ = ("start", "first", "last", "gaps", "tokens", "error", "queue_ms")
+    __slots__ = ("start", "sent", "first", "last", "gaps", "tokens", "error", "queue_ms")
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
+        self.sent: float | None = None  # through the gateway: the request written to its connection
         self.first: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
@@ -110,6 +112,10 @@ def summarize(results: list[Timing], wall: float, cpu: dict[str, float] | None =
         "output_tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1) if wall else None,
         "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
     }
+    sent = [(r.sent - r.start) * 1000 for r in ok if r.sent is not None]
+    if sent:  # the client's own part of TTFT: connecting and writing the request (a burst's takes longest)
+        cell["client_send_p50_ms"] = pct(sent, 0.5)
+        cell["ttft_from_sent_p50_ms"] = pct([(r.first - r.sent) * 1000 for r in ok if r.first is not None and r.sent is not None], 0.5)
     queued = [r.queue_ms for r in ok if r.queue_ms is not None]
     if queued:
         cell["ledger_queue_p50_ms"] = pct(queued, 0.5)  # the engine alone: the same measure the ledger row keeps
@@ -132,12 +138,33 @@ def gateway_env(args: argparse.Namespace, model_path: str) -> dict[str, str]:
 
 
 async def engine_alone(args: argparse.Namespace) -> dict[str, Any]:
-    from engines.base import EngineRequest, SamplingParams
+    """Every level of `args.levels` once, in this process; or, with `args.serve`, the levels the
+    parent names on stdin (one JSON line each, answered by one cell line) until it says stop."""
     from engines.hf import HFEngine
 
     engine = HFEngine(model_id="bench", **engine_kwargs(args, args.model_path))
     await engine.start()
     vocab = int(engine.vocab_size or 32000)
+    config = engine._model.config.to_dict()
+    head = {"vocab": vocab, "config": {k: config.get(k) for k in CONFIG_KEYS}}
+    cells = {}
+    if getattr(args, "serve", False):
+        print(json.dumps(head), flush=True)
+        loop = asyncio.get_running_loop()
+        while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip() not in ("", "stop"):
+            order = json.loads(line)
+            cell = await engine_level(engine, args, vocab, order["level"], order["seed"])
+            print(json.dumps(cell), flush=True)
+    else:
+        for level in args.levels:
+            cells[str(level)] = await engine_level(engine, args, vocab, level, seed=level)
+            print(f"  engine alone, {level} streams: {cells[str(level)]['tok_s']} tok/s", file=sys.stderr, flush=True)
+    await engine.stop()
+    return {**head, "cells": cells}
+
+
+async def engine_level(engine: Any, args: argparse.Namespace, vocab: int, level: int, seed: int) -> dict[str, Any]:
+    from engines.base import EngineRequest, SamplingParams
 
     async def one(i: int, ids: list[int]) -> Timing:
         t = Timing()
@@ -151,17 +178,51 @@ async def engine_alone(args: argparse.Namespace) -> dict[str, Any]:
                     t.error = out.error
         return t
 
-    cells = {}
-    for level in args.levels:
-        batch = prompts(requests_at(level), args.isl, vocab, seed=level)
-        before = os.times()
-        results, wall = await run_level(level, batch, one)
-        after = os.times()
-        cells[str(level)] = summarize(results, wall, {"engine": (after.user - before.user) + (after.system - before.system)})
-        print(f"  engine alone, {level} streams: {cells[str(level)]['tok_s']} tok/s", file=sys.stderr, flush=True)
-    config = engine._model.config.to_dict()
-    await engine.stop()
-    return {"vocab": vocab, "cells": cells, "config": {k: config.get(k) for k in CONFIG_KEYS}}
+    batch = prompts(requests_at(level), args.isl, vocab, seed=seed)
+    before = os.times()
+    results, wall = await run_level(level, batch, one)
+    after = os.times()
+    return summarize(results, wall, {"engine": (after.user - before.user) + (after.system - before.system)})
+
+
+class EngineWorker:
+    """The engine alone in a process of its own (this script, `engine-alone --serve`), kept loaded
+    while the gateway runs beside it, so that the two sides can take turns level by level."""
+
+    def __init__(self, args: argparse.Namespace, model_path: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "engine-alone", "--serve", *engine_argv(args, model_path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.head: dict[str, Any] | None = None
+
+    def _line(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"the engine-alone process ended (rc {self.proc.wait()})")
+        return json.loads(line)
+
+    def ready(self) -> dict[str, Any]:
+        if self.head is None:
+            self.head = self._line()
+        return self.head
+
+    def run(self, level: int, seed: int) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps({"level": level, "seed": seed}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._line()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("stop\n")  # type: ignore[union-attr]
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def engine_argv(args: argparse.Namespace, model_path: str) -> list[str]:
+    return ["--model-path", model_path, "--device", args.device, "--levels", ",".join(map(str, args.levels)), "--isl", str(args.isl),
+            "--osl", str(args.osl), "--batch-size", str(args.batch_size), "--max-queue", str(args.max_queue),
+            "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-batch-tokens", str(args.max_batch_tokens)]
 
 
 # through the gateway ---------------------------------------------------------------------------
@@ -180,6 +241,7 @@ async def sse_request(port: int, key: str, ids: list[int], osl: int) -> Timing:
         return t
     try:
         writer.write(head + body)
+        t.sent = time.perf_counter()
         status = await reader.readline()
         if b" 200 " not in status:
             t.error = f"status {status.decode().strip()}: {(await reader.read(2000))[-300:]!r}"
@@ -225,63 +287,91 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
-def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label: str, extra_env: dict[str, str]) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="tollgate-gpu-bench-"))
-    port, admin = free_port(), "sk-bench-admin-" + uuid.uuid4().hex
-    env = dict(os.environ, TOLLGATE_PORT=str(port), TOLLGATE_DATA_DIR=str(tmp), TOLLGATE_ADMIN_KEY=admin,
-               DATABASE_URL=f"sqlite:///{tmp}/ledger.db", TOLLGATE_SECRET="bench-" + uuid.uuid4().hex)
-    env.update(gateway_env(args, model_path))
-    env.update(extra_env)
-    log = open(tmp / "serve.log", "wb")
-    exe = Path(sys.executable).with_name("tollgate")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())"]
-    proc = subprocess.Popen([*cmd, "serve", "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout=900)
-        h = {"Authorization": f"Bearer {admin}"}
-        base = f"http://127.0.0.1:{port}"
+class GatewayRun:
+    """`tollgate serve` in its own process with full metering; `run(level, seed)` measures one level
+    through it; `finish()` checks the ledger of every request sent."""
+
+    def __init__(self, args: argparse.Namespace, model_path: str, label: str, extra_env: dict[str, str]) -> None:
+        self.args, self.label = args, label
+        self.tmp = Path(tempfile.mkdtemp(prefix="tollgate-gpu-bench-"))
+        self.port, admin = free_port(), "sk-bench-admin-" + uuid.uuid4().hex
+        env = dict(os.environ, TOLLGATE_PORT=str(self.port), TOLLGATE_DATA_DIR=str(self.tmp), TOLLGATE_ADMIN_KEY=admin,
+                   DATABASE_URL=f"sqlite:///{self.tmp}/ledger.db", TOLLGATE_SECRET="bench-" + uuid.uuid4().hex)
+        env.update(gateway_env(args, model_path))
+        env.update(extra_env)
+        self.admin = admin
+        self.log = open(self.tmp / "serve.log", "wb")
+        exe = Path(sys.executable).with_name("tollgate")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())"]
+        self.proc = subprocess.Popen([*cmd, "serve", "--log-level", "warning"], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.runs: list[tuple[int, int, int]] = []  # (level, requests, usage tokens) in the order run, the warm-up first
+        self.engine_pids: list[int] = []
+
+    def start(self, vocab: int) -> None:
+        wait_http(f"http://127.0.0.1:{self.port}/readyz", self.proc, timeout=900)
+        h = {"Authorization": f"Bearer {self.admin}"}
+        base = f"http://127.0.0.1:{self.port}"
         httpx.post(f"{base}/admin/prices", json={"model": "bench", "input_per_million": "0.10", "output_per_million": "0.40"}, headers=h).raise_for_status()
         account = httpx.post(f"{base}/admin/accounts", json={"name": "bench"}, headers=h).json()
-        key = httpx.post(f"{base}/admin/keys", json={"account_id": account["id"]}, headers=h).json()
-        httpx.patch(f"{base}/admin/keys/{key['id']}", json={"limits": {"rpm": 1_000_000, "tpm": 1_000_000_000, "monthly_tokens": 10_000_000_000}},
+        self.key = httpx.post(f"{base}/admin/keys", json={"account_id": account["id"]}, headers=h).json()
+        httpx.patch(f"{base}/admin/keys/{self.key['id']}", json={"limits": {"rpm": 1_000_000, "tpm": 1_000_000_000, "monthly_tokens": 10_000_000_000}},
                     headers=h).raise_for_status()
-        engine_pids = child_pids(proc.pid)
-
-        async def one(i: int, ids: list[int]) -> Timing:
-            return await sse_request(port, key["key"], ids, args.osl)
-
+        self.engine_pids = child_pids(self.proc.pid)
+        self.vocab = vocab
         # One request first, as the engine alone has its warm-up: the gateway's first request reads
         # the key, the prices and the quota counters from the database (once per process).
-        warm = asyncio.run(one(-1, prompts(1, args.isl, vocab, seed=0)[0]))
+        warm = asyncio.run(self._one(-1, prompts(1, self.args.isl, vocab, seed=0)[0]))
         if warm.error:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
-        cells, sent, warm_tokens = {}, 1, warm.tokens
-        for level in args.levels_for(label):
-            batch = prompts(requests_at(level), args.isl, vocab, seed=level)
-            before = {"gateway": cpu_seconds(proc.pid), "engine_process": sum(cpu_seconds(p) for p in engine_pids)}
-            results, wall = asyncio.run(run_level(level, batch, one))
-            cpu = {"gateway": cpu_seconds(proc.pid) - before["gateway"]}
-            if engine_pids:
-                cpu["engine_process"] = sum(cpu_seconds(p) for p in engine_pids) - before["engine_process"]
-            sent += len(batch)
-            cells[str(level)] = summarize(results, wall, cpu)
-            cells[str(level)]["usage_tokens"] = sum(r.tokens for r in results)
-            print(f"  {label}, {level} streams: {cells[str(level)]['tok_s']} tok/s, errors {cells[str(level)]['errors']}", file=sys.stderr, flush=True)
-        ledger = ledger_check(tmp / "ledger.db", sent, warm_tokens + sum(c["usage_tokens"] for c in cells.values()))
-        for level, (ttft, queue) in zip(cells, ledger_timings(tmp / "ledger.db", [requests_at(lv) for lv in args.levels_for(label)], skip=1)):
-            cells[level]["ledger_ttft_p50_ms"], cells[level]["ledger_queue_p50_ms"] = ttft, queue
-        return {"cells": cells, "ledger": ledger, "engine_process": bool(engine_pids)}
-    finally:
-        proc.terminate()
+        self.runs.append((0, 1, warm.tokens))
+
+    async def _one(self, i: int, ids: list[int]) -> Timing:
+        return await sse_request(self.port, self.key["key"], ids, self.args.osl)
+
+    def run(self, level: int, seed: int) -> dict[str, Any]:
+        batch = prompts(requests_at(level), self.args.isl, self.vocab, seed=seed)
+        before = {"gateway": cpu_seconds(self.proc.pid), "engine_process": sum(cpu_seconds(p) for p in self.engine_pids)}
+        results, wall = asyncio.run(run_level(level, batch, self._one))
+        cpu = {"gateway": cpu_seconds(self.proc.pid) - before["gateway"]}
+        if self.engine_pids:
+            cpu["engine_process"] = sum(cpu_seconds(p) for p in self.engine_pids) - before["engine_process"]
+        cell = summarize(results, wall, cpu)
+        cell["usage_tokens"] = sum(r.tokens for r in results)
+        self.runs.append((level, len(batch), cell["usage_tokens"]))
+        print(f"  {self.label}, {level} streams: {cell['tok_s']} tok/s, errors {cell['errors']}", file=sys.stderr, flush=True)
+        return cell
+
+    def finish(self, cells: list[dict[str, Any]]) -> dict[str, Any]:
+        """The ledger's verdict over every request sent; each cell (in the order run, without the
+        warm-up) gets the gateway's own TTFT and queue p50 from its rows."""
+        ledger = ledger_check(self.tmp / "ledger.db", sum(n for _, n, _ in self.runs), sum(t for _, _, t in self.runs))
+        for cell, (ttft, queue) in zip(cells, ledger_timings(self.tmp / "ledger.db", [n for _, n, _ in self.runs[1:]], skip=1)):
+            cell["ledger_ttft_p50_ms"], cell["ledger_queue_p50_ms"] = ttft, queue
+        return ledger
+
+    def close(self) -> None:
+        self.proc.terminate()
         try:
-            proc.wait(60)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        lines = (tmp / "serve.log").read_text(errors="replace").splitlines()
+            self.proc.kill()
+        self.log.close()
+        lines = (self.tmp / "serve.log").read_text(errors="replace").splitlines()
         warnings = [line for line in lines if any(w in line.lower() for w in ('"level":"warning"', '"level":"error"', "traceback"))]
         if warnings:
             print(f"  server log: {len(warnings)} warning/error lines, the first ones:\n    " + "\n    ".join(warnings[:8]), file=sys.stderr)
+
+
+def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label: str, extra_env: dict[str, str]) -> dict[str, Any]:
+    """Every level of the variant once, one after another, through one `tollgate serve`."""
+    gw = GatewayRun(args, model_path, label, extra_env)
+    try:
+        gw.start(vocab)
+        cells = {str(level): gw.run(level, seed=level) for level in args.levels_for(label)}
+        ledger = gw.finish(list(cells.values()))
+        return {"cells": cells, "ledger": ledger, "engine_process": bool(gw.engine_pids)}
+    finally:
+        gw.close()
 
 
 def ledger_timings(db: Path, counts: list[int], skip: int = 0) -> list[tuple[float | None, float | None]]:
@@ -359,8 +449,8 @@ def fmt(v: Any, nd: int = 1) -> str:
 def table(name: str, result: dict[str, Any], args: argparse.Namespace) -> str:
     eng = result["engine"]["cells"]
     lines = [f"\n## {name}  (ISL {args.isl}, OSL {args.osl}, batch {args.batch_size}, {args.device})",
-             "| variant | streams | tok/s | x engine | TTFT p50 ms | +ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 x | gw CPU s/1k tok | engine proc CPU s/1k tok | errors | ledger TTFT p50 | ledger queue p50 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | streams | tok/s | x engine | TTFT p50 ms | +ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 x | gw CPU s/1k tok | engine proc CPU s/1k tok | errors | ledger TTFT p50 | ledger queue p50 | client send p50 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for variant in ["engine", *[v for v in ("gateway", "inproc", "nosched") if v in result]]:
         for level, cell in result[variant]["cells"].items():
             base = eng.get(level, {})
@@ -371,10 +461,85 @@ def table(name: str, result: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"| {variant} | {level} | {fmt(cell['tok_s'])} | {fmt(ratio, 3)} | {fmt(cell['ttft_p50_ms'])} | {fmt(added)} | "
                          f"{fmt(cell['ttft_p99_ms'])} | {fmt(cell['itl_p50_ms'], 2)} | {fmt(cell['itl_p99_ms'], 2)} | {fmt(itl, 2)} | "
                          f"{fmt(cpu, 3)} | {fmt(cell.get('engine_process_cpu_s_per_1k_tokens'), 3)} | {cell['errors']} | "
-                         f"{fmt(cell.get('ledger_ttft_p50_ms'))} | {fmt(cell.get('ledger_queue_p50_ms'))} |")
+                         f"{fmt(cell.get('ledger_ttft_p50_ms'))} | {fmt(cell.get('ledger_queue_p50_ms'))} | {fmt(cell.get('client_send_p50_ms'))} |")
     for variant in ("gateway", "inproc", "nosched"):
         if variant in result:
             lines.append(f"ledger ({variant}): {json.dumps(result[variant]['ledger'])}")
+    return "\n".join(lines)
+
+
+# side by side ----------------------------------------------------------------------------------
+def interleaved(args: argparse.Namespace, name: str, path: str, report: dict[str, Any], json_path: Path) -> dict[str, Any]:
+    """The engine alone and `tollgate serve` both loaded; for each level, `rounds` turns of each, the
+    first side alternating, the same prompts on both sides of a round. Each side's cell is the median
+    over its rounds; `paired` holds the round-by-round ratios and differences."""
+    worker = EngineWorker(args, path)
+    gw = GatewayRun(args, path, "gateway", {})
+    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {"engine": {}, "gateway": {}}
+    in_order: list[dict[str, Any]] = []
+    try:
+        head = worker.ready()
+        gw.start(head["vocab"])
+        for level, count in zip(args.levels, args.rounds):
+            for r in range(count):
+                seed = level * 1000 + r
+                for side in (("engine", "gateway") if r % 2 == 0 else ("gateway", "engine")):
+                    if side == "engine":
+                        cell = worker.run(level, seed)
+                        print(f"  engine alone, {level} streams, round {r + 1}: {cell['tok_s']} tok/s", file=sys.stderr, flush=True)
+                    else:
+                        cell = gw.run(level, seed)
+                        in_order.append(cell)
+                    rounds[side].setdefault(str(level), []).append(cell)
+                report.setdefault("partial", {})[name] = rounds  # kept if the run is cut short
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps(report, indent=1))
+        ledger = gw.finish(in_order)
+    finally:
+        gw.close()
+        worker.close()
+    report.get("partial", {}).pop(name, None)
+    return {"engine": {**head, "cells": {lv: median_cell(cs) for lv, cs in rounds["engine"].items()}, "rounds": rounds["engine"]},
+            "gateway": {"cells": {lv: median_cell(cs) for lv, cs in rounds["gateway"].items()}, "rounds": rounds["gateway"],
+                        "ledger": ledger, "engine_process": bool(gw.engine_pids)},
+            "paired": {lv: paired(rounds["engine"][lv], rounds["gateway"][lv]) for lv in rounds["gateway"]}}
+
+
+def median_cell(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell for several rounds: medians of the figures, errors summed."""
+    out: dict[str, Any] = {"rounds": len(cells)}
+    for key, first in cells[0].items():
+        values = [c.get(key) for c in cells]
+        if key in ("errors", "requests", "output_tokens", "usage_tokens"):
+            out[key] = sum(v or 0 for v in values)
+        elif key == "error_samples":
+            out[key] = sorted({e for c in cells for e in c[key]})[:3]
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.median(values)
+        else:
+            out[key] = first
+    return out
+
+
+def paired(engine: list[dict[str, Any]], gateway: list[dict[str, Any]]) -> dict[str, Any]:
+    """Round by round, the gateway against the engine alone of the same round (same prompts)."""
+    def each(f: Any) -> list[float | None]:
+        return [f(e, g) for e, g in zip(engine, gateway)]
+
+    rows = {"tok_s_x": each(lambda e, g: g["tok_s"] / e["tok_s"] if e.get("tok_s") and g.get("tok_s") else None),
+            "ttft_added_ms": each(lambda e, g: g["ttft_p50_ms"] - e["ttft_p50_ms"] if None not in (e.get("ttft_p50_ms"), g.get("ttft_p50_ms")) else None),
+            "itl_p99_x": each(lambda e, g: g["itl_p99_ms"] / e["itl_p99_ms"] if e.get("itl_p99_ms") and g.get("itl_p99_ms") else None)}
+    return {**rows, "median": {k: statistics.median([v for v in vs if v is not None]) if any(v is not None for v in vs) else None
+                               for k, vs in rows.items()}}
+
+
+def paired_table(result: dict[str, Any]) -> str:
+    lines = ["paired by round (gateway vs the engine alone of the same round; median, then each round):",
+             "| streams | rounds | tok/s x engine | TTFT p50 +ms | ITL p99 x |", "|---:|---:|---|---|---|"]
+    for level, p in result["paired"].items():
+        def show(key: str, nd: int) -> str:
+            return f"**{fmt(p['median'][key], nd)}** (" + ", ".join(fmt(v, nd) for v in p[key]) + ")"
+        lines.append(f"| {level} | {len(p['tok_s_x'])} | {show('tok_s_x', 3)} | {show('ttft_added_ms', 1)} | {show('itl_p99_x', 2)} |")
     return "\n".join(lines)
 
 
@@ -396,12 +561,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "gpu_gateway_vs_engine.json"))
     parser.add_argument("--report", metavar="JSON", help="print the tables of a recorded run instead of measuring")
     parser.add_argument("--config", action="append", default=[], help="NAME=config.json for a recorded run without one (--report)")
+    parser.add_argument("--rounds", help="N or one N per level (e.g. 1,1,3,3): the engine alone and the gateway loaded side by side, "
+                                         "taking turns N times per level (who goes first alternates); medians and paired differences")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # engine-alone: levels named on stdin
     args = parser.parse_args(argv)
     if args.report:
         return report_of(args)
     args.levels = [int(x) for x in args.levels.split(",") if x]
     inproc_levels = [int(x) for x in args.inproc_levels.split(",") if x]
     args.levels_for = lambda label: args.levels if label == "gateway" else inproc_levels
+    if args.rounds:
+        counts = [int(x) for x in args.rounds.split(",")]
+        args.rounds = counts * len(args.levels) if len(counts) == 1 else counts
+        if len(args.rounds) != len(args.levels) or min(args.rounds) < 1:
+            parser.error("--rounds takes one count, or one per level")
+        if args.kv_cache_tokens == 0 and args.mode == "compare":
+            # Two engines share the GPU: neither may size its KV cache from all the free memory.
+            args.kv_cache_tokens = -(-max(args.levels) * (args.isl + args.osl) * 5 // 4 // 4096) * 4096
+            print(f"side by side: both engines get a KV cache of {args.kv_cache_tokens} tokens (--kv-cache-tokens)", file=sys.stderr)
     if args.mode == "engine-alone":
         print(json.dumps(asyncio.run(engine_alone(args))))
         return 0
@@ -409,24 +586,29 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("levels_for", "model_path")}, "models": {}}
     for spec in args.model:
         name, _, path = spec.partition("=")
-        print(f"{name}: engine alone", file=sys.stderr, flush=True)
-        out = subprocess.run([sys.executable, __file__, "engine-alone", "--model-path", path, "--device", args.device,
-                              "--levels", ",".join(map(str, args.levels)), "--isl", str(args.isl), "--osl", str(args.osl),
-                              "--batch-size", str(args.batch_size), "--max-queue", str(args.max_queue),
-                              "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-batch-tokens", str(args.max_batch_tokens)],
-                             stdout=subprocess.PIPE, check=True)
-        result: dict[str, Any] = {"engine": json.loads(out.stdout.decode().strip().splitlines()[-1])}
-        vocab = result["engine"]["vocab"]
-        if "gateway" in variants:
-            print(f"{name}: through tollgate serve", file=sys.stderr, flush=True)
-            result["gateway"] = through_gateway(args, path, vocab, "gateway", {})
+        if args.rounds:
+            print(f"{name}: the engine alone and tollgate serve side by side, {args.rounds} rounds per level", file=sys.stderr, flush=True)
+            result = interleaved(args, name, path, report, Path(args.json))
+            vocab = result["engine"]["vocab"]
+        else:
+            print(f"{name}: engine alone", file=sys.stderr, flush=True)
+            out = subprocess.run([sys.executable, __file__, "engine-alone", *engine_argv(args, path)], stdout=subprocess.PIPE, check=True)
+            result = {"engine": json.loads(out.stdout.decode().strip().splitlines()[-1])}
+            vocab = result["engine"]["vocab"]
+            if "gateway" in variants:
+                print(f"{name}: through tollgate serve", file=sys.stderr, flush=True)
+                result["gateway"] = through_gateway(args, path, vocab, "gateway", {})
         for variant, env in (("inproc", {"TOLLGATE_ENGINE_PROCESS": "0"}), ("nosched", {"TOLLGATE_ENGINE_PROCESS": "0", "TOLLGATE_SCHEDULER": "0"})):
             if variant in variants and inproc_levels:
                 print(f"{name}: through tollgate serve, {variant} ({env})", file=sys.stderr, flush=True)
                 result[variant] = through_gateway(args, path, vocab, variant, env)
         report["models"][name] = result
         print(table(name, result, args), flush=True)
+        if "paired" in result:
+            print(paired_table(result), flush=True)
         print(roofline_table(name, result, args.isl, args.osl), flush=True)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
@@ -442,6 +624,8 @@ def report_of(args: argparse.Namespace) -> int:
             full = json.loads(Path(configs[name]).read_text())
             result["engine"]["config"] = {k: full.get(k) for k in CONFIG_KEYS}
         print(table(name, result, settings))
+        if "paired" in result:
+            print(paired_table(result))
         print(roofline_table(name, result, settings.isl, settings.osl))
     return 0
 

@@ -3,7 +3,8 @@
     alert_rules       per account (key_id NULL) or per key: a metric and a threshold, absolute or a
                       percent of the scope's limit; the account's webhook URL and signing secret
     alert_events      one row per crossing, unique (rule_id, crossing): the month for monthly
-                      metrics, the last credit row before it for a balance (a top-up re-arms it),
+                      metrics, `below-<n>` for a balance (n: the rule's re-arm count, raised
+                      when the balance is back at or above the threshold),
                       so several processes that see the same crossing record it once
     alert_deliveries  every attempt to deliver an event's webhook: status, error, when
 """
@@ -34,6 +35,10 @@ class AlertRule(SQLModel, table=True):
     percent: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))  # of the scope's monthly limit
     url: str = Field(sa_column=sa.Column(sa.String(2000), nullable=False))
     secret: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
+    # balance_below: how many times the balance rose back to the threshold or above after a crossing;
+    # the crossing key holds it, so the rule fires again only after such a rise (never on a top-up
+    # that leaves the balance below).
+    rearmed: int = Field(default=0, sa_column=sa.Column(sa.Integer, nullable=False, server_default="0"))
     created_at: datetime = Field(sa_column=_ts())
 
 

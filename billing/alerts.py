@@ -5,7 +5,9 @@
     balance_below   a prepaid balance < threshold (nano-USD)
 
 A crossing is recorded as one `alert_events` row, unique on (rule, crossing): the month for the
-monthly metrics, the latest credit row for a balance (a top-up re-arms the rule). Whoever inserts
+monthly metrics (by the rows' `admitted_at`, as invoices count them), `below-<n>` for a balance,
+where n counts the times the balance was seen back at or above the threshold after a crossing (so
+only a rise above re-arms the rule; a top-up that leaves it below does not). Whoever inserts
 the row (any process) delivers it; everyone else's insert does nothing. Delivery is a POST of the
 event as JSON to the rule's URL, signed like Stripe's webhooks:
 
@@ -23,7 +25,7 @@ import json
 import logging
 import secrets
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import httpx
@@ -32,13 +34,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.alert_models import ALERT_METRICS, AlertDelivery, AlertEvent, AlertRule
 from billing.credits import MAX_NANOS, CreditBook, CreditError, usd
-from billing.credit_models import CreditEntry
 from billing.limits import Limits
 from billing.models import Account, ApiKey, LedgerEntry, utcnow
 
 log = logging.getLogger("tollgate.alerts")
 RULES, EVENTS, DELIVERIES = AlertRule.__table__, AlertEvent.__table__, AlertDelivery.__table__
-LEDGER, ACCOUNTS, KEYS, CREDITS = LedgerEntry.__table__, Account.__table__, ApiKey.__table__, CreditEntry.__table__
+LEDGER, ACCOUNTS, KEYS = LedgerEntry.__table__, Account.__table__, ApiKey.__table__
 SIGNATURE_HEADER = "Tollgate-Signature"
 
 
@@ -132,18 +133,21 @@ class AlertService:
         owner = f"key {rule.key_id}" if rule.key_id else f"account {rule.account_id}"
         if rule.metric == "balance_below":
             balance = await self._credits.balance(rule.account_id)
-            if balance is None or balance["billing_mode"] != "prepaid" or balance["balance_nanos"] >= rule.threshold:
+            if balance is None or balance["billing_mode"] != "prepaid":
                 return None
-            async with self._engine.connect() as conn:
-                last = (await conn.execute(sa.select(sa.func.max(CREDITS.c.id)).where(
-                    CREDITS.c.account_id == rule.account_id, CREDITS.c.kind != "usage"))).scalar()
-            return (f"after-credit-{last or 0}", balance["balance_nanos"], rule.threshold,
+            if balance["balance_nanos"] >= rule.threshold:
+                await self._rearm(rule)
+                return None
+            return (f"below-{rule.rearmed}", balance["balance_nanos"], rule.threshold,
                     f"The prepaid balance of {owner} is ${usd(balance['balance_nanos'])}, below ${usd(rule.threshold)}.")
         column = LEDGER.c.key_id if rule.key_id else LEDGER.c.account_id
         measure = sa.func.sum(LEDGER.c.cost_nanos) if rule.metric == "monthly_spend" else sa.func.sum(LEDGER.c.prompt_tokens + LEDGER.c.completion_tokens)
         async with self._engine.connect() as conn:
+            start = _month_start(now)
+            end = _month_start(start + timedelta(days=32))
+            # the month a row counts in is the one it was admitted in (as invoices and quotas count it)
             value = int((await conn.execute(sa.select(sa.func.coalesce(measure, 0)).where(
-                column == (rule.key_id or rule.account_id), LEDGER.c.created_at >= _month_start(now)))).scalar_one())
+                column == (rule.key_id or rule.account_id), LEDGER.c.admitted_at >= start, LEDGER.c.admitted_at < end))).scalar_one())
             threshold = rule.threshold
             if rule.percent is not None:
                 table = KEYS if rule.key_id else ACCOUNTS
@@ -159,6 +163,15 @@ class AlertService:
         what = "spend" if rule.metric == "monthly_spend" else "token use"
         pct = f" ({rule.percent}% of its limit)" if rule.percent is not None else ""
         return (f"{now:%Y-%m}", value, threshold, f"The monthly {what} of {owner} is {shown(value)}, past {shown(threshold)}{pct}.")
+
+    async def _rearm(self, rule: Any) -> None:
+        """The balance is back at or above the threshold: the next fall below is a new crossing. Only
+        after a crossing of the current arming, and once across processes (the update is conditional)."""
+        async with self._engine.begin() as conn:
+            await conn.execute(RULES.update().where(
+                RULES.c.id == rule.id, RULES.c.rearmed == rule.rearmed,
+                sa.exists().where(EVENTS.c.rule_id == rule.id, EVENTS.c.crossing == f"below-{rule.rearmed}"),
+            ).values(rearmed=rule.rearmed + 1))
 
     async def _record(self, rule: Any, crossing: str, value: int, threshold: int, message: str, now: datetime) -> int | None:
         """The event row, or None when another process (or an earlier check) recorded this crossing."""

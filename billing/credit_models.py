@@ -61,3 +61,49 @@ class CreditSettings(SQLModel, table=True):
     recharge_payment_intent: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True))
     recharge_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
     updated_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
+
+
+class CreditUsageMark(SQLModel, table=True):
+    """How far a prepaid account's usage is posted (billing/credits.py `post_usage`), so a batch reads
+    only ledger rows it has not posted: those with `posted_id < id <= frontier_id`.
+
+    Ledger ids come from one sequence when a row is inserted (a row replayed from a journal or
+    retried after an outage gets a new, higher id), so "every id up to N" is a complete set once no
+    transaction that took an id <= N is still open. `frontier_id` is the highest id seen at
+    `frontier_at`; a batch posts up to it only `settle` seconds later (TOLLGATE_CREDITS_SETTLE_SECONDS),
+    longer than any ledger write transaction lasts."""
+
+    __tablename__ = "credit_usage_marks"
+
+    account_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), primary_key=True, autoincrement=False))
+    posted_id: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))  # NULL: nothing posted through a mark yet
+    posted_nanos: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))  # sum of its usage rows, negated
+    posted_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))  # frontier_at of posted_id
+    frontier_id: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
+    frontier_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
+
+
+class PrepaidStatement(SQLModel, table=True):
+    """A prepaid account's monthly statement (billing/statements.py), made by the monthly close: the
+    opening balance, the credit rows of the month, its usage, the closing balance. Nothing is due
+    (usage was paid from the balance) and it never goes to Stripe. One per account and period; an
+    issued statement is never edited (late usage shows on the next one)."""
+
+    __tablename__ = "prepaid_statements"
+    __table_args__ = (sa.UniqueConstraint("account_id", "period", name="uq_prepaid_statements_account_period"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    number: str = Field(sa_column=sa.Column(sa.String(32), nullable=False, unique=True))
+    account_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("accounts.id"), nullable=False, index=True))
+    period: str = Field(sa_column=sa.Column(sa.String(7), nullable=False))
+    period_start: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
+    period_end: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
+    opening_nanos: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    credits_nanos: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))  # top-ups, grants, refunds, expiries, adjustments
+    usage_nanos: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))  # the month's usage (positive: a debit)
+    late_nanos: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))  # earlier months, recorded after their statement
+    closing_nanos: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
+    content: str = Field(sa_column=sa.Column(sa.Text, nullable=False))  # JSON: the credit rows and the usage per model
+    seller: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    buyer: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    issued_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))

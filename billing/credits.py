@@ -3,9 +3,10 @@
     balance = credits - usage since the account became prepaid          (exact nano-USD)
     credits = the credit ledger's rows other than `usage` (top-ups, grants, refunds, expiries, adjustments)
 
-Usage reaches the credit ledger in batches: `post_usage` writes `usage` rows for the ledger's cost
-not yet posted (every row since `prepaid_since`, so a late ledger row is posted by the next batch),
-spending grants that have not expired first (earliest expiry first), then purchased credit. Once
+Usage reaches the credit ledger in batches: `post_usage` writes `usage` rows for the cost of the
+ledger rows above the account's usage mark (ledger ids, so a row replayed late gets a new id and is
+posted by the next batch, and a batch never re-reads what is posted), spending the grants that had
+not expired when each row finished first (earliest expiry first), then purchased credit. Once
 usage is posted the balance equals the sum of the credit ledger. An expired grant's unused rest is
 removed by an `expiry` row (unique per grant), never by editing.
 
@@ -25,17 +26,23 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from billing.credit_models import CREDIT_KINDS, CreditEntry
+from billing.credit_models import CREDIT_KINDS, CreditEntry, CreditUsageMark
 from billing.models import Account, LedgerEntry, utcnow
 
 log = logging.getLogger("tollgate.credits")
 CREDITS = CreditEntry.__table__
 ACCOUNTS = Account.__table__
 LEDGER = LedgerEntry.__table__
+MARKS = CreditUsageMark.__table__
+DEFAULT_SETTLE_SECONDS = 120.0  # > any ledger write transaction (statements time out after 60 s)
 NANOS_PER_USD = 10**9
 MAX_NANOS = 2**53 - 1  # exact in the limiter's Lua numbers
 BILLING_MODES = ("postpaid", "prepaid")
 MANUAL_KINDS = ("topup", "grant", "refund", "adjustment")
+
+
+class _LostRace(Exception):
+    """Another process moved the usage mark while this batch ran: the batch is rolled back."""
 
 
 class CreditError(ValueError):
@@ -102,20 +109,42 @@ async def _usage_cost(conn: AsyncConnection, account_id: int, since: datetime | 
     return int((await conn.execute(query)).scalar_one())
 
 
+async def _spent(conn: AsyncConnection, account_id: int, since: datetime | None) -> tuple[int, int]:
+    """(cost of the account's usage since it became prepaid, the part of it posted to the credit
+    ledger). Through the account's usage mark: what is posted plus the ledger rows above it, so only
+    rows not posted yet are read; without a mark (nothing posted through one yet), every row."""
+    if since is None:
+        return 0, 0
+    mark = (await conn.execute(sa.select(MARKS).where(MARKS.c.account_id == account_id))).first()
+    if mark is None or mark.posted_id is None:
+        posted = -int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
+            CREDITS.c.account_id == account_id, CREDITS.c.kind == "usage"))).scalar_one())
+        return await _usage_cost(conn, account_id, since), posted
+    newer = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
+        LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since, LEDGER.c.id > mark.posted_id))).scalar_one())
+    return int(mark.posted_nanos) + newer, int(mark.posted_nanos)
+
+
 async def prepaid_totals(conn: AsyncConnection, account_id: int) -> tuple[tuple[tuple[int, int], ...], int]:
     """What the limiter seeds a prepaid account with: its credit rows (id, nanos) other than usage,
     and the cost of its usage since it became prepaid."""
     rows = (await conn.execute(sa.select(CREDITS.c.id, CREDITS.c.amount_nanos).where(
         CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage").order_by(CREDITS.c.id))).all()
-    return tuple((int(r.id), int(r.amount_nanos)) for r in rows), await _usage_cost(conn, account_id, await _since(conn, account_id))
+    spent, _ = await _spent(conn, account_id, await _since(conn, account_id))
+    return tuple((int(r.id), int(r.amount_nanos)) for r in rows), spent
 
 
 class CreditBook:
     """Writes the credit ledger and tells the limiter (when there is one) of each new credit."""
 
-    def __init__(self, engine: AsyncEngine, limiter: Any = None) -> None:
+    def __init__(self, engine: AsyncEngine, limiter: Any = None, *, settle_seconds: float | None = None) -> None:
         self._engine = engine
         self._limiter = limiter
+        # How long after seeing the highest ledger id a batch may post up to it (see CreditUsageMark):
+        # SQLite has one writer at a time, so an id seen is committed with all below it.
+        if settle_seconds is None:
+            settle_seconds = 0.0 if engine.dialect.name == "sqlite" else DEFAULT_SETTLE_SECONDS
+        self.settle = timedelta(seconds=settle_seconds)
 
     async def set_mode(self, account_id: int, mode: str) -> dict[str, Any] | None:
         if mode not in BILLING_MODES:
@@ -184,12 +213,11 @@ class CreditBook:
             if account is None:
                 return None
             since = _aware(account.prepaid_since)
-            sums = dict((await conn.execute(sa.select(CREDITS.c.kind, sa.func.sum(CREDITS.c.amount_nanos)).where(
-                CREDITS.c.account_id == account_id).group_by(CREDITS.c.kind))).all())
-            usage = await _usage_cost(conn, account_id, since)
+            credits = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
+                CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage"))).scalar_one())
+            usage, posted = await _spent(conn, account_id, since)
             grants = await _grants(conn, account_id)
-        credits = sum(int(v) for k, v in sums.items() if k != "usage")
-        ledger_sum = sum(int(v) for v in sums.values())
+        ledger_sum = credits - posted
         balance = credits - usage
         return {
             "object": "credit_balance", "account_id": account_id, "billing_mode": account.billing_mode,
@@ -200,35 +228,25 @@ class CreditBook:
         }
 
     async def statement(self, account_id: int, start: datetime, end: datetime) -> dict[str, Any] | None:
-        """A prepaid account's month: opening balance, the credit rows (not usage) in [start, end),
-        its usage cost per model, closing balance. Nothing is due: usage was paid from the balance."""
+        """A prepaid account's month, computed now (the close's document is billing/statements.py, and
+        this is the same reading): opening balance, the credit rows (not usage) of the month, its
+        usage per model (rows admitted in it), closing balance. Nothing is due: usage was paid from
+        the balance. `start` names the month."""
+        from billing.periods import Period
+        from billing.statements import figures
+
+        period = Period.containing(start)
         async with self._engine.connect() as conn:
             since = await _since(conn, account_id)
             if since is None:
                 return None
-
-            async def credits_before(t: datetime) -> int:
-                return int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
-                    CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage", CREDITS.c.created_at < t))).scalar_one())
-
-            opening = await credits_before(start) - await _usage_cost(conn, account_id, since, start)
-            closing = await credits_before(end) - await _usage_cost(conn, account_id, since, end)
-            rows = (await conn.execute(sa.select(CREDITS).where(
-                CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage", CREDITS.c.created_at >= start,
-                CREDITS.c.created_at < end).order_by(CREDITS.c.created_at, CREDITS.c.id))).all()
-            usage = (await conn.execute(sa.select(
-                LEDGER.c.model, sa.func.count(), sa.func.sum(LEDGER.c.prompt_tokens), sa.func.sum(LEDGER.c.completion_tokens),
-                sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0),
-            ).where(LEDGER.c.account_id == account_id, LEDGER.c.created_at >= max(since, start), LEDGER.c.created_at < end)
-                .group_by(LEDGER.c.model).order_by(LEDGER.c.model))).all()
-        used = sum(int(u[4]) for u in usage)
+            month = await figures(conn, account_id, since, period)
         return {
-            "object": "credit_statement", "account_id": account_id, "start": start.isoformat(), "end": end.isoformat(),
-            "opening_balance_nanos": opening, "opening_balance": usd(opening),
-            "credits": [entry_view(r) for r in rows],
-            "usage": [{"model": u[0], "requests": int(u[1]), "prompt_tokens": int(u[2] or 0), "completion_tokens": int(u[3] or 0),
-                       "cost_nanos": int(u[4]), "cost": usd(int(u[4]))} for u in usage],
-            "usage_nanos": used, "closing_balance_nanos": closing, "closing_balance": usd(closing), "amount_due": "0.00",
+            "object": "credit_statement", "account_id": account_id, "start": period.start.isoformat(), "end": period.end.isoformat(),
+            "opening_balance_nanos": month["opening"], "opening_balance": usd(month["opening"]),
+            "late_nanos": month["late"], "credits_nanos": month["credits"], "credits": month["content"]["credits"],
+            "usage": month["content"]["usage"], "usage_nanos": month["usage"],
+            "closing_balance_nanos": month["closing"], "closing_balance": usd(month["closing"]), "amount_due": "0.00",
         }
 
     async def entries(self, account_id: int, limit: int = 100) -> list[dict[str, Any]]:
@@ -237,40 +255,92 @@ class CreditBook:
                                        .order_by(CREDITS.c.id.desc()).limit(limit))).all()
         return [entry_view(r) for r in rows]
 
-    async def post_usage(self, account_id: int, until: datetime | None = None) -> list[dict[str, Any]]:
-        """Posts the usage cost not yet in the credit ledger, up to `until`: grants first (earliest
-        expiry first), then purchased credit. One batch per account at a time (row lock)."""
-        until = until or utcnow()
+    async def post_usage(self, account_id: int, now: datetime | None = None) -> list[dict[str, Any]]:
+        """Posts the account's usage not yet in the credit ledger: the ledger rows above its mark
+        (billing.credit_models.CreditUsageMark), so a batch reads only new rows however large the
+        account. A row's cost goes to the grants that had not expired when it finished (earliest
+        expiry first), then to purchased credit. One batch per account at a time (row lock, and a
+        conditional update of the mark: a batch that lost a race to another process adds nothing)."""
+        try:
+            return await self._post_usage(account_id, now or utcnow())
+        except (_LostRace, IntegrityError):  # another process posted this range (or made the mark) meanwhile
+            return []
+
+    async def _post_usage(self, account_id: int, now: datetime) -> list[dict[str, Any]]:
         async with self._engine.begin() as conn:
             account = (await conn.execute(sa.select(ACCOUNTS.c.prepaid_since).where(ACCOUNTS.c.id == account_id).with_for_update())).first()
             if account is None or account.prepaid_since is None:
                 return []
-            cost = await _usage_cost(conn, account_id, _aware(account.prepaid_since), until)
-            posted = -int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
-                CREDITS.c.account_id == account_id, CREDITS.c.kind == "usage"))).scalar_one())
-            left = cost - posted
-            if left <= 0:
-                return []
-            parts: list[tuple[int | None, int]] = []
-            for grant in await _grants(conn, account_id, at=until - timedelta(microseconds=1)):  # usage before `until`
-                if left == 0:
-                    break
-                if grant["expired"] or grant["remaining"] <= 0:
-                    continue
-                take = min(left, grant["remaining"])
-                parts.append((grant["id"], take))
-                left -= take
-            if left:
-                parts.append((None, left))
-            now = utcnow()
-            rows = [(await conn.execute(CREDITS.insert().values(
-                account_id=account_id, kind="usage", amount_nanos=-take, grant_id=gid, usage_until=until, created_at=now,
-            ).returning(*CREDITS.c))).one() for gid, take in parts]
+            mark = (await conn.execute(sa.select(MARKS).where(MARKS.c.account_id == account_id).with_for_update())).first()
+            if mark is None:
+                await conn.execute(MARKS.insert().values(account_id=account_id, posted_nanos=0))
+                mark = (await conn.execute(sa.select(MARKS).where(MARKS.c.account_id == account_id))).one()
+            top = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(LEDGER.c.id), 0)))).scalar_one())
+            if not self.settle:
+                target, seen_at = top, now  # nothing can commit below an id already seen
+            elif mark.frontier_id is not None and _aware(mark.frontier_at) <= now - self.settle:  # type: ignore[operator]
+                target, seen_at = int(mark.frontier_id), _aware(mark.frontier_at)
+            else:
+                target, seen_at = None, None
+            values: dict[str, Any] = {}
+            if self.settle and (target is not None or mark.frontier_id is None):
+                values.update(frontier_id=top, frontier_at=now)  # the next batch posts up to here
+            rows: list[Any] = []
+            if target is not None and (mark.posted_id is None or target > mark.posted_id):
+                since = _aware(account.prepaid_since)
+                assert since is not None
+                if mark.posted_id is None:  # the first batch through a mark: usage rows posted before marks count
+                    legacy = -int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
+                        CREDITS.c.account_id == account_id, CREDITS.c.kind == "usage"))).scalar_one())
+                else:
+                    legacy = int(mark.posted_nanos)
+                parts = await self._allocate(conn, account_id, since, mark.posted_id, target, legacy if mark.posted_id is None else 0)
+                rows = [(await conn.execute(CREDITS.insert().values(
+                    account_id=account_id, kind="usage", amount_nanos=-take, grant_id=gid, usage_until=seen_at, created_at=utcnow(),
+                ).returning(*CREDITS.c))).one() for gid, take in parts]
+                values.update(posted_id=target, posted_at=seen_at, posted_nanos=legacy + sum(take for _, take in parts))
+            if values:
+                same = sa.and_(MARKS.c.account_id == account_id,
+                               MARKS.c.posted_id.is_(None) if mark.posted_id is None else MARKS.c.posted_id == mark.posted_id,
+                               MARKS.c.frontier_id.is_(None) if mark.frontier_id is None else MARKS.c.frontier_id == mark.frontier_id)
+                if (await conn.execute(MARKS.update().where(same).values(**values))).rowcount != 1:
+                    raise _LostRace()  # rolls the batch back (SQLite has no row locks: the mark is the guard)
         return [entry_view(r) for r in rows]
+
+    async def _allocate(self, conn: AsyncConnection, account_id: int, since: datetime, above: int | None, upto: int,
+                        already: int) -> list[tuple[int | None, int]]:
+        """The cost of the ledger rows with ids in (above, upto], less `already` (posted before marks),
+        as (grant id or None, nanos): each row to the grants still running when it finished."""
+        grants = [g for g in await _grants(conn, account_id) if g["remaining"] > 0]
+        cuts = sorted({g["expires_at"] for g in grants if g["expires_at"] is not None})
+        segment: Any = sa.case(*[(LEDGER.c.created_at < cut, i) for i, cut in enumerate(cuts)], else_=len(cuts)) if cuts else sa.literal(0)
+        query = sa.select(segment.label("seg"), sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0).label("cost")).where(
+            LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since, LEDGER.c.id <= upto)
+        if above is not None:
+            query = query.where(LEDGER.c.id > above)
+        costs = sorted((int(r.seg), int(r.cost)) for r in (await conn.execute(query.group_by(segment))).all())
+        taken: dict[int | None, int] = {}
+        for seg, cost in costs:
+            cost, already = cost - min(cost, already), already - min(cost, already)
+            for grant in grants:  # earliest expiry first; a row finished in segment `seg` may use grants expiring after it
+                if cost == 0:
+                    break
+                if grant["remaining"] <= 0 or (grant["expires_at"] is not None and (seg >= len(cuts) or grant["expires_at"] < cuts[seg])):
+                    continue
+                take = min(cost, grant["remaining"])
+                grant["remaining"] -= take
+                taken[grant["id"]] = taken.get(grant["id"], 0) + take
+                cost -= take
+            if cost:
+                taken[None] = taken.get(None, 0) + cost
+        if already:  # posted before marks and more than these rows cost: never happens with an exact ledger
+            log.warning("account %s: %d nano-USD of usage posted before marks exceed the ledger", account_id, already)
+        return [(gid, take) for gid, take in taken.items() if take > 0]
 
     async def expire_grants(self, now: datetime | None = None) -> list[dict[str, Any]]:
         """Removes the unused rest of every grant that has expired, by an `expiry` row (once per grant:
-        its external_id is unique), after posting the account's usage up to the expiry instant."""
+        its external_id is unique), once the account's usage recorded before the expiry instant is
+        posted (usage that finished after it never used the grant)."""
         now = now or utcnow()
         done = CREDITS.alias("done")
         async with self._engine.connect() as conn:
@@ -280,8 +350,11 @@ class CreditBook:
             ))).all()
         made = []
         for grant in due:
-            await self.post_usage(int(grant.account_id), _aware(grant.expires_at))
+            await self.post_usage(int(grant.account_id), now)
             async with self._engine.connect() as conn:
+                posted_at = (await conn.execute(sa.select(MARKS.c.posted_at).where(MARKS.c.account_id == grant.account_id))).scalar()
+                if posted_at is None or _aware(posted_at) < _aware(grant.expires_at):  # type: ignore[operator]
+                    continue  # usage recorded before the expiry is not all posted yet: a later round expires it
                 remaining = next((g["remaining"] for g in await _grants(conn, int(grant.account_id)) if g["id"] == grant.id), 0)
             if remaining <= 0:
                 continue

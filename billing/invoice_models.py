@@ -43,6 +43,8 @@ class PriceOverride(SQLModel, table=True):
     kind: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))
     input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
     output_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
+    # A custom price's cached-input price (issue 25); NULL: cached prompt tokens cost its input price.
+    cached_input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
     multiplier: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(12, 6), nullable=True))
     effective_from: datetime = Field(sa_column=_ts())
     created_at: datetime = Field(sa_column=_ts())

@@ -10,6 +10,9 @@ that runs across a price change or a month end belongs to the instant it started
 rows' `cost_nanos`. Billed rows
 have status completed or cancelled (tokens really generated); error rows are not billed.
 
+A prepaid account's usage is not invoiced; its month gets a statement instead (billing/statements.py),
+made by the same run.
+
 Late usage: a row that lands after its period was closed is billed once, in the next invoice
 closed for that account, as an adjustment line dated with its own period. The close finds it by
 comparing the ledger's current tokens for each recently closed period with the tokens already
@@ -40,6 +43,7 @@ from billing.invoice_models import BillingPeriod, Invoice, InvoiceLine
 from billing.models import Account, LedgerEntry, utcnow
 from billing.periods import Period
 from billing.prices import EXACT, EffectivePrice, PriceBook
+from billing.statements import STATEMENTS, close_statement
 
 log = logging.getLogger("tollgate.invoicing")
 
@@ -389,6 +393,7 @@ class CloseResult:
     created: list[int] = field(default_factory=list)
     existing: list[int] = field(default_factory=list)
     total_cents: int = 0
+    statements: list[int] = field(default_factory=list)  # prepaid accounts' statements of the period
 
     def view(self) -> dict[str, Any]:
         return {
@@ -401,6 +406,7 @@ class CloseResult:
             "invoice_ids": sorted(self.created + self.existing),
             "total_cents": self.total_cents,
             "total": format_cents(self.total_cents),
+            "statement_ids": sorted(self.statements),
         }
 
 
@@ -507,6 +513,7 @@ async def _run(
         invoice_id, made = await close_account(db, book, account_id, period, closed_before, now=now, config=config)
         if made and invoice_id is not None:
             created.append(invoice_id)
+        await close_statement(db, account_id, period, now=now, config=config)  # a prepaid account's month (no amount due)
         async with db.begin() as conn:
             await conn.execute(PERIODS.update().where(PERIODS.c.period == str(period)).values(accounts_done=done))
         if progress is not None:
@@ -532,6 +539,7 @@ async def _result(db: AsyncEngine, period: Period, created: list[int], status: s
     async with db.connect() as conn:
         rows = (await conn.execute(sa.select(INVOICES.c.id, INVOICES.c.total_cents).where(INVOICES.c.period == str(period)))).all()
         accounts = (await conn.execute(sa.select(PERIODS.c.accounts_total).where(PERIODS.c.period == str(period)))).scalar()
+        statements = [int(s) for s in (await conn.execute(sa.select(STATEMENTS.c.id).where(STATEMENTS.c.period == str(period)))).scalars()]
     made = set(created)
     return CloseResult(
         period=str(period),
@@ -540,4 +548,5 @@ async def _result(db: AsyncEngine, period: Period, created: list[int], status: s
         created=[int(r.id) for r in rows if r.id in made],
         existing=[int(r.id) for r in rows if r.id not in made],
         total_cents=sum(int(r.total_cents) for r in rows),
+        statements=statements,
     )

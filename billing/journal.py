@@ -48,7 +48,7 @@ class Recovered:
 
 
 def _dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj, default=_default) + b"\n"
+    return orjson.dumps(obj, default=_default, option=orjson.OPT_APPEND_NEWLINE)  # the line without another copy
 
 
 def _default(value: Any) -> Any:
@@ -68,6 +68,7 @@ class LedgerJournal:
         self._size = 0
         self._admitted: dict[str, bytes] = {}  # request_id -> its "a" line, until a final row is written
         self._unacked: dict[str, bytes] = {}  # request_id -> its "f" line, until the database has it
+        self._outstanding_bytes = 0  # the two maps' line lengths, kept as they change (not summed per batch)
         self._dirty = threading.Event()
         self._fd_lock = threading.Lock()  # the fsync thread against rotation and close
         self._stop = threading.Event()
@@ -94,6 +95,7 @@ class LedgerJournal:
             self._unacked[row["request_id"]] = _dumps({"f": row})
         for row, _hold in recovered.interrupted:
             self._unacked[row["request_id"]] = _dumps({"f": row})
+        self._outstanding_bytes = sum(map(len, self._unacked.values())) + sum(map(len, self._admitted.values()))
         self._rotate()
         self._thread = threading.Thread(target=self._fsync_loop, name="ledger-journal-fsync", daemon=True)
         self._thread.start()
@@ -118,19 +120,29 @@ class LedgerJournal:
     # writing (event loop thread; never raises) -------------------------------------------------
     def admitted(self, row: dict[str, Any], hold: dict[str, Any] | None) -> None:
         line = _dumps({"a": row, "h": hold})
-        self._admitted[row["request_id"]] = line
+        rid = row["request_id"]
+        old = self._admitted.get(rid)
+        self._admitted[rid] = line
+        self._outstanding_bytes += len(line) - (len(old) if old is not None else 0)
         self._append(line)
 
     def final(self, row: dict[str, Any]) -> None:
         line = _dumps({"f": row})
         rid = row["request_id"]
-        self._admitted.pop(rid, None)
+        gone = self._admitted.pop(rid, None)
+        old = self._unacked.get(rid)
         self._unacked[rid] = line
+        self._outstanding_bytes += len(line) - (len(gone) if gone is not None else 0) - (len(old) if old is not None else 0)
         self._append(line)
 
     def acknowledged(self, request_ids: list[str]) -> None:
+        freed = 0
+        unacked = self._unacked
         for rid in request_ids:
-            self._unacked.pop(rid, None)
+            line = unacked.pop(rid, None)
+            if line is not None:
+                freed += len(line)
+        self._outstanding_bytes -= freed
         self._append(_dumps({"k": request_ids}))
         if self._size >= self.segment_bytes and self._size >= 4 * self.outstanding_bytes:
             self._rotate()
@@ -142,7 +154,7 @@ class LedgerJournal:
 
     @property
     def outstanding_bytes(self) -> int:
-        return sum(map(len, self._unacked.values())) + sum(map(len, self._admitted.values()))
+        return self._outstanding_bytes
 
     def _append(self, line: bytes) -> None:
         if self._fd is None:
@@ -232,6 +244,13 @@ class LedgerJournal:
         recovered.replayed = [row for rid, row in finals.items() if rid not in acked]
         recovered.interrupted = [(row, hold) for rid, (row, hold) in admitted.items() if rid not in finals and rid not in acked]
         return recovered
+
+
+def fields_of(record: Any) -> dict[str, Any]:
+    """A UsageRecord's fields to journal, without copying: the journal encodes them into its line
+    at once and keeps no reference (`row_of` for a row to keep)."""
+    values = getattr(record, "__dict__", None)
+    return values if values is not None else asdict(record)
 
 
 def row_of(record: Any) -> dict[str, Any]:

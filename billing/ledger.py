@@ -17,8 +17,8 @@ import asyncio
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta
+from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,42 +26,15 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.journal import JournalLocked, LedgerJournal, Recovered, record_fields, row_of
+from billing.journal import JournalLocked, LedgerJournal, Recovered, fields_of, record_fields
 from billing.models import LedgerEntry, utcnow
 from billing.quota import Hold
+from billing.records import UsageRecord
 from billing.usage import COUNTS, HOURLY, LATENCY, SUMS, add_to_aggregates, hour_of, latency_bucket
 
 log = logging.getLogger("tollgate.ledger")
 
 LEDGER = LedgerEntry.__table__
-
-
-@dataclass
-class UsageRecord:
-    request_id: str
-    account_id: int
-    key_id: int
-    model: str
-    prompt_tokens: int
-    completion_tokens: int
-    status: str
-    finish_reason: str | None
-    total_ms: float
-    queue_ms: float | None = None
-    ttft_ms: float | None = None
-    estimated: bool = False
-    cost_nanos: int | None = None
-    cached: bool = False  # issue 10: served from the response cache
-    cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache, when it said
-    api: str | None = None  # chat | completions | embeddings | messages (issue 21)
-    created_at: datetime = field(default_factory=utcnow)  # when it finished
-    # When it was admitted (its price looked up): prices it and decides its hour, day and month.
-    # None: derived as created_at minus total_ms (what migration 0010 backfilled).
-    admitted_at: datetime | None = None
-
-    def __post_init__(self) -> None:
-        if self.admitted_at is None:
-            self.admitted_at = self.created_at - timedelta(milliseconds=self.total_ms or 0.0)
 
 
 # The ledger's unique key: the request id and its admission instant, Postgres' partition key
@@ -259,7 +232,7 @@ class LedgerWriter:
         so a crash before its final row still leaves a row and a hold to release. Never raises."""
         if self.journal is not None:
             try:
-                self.journal.admitted(row_of(record), hold)
+                self.journal.admitted(fields_of(record), hold)
             except Exception:
                 log.exception("ledger journal: admission not journaled")
 
@@ -296,7 +269,7 @@ class LedgerWriter:
         """Queues a row. Synchronous on purpose: safe inside `finally` of a cancelled task."""
         if self.journal is not None:
             try:
-                self.journal.final(row_of(record))
+                self.journal.final(fields_of(record))
             except Exception:
                 log.exception("ledger journal: row kept in memory only")
         self._pending.append(record)

@@ -1,30 +1,45 @@
-"""The ledger writer's Postgres path for high ingest: binary COPY into a staging table, on several
-connections at once (bench/ledger_writer.py measures it beside the one-statement path).
+"""The ledger writer's Postgres path for high ingest: binary COPY straight into the month's
+partition, on several connections at once (bench/ledger_writer.py measures it beside the
+one-statement path).
 
-A batch is split into `connections` parts, written concurrently, each in one transaction:
+A batch is split into `connections` parts, written concurrently, each in one transaction. The fast
+path, taken by every batch of new rows:
 
-    COPY ledger_stage FROM STDIN (binary)            the rows, with their hour and histogram buckets
+    COPY ledger_partitions.ledger_entries_YYYY_MM FROM STDIN (binary)   the rows, no conflict clause
+    INSERT INTO usage_hourly SELECT * FROM unnest(...) ON CONFLICT DO UPDATE   the part's sums, computed
+    INSERT INTO latency_hourly ...                                             here (billing.usage.deltas)
+    COMMIT
+
+COPY has no ON CONFLICT, so a row already in the ledger (a journal replay, a batch retried after one
+of its parts committed) makes the unique key `(request_id, admitted_at)` refuse the COPY: the whole
+transaction rolls back, aggregates included, and that part is written again by the exact path:
+
+    COPY ledger_stage FROM STDIN (binary)            a temporary table, not WAL-logged
     INSERT INTO ledger_entries SELECT ... FROM ledger_stage ON CONFLICT (request_id, admitted_at) DO NOTHING
         RETURNING ...  -> the hourly aggregates upserted from the rows actually inserted (one statement)
     COMMIT                                            the staging table empties itself (ON COMMIT DELETE ROWS)
 
-Exactness is the one-statement path's: a row already in the ledger adds nothing to the aggregates,
-so a part that committed before another failed is harmless when the writer retries the whole batch.
+So the aggregates are exact either way: on the fast path every row of the part is new (else it
+would have rolled back) and the sums are the part's; on the exact path only inserted rows count.
+The month's partition is named directly when the whole part falls in one month (no per-row routing);
+a part spanning months, or a month whose partition does not exist, goes through the parent table.
 Two parts upsert the same aggregate rows in one sorted order, so they wait on each other, never deadlock.
-COPY feeds the rows in Postgres' binary format without SQL parameter arrays; the parts keep both
-cores busy (one Postgres backend each, while this process prepares the next batch).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 from typing import Any
+
+import asyncpg
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing import ledger
-from billing.usage import hour_of, latency_bucket
+from billing.partitions import PARENT, SCHEMA
+from billing.usage import deltas, hour_of, latency_bucket, upsert_deltas_pg
 
 log = logging.getLogger("tollgate.ledger")
 
@@ -48,6 +63,20 @@ _FROM_STAGE = (
 )
 
 
+_ROW = operator.attrgetter(*_NAMES)  # a record's COPY tuple in one C call
+FAST_PATH = True  # False: every part through the staging table (tests and the bench compare)
+
+
+def _month_partition(usage_rows: list[dict[str, Any]]) -> str | None:
+    """The partition's table name when every row of a part falls in one UTC month (its aggregate
+    rows' hours, from `deltas`, say so without another pass over the rows), else None."""
+    months = {(row["hour"].year, row["hour"].month) for row in usage_rows}
+    if len(months) != 1:
+        return None
+    ((year, month),) = months
+    return f"{PARENT}_{year:04d}_{month:02d}"
+
+
 def _staged(record: Any) -> tuple[Any, ...]:
     ttft = record.ttft_ms
     return (*(getattr(record, name) for name in _NAMES), hour_of(record.admitted_at), latency_bucket(record.total_ms),
@@ -62,6 +91,8 @@ class CopySession:
         self.engine = engine
         self.connections = max(1, connections)
         self._held: list[tuple[Any, Any]] = []  # (AsyncConnection, asyncpg connection)
+        self._missing: set[str] = set()  # partitions found absent: their months go through the parent
+        self.fallbacks = 0  # parts the fast path refused (a row already there) and the exact path wrote
 
     @staticmethod
     def applies(engine: AsyncEngine) -> bool:
@@ -88,14 +119,48 @@ class CopySession:
             raise
         return sum(written)
 
+    async def _write_part(self, driver: Any, part: list[Any]) -> int:
+        if FAST_PATH:
+            try:
+                return await self._copy_new(driver, part)
+            except asyncpg.UniqueViolationError:
+                self.fallbacks += 1  # a row already in the ledger: the exact path, by ON CONFLICT
+        return await self._write_part_exact(driver, part)
+
+    async def _copy_new(self, driver: Any, part: list[Any]) -> int:
+        """The part as new rows: COPY into its month's partition and its own sums added to the
+        aggregates, one transaction. Raises UniqueViolationError (nothing written) when a row exists."""
+        usage_rows, latency_rows = deltas(part)
+        rows = list(map(_ROW, part))
+        partition = _month_partition(usage_rows)
+        if partition in self._missing:
+            partition = None
+        while True:
+            try:
+                async with driver.transaction():
+                    if partition is None:
+                        await driver.copy_records_to_table(PARENT, records=rows, columns=_NAMES)
+                    else:
+                        await driver.copy_records_to_table(partition, schema_name=SCHEMA, records=rows, columns=_NAMES)
+                    await upsert_deltas_pg(driver, usage_rows, latency_rows)
+                return len(part)
+            except (asyncpg.UndefinedTableError, asyncpg.CheckViolationError):
+                if partition is None:  # the parent refused: not a partition question
+                    raise
+                # The month has no partition yet (or the rows are not all its): through the parent,
+                # which routes each row (to the DEFAULT partition at worst).
+                self._missing.add(partition)
+                partition = None
+
     @staticmethod
-    async def _write_part(driver: Any, part: list[Any]) -> int:
+    async def _write_part_exact(driver: Any, part: list[Any]) -> int:
         async with driver.transaction():
             await driver.copy_records_to_table(STAGE, records=[_staged(r) for r in part], columns=_STAGE_COLUMNS)
             return int(await driver.fetchval(_FROM_STAGE))
 
     async def close(self, *, broken: bool = False) -> None:
         held, self._held = self._held, []
+        self._missing.clear()  # the server's job may have created them since
         for conn, _driver in held:
             try:
                 if broken:

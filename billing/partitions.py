@@ -43,7 +43,7 @@ AHEAD_MONTHS = 3
 
 
 def partition_name(period: Period) -> str:
-    return f"{PARENT}_{period.year:04d}_{period.month:02d}"
+    return f"{PARENT}_{period.year:04d}_{period.month_number:02d}"
 
 
 def create_sql(period: Period) -> str:
@@ -119,7 +119,7 @@ async def _partitions(conn: Any) -> list[Partition]:
         period = None
         if name != DEFAULT:
             year, month = name.removeprefix(PARENT + "_").split("_")
-            period = Period(int(year), int(month))
+            period = Period.month(int(year), int(month))
         out.append(Partition(name, period, bool(attached)))
     return out
 

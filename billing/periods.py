@@ -1,10 +1,16 @@
-"""Billing periods: calendar months in UTC, written "2026-11"."""
+"""Periods: one type for every span of time billing and usage read, `[start, end)` in UTC.
+
+A billing period is a calendar month, written "2026-11" (`Period.parse`, `Period.month`,
+`Period.containing`); the aggregates' readers take any span of whole hours (`Period.covering`,
+`Period.last_days`), the hourly tables' resolution. Both are `Period(start, end)`: one type, so a
+month can be handed to a usage query as it is (issue 23).
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 _PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
 
@@ -13,10 +19,23 @@ class InvalidPeriod(ValueError):
     pass
 
 
+def _hour(at: datetime) -> datetime:
+    at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
+    return at.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
 @dataclass(frozen=True, order=True)
 class Period:
-    year: int
-    month: int
+    start: datetime
+    end: datetime
+
+    # months (billing periods) ------------------------------------------------------------------
+    @classmethod
+    def month(cls, year: int, month: int) -> "Period":
+        if not 1 <= month <= 12:
+            raise InvalidPeriod(f"month {month} is not 1 to 12")
+        start = datetime(year, month, 1, tzinfo=timezone.utc)
+        return cls(start, datetime(start.year + start.month // 12, start.month % 12 + 1, 1, tzinfo=timezone.utc))
 
     @classmethod
     def parse(cls, text: str) -> "Period":
@@ -26,30 +45,62 @@ class Period:
         year, month = int(match.group(1)), int(match.group(2))
         if not 1 <= month <= 12 or year < 1970:
             raise InvalidPeriod(f"period {text!r} is not a month")
-        return cls(year, month)
+        return cls.month(year, month)
 
     @classmethod
     def containing(cls, when: datetime) -> "Period":
+        """The month `when` falls in (a naive datetime is read as UTC)."""
         when = when.astimezone(timezone.utc) if when.tzinfo else when
-        return cls(when.year, when.month)
+        return cls.month(when.year, when.month)
 
     @property
-    def start(self) -> datetime:
-        return datetime(self.year, self.month, 1, tzinfo=timezone.utc)
+    def is_month(self) -> bool:
+        start = self.start
+        return (start.day, start.hour, start.minute, start.second, start.microsecond) == (1, 0, 0, 0, 0) \
+            and self.end == Period.month(start.year, start.month).end
 
     @property
-    def end(self) -> datetime:
-        return self.next().start
+    def year(self) -> int:
+        return self._as_month().start.year
+
+    @property
+    def month_number(self) -> int:
+        return self._as_month().start.month
 
     def next(self) -> "Period":
-        return Period(self.year + self.month // 12, self.month % 12 + 1)
+        return self.minus(-1)
 
     def prev(self) -> "Period":
-        return Period(self.year - (self.month == 1), (self.month - 2) % 12 + 1)
+        return self.minus(1)
 
     def minus(self, months: int) -> "Period":
-        index = self.year * 12 + self.month - 1 - months
-        return Period(index // 12, index % 12 + 1)
+        start = self._as_month().start
+        index = start.year * 12 + start.month - 1 - months
+        return Period.month(index // 12, index % 12 + 1)
+
+    def _as_month(self) -> "Period":
+        if not self.is_month:
+            raise ValueError(f"{self!r} is not a calendar month")
+        return self
+
+    # spans of whole hours (the aggregates' resolution) -------------------------------------------
+    @classmethod
+    def covering(cls, start: datetime, end: datetime) -> "Period":
+        """The whole hours that cover [start, end): at least one."""
+        first = _hour(start)
+        last = _hour(end)
+        if last < end.astimezone(timezone.utc):
+            last += timedelta(hours=1)
+        return cls(first, max(last, first + timedelta(hours=1)))
+
+    @classmethod
+    def last_days(cls, days: int, now: datetime | None = None) -> "Period":
+        """`days` days of whole hours up to the end of the current hour."""
+        now = now or datetime.now(timezone.utc)
+        end = _hour(now) + timedelta(hours=1)
+        return cls(end - timedelta(days=days), end)
 
     def __str__(self) -> str:
-        return f"{self.year:04d}-{self.month:02d}"
+        if self.is_month:
+            return f"{self.start.year:04d}-{self.start.month:02d}"
+        return f"{self.start.isoformat()}/{self.end.isoformat()}"

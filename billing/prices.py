@@ -139,6 +139,7 @@ class OverrideVersion:
     output_per_million: Decimal | None
     multiplier: Decimal | None
     effective_from: datetime
+    cached_input_per_million: Decimal | None = None  # a custom price's; None: cached tokens at its input price
 
     def view(self) -> dict[str, Any]:
         return {
@@ -149,6 +150,7 @@ class OverrideVersion:
             "kind": self.kind,
             "input_per_million": _str(self.input_per_million),
             "output_per_million": _str(self.output_per_million),
+            "cached_input_per_million": _str(self.cached_input_per_million),
             "multiplier": _str(self.multiplier),
             "effective_from": self.effective_from.isoformat(),
         }
@@ -244,6 +246,7 @@ def _override(row: Any) -> OverrideVersion:
         output_per_million=dec(row.output_per_million, "0.001"),
         multiplier=dec(row.multiplier, "0.000001"),
         effective_from=_aware(row.effective_from),
+        cached_input_per_million=dec(row.cached_input_per_million, "0.001"),
     )
 
 
@@ -337,7 +340,8 @@ class PriceBook:
         specific = self._active_override(account_id, model, when)
         if specific is not None and specific.kind == "price":
             assert specific.input_per_million is not None and specific.output_per_million is not None
-            return EffectivePrice(model, specific.input_per_million, specific.output_per_million, "USD", None, specific)
+            return EffectivePrice(model, specific.input_per_million, specific.output_per_million, "USD", None, specific,
+                                  specific.cached_input_per_million)
         if base is None:
             return None
         scaling = specific or self._active_override(account_id, ANY_MODEL, when)
@@ -456,14 +460,18 @@ class PriceBook:
         clear: bool = False,
         effective_from: datetime | None = None,
         backdate: bool = False,
+        cached_input_per_million: Any = None,
     ) -> OverrideVersion:
-        """Adds a version of an account's override: custom prices (both directions), a multiplier,
-        or `clear`. Same time rules as `add`. Model "*" takes a multiplier or clear only."""
+        """Adds a version of an account's override: custom prices (both directions, and optionally a
+        cached-input price), a multiplier, or `clear`. Same time rules as `add`. Model "*" takes a
+        multiplier or clear only."""
         now = utcnow()
         start = _aware(effective_from) if effective_from else now
         if not model or len(model) > 128:
             raise InvalidPrice("model must be a model id of 1 to 128 characters, or \"*\"")
         has_prices = input_per_million is not None or output_per_million is not None
+        if cached_input_per_million is not None and not has_prices:
+            raise InvalidPrice("cached_input_per_million goes with a custom price (input_per_million and output_per_million)")
         if sum([has_prices, multiplier is not None, bool(clear)]) != 1:
             raise InvalidPrice("give exactly one of: input_per_million and output_per_million, multiplier, or clear")
         values: dict[str, Any] = dict(account_id=account_id, model=model, effective_from=start, created_at=now)
@@ -474,6 +482,8 @@ class PriceBook:
                 kind="price",
                 input_per_million=parse_price(input_per_million, "input_per_million"),
                 output_per_million=parse_price(output_per_million, "output_per_million"),
+                cached_input_per_million=(None if cached_input_per_million is None
+                                          else parse_price(cached_input_per_million, "cached_input_per_million")),
             )
         elif multiplier is not None:
             values.update(kind="multiplier", multiplier=parse_multiplier(multiplier))

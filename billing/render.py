@@ -303,3 +303,106 @@ def render_credit_note_pdf(note: dict[str, Any]) -> bytes:
     doc.wrapped("Credited to your balance; applied to your next invoice." if note["applies_to"] == "balance"
                 else "Reduces the amount due on the invoice it credits.", 8)
     return doc.output()
+
+
+# prepaid statements (billing/statements.py) --------------------------------------------------------
+def money_nanos(nanos: int) -> str:
+    """nano-USD as dollars: $1,234.50, or every place needed ($0.000000150); negative: -$1.20."""
+    sign = "-" if nanos < 0 else ""
+    whole, frac = divmod(abs(nanos), 10**9)
+    places = f"{frac:09d}".rstrip("0").ljust(2, "0")
+    return f"{sign}${whole:,}.{places}"
+
+
+CREDIT_KIND_NAMES = {"topup": "Top-up", "grant": "Grant", "refund": "Refund", "expiry": "Expired grant", "adjustment": "Adjustment"}
+
+
+def statement_summary(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(f"Opening balance ({_date(doc['period_start'])})", money_nanos(doc["opening_balance_nanos"]))]
+    if doc["late_nanos"]:
+        rows.append(("Recorded after the previous statement (earlier months' usage or credit)", money_nanos(doc["late_nanos"])))
+    rows += [("Top-ups, grants, refunds, expiries, adjustments", money_nanos(doc["credits_nanos"])),
+             ("Usage paid from the balance", money_nanos(-doc["usage_nanos"])),
+             (f"Closing balance ({_date(doc['period_end'])})", money_nanos(doc["closing_balance_nanos"])),
+             ("Amount due", "$0.00")]
+    return rows
+
+
+def _statement_credit_rows(doc: dict[str, Any]) -> list[list[str]]:
+    return [[_date(c["created_at"]), CREDIT_KIND_NAMES.get(c["kind"], c["kind"]), c.get("reason") or c.get("external_id") or "",
+             money_nanos(c["amount_nanos"])] for c in doc["credits"]]
+
+
+def _statement_usage_rows(doc: dict[str, Any]) -> list[list[str]]:
+    return [[u["model"], f"{u['requests']:,}", f"{u['prompt_tokens']:,}", f"{u['cached_tokens']:,}", f"{u['completion_tokens']:,}",
+             money_nanos(-u["cost_nanos"])] for u in doc["usage"]]
+
+
+def _statement_facts(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("Statement number", doc["number"]), ("Issue date", _date(doc["issued_at"])),
+            ("Period", f"{doc['period']} ({_date(doc['period_start'])} to {_date(doc['period_end'])}, end exclusive, UTC)"),
+            ("Currency", doc["currency"].upper()), ("Account", f"{doc['account_name']} (id {doc['account_id']}), prepaid")]
+
+
+def render_statement_html(doc: dict[str, Any]) -> str:
+    e = html.escape
+    title = f"Prepaid statement {doc['number']}"
+
+    def table(head: list[str], rows: list[list[str]], numeric_from: int, empty: str, id_: str) -> str:
+        ths = "".join(f"<th{' class=n' if i >= numeric_from else ''}>{e(h)}</th>" for i, h in enumerate(head))
+        body = "".join("<tr>" + "".join(f"<td{' class=n' if i >= numeric_from else ''}>{e(v)}</td>" for i, v in enumerate(r)) + "</tr>"
+                       for r in rows) or f"<tr><td colspan={len(head)}>{e(empty)}</td></tr>"
+        return f"<table id={id_}><thead><tr>{ths}</tr></thead><tbody>{body}</tbody></table>"
+
+    summary = "".join(f"<tr{' class=total' if k.startswith(('Closing', 'Amount due')) else ''}><td>{e(k)}</td><td class=n>{e(v)}</td></tr>"
+                      for k, v in statement_summary(doc))
+    seller = doc.get("seller")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title><style>{STYLE}</style></head>
+<body>
+{_logo_html(seller)}<h1>{e(title)}</h1>
+<p class=notice id=no-amount-due>{e(doc['notice'])}</p>
+<div class=parties>
+<div><h3>From</h3>{'<br>'.join(e(x) for x in party_lines(seller)) or '(no seller identity configured)'}</div>
+<div><h3>Account holder</h3>{'<br>'.join(e(x) for x in party_lines(doc.get('buyer')))}</div>
+</div>
+<dl>{''.join(f'<dt>{e(k)}</dt><dd>{e(v)}</dd>' for k, v in _statement_facts(doc))}</dl>
+<h2>Balance</h2>
+<table class=totals id=statement-summary>{summary}</table>
+<h2>Credits</h2>
+{table(["Date", "Kind", "Reference", "Amount"], _statement_credit_rows(doc), 3, "No credit changes this month.", "statement-credits")}
+<h2>Usage</h2>
+{table(["Model", "Requests", "Prompt tokens", "Cached prompt tokens", "Completion tokens", "Debited"], _statement_usage_rows(doc), 1,
+       "No usage this month.", "statement-usage")}
+</body></html>
+"""
+
+
+def render_statement_pdf(doc: dict[str, Any]) -> bytes:
+    title = f"Prepaid statement {doc['number']}"
+    pdf = _Pdf(title)
+    seller = doc.get("seller")
+    pdf.header(title, seller)
+    pdf.wrapped(doc["notice"], 9, bold=True)
+    pdf.parties(("From", party_lines(seller) or ["(no seller identity configured)"]), ("Account holder", party_lines(doc.get("buyer"))))
+    pdf.pairs(_statement_facts(doc))
+    pdf.pdf.ln(2)
+    for k, v in statement_summary(doc):
+        pdf.line(f"{k}: {v}", 10, bold=k.startswith(("Closing", "Amount due")), height=6, align="R")
+    for heading, head, rows, widths in (
+        ("Credits", ["Date", "Kind", "Reference", "Amount"], _statement_credit_rows(doc), (22, 28, 100, 40)),
+        ("Usage", ["Model", "Requests", "Prompt", "Cached prompt", "Completion", "Debited"], _statement_usage_rows(doc),
+         (50, 22, 28, 30, 28, 32)),
+    ):
+        pdf.pdf.ln(2)
+        pdf.line(heading, 11, bold=True)
+        if not rows:
+            pdf.line(f"No {heading.lower()} this month." if heading == "Usage" else "No credit changes this month.", 9)
+            continue
+        pdf.pdf.set_font(pdf.family, "", 8)
+        with pdf.pdf.table(col_widths=widths, text_align=tuple("LEFT" if i == 0 or (heading == "Credits" and i < 3) else "RIGHT"
+                                                               for i in range(len(head)))) as table:
+            table.row(head)
+            for r in rows:
+                table.row([pdf.text(v) for v in r])
+    return pdf.output()

@@ -15,19 +15,19 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from billing.periods import Period
+from billing.records import UsageRecord
 from billing.usage_models import LatencyHour, UsageHour
 
-if TYPE_CHECKING:
-    from billing.ledger import UsageRecord
+__all__ = ["Period"]  # billing.usage.Period: the one Period type (billing/periods.py), where the readers take it
 
 HOURLY = UsageHour.__table__
 LATENCY = LatencyHour.__table__
@@ -64,35 +64,63 @@ def usd(nanos: int) -> str:
 
 
 # writing --------------------------------------------------------------------------------------
+_LOG2 = math.log2
+
+
 def deltas(records: Iterable[UsageRecord]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """What a batch of new ledger rows adds to each hourly row and histogram bucket."""
-    usage: dict[tuple[Any, ...], dict[str, Any]] = {}
+    """What a batch of new ledger rows adds to each hourly row and histogram bucket.
+
+    One pass, plain lists per group (the COPY ingest path runs this for every row it writes, so it
+    is kept to a few attribute reads and additions a row; bench/ledger_writer.py)."""
+    # group -> [requests, prompt, completion, cost_nanos, unpriced, errors, cancelled, ttft_count, cached, total_ms, ttft_ms]
+    usage: dict[tuple[Any, ...], list[Any]] = {}
     latency: dict[tuple[Any, ...], int] = defaultdict(int)
+    hours: dict[Any, datetime] = {}  # (date, hour, fold, tzinfo) -> the UTC hour: one conversion per distinct hour
     for r in records:
-        hour = hour_of(r.admitted_at)  # type: ignore[arg-type]  # the hour it was admitted in, as invoices count it
-        key = (hour, r.account_id, r.key_id, r.model)
+        at = r.admitted_at  # the hour it was admitted in, as invoices count it
+        probe = (at.date(), at.hour, at.fold, at.tzinfo)  # type: ignore[union-attr]
+        hour = hours.get(probe)
+        if hour is None:
+            hour = hours[probe] = hour_of(at)  # type: ignore[arg-type]
+        model = r.model
+        key = (hour, r.account_id, r.key_id, model)
         row = usage.get(key)
         if row is None:
-            row = usage[key] = {"hour": hour, "account_id": r.account_id, "key_id": r.key_id, "model": r.model,
-                                **{c: 0 for c in COUNTS}, **{s: 0.0 for s in SUMS}}
-        row["requests"] += 1
-        row["prompt_tokens"] += r.prompt_tokens
-        row["completion_tokens"] += r.completion_tokens
-        row["cached_tokens"] += r.cached_tokens or 0
-        if r.cost_nanos is None:
-            row["unpriced"] += 1
+            row = usage[key] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0]
+        row[0] += 1
+        row[1] += r.prompt_tokens
+        row[2] += r.completion_tokens
+        cost = r.cost_nanos
+        if cost is None:
+            row[4] += 1
         else:
-            row["cost_nanos"] += r.cost_nanos
-        row["errors"] += r.status in ("error", "interrupted")
-        row["cancelled"] += r.status == "cancelled"
-        row["total_ms_sum"] += r.total_ms
-        latency[(hour, r.model, "total", latency_bucket(r.total_ms))] += 1
-        if r.ttft_ms is not None:
-            row["ttft_ms_sum"] += r.ttft_ms
-            row["ttft_count"] += 1
-            latency[(hour, r.model, "ttft", latency_bucket(r.ttft_ms))] += 1
+            row[3] += cost
+        status = r.status
+        if status == "error" or status == "interrupted":
+            row[5] += 1
+        elif status == "cancelled":
+            row[6] += 1
+        if r.cached_tokens:
+            row[8] += r.cached_tokens
+        total = r.total_ms
+        row[9] += total
+        bucket = 0 if not total or total < 1.0 or total != total else min(int(_LOG2(total) * BUCKETS_PER_DOUBLING), 32767)
+        latency[(hour, model, "total", bucket)] += 1
+        ttft = r.ttft_ms
+        if ttft is not None:
+            row[10] += ttft
+            row[7] += 1
+            bucket = 0 if not ttft or ttft < 1.0 or ttft != ttft else min(int(_LOG2(ttft) * BUCKETS_PER_DOUBLING), 32767)
+            latency[(hour, model, "ttft", bucket)] += 1
     # A fixed order takes row locks in the same order in every writer: no deadlocks between gateways.
-    usage_rows = [usage[k] for k in sorted(usage)]
+    usage_rows = []
+    for (hour, account_id, key_id, model), v in sorted(usage.items(), key=lambda item: item[0]):
+        usage_rows.append({
+            "hour": hour, "account_id": account_id, "key_id": key_id, "model": model,
+            "requests": v[0], "prompt_tokens": v[1], "completion_tokens": v[2], "cost_nanos": v[3], "unpriced": v[4],
+            "errors": v[5], "cancelled": v[6], "ttft_count": v[7], "cached_tokens": v[8],
+            "total_ms_sum": v[9], "ttft_ms_sum": v[10],
+        })
     latency_rows = [
         {"hour": h, "model": m, "metric": metric, "bucket": b, "count": n}
         for (h, m, metric, b), n in sorted(latency.items())
@@ -130,6 +158,17 @@ _PG_USAGE_COLUMNS = (
 _PG_LATENCY_COLUMNS = (("hour", "timestamptz"), ("model", "text"), ("metric", "text"), ("bucket", "int2"), ("count", "int8"))
 
 
+async def upsert_deltas_pg(driver: Any, usage_rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]]) -> None:
+    """Adds `deltas()` to the aggregate tables on an asyncpg connection: one statement per table
+    (columns as arrays), inside the caller's transaction."""
+    for table, columns, keys, rows in (
+        (HOURLY, _PG_USAGE_COLUMNS, ("hour", "account_id", "key_id", "model"), usage_rows),
+        (LATENCY, _PG_LATENCY_COLUMNS, ("hour", "model", "metric", "bucket"), latency_rows),
+    ):
+        if rows:
+            await driver.execute(_pg_upsert_sql(table, columns, keys), *([r[c] for r in rows] for c, _ in columns))
+
+
 async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord]) -> None:
     """Adds newly inserted ledger rows to the aggregates, inside the caller's transaction."""
     if not records:
@@ -139,13 +178,7 @@ async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord
     if dialect == "postgresql" and conn.dialect.driver == "asyncpg":
         # Straight through asyncpg, one statement per table: SQLAlchemy's executemany path cost
         # more CPU than the rest of writing a batch (docs/performance.md).
-        driver = (await conn.get_raw_connection()).driver_connection
-        for table, columns, keys, rows in (
-            (HOURLY, _PG_USAGE_COLUMNS, ("hour", "account_id", "key_id", "model"), usage_rows),
-            (LATENCY, _PG_LATENCY_COLUMNS, ("hour", "model", "metric", "bucket"), latency_rows),
-        ):
-            if rows:
-                await driver.execute(_pg_upsert_sql(table, columns, keys), *([r[c] for r in rows] for c, _ in columns))
+        await upsert_deltas_pg((await conn.get_raw_connection()).driver_connection, usage_rows, latency_rows)
         return
     await conn.execute(
         _adding_upsert(dialect, HOURLY, ("hour", "account_id", "key_id", "model"), COUNTS + SUMS), usage_rows
@@ -154,34 +187,6 @@ async def add_to_aggregates(conn: AsyncConnection, records: Sequence[UsageRecord
 
 
 # reading --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Period:
-    """Whole hours [start, end), UTC: the resolution of the aggregates."""
-
-    start: datetime
-    end: datetime
-
-    @classmethod
-    def covering(cls, start: datetime, end: datetime) -> "Period":
-        first = hour_of(start)
-        last = hour_of(end)
-        if last < end.astimezone(timezone.utc):
-            last += timedelta(hours=1)
-        return cls(first, max(last, first + timedelta(hours=1)))
-
-    @classmethod
-    def last_days(cls, days: int, now: datetime | None = None) -> "Period":
-        now = now or datetime.now(timezone.utc)
-        end = hour_of(now) + timedelta(hours=1)
-        return cls(end - timedelta(days=days), end)
-
-    @classmethod
-    def month(cls, year: int, month: int) -> "Period":
-        start = datetime(year, month, 1, tzinfo=timezone.utc)
-        end = datetime(year + (month == 12), month % 12 + 1, 1, tzinfo=timezone.utc)
-        return cls(start, end)
-
-
 def _day_expr(dialect_name: str, column: Any) -> Any:
     if dialect_name == "postgresql":
         return sa.cast(sa.func.timezone("UTC", column), sa.Date)
@@ -311,7 +316,7 @@ async def month_to_date(
 ) -> dict[str, int]:
     """Tokens and spend (nano-USD) since the start of this calendar month (UTC)."""
     now = now or datetime.now(timezone.utc)
-    period = Period(datetime(now.year, now.month, 1, tzinfo=timezone.utc), hour_of(now) + timedelta(hours=1))
+    period = Period(Period.containing(now).start, hour_of(now) + timedelta(hours=1))
     rows = await usage_groups(engine, period, (), account_id=account_id, key_id=key_id)
     totals = rows[0] if rows else {"total_tokens": 0, "cost_nanos": 0, "requests": 0}
     return {"tokens": totals["total_tokens"], "cost_nanos": totals["cost_nanos"], "requests": totals["requests"]}

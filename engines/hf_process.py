@@ -292,7 +292,7 @@ async def _serve(conn: Any, engine: HFEngine, gather_ms: float) -> None:
     info = {"context_length": engine.context_length, "vocab_size": engine.vocab_size, "eos_ids": sorted(engine._eos_ids), "guided": engine.guided}
     conn.send(("ready", info, engine.tokenizer))
     loop = asyncio.get_running_loop()
-    relay = _StepRelay(conn, loop, engine, gather_ms / 1000.0)
+    relay = _StepRelay(conn, loop, engine, gather_ms / 1000.0, step_tokens=engine._max_batch_tokens, step_requests=engine._max_batch_size)
     stopped = loop.create_future()
     threading.Thread(target=_read_commands, args=(conn, loop, relay, stopped), daemon=True).start()
     await stopped
@@ -302,14 +302,19 @@ async def _serve(conn: Any, engine: HFEngine, gather_ms: float) -> None:
 class _StepRelay:
     """In the engine process: collects what the manager delivers in one step and sends it as one message."""
 
-    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop, engine: HFEngine, gather_s: float = 0.0) -> None:
+    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop, engine: HFEngine, gather_s: float = 0.0, *,
+                 step_tokens: int = 0, step_requests: int = 0) -> None:
         self._conn = conn
         self._loop = loop
         self._engine = engine
         self._seen: dict[str, int] = {}
         self._outbox: list[tuple[Any, ...]] = []
         self._gather_s = gather_s
+        # What fills the first step (the manager's tokens and requests per step; 0: no limit): a
+        # burst that fills it is handed over at once, as waiting longer could not make that step fuller.
+        self._step_tokens, self._step_requests = step_tokens, step_requests
         self._held: dict[str, tuple[Any, ...]] = {}  # rid -> its add's arguments, while a burst is gathered
+        self._held_tokens = 0
         self._window: tuple[float, Any] | None = None  # (the gathering's deadline, the quiet timer)
 
     def add(self, rid: str, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, grammar: str | None = None) -> None:
@@ -319,16 +324,20 @@ class _StepRelay:
             # A burst after an idle spell: held until no request has come for GATHER_QUIET_S (at most
             # gather_s after the first), then submitted together so the first prefill step is full.
             self._held[rid] = (rid, prompt_ids, max_tokens, temperature, top_p, grammar)
+            self._held_tokens += len(prompt_ids)
             now = self._loop.time()
             deadline, timer = self._window or (now + self._gather_s, None)
             if timer is not None:
                 timer.cancel()
+            if (self._step_tokens and self._held_tokens >= self._step_tokens) or (self._step_requests and len(self._held) >= self._step_requests):
+                self._release()  # the first step is full already
+                return
             self._window = (deadline, self._loop.call_at(min(deadline, now + GATHER_QUIET_S), self._release))
             return
         self._submit(rid, prompt_ids, max_tokens, temperature, top_p, grammar)
 
     def _release(self) -> None:
-        held, self._held, self._window = self._held, {}, None
+        held, self._held, self._window, self._held_tokens = self._held, {}, None, 0
         for args in held.values():
             self._submit(*args)
 
@@ -339,8 +348,13 @@ class _StepRelay:
         self._engine.submit(rid, prompt_ids, max_tokens, sampling, lambda out: self._collect(rid, out), grammar)
 
     def cancel(self, rid: str) -> None:
-        if self._seen.pop(rid, None) is not None and self._held.pop(rid, None) is None:
+        if self._seen.pop(rid, None) is None:
+            return
+        held = self._held.pop(rid, None)
+        if held is None:
             self._engine._cancel(rid)
+        else:
+            self._held_tokens -= len(held[1])
 
     def held(self, ask: int) -> None:
         self._conn.send(("held", ask, len(self._seen)))

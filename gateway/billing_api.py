@@ -324,6 +324,7 @@ class AddOverride(_Model):
     model: str = Field(min_length=1, max_length=128)
     input_per_million: StrictStr | StrictInt | None = None  # strict: JSON true is no price
     output_per_million: StrictStr | StrictInt | None = None
+    cached_input_per_million: StrictStr | StrictInt | None = None  # with a custom price only
     multiplier: StrictStr | StrictInt | None = None
     clear: bool = False
     effective_from: datetime | None = None
@@ -347,6 +348,7 @@ async def admin_add_override(request: Request) -> Response:
             multiplier=body.multiplier,
             clear=body.clear,
             effective_from=body.effective_from,
+            cached_input_per_million=body.cached_input_per_million,
         )
     except PriceConflict as exc:
         raise Conflict(str(exc), param="effective_from") from None

@@ -158,6 +158,9 @@ def worker_app() -> Any:
     configure_logging(os.environ.get("TOLLGATE_LOG_FORMAT", "json"), os.environ.get("TOLLGATE_LOG_LEVEL", "info"))
     app = create_app(settings, freeze_gc=True)
     _tune_gc()
+    from gateway.drain import install_in_worker
+
+    install_in_worker(app, settings.drain_seconds)  # SIGTERM from the master drains this worker (gateway/drain.py)
     return app
 
 

@@ -11,7 +11,7 @@ directly, like the other commands; Stripe settings come from the environment (TO
     tollgate prices list [--model M]
     tollgate prices add MODEL --input X --output Y [--cached-input Z] [--effective-from ISO] [--backdate]
     tollgate prices overrides --account NAME
-    tollgate prices override --account NAME --model M (--input X --output Y | --multiplier Z | --clear)
+    tollgate prices override --account NAME --model M (--input X --output Y [--cached-input C] | --multiplier Z | --clear)
                              [--effective-from ISO] [--backdate]
 """
 
@@ -290,6 +290,7 @@ def cmd_prices_override(settings: Settings, args: argparse.Namespace) -> int:
         return await PriceBook(db).add_override(
             account_id, args.model, input_per_million=args.input, output_per_million=args.output,
             multiplier=args.multiplier, clear=args.clear, effective_from=_time(args.effective_from), backdate=args.backdate,
+            cached_input_per_million=args.cached_input,
         )
 
     _print(_run(settings, add).view())
@@ -359,6 +360,7 @@ def register(sub: Any) -> None:
     p_ov.add_argument("--model", required=True, help='a model id, or "*" for a multiplier on every model')
     p_ov.add_argument("--input", help="custom price for input tokens")
     p_ov.add_argument("--output", help="custom price for output tokens")
+    p_ov.add_argument("--cached-input", help="custom price for cached prompt tokens (with --input/--output)")
     p_ov.add_argument("--multiplier", help='e.g. "0.85"')
     p_ov.add_argument("--clear", action="store_true", help="end the override (back to the base price)")
     p_ov.add_argument("--effective-from", help="ISO 8601 (default: now)")

@@ -12,6 +12,7 @@ gateway applies it within TOLLGATE_CREDITS_CHECK_SECONDS.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from billing.credits import CreditBook, CreditError, parse_usd
@@ -23,7 +24,8 @@ from gateway.credits_api import housekeeping
 
 def _book(settings: Settings, db: Any) -> tuple[CreditBook, Any]:
     limiter = RedisLimiter(settings.redis_url, LedgerTotals(db), prefix=settings.redis_prefix, timeout=2.0) if settings.redis_url else None
-    return CreditBook(db, limiter), limiter
+    settle = settings.extra.get("TOLLGATE_CREDITS_SETTLE_SECONDS") or os.environ.get("TOLLGATE_CREDITS_SETTLE_SECONDS")
+    return CreditBook(db, limiter, settle_seconds=float(settle) if settle else None), limiter
 
 
 def cmd_mode(settings: Settings, args: argparse.Namespace) -> int:

@@ -3,6 +3,10 @@
     GET  /v1/billing/balance                      the caller's account: balance, grants, billing mode
     GET  /v1/billing/statement?period=YYYY-MM     a prepaid month: opening balance, top-ups, usage, closing (no amount due)
     GET  /admin/accounts/{id}/statement?period=   the same for an admin
+    GET  /v1/statements                           the caller's monthly statements (made by the monthly close)
+    GET  /v1/statements/{id}[/html|/pdf]          one of them (the account's own only)
+    GET  /admin/statements                        ?account_id=&period=
+    GET  /admin/statements/{id}[/html|/pdf]
     GET  /admin/accounts/{id}/credits             balance and the latest credit-ledger rows
     POST /admin/accounts/{id}/credits             {"kind": topup|grant|refund|adjustment, "amount": "10.00",
                                                    "reason": ..., "expires_at": ...}  (the admin key is recorded)
@@ -16,8 +20,10 @@
                                                    "5.00" (USD) or tokens, or "percent": 80; "key_id"; "url"} -> the secret, once
 
 A background task (every TOLLGATE_CREDITS_CHECK_SECONDS, default 30) applies credit rows written
-elsewhere to this instance's limiter, removes expired grants, posts prepaid usage and checks the
-spend alerts (billing/alerts.py), and charges auto-recharges that are due (billing/checkout.py).
+elsewhere to this instance's limiter, removes expired grants, posts prepaid usage (incrementally, up
+to the ledger ids seen TOLLGATE_CREDITS_SETTLE_SECONDS before: billing/credit_models.py
+CreditUsageMark) and checks the spend alerts (billing/alerts.py), and charges auto-recharges that
+are due (billing/checkout.py).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from billing.credits import ACCOUNTS, CreditBook, CreditError, parse_usd
 from billing.models import utcnow
 from billing.periods import InvalidPeriod, Period
 from billing.quota import Scope
+from billing.render import render_statement_html, render_statement_pdf
+from billing.statements import get_statement, list_statements
 from gateway.admin import StrictStr, json_response
 from gateway.errors import InvalidRequest, NotFound
 from gateway.http import authenticate, authenticate_admin, id_value, read_json
@@ -108,6 +116,57 @@ async def my_statement(request: Request) -> Response:
 async def admin_statement(request: Request) -> Response:
     await authenticate_admin(request, request.app.state.keys)
     return await _statement(request, _account_id(request))
+
+
+def _statement_response(doc: dict[str, Any] | None, request: Request) -> Response:
+    fmt = request.path_params.get("fmt", "json")
+    if fmt not in ("json", "html", "pdf"):
+        raise NotFound(f"Unknown path {request.url.path}: statements come as /html or /pdf.")
+    if doc is None:
+        raise NotFound("No such statement.", param="id")
+    if fmt == "html":
+        return Response(render_statement_html(doc), media_type="text/html; charset=utf-8")
+    if fmt == "pdf":
+        headers = {"Content-Disposition": f'attachment; filename="{doc["number"]}.pdf"'}
+        return Response(render_statement_pdf(doc), media_type="application/pdf", headers=headers)
+    return json_response(doc)
+
+
+def _statement_id(request: Request) -> int:
+    value = id_value(request.path_params["statement_id"])
+    if value is None:
+        raise NotFound("No such statement.", param="id")
+    return value
+
+
+async def my_statements(request: Request) -> Response:
+    principal = await authenticate(request, request.app.state.keys)
+    return json_response({"object": "list", "data": await list_statements(request.app.state.db, account_id=principal.account_id)})
+
+
+async def my_statement_document(request: Request) -> Response:
+    principal = await authenticate(request, request.app.state.keys)
+    doc = await get_statement(request.app.state.db, _statement_id(request), account_id=principal.account_id)
+    return _statement_response(doc, request)
+
+
+async def admin_statements(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    raw_account, raw_period = request.query_params.get("account_id"), request.query_params.get("period")
+    account_id = id_value(raw_account) if raw_account else None
+    if raw_account and account_id is None:
+        raise InvalidRequest("account_id must be a positive integer", param="account_id", code="invalid_value")
+    try:
+        period = str(Period.parse(raw_period)) if raw_period else None
+    except InvalidPeriod as exc:
+        raise InvalidRequest(str(exc), param="period", code="invalid_value") from None
+    data = await list_statements(request.app.state.db, account_id=account_id, period=period)
+    return json_response({"object": "list", "data": data})
+
+
+async def admin_statement_document(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    return _statement_response(await get_statement(request.app.state.db, _statement_id(request)), request)
 
 
 async def admin_credits(request: Request) -> Response:
@@ -320,8 +379,10 @@ async def _loop(book: CreditBook, db: Any, alerts: AlertService, checkout: Check
 
 async def start(app: Starlette) -> None:
     settings = app.state.settings
-    every = float({**os.environ, **settings.extra}.get("TOLLGATE_CREDITS_CHECK_SECONDS", "30"))
-    app.state.credits = CreditBook(app.state.db, app.state.limiter)
+    env = {**os.environ, **settings.extra}
+    every = float(env.get("TOLLGATE_CREDITS_CHECK_SECONDS", "30"))
+    settle = env.get("TOLLGATE_CREDITS_SETTLE_SECONDS")  # unset: 120 s on Postgres, 0 on SQLite
+    app.state.credits = CreditBook(app.state.db, app.state.limiter, settle_seconds=None if settle in (None, "") else float(settle))
     app.state.alerts = AlertService(app.state.db, app.state.credits)
     billing = app.state.billing
     app.state.checkout = None
@@ -353,6 +414,12 @@ routes = [
     Route("/dashboard/checkout", dashboard_checkout, methods=["POST"]),
     Route("/v1/billing/statement", my_statement, methods=["GET"]),
     Route("/admin/accounts/{account_id}/statement", admin_statement, methods=["GET"]),
+    Route("/v1/statements", my_statements, methods=["GET"]),
+    Route("/v1/statements/{statement_id}", my_statement_document, methods=["GET"]),
+    Route("/v1/statements/{statement_id}/{fmt:str}", my_statement_document, methods=["GET"]),
+    Route("/admin/statements", admin_statements, methods=["GET"]),
+    Route("/admin/statements/{statement_id}", admin_statement_document, methods=["GET"]),
+    Route("/admin/statements/{statement_id}/{fmt:str}", admin_statement_document, methods=["GET"]),
     Route("/admin/credits/housekeeping", admin_housekeeping, methods=["POST"]),
     Route("/admin/accounts/{account_id}/recharge", admin_recharge, methods=["PUT"]),
     Route("/v1/billing/alerts", my_alerts, methods=["GET"]),

@@ -33,9 +33,10 @@ from billing.keys import AccountExists, UnknownAccount
 from billing.limits import Limits
 from billing.models import ApiKey
 from billing.quota import Scope
+from billing.cached_costs import cached_input_costs, with_cached_costs
 from billing.usage import Period, latency_percentiles, usage_groups, usd
 from gateway import dashboard_billing
-from gateway.dashboard_billing import billing_section, invoices_table
+from gateway.dashboard_billing import billing_section, invoices_table, statements_table
 from gateway.http import id_value
 from gateway.sessions import (
     LOGIN_CSRF_COOKIE,
@@ -265,7 +266,8 @@ async def admin_overview(request: Request) -> Response:
     invoices = await invoices_table(request, None, admin=True)
     context = {
         "session": session, "days": days, "periods": PERIODS, "totals": totals,
-        "models": await usage_groups(db, period, ("model",)),
+        "models": with_cached_costs(await usage_groups(db, period, ("model",)),
+                                    await cached_input_costs(db, request.app.state.prices, period.start, period.end)),
         "top_keys": top,
         "latency": await latency_percentiles(db, period),
         "quota": await quota_rows(request),
@@ -340,6 +342,10 @@ async def render_account(
         **chart_context(period, account_id),
         "billing": await billing_section(request, account_id) if getattr(request.app.state, "billing", None) else None,
         "admin_view": True,
+        # issue 25: the prepaid balance, its latest credit rows, and the spend alerts that fired
+        "credit": await request.app.state.credits.balance(account_id),
+        "credit_entries": await request.app.state.credits.entries(account_id, 20),
+        "alerts": await request.app.state.alerts.events(account_id, 20),
     }
     return page(request, "account_admin.html", context, status_code)
 
@@ -474,11 +480,14 @@ async def customer_view(request: Request) -> Response:
     context = {
         "session": session, "account": await store.get_account(account_id=account_id), "days": days, "periods": PERIODS,
         "keys": await store.list_keys(account_id), "usage": usage, "totals": totals,
-        "models": await usage_groups(request.app.state.read_db, period, ("model",), account_id=account_id),
+        "models": with_cached_costs(
+            await usage_groups(request.app.state.read_db, period, ("model",), account_id=account_id),
+            await cached_input_costs(request.app.state.read_db, request.app.state.prices, period.start, period.end, account_id)),
         "quota": await quota_rows(request, account_id), "invoices": invoices,
         **chart_context(period, account_id),
         # issue 25: the prepaid balance and the spend alerts that fired
         "credit": await request.app.state.credits.balance(account_id), "alerts": await request.app.state.alerts.events(account_id, 20),
+        "statements": await statements_table(request, account_id),
         "checkout_enabled": request.app.state.checkout is not None,
     }
     return page(request, "customer.html", context)

@@ -3,10 +3,13 @@ the logged-in session authorises, and the admin account page's billing section.
 
     GET  /dashboard/invoices/{id}/{html|pdf}       an invoice; a customer's session: its own account's only
     GET  /dashboard/credit_notes/{id}/{html|pdf}   the same for credit notes
+    GET  /dashboard/statements/{id}/{html|pdf}     the same for prepaid statements
     POST /dashboard/admin/accounts/{id}/billing    the account's billing details (form, CSRF checked)
 
 A session is the cookie the dashboard login set (gateway.sessions); an invoice of another account
-is a 404 page, never a hint that it exists.
+is a 404 page, never a hint that it exists. Every read here goes to the read database (a replica
+when DATABASE_READ_URL is set, `app.state.read_db`), as the usage dashboards' do; only saving
+billing details writes, to the writer.
 """
 
 from __future__ import annotations
@@ -21,10 +24,19 @@ from billing.account_state import account_standing
 from billing.billing_details import COUNTRIES, FIELDS, InvalidBillingDetails, get_details, set_details
 from billing.credit_notes import get_credit_note
 from billing.invoices import get_invoice, list_invoices
-from billing.render import money, render_credit_note_html, render_credit_note_pdf, render_html, render_pdf
+from billing.render import (
+    money, money_nanos, render_credit_note_html, render_credit_note_pdf, render_html, render_pdf, render_statement_html,
+    render_statement_pdf,
+)
+from billing.statements import get_statement, list_statements
 from gateway.http import id_value
 
 STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
+
+
+def _reader(request: Request) -> Any:
+    """Where the dashboards read: the replica when DATABASE_READ_URL names one, else the writer."""
+    return getattr(request.app.state, "read_db", None) or request.app.state.billing.db
 
 
 def _date(iso: str | None) -> str:
@@ -54,13 +66,22 @@ async def invoices_table(request: Request, account_id: int | None, *, admin: boo
     billing = getattr(request.app.state, "billing", None)
     if billing is None:
         return None
-    return invoice_rows(await list_invoices(billing.db, account_id=account_id, admin=admin, limit=limit), admin=admin)
+    return invoice_rows(await list_invoices(_reader(request), account_id=account_id, admin=admin, limit=limit), admin=admin)
+
+
+async def statements_table(request: Request, account_id: int, limit: int = 24) -> list[dict[str, Any]]:
+    """A prepaid account's monthly statements as the dashboards list them."""
+    return [{"id": s["id"], "number": s["number"], "period": s["period"], "opening": money_nanos(s["opening_balance_nanos"]),
+             "credits": money_nanos(s["credits_nanos"]), "usage": money_nanos(s["usage_nanos"]),
+             "closing": money_nanos(s["closing_balance_nanos"]), "issued": _date(s["issued_at"]),
+             "pdf": f"/dashboard/statements/{s['id']}/pdf", "html": f"/dashboard/statements/{s['id']}/html"}
+            for s in await list_statements(request.app.state.db, account_id=account_id, limit=limit)]
 
 
 async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
     """The admin account page's billing: state (since when, why), invoices, price overrides, details."""
     billing = request.app.state.billing
-    standing = await account_standing(billing.db, account_id, grace_seconds=billing.config.grace_seconds)
+    standing = await account_standing(_reader(request), account_id, grace_seconds=billing.config.grace_seconds)
     reasons = [f"invoice {u['number']} (${u['total']}) unpaid" + (", payment failed" if u["payment_failed"] else "")
                for u in standing["unpaid_invoices"]]
     return {
@@ -70,8 +91,9 @@ async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
         "suspends_at": _date(standing["suspends_at"]) if standing["suspends_at"] else None,
         "reasons": reasons,
         "invoices": await invoices_table(request, account_id, admin=True),
+        "statements": await statements_table(request, account_id),
         "overrides": [o.view() for o in await billing.book.overrides(account_id)],
-        "details": await get_details(billing.db, account_id) or {},
+        "details": await get_details(_reader(request), account_id) or {},
         "countries": sorted(COUNTRIES),
     }
 
@@ -99,10 +121,13 @@ async def _document(request: Request, kind: str) -> Response:
     if fmt not in ("html", "pdf") or doc_id is None:
         return _not_found(request, session, kind.replace("_", " "))
     own = None if session.principal.is_admin else session.principal.account_id
-    db = request.app.state.billing.db
+    db = _reader(request)
     if kind == "invoice":
         doc = await get_invoice(db, doc_id, account_id=own, admin=False)
         renderers = (render_html, render_pdf)
+    elif kind == "statement":  # a prepaid account's monthly statement (issue 25)
+        doc = await get_statement(db, doc_id, account_id=own)
+        renderers = (render_statement_html, render_statement_pdf)
     else:
         doc = await get_credit_note(db, doc_id, account_id=own)
         renderers = (render_credit_note_html, render_credit_note_pdf)
@@ -147,8 +172,13 @@ async def save_billing_details(request: Request) -> Response:
     return RedirectResponse(f"/dashboard/admin/accounts/{account_id}#billing", status_code=303)
 
 
+async def session_statement(request: Request) -> Response:
+    return await _document(request, "statement")
+
+
 routes = [
     Route("/dashboard/invoices/{doc_id}/{fmt}", session_invoice, methods=["GET"]),
     Route("/dashboard/credit_notes/{doc_id}/{fmt}", session_credit_note, methods=["GET"]),
+    Route("/dashboard/statements/{doc_id}/{fmt}", session_statement, methods=["GET"]),
     Route("/dashboard/admin/accounts/{account_id}/billing", save_billing_details, methods=["POST"]),
 ]

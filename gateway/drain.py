@@ -10,6 +10,10 @@
 The listening socket stays open while draining: a request that reaches the process after the
 signal (endpoints take a moment to update) gets a clear 503 to retry elsewhere, never a refused
 connection. A second SIGTERM, or SIGINT, stops at once as before.
+
+With `--workers N` (uvicorn's process manager) the master forwards its SIGTERM to every worker and
+waits for them; each worker drains exactly as a single process does (`install_in_worker`), then
+exits 0, and so does the master.
 """
 
 from __future__ import annotations
@@ -112,3 +116,33 @@ class DrainingServer(uvicorn.Server):
             asyncio.get_running_loop().call_soon_threadsafe(drain.begin)
             return
         super().handle_exit(sig, frame)
+
+
+def install_in_worker(app: Any, seconds: float) -> Drain | None:
+    """Drain on SIGTERM in a worker of uvicorn's process manager, where the server is uvicorn's own
+    (not `DrainingServer`). Called while the worker loads its app: uvicorn's server has installed its
+    `handle_exit` for SIGTERM by then, so the handler found is that server's bound method. Ours
+    replaces it: the first SIGTERM begins the drain, which stops that server when done; another
+    SIGTERM (or SIGINT, left to uvicorn) stops at once. None (uvicorn's plain stop) when the handler
+    is not a uvicorn server's, logged: a uvicorn that loads apps elsewhere."""
+    previous = signal.getsignal(signal.SIGTERM)
+    server = getattr(previous, "__self__", None)
+    if not isinstance(server, uvicorn.Server) or not callable(previous):
+        log.warning("worker: SIGTERM is not uvicorn's server handler (%r); it will stop without draining", previous)
+        return None
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        server.should_exit = True
+
+    drain = Drain(app, seconds, stop)
+
+    def on_sigterm(sig: int, frame: Any) -> None:
+        if not drain.active and not server.should_exit:
+            loop.call_soon_threadsafe(drain.begin)
+            return
+        previous(sig, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    app.state.stop_server = stop
+    return drain

@@ -117,7 +117,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "PriceOverride": _obj({
         "id": INT, "object": {"const": "price_override"}, "account_id": INT, "model": STR, "kind": STR,
         "input_per_million": _nullable(STR), "output_per_million": _nullable(STR), "multiplier": _nullable(STR), "effective_from": STR,
-    }),
+    }, {"cached_input_per_million": _nullable(STR)}),
     "Invoice": _obj({
         "id": INT, "object": {"const": "invoice"}, "number": STR, "account_id": INT, "period": STR, "status": STR,
         "currency": STR, "total_cents": INT, "total": STR,
@@ -147,6 +147,9 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "CreditEntry": _obj({"id": INT, "object": {"const": "credit_entry"}, "account_id": INT, "kind": STR, "amount_nanos": INT, "amount": STR}),
     "CreditStatement": _obj({"object": {"const": "credit_statement"}, "opening_balance_nanos": INT, "closing_balance_nanos": INT,
                              "usage_nanos": INT, "amount_due": STR}),
+    "PrepaidStatement": _obj({"id": INT, "object": {"const": "prepaid_statement"}, "number": STR, "account_id": INT, "period": STR,
+                              "opening_balance_nanos": INT, "credits_nanos": INT, "late_nanos": INT, "usage_nanos": INT,
+                              "closing_balance_nanos": INT, "amount_due_cents": {"const": 0}}),
     "CheckoutSession": _obj({"object": {"const": "checkout_session"}, "id": STR, "url": STR, "amount_cents": INT}),
     "AlertList": _obj({"object": {"const": "list"}, "rules": {"type": "array"}, "data": {"type": "array"}}),
 }
@@ -353,6 +356,9 @@ BILLING_DETAILS_BODY = {
 def _credit_paths(account: list[Any]) -> dict[str, Any]:
     """Prepaid credit, Stripe top-ups and spend alerts (gateway/credits_api.py)."""
     balance, alerts = _json(_ref("CreditBalance")), _json(_ref("AlertList"))
+    statement, stmt = _json(_ref("PrepaidStatement")), [_path("statement_id", ID)]
+    doc_page = {"200": {"description": "The statement as an HTML page or a PDF file", "content": {
+        "text/html": {"schema": {"type": "string"}}, "application/pdf": {"schema": {"type": "string", "format": "binary"}}}}}
     return {
         "/v1/billing/balance": {"get": _op("The caller's prepaid balance", {"200": balance}, *AUTHED)},
         "/v1/billing/statement": {"get": _op("A prepaid month: opening balance, credits, usage, closing (no amount due)",
@@ -367,6 +373,17 @@ def _credit_paths(account: list[Any]) -> dict[str, Any]:
         },
         "/admin/accounts/{account_id}/statement": {"get": _op("A prepaid month", {"200": _json(_ref("CreditStatement"))}, *AUTHED, 404,
                                                               params=[*account, _query("period", PERIOD)])},
+        "/v1/statements": {"get": _op("The caller's monthly prepaid statements (made by the monthly close)",
+                                      {"200": _json(_list_of("PrepaidStatement"))}, *AUTHED)},
+        "/v1/statements/{statement_id}": {"get": _op("One of the caller's prepaid statements", {"200": statement}, *AUTHED, 404,
+                                                     params=stmt)},
+        "/v1/statements/{statement_id}/{fmt}": {"get": _op("One of the caller's prepaid statements as a page or PDF", doc_page,
+                                                           *AUTHED, 404, params=[*stmt, FORMAT])},
+        "/admin/statements": {"get": _op("Prepaid statements", {"200": _json(_list_of("PrepaidStatement"))}, *AUTHED, params=[
+            _query("account_id", ID), _query("period", PERIOD)])},
+        "/admin/statements/{statement_id}": {"get": _op("One prepaid statement", {"200": statement}, *AUTHED, 404, params=stmt)},
+        "/admin/statements/{statement_id}/{fmt}": {"get": _op("A prepaid statement as a page or PDF", doc_page, *AUTHED, 404,
+                                                              params=[*stmt, FORMAT])},
         "/admin/accounts/{account_id}/billing_mode": {"put": _op("Make an account prepaid (or postpaid)", {"200": balance}, *WITH_BODY, 404,
                                                                  body="BillingMode", params=account)},
         "/admin/accounts/{account_id}/recharge": {"put": _op("Set or turn off auto-recharge (clears a failed state)",

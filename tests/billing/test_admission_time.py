@@ -28,7 +28,7 @@ from tests.billing.invoice_helpers import at, new_account, new_key, serve
 from tests.conftest import flush_ledger, run_coro
 from tests.fakes.engine import FakeEngine
 
-OCT, NOV = Period(2026, 10), Period(2026, 11)
+OCT, NOV = Period.month(2026, 10), Period.month(2026, 11)
 
 
 @pytest.fixture

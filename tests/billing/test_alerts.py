@@ -119,10 +119,11 @@ async def test_a_crossing_is_one_signed_webhook_across_two_processes(db_url: str
         await other_db.dispose()
 
 
-async def test_balance_below_fires_once_and_a_top_up_rearms_it(db_url: str) -> None:
-    db = create_engine(db_url)
+async def test_balance_below_fires_once_and_rearms_only_when_the_balance_rises_above(db_url: str) -> None:
+    db, other_db = create_engine(db_url), create_engine(db_url)
     book = CreditBook(db)
     service = AlertService(db, book, backoff=0.01)
+    other = AlertService(other_db, CreditBook(other_db), backoff=0.01)  # another gateway process
     try:
         keys = KeyStore(db, SECRET.encode())
         account = (await keys.create_account("bal-" + uuid.uuid4().hex[:6]))["id"]
@@ -134,12 +135,50 @@ async def test_balance_below_fires_once_and_a_top_up_rearms_it(db_url: str) -> N
             await spend(db, account, key, 8 * CENT)  # balance $0.02: not below
             assert await service.check() == []
             await spend(db, account, key, 1)  # $0.019999999
-            assert len(await service.check()) == 1 and await service.check() == []
-            await book.add(account, "topup", 10 * CENT)  # back above: re-armed
-            await spend(db, account, key, 10 * CENT)
-            assert len(await service.check()) == 1
+            assert len(await service.check()) == 1 and await service.check() == [] and await other.check() == []
+            await spend(db, account, key, CENT)  # $0.009999999: the same crossing
+            assert await service.check() == []
+            await book.add(account, "topup", CENT // 2)  # a credit row that leaves it below ($0.014999999)
+            assert await service.check() == [] and await other.check() == []  # not re-armed: no second alert
+            await book.add(account, "topup", 10 * CENT)  # $0.114999999: back above
+            assert await asyncio.gather(service.check(), other.check()) == [[], []]  # both see the rise: re-armed once
+            async with db.connect() as conn:
+                assert (await conn.execute(sa.text("SELECT rearmed FROM alert_rules"))).scalar() == 1
+            await spend(db, account, key, 10 * CENT)  # $0.014999999: a new crossing
+            made = await asyncio.gather(service.check(), other.check())
+            assert sorted(len(m) for m in made) == [0, 1]
             await service.drain()
+            await other.drain()
             assert len(receiver.seen) == 2
+    finally:
+        await service.close()
+        await other.close()
+        await db.dispose()
+        await other_db.dispose()
+
+
+async def test_monthly_alerts_count_the_month_a_request_was_admitted_in(db_url: str) -> None:
+    from datetime import datetime, timezone
+
+    db = create_engine(db_url)
+    service = AlertService(db, CreditBook(db), backoff=0.01)
+    try:
+        keys = KeyStore(db, SECRET.encode())
+        account = (await keys.create_account("month-" + uuid.uuid4().hex[:6]))["id"]
+        key = (await keys.create_key(account))["id"]
+        with Receiver() as receiver:
+            await service.add_rule(account, "monthly_spend", threshold=5 * CENT, url=receiver.url)
+            # admitted at 23:59:59.9 on Oct 31, finished in November: October's spend, not November's
+            await write_records(db, [UsageRecord(
+                request_id=uuid.uuid4().hex, account_id=account, key_id=key, model="m", prompt_tokens=1, completion_tokens=0,
+                status="completed", finish_reason="stop", total_ms=5100.0, cost_nanos=5 * CENT,
+                created_at=datetime(2026, 11, 1, 0, 0, 5, tzinfo=timezone.utc),
+                admitted_at=datetime(2026, 10, 31, 23, 59, 59, 900000, tzinfo=timezone.utc))])
+            assert await service.check(now=datetime(2026, 11, 15, tzinfo=timezone.utc)) == []
+            october = await service.check(now=datetime(2026, 10, 31, 23, 59, 59, 950000, tzinfo=timezone.utc))
+            assert len(october) == 1
+            await service.drain()
+            assert [e["crossing"] for e in await service.events(account)] == ["2026-10"]
     finally:
         await service.close()
         await db.dispose()

@@ -72,10 +72,22 @@ async def test_price_book_and_multiplier(db_url: str) -> None:
         price = book.price_for(a, "m", at(9, 3))
         assert price is not None and price.cached_input_per_million == Decimal("0.0625")
         assert price.cost_nanos(1000, 0, 600) == 400 * 625 + 600 * Decimal("62.5")  # 287,500
-        # a custom price for one model has no cached price: its input price for the whole prompt
+        # a custom price for one model without a cached price: its input price for the whole prompt
         await book.add_override(a, "m", input_per_million="1", output_per_million="1", effective_from=at(9, 4, 0), backdate=True)
         custom = book.price_for(a, "m", at(9, 5))
         assert custom is not None and custom.cost_nanos(1000, 0, 600) == 1_000_000
+        # ... and with one: 400 x 1,000 + 600 x 100 nano-USD
+        o = await book.add_override(a, "m", input_per_million="1", output_per_million="1", cached_input_per_million="0.100",
+                                    effective_from=at(9, 6, 0), backdate=True)
+        assert o.view()["cached_input_per_million"] == "0.100"
+        custom = book.price_for(a, "m", at(9, 7))
+        assert custom is not None and custom.cost_nanos(1000, 0, 600) == 460_000
+        for bad in ({"multiplier": "2"}, {}):  # a cached price goes with a custom price only
+            with pytest.raises(InvalidPrice, match="cached_input_per_million"):
+                await book.add_override(a, "m", cached_input_per_million="0.1", effective_from=at(9, 8, 0), backdate=True, **bad)
+        with pytest.raises(InvalidPrice, match="cached_input_per_million"):
+            await book.add_override(a, "m", input_per_million="1", output_per_million="1", cached_input_per_million="0.0001",
+                                    effective_from=at(9, 8, 0), backdate=True)
     finally:
         await db.dispose()
 
@@ -99,5 +111,26 @@ async def test_invoice_has_a_cached_input_line(db_url: str) -> None:
         assert got == [("input", 630_000, Decimal("1.25"), 79), ("cached", 600_000, Decimal("0.125"), 8), ("output", 100_000, Decimal("2.5"), 25)]
         assert total == 79 + 8 + 25
         assert "cached input tokens: 600,000 x $0.125" in lines[1].description
+    finally:
+        await db.dispose()
+
+
+async def test_a_custom_account_price_with_a_cached_price_is_invoiced_on_its_own_line(db_url: str) -> None:
+    db = create_engine(db_url)
+    try:
+        book = PriceBook(db)
+        await book.add("m", "1.250", "2.500", at(9, 1, 0), backdate=True, cached_input_per_million="0.125")
+        a = await new_account(db)
+        await book.add_override(a, "m", input_per_million="2.000", output_per_million="4.000", cached_input_per_million="0.500",
+                                effective_from=at(9, 1, 0), backdate=True)
+        await row(db, a, 1_000_000, 100_000, 600_000, at(9, 5))
+        await close_period(db, book, SEPT, now=at(10, 2))
+        async with db.connect() as conn:
+            lines = (await conn.execute(sa.select(InvoiceLine.__table__).order_by(InvoiceLine.__table__.c.position))).all()
+        got = [(r.direction, int(r.tokens), Decimal(r.unit_price), int(r.amount_cents), r.override_id is not None) for r in lines]
+        # input 400,000 x $2/M = 80 cents; cached 600,000 x $0.5/M = 30 cents; output 100,000 x $4/M = 40 cents
+        assert got == [("input", 400_000, Decimal("2"), 80, True), ("cached", 600_000, Decimal("0.5"), 30, True),
+                       ("output", 100_000, Decimal("4"), 40, True)]
+        assert "cached input tokens: 600,000 x $0.500 per 1M tokens (account price)" in lines[1].description
     finally:
         await db.dispose()

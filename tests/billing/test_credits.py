@@ -61,7 +61,7 @@ def test_amounts_are_exact_and_floats_refused() -> None:
 async def test_grants_are_spent_first_and_expire_by_a_row(db_url: str) -> None:
     db = create_engine(db_url)
     try:
-        book = CreditBook(db)
+        book = CreditBook(db, settle_seconds=0)
         a = await new_account(db)
         await book.set_mode(a, "prepaid")
         now = utcnow()
@@ -122,7 +122,7 @@ async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_datab
     one, two = _limiters(limiter_kind, db)
     try:
         a = await new_account(db)
-        book = CreditBook(db, one)
+        book = CreditBook(db, one, settle_seconds=0)
         await book.set_mode(a, "prepaid")
         await book.add(a, "topup", CENT)
         scope = [Scope("account", a, Limits(), prepaid=True)]
@@ -205,7 +205,7 @@ async def balance_property(url: str, kind: str, steps: list[tuple[str, Any]]) ->
     limiters = list(_limiters(kind, db))
     try:
         a = await new_account(db)
-        book = CreditBook(db, limiters[0])
+        book = CreditBook(db, limiters[0], settle_seconds=0)
         await book.set_mode(a, "prepaid")
         await book.add(a, "grant", CENT, expires_at=utcnow() + timedelta(days=1))
         scope = [Scope("account", a, Limits(), prepaid=True)]
@@ -220,7 +220,7 @@ async def balance_property(url: str, kind: str, steps: list[tuple[str, Any]]) ->
                 limiters[:] = _limiters(kind, db) if kind == "memory" else [
                     RedisLimiter(CLUSTER_URL[0] if kind == "cluster" else REDIS_URL, LedgerTotals(db), prefix=limiters[0].prefix,  # type: ignore[attr-defined]
                                  timeout=2.0) for _ in range(2)]
-                book = CreditBook(db, limiters[0])
+                book = CreditBook(db, limiters[0], settle_seconds=0)
                 seeded = False
             elif step == "lose":
                 if kind != "memory":
@@ -247,6 +247,8 @@ async def balance_property(url: str, kind: str, steps: list[tuple[str, Any]]) ->
             assert spent <= credited  # never more than the account had, at any concurrency
             balance = await book.balance(a)
             assert balance is not None and balance["balance_nanos"] == credited - spent
+            await book.post_usage(a)  # incremental: only the rows above the mark
+            assert await ledger_sum(db, a) == credited - spent
             seen = await limiters[0].counters(scope[0])
             if seeded:  # the limiter's own view, once it has read the balance
                 assert (seen["credits_nanos"] - seen["spent_nanos"], seen["held_nanos"]) == (credited - spent, 0)
@@ -302,5 +304,80 @@ async def test_prepaid_usage_is_never_invoiced_and_the_month_is_a_statement(db_u
         assert statement is not None
         assert (statement["opening_balance_nanos"], statement["usage_nanos"], statement["closing_balance_nanos"]) == (0, 3 * CENT, 97 * CENT)
         assert [c["kind"] for c in statement["credits"]] == ["topup"] and statement["amount_due"] == "0.00"
+    finally:
+        await db.dispose()
+
+
+async def usage_rows(db: Any, account: int) -> list[int]:
+    async with db.connect() as conn:
+        return [int(v) for v in (await conn.execute(sa.text(
+            "SELECT amount_nanos FROM credit_entries WHERE account_id = :a AND kind = 'usage' ORDER BY id"), {"a": account})).scalars()]
+
+
+async def test_usage_posting_reads_only_new_ledger_rows_and_posts_a_late_row_once(db_url: str) -> None:
+    db = create_engine(db_url)
+    try:
+        book = CreditBook(db, settle_seconds=0)
+        a = await new_account(db)
+        await book.set_mode(a, "prepaid")
+        async with db.begin() as conn:  # prepaid since two hours ago
+            await conn.execute(sa.text("UPDATE accounts SET prepaid_since = :t WHERE id = :a"), {"t": utcnow() - timedelta(hours=2), "a": a})
+        await book.add(a, "topup", 100 * CENT)
+        first = await spend(db, a, 3 * CENT)
+        assert [e["amount_nanos"] for e in await book.post_usage(a)] == [-3 * CENT]
+        # A posted row is never read again: were it (a recompute since prepaid_since), this change
+        # of an old row's cost would be posted as a difference.
+        async with db.begin() as conn:
+            await conn.execute(sa.text("UPDATE ledger_entries SET cost_nanos = cost_nanos + 7 WHERE request_id = :r"), {"r": first})
+        assert await book.post_usage(a) == []
+        # A row that finished an hour ago and reached the ledger only now (a journal replay): posted once.
+        await spend(db, a, 2 * CENT, when=utcnow() - timedelta(hours=1))
+        assert [e["amount_nanos"] for e in await book.post_usage(a)] == [-2 * CENT]
+        assert await book.post_usage(a) == [] and await usage_rows(db, a) == [-3 * CENT, -2 * CENT]
+    finally:
+        await db.dispose()
+
+
+async def test_usage_is_posted_once_by_two_processes_posting_at_once(db_url: str) -> None:
+    db, other_db = create_engine(db_url), create_engine(db_url)
+    try:
+        books = [CreditBook(db, settle_seconds=0), CreditBook(other_db, settle_seconds=0)]  # two gateway processes
+        a = await new_account(db)
+        await books[0].set_mode(a, "prepaid")
+        await books[0].add(a, "grant", 10 * CENT, expires_at=utcnow() + timedelta(days=1))
+        await books[0].add(a, "topup", 100 * CENT)
+        total = 0
+        for round_ in range(12):
+            for n in range(3):
+                await spend(db, a, CENT + round_ * 3 + n)
+                total += CENT + round_ * 3 + n
+            await asyncio.gather(*[books[i % 2].post_usage(a) for i in range(4)])
+        assert -sum(await usage_rows(db, a)) == total  # every nano once
+        balance = await books[1].balance(a)
+        assert balance is not None and balance["balance_nanos"] == balance["ledger_sum_nanos"] == 110 * CENT - total
+        assert balance["grants"] == []  # the grant was spent first
+    finally:
+        await db.dispose()
+        await other_db.dispose()
+
+
+async def test_a_batch_posts_only_up_to_an_id_seen_settle_seconds_before(fresh_pg_database: Any) -> None:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    db = create_engine(url)
+    try:
+        book = CreditBook(db, settle_seconds=60)  # Postgres: a lower id may still commit for a while
+        a = await new_account(db)
+        await book.set_mode(a, "prepaid")
+        await book.add(a, "topup", 100 * CENT)
+        t0 = utcnow()
+        await spend(db, a, CENT)
+        assert await book.post_usage(a, t0) == []  # first sight of the ledger's highest id: nothing posted yet
+        await spend(db, a, 2 * CENT)  # above what was seen at t0
+        assert await book.post_usage(a, t0 + timedelta(seconds=30)) == []  # not settled yet
+        assert [e["amount_nanos"] for e in await book.post_usage(a, t0 + timedelta(seconds=61))] == [-CENT]
+        assert [e["amount_nanos"] for e in await book.post_usage(a, t0 + timedelta(seconds=122))] == [-2 * CENT]
+        balance = await book.balance(a)  # exact whatever is posted: posted + the rows above the mark
+        assert balance is not None and balance["balance_nanos"] == 97 * CENT == balance["ledger_sum_nanos"]
     finally:
         await db.dispose()

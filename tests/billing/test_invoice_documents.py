@@ -256,7 +256,7 @@ async def test_numbers_have_no_gaps_across_rollbacks_and_concurrent_closes(db: A
     assert sorted(i["number"] for i in invoices if i) == [f"INV-{n:06d}" for n in range(1, 7)]
     other = BillingConfig(seller=Seller(legal_name="Seller Two", tax_id="S2", invoice_prefix="S2INV"))
     await usage(db, accounts[0], "alpha", 1_000_000, 0, at(10, 2))
-    second, _ = await close_account(db, book, accounts[0], Period(2026, 10), [], now=at(11, 1, 1), config=other)
+    second, _ = await close_account(db, book, accounts[0], Period.month(2026, 10), [], now=at(11, 1, 1), config=other)
     assert (await get_invoice(db, second))["number"] == "S2INV-000001"  # per seller
 
 

@@ -31,7 +31,7 @@ from billing.config import BillingConfig
 from billing.scheduler import MonthlyClose, due_period
 from tests.billing.invoice_helpers import at, new_account, new_key, price_history, serve, usage
 
-SEPT, OCT, NOV = Period(2026, 9), Period(2026, 10), Period(2026, 11)
+SEPT, OCT, NOV = Period.month(2026, 9), Period.month(2026, 10), Period.month(2026, 11)
 AFTER_OCT = at(11, 1, 2)  # "now" for closes in these tests
 LATER = at(12, 2, 0)
 
@@ -220,7 +220,7 @@ async def test_two_instances_close_at_once(db_url: str, db: Any) -> None:
 async def test_scheduler_closes_the_month_after_the_delay(db: Any) -> None:
     ids = await september(db)
     config = BillingConfig(close_delay_seconds=3600)
-    assert due_period(at(10, 1, 0, 30), 3600) == Period(2026, 8)  # within the delay: August is the latest due
+    assert due_period(at(10, 1, 0, 30), 3600) == Period.month(2026, 8)  # within the delay: August is the latest due
     job = MonthlyClose(db, PriceBook(db), config, clock=lambda: at(10, 1, 1, 30))
     result = await job.tick()
     assert result is not None and result.period == "2026-09" and len(result.created) == 2

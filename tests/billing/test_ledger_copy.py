@@ -96,3 +96,41 @@ async def test_copy_writer_through_a_postgres_restart(tmp_path: Any) -> None:
         await db.dispose()
     finally:
         pg.destroy()
+
+
+async def test_fast_path_copies_into_the_partition_and_replays_go_the_exact_way(fresh_pg_database: Any) -> None:
+    """New rows take the fast path (COPY straight into the month's partition, the part's own sums
+    added to the aggregates); a part holding a row already in the ledger rolls back whole, its
+    aggregates too, and goes the exact path; a part over two months, or in a month without a
+    partition, goes through the parent. The aggregates stay exact through all of it."""
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    db = create_engine(url)
+    try:
+        session = CopySession(db, connections=2)
+        fresh = rows(4000, "p")
+        assert await session.write(fresh) == 4000
+        assert session.fallbacks == 0  # every part of new rows went the fast way
+        month = f"ledger_partitions.ledger_entries_{START.year:04d}_{START.month:02d}"
+        async with db.connect() as conn:
+            assert (await conn.execute(sa.text(f"SELECT count(*) FROM {month}"))).scalar_one() == 4000
+        # A replay mixed with new rows: the part that meets old rows is refused by the unique key and
+        # written exactly (its new rows once, its old ones not again).
+        mixed = rows(300, "q") + fresh[:700]
+        assert await session.write(mixed) == 300
+        assert session.fallbacks >= 1
+        assert await exact(db) == (4300, 0)
+        # Rows in a month with no partition (the DEFAULT one takes them) and rows over two months.
+        far = [UsageRecord(request_id=f"far-{i}", account_id=1, key_id=1, model="a", prompt_tokens=1, completion_tokens=2,
+                           status="completed", finish_reason="stop", total_ms=5.0,
+                           admitted_at=datetime(2099, 1 + i % 2, 28, 23, tzinfo=timezone.utc)) for i in range(40)]
+        before = session.fallbacks
+        assert await session.write(far) == 40
+        assert session.fallbacks == before  # still the fast path, through the parent
+        async with db.connect() as conn:
+            assert (await conn.execute(sa.text("SELECT count(*) FROM ledger_partitions.ledger_entries_default"))).scalar_one() == 40
+        assert await session.write(far) == 0  # and a replay of them adds nothing
+        await session.close()
+        assert await exact(db) == (4340, 0)
+    finally:
+        await db.dispose()

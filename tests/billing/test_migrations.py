@@ -20,6 +20,7 @@ TABLES = {
     "price_overrides", "billing_periods", "invoices", "invoice_lines", "billing_accounts", "stripe_events",
     "stored_responses", "credit_entries", "credit_settings", "alert_rules", "alert_events", "alert_deliveries",
     "billing_details", "tax_rates", "document_sequences", "credit_notes",  # issue 22
+    "credit_usage_marks", "prepaid_statements",  # issue 25
 }
 
 

@@ -80,7 +80,7 @@ def test_invoice_lines_sum_to_the_total_and_a_rerun_changes_nothing(
     money_db: str, prices: list[tuple[Decimal, Decimal]], change: tuple[Decimal, Decimal] | None, rows: list[Any]
 ) -> None:
     n = next(PERIODS)
-    period = Period(1990 + n // 12, n % 12 + 1)  # a month of its own per example
+    period = Period.month(1990 + n // 12, n % 12 + 1)  # a month of its own per example
 
     async def scenario() -> None:
         db = create_engine(money_db)

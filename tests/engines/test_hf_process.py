@@ -185,12 +185,12 @@ class Submissions:
         self.cancelled.append(rid)
 
 
-def relay_with(gather_s: float, expect: int) -> tuple[Any, Submissions]:
+def relay_with(gather_s: float, expect: int, **step: int) -> tuple[Any, Submissions]:
     from engines.hf_process import _StepRelay
 
     loop = asyncio.get_running_loop()
     engine = Submissions(loop, expect)
-    relay = _StepRelay(None, loop, engine, gather_s)  # type: ignore[arg-type]
+    relay = _StepRelay(None, loop, engine, gather_s, **step)  # type: ignore[arg-type]
     release = relay._release
 
     def counted_release() -> None:
@@ -246,6 +246,30 @@ def test_a_burst_that_keeps_coming_is_released_by_the_deadline(monkeypatch: pyte
         assert made < 2000, "the gathering never ended while requests kept coming"
         assert engine.calls[0][1] - started >= 0.05  # not before the deadline
         assert {c[2] for c in engine.calls} == {1} and len(engine.calls) == made  # every held one, in one release round
+
+    run_coro(scenario())
+
+
+def test_a_burst_that_fills_the_first_step_is_handed_over_at_once() -> None:
+    async def scenario() -> None:
+        # a long deadline and requests with no quiet gap between them: only a full step can end it
+        relay, engine = relay_with(gather_s=5.0, expect=2, step_tokens=7)
+        add(relay, "a")
+        add(relay, "b")
+        assert engine.calls == []  # 6 prompt tokens held: the step (7) is not full yet
+        relay.cancel("b")  # a cancelled one no longer counts towards the step
+        add(relay, "c")
+        assert engine.calls == []
+        add(relay, "d")  # a, c, d: 9 tokens >= 7, handed over in this call, without waiting
+        assert [c[0] for c in engine.calls] == ["a", "c", "d"] and {c[2] for c in engine.calls} == {1}
+        add(relay, "e")  # the engine is busy now: at once
+        assert [c[0] for c in engine.calls][-1] == "e"
+
+        relay, engine = relay_with(gather_s=5.0, expect=2, step_requests=2)  # the same for requests per step
+        add(relay, "x")
+        assert engine.calls == []
+        add(relay, "y")
+        assert [c[0] for c in engine.calls] == ["x", "y"]
 
     run_coro(scenario())
 

@@ -20,7 +20,10 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, REDIS_URL, SECRET, bootstrap, require_redis
+from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
+from tests.fakes.upstream import Behaviour
 from tests.gateway.test_durable_metering import ledger_ids, redis_counters
+from tests.gateway.test_workers import MODELS, _models
 from tests.processes import GatewayProcess
 
 DRAIN_SECONDS = 20.0  # the short stream has one token left at the signal; on 2 busy cores a token took up to 8 s
@@ -151,4 +154,123 @@ async def test_sigterm_drains_streams_then_cuts_them_with_rows_and_settled_holds
               f"({rows[chat_long.request_id]['completion_tokens']} and {rows[messages_long.request_id]['completion_tokens']} tokens); "
               f"exit {rc} after {exited_after:.1f}s")
     finally:
+        gw.stop()
+
+
+def journal_admitted(directory: Path) -> set[str]:
+    """Request ids a worker's ledger journal has admission lines for (`{"a": row, ...}`)."""
+    ids = set()
+    for segment in sorted(directory.glob("ledger-*.jsonl")):
+        for line in segment.read_bytes().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # the worker is appending to it right now
+            if "a" in entry:
+                ids.add(entry["a"]["request_id"])
+    return ids
+
+
+WORKER_DRAIN_SECONDS = 8.0
+
+
+async def test_sigterm_to_the_master_drains_every_worker(upstreams: Any, fresh_pg_database: Any, tmp_path: Path) -> None:  # noqa: F811
+    """`--workers 2`: SIGTERM to the master drains each worker as one process drains: readyz 503 at
+    once, new requests 503 with Retry-After, a stream that ends inside TOLLGATE_DRAIN_SECONDS
+    completes, streams on both workers still running then are cut (rows `interrupted`, holds
+    settled), every worker and the master exit 0."""
+    require_redis(REDIS_URL)
+    upstream, upstream_url = upstreams()
+    upstream.default = Behaviour(tokens=["word "] * 4000, token_delay=0.2)  # minutes long: runs until cut
+    url = fresh_pg_database()
+    admin_key = bootstrap(url, SECRET)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    gw = GatewayProcess(url, tmp_path / "data", admin_key, REDIS_URL=REDIS_URL, TOLLGATE_REDIS_PREFIX=prefix,
+                        TOLLGATE_WORKERS="2", TOLLGATE_MODELS=_models(tmp_path, MODELS.format(url=upstream_url)),
+                        TOLLGATE_EMBEDDINGS="off", TOLLGATE_DRAIN_SECONDS=str(WORKER_DRAIN_SECONDS)).start()
+    clients: list[httpx.AsyncClient] = []
+    try:
+        key = await gw.new_key()
+        async with gw.admin() as a:
+            assert (await a.patch(f"/admin/keys/{key['id']}", json={"limits": {"monthly_tokens": 10_000_000}})).status_code == 200
+        auth = {"Authorization": f"Bearer {key['key']}"}
+        body = {"model": "remote", "messages": LONG, "max_tokens": 5000, "stream": True, "stream_options": {"include_usage": True}}
+        journals = [gw.data_dir / "journal", gw.data_dir / "journal-1"]
+        # Long streams, two at a time, each on a fresh connection, until both workers run at least one
+        # (a worker still starting answers 503 engine_not_ready: that stream is dropped and tried again).
+        streams: list[Stream] = []
+        tasks: list[asyncio.Task[None]] = []
+        deadline = time.monotonic() + 120
+
+        async def open_stream() -> None:
+            client = httpx.AsyncClient(base_url=gw.base_url, headers=auth, timeout=120)
+            clients.append(client)
+            stream = Stream()
+            task = asyncio.create_task(stream.run(client, "/v1/chat/completions", body))
+            first = asyncio.create_task(stream.first.wait())
+            await asyncio.wait([task, first], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            if stream.first.is_set():
+                streams.append(stream)
+                tasks.append(task)
+            else:
+                first.cancel()
+
+        while not all(journal_admitted(j) & {s.request_id for s in streams} for j in journals):
+            assert time.monotonic() < deadline and len(streams) < 24, f"{len(streams)} streams, all on one worker"
+            await asyncio.gather(open_stream(), open_stream())
+            await asyncio.sleep(0.5)
+        short = Stream()
+        upstream.script.append(Behaviour(tokens=["a", " b", " c"], token_delay=1.0))  # the next request: ~3 s
+        client = httpx.AsyncClient(base_url=gw.base_url, headers=auth, timeout=120)
+        clients.append(client)
+        tasks.append(asyncio.create_task(short.run(client, "/v1/chat/completions", body)))
+        await asyncio.wait_for(short.first.wait(), 60)
+        assert not short.done
+
+        assert gw.proc is not None
+        gw.proc.send_signal(signal.SIGTERM)  # the master only, as Kubernetes does
+        signalled = time.monotonic()
+        # readyz and new requests on fresh connections (either worker may take each): 503 from all.
+        deadline = signalled + 2.0
+        for _ in range(8):
+            async with httpx.AsyncClient(base_url=gw.base_url, timeout=10) as probe:
+                while (ready := await probe.get("/readyz")).status_code == 200:
+                    assert time.monotonic() < deadline, "readyz still 200 two seconds after SIGTERM"
+                assert ready.json()["error"]["code"] == "draining"
+        oa = openai.AsyncOpenAI(base_url=gw.base_url + "/v1", api_key=key["key"], max_retries=0)
+        try:
+            for _ in range(4):
+                with pytest.raises(openai.APIStatusError) as refused:
+                    await oa.chat.completions.create(model="remote", messages=LONG, max_tokens=2)
+                assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+                assert refused.value.response.json()["error"]["code"] == "server_draining"
+        finally:
+            await oa.close()
+
+        await asyncio.wait_for(asyncio.gather(*tasks), WORKER_DRAIN_SECONDS + 60)
+        rc = gw.proc.wait(timeout=60)
+        gw.proc = None
+        log = gw.log_text()
+        assert rc == 0, log[-3000:]
+        assert short.done and short.error is None and short.ended_at - signalled < WORKER_DRAIN_SECONDS
+        for cut in streams:
+            assert cut.error is not None and cut.error["code"] == "server_draining", cut.events[-3:]
+            assert cut.ended_at - signalled >= WORKER_DRAIN_SECONDS - 0.5
+        assert log.count("SIGTERM: draining") == 2 and log.count("drain: done") == 2, log[-3000:]  # each worker drained
+
+        rows = await ledger_ids(url, key["id"])
+        assert set(rows) == {s.request_id for s in [*streams, short]}
+        assert rows[short.request_id]["status"] == "completed"
+        for cut in streams:
+            row = rows[cut.request_id]
+            assert row["status"] == "interrupted" and row["finish_reason"] == "cancelled", row
+            assert 0 < row["completion_tokens"] < 4000
+        counters = await redis_counters(REDIS_URL, prefix, url, key["id"])
+        tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
+        assert counters["in_flight"] == 0 and counters["month_tokens"] == tokens, (counters, tokens)
+        print(f"\nworkers drain: {len(streams)} long streams over 2 workers cut at "
+              f"{max(s.ended_at for s in streams) - signalled:.1f}s, short one done at {short.ended_at - signalled:.1f}s, exit {rc}")
+    finally:
+        for client in clients:
+            await client.aclose()
         gw.stop()

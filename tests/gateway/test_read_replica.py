@@ -5,7 +5,10 @@ the answers say can only have come from it, and nothing can be written through i
 
 from __future__ import annotations
 
+import contextlib
+import re
 import uuid
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -14,9 +17,14 @@ import asyncpg
 import httpx
 
 from billing.db import create_engine
+from billing.invoices import list_invoices
+from billing.invoicing import close_period
 from billing.keys import KeyStore
+from billing.periods import Period
+from billing.prices import PriceBook
 from gateway.app import create_app
 from gateway.config import Settings
+from tests.billing.invoice_helpers import usage
 from tests.conftest import PG_HOST, PG_PORT, SECRET, ServerThread, _admin_sql, bootstrap, run_coro
 
 
@@ -82,3 +90,64 @@ async def test_usage_reads_come_from_the_replica(fresh_pg_database: Any, tmp_pat
         run_coro(_admin_sql(f'DROP DATABASE IF EXISTS "{replica}" WITH (FORCE)'))
         run_coro(_admin_sql(f'DROP ROLE IF EXISTS "{role}"'))
 
+
+
+TOKEN = re.compile(r'name="csrf_token" value="([^"]+)"')
+
+
+@contextlib.contextmanager
+def dashboard_session(base: str, key: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base, timeout=30) as session:
+        yield _logged_in(session, key)
+
+
+def _logged_in(session: httpx.Client, key: str) -> httpx.Client:
+    form = session.get("/dashboard/login")
+    login = session.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": key})  # type: ignore[union-attr]
+    assert login.status_code == 303, login.text
+    return session
+
+
+async def test_dashboard_invoices_come_from_the_replica(fresh_pg_database: Any, tmp_path: Path) -> None:
+    """The dashboards' billing parts (gateway/dashboard_billing.py) read from DATABASE_READ_URL: the
+    customer's and the admin's invoice tables, the invoice download and the admin's billing details
+    show what only the replica holds (an invoice renumbered there, details written there)."""
+    writer_url = fresh_pg_database()
+    admin_key = bootstrap(writer_url, SECRET)
+    db = create_engine(writer_url)
+    try:
+        keys = KeyStore(db, SECRET.encode())
+        account = await keys.create_account(f"acct-{uuid.uuid4().hex[:8]}")
+        key = await keys.create_key(account["id"])
+        book = PriceBook(db)
+        await book.add("m", "1.000", "2.000", datetime(2026, 9, 1, tzinfo=timezone.utc), backdate=True)
+        await usage(db, account["id"], "m", 1_000_000, 500_000, datetime(2026, 10, 5, 12, tzinfo=timezone.utc))
+        await close_period(db, book, Period.parse("2026-10"))
+        [invoice] = await list_invoices(db, account_id=account["id"])
+    finally:
+        await db.dispose()
+    replica, role = make_replica(writer_url.rsplit("/", 1)[1])
+    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user="postgres", database=replica)
+    try:
+        await conn.execute("UPDATE invoices SET number = 'REPLICA-0001' WHERE id = $1", invoice["id"])
+        await conn.execute("INSERT INTO billing_details (account_id, legal_name, country, updated_at) VALUES ($1, 'Replica Only GmbH', 'DE', now())", account["id"])
+    finally:
+        await conn.close()
+    read_url = f"postgresql://{role}@{PG_HOST}:{PG_PORT}/{replica}"
+    app = create_app(Settings(database_url=writer_url, database_read_url=read_url, server_secret=SECRET, data_dir=tmp_path), engines={})
+    try:
+        with ServerThread(app) as server:
+            base = f"http://127.0.0.1:{server.port}"
+            with dashboard_session(base, key["key"]) as customer:
+                page = customer.get("/dashboard/account")
+                download = customer.get(f"/dashboard/invoices/{invoice['id']}/html")
+            with dashboard_session(base, admin_key) as admin:
+                overview = admin.get("/dashboard/admin")
+                account_page = admin.get(f"/dashboard/admin/accounts/{account['id']}")
+        for response in (page, download, overview, account_page):
+            assert response.status_code == 200, response.text
+            assert "REPLICA-0001" in response.text and invoice["number"] not in response.text
+        assert "Replica Only GmbH" in account_page.text
+    finally:
+        run_coro(_admin_sql(f'DROP DATABASE IF EXISTS "{replica}" WITH (FORCE)'))
+        run_coro(_admin_sql(f'DROP ROLE IF EXISTS "{role}"'))

@@ -91,7 +91,8 @@ def id_routes(gw: Gateway) -> set[tuple[str, str]]:
 
 async def test_customer_keys_never_reach_admin_endpoints(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
     b = two_accounts["b"]
-    ids = {"account_id": b["account_id"], "key_id": b["id"], "invoice_id": two_accounts["b_invoice"], "fmt": "pdf", "period": PAST, "note_id": 1, "country": "DE"}
+    ids = {"account_id": b["account_id"], "key_id": b["id"], "invoice_id": two_accounts["b_invoice"], "fmt": "pdf", "period": PAST, "note_id": 1,
+           "country": "DE", "statement_id": 1}
     tried = 0
     async with as_key(secure_gw, two_accounts["a"]["key"]) as c:
         for route in secure_gw.app.routes:
@@ -133,7 +134,7 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
     form = s.get("/dashboard/login")
     assert s.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": a["key"]}).status_code == 303
     token = TOKEN.search(s.get("/dashboard/account").text).group(1)
-    documents = await documents_probe(secure_gw, s, two_accounts)
+    documents = await documents_probe(secure_gw, s, two_accounts) | await statements_probe(secure_gw, s, two_accounts)
     checked |= documents
     ids = {"account_id": b["account_id"], "key_id": b["id"]}
     for method, path in sorted(id_routes(secure_gw)):
@@ -173,6 +174,42 @@ async def documents_probe(gw: Gateway, session: httpx.Client, accounts: dict[str
             assert other.status_code == 404, (kind, fmt, other.status_code)
     return {("GET", "/v1/credit_notes/{note_id}"), ("GET", "/v1/credit_notes/{note_id}/{fmt:str}"),
             ("GET", "/dashboard/invoices/{doc_id}/{fmt}"), ("GET", "/dashboard/credit_notes/{doc_id}/{fmt}")}
+
+
+async def statements_probe(gw: Gateway, session: httpx.Client, accounts: dict[str, Any]) -> set[tuple[str, str]]:
+    """A prepaid statement for each account (issue 25). a's key reads its own, JSON, HTML and PDF, and
+    lists only its own; b's is a 404 naming nothing of b; a's dashboard session likewise."""
+    from billing.periods import Period
+    from billing.statements import close_statement
+
+    a, b = accounts["a"], accounts["b"]
+    db = create_engine(gw.db_url)
+    made: dict[str, int] = {}
+    try:
+        for who in ("a", "b"):
+            account = accounts[who]["account_id"]
+            # As if prepaid since the month began: the statement is made, then the account is back as it was
+            # (its billing mode never changed, so the other tests' requests are unaffected).
+            async with db.begin() as conn:
+                await conn.execute(sa.text("UPDATE accounts SET prepaid_since = :t WHERE id = :a"), {"t": Period.parse(PAST).start, "a": account})
+            statement_id, _ = await close_statement(db, account, Period.parse(PAST), now=datetime.now(timezone.utc))
+            async with db.begin() as conn:
+                await conn.execute(sa.text("UPDATE accounts SET prepaid_since = NULL WHERE id = :a"), {"a": account})
+            assert statement_id is not None
+            made[who] = statement_id
+    finally:
+        await db.dispose()
+    async with as_key(gw, a["key"]) as c:
+        assert [st["id"] for st in (await c.get("/v1/statements")).json()["data"]] == [made["a"]]
+        for suffix in ("", "/html", "/pdf"):
+            assert (await c.get(f"/v1/statements/{made['a']}{suffix}")).status_code == 200
+            other = await c.get(f"/v1/statements/{made['b']}{suffix}")
+            assert other.status_code == 404 and str(b["account_id"]) not in other.text.replace(str(made["b"]), ""), other.text
+    for fmt in ("html", "pdf"):
+        assert session.get(f"/dashboard/statements/{made['a']}/{fmt}").status_code == 200
+        assert session.get(f"/dashboard/statements/{made['b']}/{fmt}").status_code == 404
+    return {("GET", "/v1/statements/{statement_id}"), ("GET", "/v1/statements/{statement_id}/{fmt:str}"),
+            ("GET", "/dashboard/statements/{doc_id}/{fmt}")}
 
 
 async def stored_responses_probe(gw: Gateway, a: dict[str, Any], b: dict[str, Any]) -> set[tuple[str, str]]:
