@@ -273,6 +273,7 @@ class RedisLimiter(Limiter):
             self._resync.add(hold.tag or group_tag(hold.scopes))
             if len(self._unsure) < 10_000:
                 self._unsure[hold.request_id] = hold
+            self._watch()  # a process that only settles (a restart releasing its journal's holds) releases them too
             return False
 
     async def _tag_of(self, scope: Scope) -> str:

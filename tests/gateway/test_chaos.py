@@ -5,9 +5,8 @@ started again and Postgres is restarted. After: the ledger's tokens are within t
 answered request has exactly one `completed` row with the usage its client saw, every request cut
 mid-stream one `interrupted`/`cancelled` row, no quota hold is left, Redis' counters equal the ledger.
 
-The cluster variant runs on a private local Redis Cluster (3 masters + 3 replicas) and also kills
-the master that owns the account's hash slot (its replica cut off first, so its last writes are
-really lost): the replica takes over, the gateways rebuild the account's counters from the ledger."""
+Not here yet: a Redis Cluster (and a master killed under it): the quota scripts do not run on a
+cluster (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -16,23 +15,19 @@ import json
 import random
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from billing.db import create_engine
 from billing.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
 from tests.conftest import MODEL, SECRET, bootstrap
 from tests.gateway.test_durable_metering import ledger_ids
-from tests.billing.test_quota_failover import lag_replica
 from tests.gateway.test_quota_redis_failures import RedisServer
 from tests.processes import GatewayProcess, PrivatePostgres
-from tests.redis_topologies import LocalCluster
 
 REQUESTS = 300
 KEYS = 5
@@ -83,24 +78,17 @@ async def account_counters(redis_url: str, prefix: str, db_url: str, account_id:
         await db.dispose()
 
 
-@pytest.mark.parametrize("redis_kind", ["single", "cluster"])
-async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget(tmp_path: Path, redis_kind: str) -> None:
+async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget(tmp_path: Path) -> None:
     pg = PrivatePostgres()
     pg.start()
-    cluster: LocalCluster | None = None
-    if redis_kind == "cluster":
-        cluster = LocalCluster(tmp_path / "redis-cluster").start()
-        redis_url = cluster.url
-    else:
-        redis = RedisServer(tmp_path)
-        redis.start()
-        redis_url = redis.url
+    redis = RedisServer(tmp_path)
+    redis.start()
     gws: list[GatewayProcess] = []
     try:
         url = pg.create_database("tollgate")
         admin_key = bootstrap(url, SECRET)
         prefix = f"tgchaos:{uuid.uuid4().hex[:8]}:"
-        env = {"REDIS_URL": redis_url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
+        env = {"REDIS_URL": redis.url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
         gws = [GatewayProcess(url, tmp_path / f"gw{i}", admin_key, **env) for i in range(3)]
         await asyncio.gather(*(asyncio.to_thread(g.start, 300.0) for g in gws))
         async with gws[0].admin() as a:
@@ -124,11 +112,7 @@ async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget
         async def until(pred: Any, timeout: float = 300.0) -> None:
             deadline = time.monotonic() + timeout
             while not pred():
-                if time.monotonic() >= deadline:
-                    seen = sorted(Counter((o.status, o.code, o.answered) for o in out).items(), key=str)
-                    logs = "\n".join(line for g in gws for line in g.log_text().splitlines()
-                                      if "WARNING" in line or "ERROR" in line)[-3000:]
-                    raise AssertionError(f"the run stalled: (status, code, answered) {seen}\n{logs}")
+                assert time.monotonic() < deadline, "the run stalled"
                 await asyncio.sleep(0.05)
 
         await until(lambda: sum(o.answered for o in out) >= 20)
@@ -137,16 +121,6 @@ async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget
         pg.stop("immediate")
         await until(lambda: sum(o.answered for o in out) >= killed_at_answered + 10)  # served on while Postgres is down
         pg.start()
-        if cluster is not None:  # and the Redis master of the account's slot, its last writes lost
-            group_key = f"{prefix}{{a{account['id']}}}:epoch"
-            victim = cluster.master_of(group_key)
-            lag_replica(victim)
-            lagged_at = sum(o.answered for o in out)
-            await until(lambda: sum(o.answered for o in out) >= lagged_at + 3)
-            cluster.kill(victim)
-            await asyncio.to_thread(cluster.wait_failover, victim, group_key)
-            failed_over_at = sum(o.answered for o in out)
-            await until(lambda: sum(o.answered for o in out) >= failed_over_at + 10)  # served on after the failover
         await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
         await asyncio.gather(*tasks)
         for c in clients:
@@ -162,7 +136,7 @@ async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget
             rows: dict[str, dict[str, Any]] = {}
             for key_id in key_ids:
                 rows.update(await ledger_ids(url, key_id))
-            counters = await account_counters(redis_url, prefix, url, account["id"])
+            counters = await account_counters(redis.url, prefix, url, account["id"])
             if {o.request_id for o in answered + cut} <= set(rows) and counters["in_flight"] == 0:
                 break
             assert time.monotonic() < deadline, f"rows or holds outstanding: {counters}"
@@ -180,15 +154,12 @@ async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget
         tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
         assert tokens <= budget + sum(o.usage["total_tokens"] for o in warm)  # the shared budget held
         assert counters["month_tokens"] == tokens and counters["in_flight"] == 0, (counters, tokens)
-        print(f"\nchaos ({redis_kind}): {len(answered) - len(warm)} answered, {len(cut)} cut mid-stream, {len(refused)} refused "
+        print(f"\nchaos: {len(answered) - len(warm)} answered, {len(cut)} cut mid-stream, {len(refused)} refused "
               f"({sorted({o.code for o in refused})}), {sum(o.status == 0 for o in out)} lost with the killed gateway; "
               f"{len(rows)} rows ({len(extra)} interrupted before their first byte); tokens {tokens} of "
               f"{budget + sum(o.usage['total_tokens'] for o in warm)}; Redis month {counters['month_tokens']}, holds {counters['in_flight']}")
     finally:
         for g in gws:
             g.stop()
-        if cluster is not None:
-            cluster.stop()
-        else:
-            redis.kill()
+        redis.kill()
         pg.destroy()

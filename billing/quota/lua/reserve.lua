@@ -12,6 +12,11 @@ if ARGV[11 + n * 7] == '1' then
   if seen ~= id then
     redis.call('SET', p .. 'node', id)
     if seen then
+      -- Holds are rebuilt from the processes too: one whose settlement was lost would stay for good.
+      for _, name in ipairs(redis.call('SMEMBERS', p .. 'scopes')) do
+        local k = p .. name .. ':'
+        redis.call('DEL', k .. 'holds', k .. 'hexp', k .. 'held:tok', k .. 'held:nanos')
+      end
       redis.call('ZUNIONSTORE', p .. 'procs:stale', 2, p .. 'procs:stale', p .. 'procs')
       redis.call('DEL', p .. 'procs')
       redis.call('SET', p .. 'recovering', '1', 'PX', ARGV[12 + n * 7])
@@ -86,6 +91,7 @@ for i, s in ipairs(scopes) do
   redis.call('EXPIRE', s.k .. 'rpm:' .. minute, 180)
   redis.call('INCRBY', s.k .. 'tpm:' .. minute, tok)
   redis.call('EXPIRE', s.k .. 'tpm:' .. minute, 180)
+  if ARGV[11 + n * 7] == '1' then redis.call('SADD', p .. 'scopes', s.name) end  -- the scopes a failover clears
   redis.call('HSET', s.k .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute)
   redis.call('ZADD', s.k .. 'hexp', expiry, rid)
   redis.call('INCRBY', s.k .. 'held:tok', tok)
