@@ -328,6 +328,20 @@ def redis_gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: py
 
 
 @pytest.fixture(scope="session")
+def cluster_gateway(engine: HFEngine, fresh_pg_database: Any, redis_cluster: Any,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The gateway with REDIS_URL naming the local Redis Cluster (quotas and the response cache)."""
+    server, gw = start_gateway(
+        fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-cluster"), redis_url=redis_cluster.url,
+        redis_prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", redis_timeout=0.25,
+    )
+    try:
+        yield gw
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(scope="session")
 def sqlite_gateway(engine: HFEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """The embedded default: the same gateway on a SQLite file."""
     tmp = tmp_path_factory.mktemp("gw-sqlite")

@@ -208,12 +208,16 @@ class LedgerTotals:
         self._engine = engine
         self._flush = flush
 
-    async def for_scopes(self, scopes: list[Scope], now: float) -> dict[str, ScopeTotals]:
+    async def flush(self) -> None:
+        """This process's pending ledger rows reach the database (up to the writer's timeout)."""
         if self._flush is not None:
             try:
                 await self._flush()
             except asyncio.TimeoutError:
                 log.warning("rebuilding quota counters while ledger rows are still pending")
+
+    async def for_scopes(self, scopes: list[Scope], now: float) -> dict[str, ScopeTotals]:
+        await self.flush()
         start = month_start(now)
         minute_start = datetime.fromtimestamp(minute_of(now) * 60, tz=timezone.utc)
         tokens = LEDGER.c.prompt_tokens + LEDGER.c.completion_tokens

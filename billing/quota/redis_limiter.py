@@ -38,6 +38,10 @@ log = logging.getLogger("tollgate.quota")
 # (usually the next request's reservation: one send and one reply read instead of two each). Its
 # hold stays that much longer: conservative (never an overspend), and too short to matter to limits.
 SETTLE_LINGER = 0.002
+# After a failover, admissions in a group wait this long at most for every process that had
+# registered there to re-register its running holds (each does at its next call, an idle one
+# within its hold watch's interval); a process that died meanwhile stops counting after that.
+FAILOVER_WAIT = 3.0
 
 
 class CircuitBreaker:
@@ -93,6 +97,9 @@ class RedisLimiter(Limiter):
         self._live: dict[str, tuple[Hold, float]] = {}
         self._proc = uuid.uuid4().hex
         self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
+        # Holds to release with nothing counted once Redis answers: reservations whose answer never
+        # came, settlements that failed (their usage comes back with the group's rebuild).
+        self._unsure: dict[str, Hold] = {}
         self._watcher: asyncio.Task[None] | None = None
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
@@ -152,7 +159,7 @@ class RedisLimiter(Limiter):
         ]
         for scope in hold.scopes:
             args += [scope.name, *scope.limit_args()]
-        args += [self._proc, 1 if self._client.replicated else 0]
+        args += [self._proc, 1 if self._client.replicated else 0, int(FAILOVER_WAIT * 1000)]
         return args
 
     async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
@@ -161,9 +168,17 @@ class RedisLimiter(Limiter):
         try:
             result = await self._call(self._reserve_script, args)
             if result[0] == "lost":
+                if len(result) > 1 and int(result[1]):  # a failover: our rows reach the ledger before the rebuild
+                    await self.totals.flush()
                 await self._rehold(hold.tag, now)
                 result = await self._call(self._reserve_script, args)
+            if result[0] == "recovering":
+                raise QuotaUnavailable("quota store recovering from a failover")
         except QuotaUnavailable:
+            # The call may have reserved before its answer was lost (a failover, a timeout): released
+            # once Redis answers again, so a refused request leaves no hold behind.
+            if len(self._unsure) < 10_000:
+                self._unsure[hold.request_id] = hold
             if self.fail_open:
                 self._resync.add(hold.tag)
                 return ("degraded",)
@@ -215,7 +230,11 @@ class RedisLimiter(Limiter):
         come back within `interval` even if it admits nothing new."""
         while True:
             await asyncio.sleep(interval)
-            if not self._live or not self.breaker.allow():
+            if not self.breaker.allow():
+                continue
+            if self._unsure:
+                await self._release_unsure()
+            if not self._live:
                 continue
             try:
                 now = time.time()
@@ -225,21 +244,36 @@ class RedisLimiter(Limiter):
             except Exception as exc:  # Redis still down: the next round or the next reserve retries
                 log.debug("hold watch: %s", type(exc).__name__)
 
-    async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
-        self._live.pop(hold.request_id, None)
-        if hold.degraded or not hold.scopes:
-            return False
+    async def _release_unsure(self) -> None:
+        for rid, hold in list(self._unsure.items()):
+            try:
+                await self._call(self._settle_script, self._settle_args(hold, 0, 0))
+            except QuotaUnavailable:
+                return  # still out: the next round
+            self._unsure.pop(rid, None)
+
+    def _settle_args(self, hold: Hold, tokens: int, nanos: int) -> list[Any]:
         # The settle-once marker lives as long as a hold does (a repeat of a settlement comes from
         # the immediate retry, never later: an interrupted request's release only follows a process
         # that never settled it), not a day: a day of markers is ~86M keys at 1,000 requests/s.
         keep = max(60, int(self.hold_seconds))
-        tag = hold.tag or group_tag(hold.scopes)
-        args = [self.group(tag), hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep]
+        return [self.group(hold.tag or group_tag(hold.scopes)), hold.request_id, hold.month, tokens, nanos, len(hold.scopes),
+                *[s.name for s in hold.scopes], keep]
+
+    async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
+        self._live.pop(hold.request_id, None)
+        if hold.degraded or not hold.scopes:
+            return False
         try:
-            return bool(await self._call(self._settle_script, args, SETTLE_LINGER if background else 0.0))
+            return bool(await self._call(self._settle_script, self._settle_args(hold, tokens, nanos),
+                                         SETTLE_LINGER if background else 0.0))
         except QuotaUnavailable:
-            # The hold expires by itself; the ledger row carries the usage for the next rebuild.
-            self._resync.add(tag)
+            # The ledger row carries the usage for the next rebuild; the hold is released (with
+            # nothing counted) once Redis answers again, rather than held until it expires.
+            self._resync.add(hold.tag or group_tag(hold.scopes))
+            if len(self._unsure) < 10_000:
+                self._unsure[hold.request_id] = hold
+            self._watch()  # a process that only settles (a restart releasing its journal's holds) releases them too
             return False
 
     async def _tag_of(self, scope: Scope) -> str:

@@ -5,8 +5,8 @@ started again and Postgres is restarted. After: the ledger's tokens are within t
 answered request has exactly one `completed` row with the usage its client saw, every request cut
 mid-stream one `interrupted`/`cancelled` row, no quota hold is left, Redis' counters equal the ledger.
 
-Not here yet: a Redis Cluster (and a master killed under it): the quota scripts do not run on a
-cluster (docs/scaling.md)."""
+Not here yet: a Redis Cluster variant with a master killed under it (docs/reliability.md says what
+it found); the cluster failover is tests/billing/test_quota_failover.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Quotas through the gateway with the real model, on both limiter backends (in-process and Redis)."""
+"""Quotas through the gateway with the real model, on every limiter backend (in-process, Redis,
+and a local Redis Cluster of 3 masters + 3 replicas)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sqlalchemy as sa
 from billing.db import create_engine
 from billing.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
-from tests.conftest import MODEL, REDIS_URL, Gateway, minute_with_room
+from tests.conftest import MODEL, Gateway, minute_with_room
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
 # A prompt the model answers at length: every admitted request uses all of its max_tokens, so it
@@ -23,16 +24,16 @@ PROMPT = [{"role": "user", "content": "Say yes."}]
 FILL = [{"role": "user", "content": "Write a long poem about rivers."}]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def gw(request: pytest.FixtureRequest) -> Gateway:
-    return request.getfixturevalue("gateway" if request.param == "memory" else "redis_gateway")
+    return request.getfixturevalue({"memory": "gateway", "redis": "redis_gateway", "cluster": "cluster_gateway"}[request.param])
 
 
 async def counters(gw: Gateway, kind: str, scope_id: int) -> dict[str, int]:
     scope = Scope(kind, scope_id, Limits())
     if gw.settings.redis_url:
         db = create_engine(gw.db_url)
-        lim = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=gw.settings.redis_prefix, timeout=1.0)
+        lim = RedisLimiter(gw.settings.redis_url, LedgerTotals(db), prefix=gw.settings.redis_prefix, timeout=1.0)
         try:
             return await lim.counters(scope)
         finally:

@@ -7,6 +7,7 @@ for _ = 1, n do
     for j = 1, k do
       local s = p .. ARGV[i + 5 + j] .. ':'
       if redis.call('HEXISTS', s .. 'holds', rid) == 0 then
+        redis.call('SADD', p .. 'scopes', ARGV[i + 5 + j])
         redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute)
         redis.call('ZADD', s .. 'hexp', expiry, rid)
         redis.call('INCRBY', s .. 'held:tok', tok)
@@ -18,4 +19,5 @@ for _ = 1, n do
 end
 redis.call('ZREMRANGEBYSCORE', p .. 'procs', '-inf', now)  -- processes not seen for a day
 redis.call('ZADD', p .. 'procs', now + ttl, proc)
+redis.call('ZREM', p .. 'procs:stale', proc)
 return 1

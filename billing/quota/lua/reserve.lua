@@ -3,24 +3,37 @@ local expiry = tonumber(ARGV[6]); local tok = tonumber(ARGV[7]); local nanos = t
 local n = tonumber(ARGV[9])
 local proc = ARGV[10 + n * 7]
 -- Replicated Redis (Cluster, Sentinel): a master other than the one that last wrote this group took
--- over (a failover), and may lack the old one's latest writes. Every process re-registers its live
--- holds here and the counters are rebuilt from the ledger.
+-- over (a failover), and may lack the old one's latest writes. Every process registered here must
+-- re-register its live holds (its registration moves to procs:stale) and the counters are rebuilt
+-- from the ledger; admissions wait (up to ARGV[12 + n * 7] ms) until every such process has.
 if ARGV[11 + n * 7] == '1' then
   local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)')
   local seen = redis.call('GET', p .. 'node')
   if seen ~= id then
     redis.call('SET', p .. 'node', id)
     if seen then
+      -- Holds are rebuilt from the processes too: one whose settlement was lost would stay for good.
+      for _, name in ipairs(redis.call('SMEMBERS', p .. 'scopes')) do
+        local k = p .. name .. ':'
+        redis.call('DEL', k .. 'holds', k .. 'hexp', k .. 'held:tok', k .. 'held:nanos')
+      end
+      redis.call('ZUNIONSTORE', p .. 'procs:stale', 2, p .. 'procs:stale', p .. 'procs')
       redis.call('DEL', p .. 'procs')
+      redis.call('SET', p .. 'recovering', '1', 'PX', ARGV[12 + n * 7])
       redis.call('INCR', p .. 'epoch')
-      return {'lost'}
+      return {'lost', 1}
     end
   end
 end
--- This process not registered in the group (Redis lost its state, or a first call here): it
--- re-registers its live holds before anything else.
+-- This process not registered in the group (Redis lost its state, a failover, or a first call
+-- here): it re-registers its live holds before anything else (after a failover, its ledger rows first).
 local registered = redis.call('ZSCORE', p .. 'procs', proc)
-if not registered or tonumber(registered) < now then return {'lost'} end
+if not registered or tonumber(registered) < now then return {'lost', redis.call('EXISTS', p .. 'recovering')} end
+if redis.call('EXISTS', p .. 'recovering') == 1 then
+  redis.call('ZREMRANGEBYSCORE', p .. 'procs:stale', '-inf', now)
+  if redis.call('ZCARD', p .. 'procs:stale') > 0 then return {'recovering'} end
+  redis.call('DEL', p .. 'recovering')
+end
 local scopes = {}
 local missing = {}
 for i = 0, n - 1 do
@@ -78,6 +91,7 @@ for i, s in ipairs(scopes) do
   redis.call('EXPIRE', s.k .. 'rpm:' .. minute, 180)
   redis.call('INCRBY', s.k .. 'tpm:' .. minute, tok)
   redis.call('EXPIRE', s.k .. 'tpm:' .. minute, 180)
+  if ARGV[11 + n * 7] == '1' then redis.call('SADD', p .. 'scopes', s.name) end  -- the scopes a failover clears
   redis.call('HSET', s.k .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute)
   redis.call('ZADD', s.k .. 'hexp', expiry, rid)
   redis.call('INCRBY', s.k .. 'held:tok', tok)
