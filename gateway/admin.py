@@ -16,7 +16,7 @@ from billing.limits import InvalidLimits, Limits
 from billing.prices import InvalidPrice
 from billing.quota import Scope
 from gateway.errors import Conflict, InvalidRequest, NotFound
-from gateway.http import MAX_ID, authenticate_admin, id_value, read_json
+from gateway.http import MAX_ID, authenticate_admin, path_id, read_json
 from gateway.protocol import StrictInt, _Model, parse
 from gateway.json_response import json_response
 
@@ -100,10 +100,7 @@ def _time_param(request: Request, name: str) -> datetime | None:
 
 
 def _path_id(request: Request, name: str = "key_id", what: str = "key") -> int:
-    value = id_value(request.path_params[name])
-    if value is None:
-        raise NotFound(f"No such {what}.", param="id")
-    return value
+    return path_id(request, name, what)
 
 
 async def _patched_limits(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import datetime, timezone
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field
@@ -47,7 +48,7 @@ from billing.scheduler import MonthlyClose
 from billing.stripe_sync import StripeSync, StripeSyncError, StripeTotalMismatch, stripe_client
 from billing.webhooks import WebhookHandler, WebhookRejected
 from gateway.errors import APIError, Conflict, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied
-from gateway.http import MAX_ID, authenticate, authenticate_admin, id_value, read_json
+from gateway.http import MAX_ID, authenticate, authenticate_admin, path_id, read_json
 from gateway.admin import StrictStr
 from gateway.protocol import StrictInt, _Model, parse
 from gateway.json_response import json_response
@@ -150,11 +151,7 @@ def _billing(request: Request) -> Billing:
     return request.app.state.billing  # type: ignore[no-any-return]
 
 
-def _id(request: Request, name: str, what: str) -> int:
-    value = id_value(request.path_params[name])
-    if value is None:
-        raise NotFound(f"No such {what}.", param="id")
-    return value
+_id = path_id
 
 
 def _period(raw: Any, param: str = "period") -> Period:
@@ -184,13 +181,18 @@ def _format(request: Request) -> str:
     return str(fmt)
 
 
-def _invoice_response(invoice: dict[str, Any], fmt: str) -> Response:
+def document_response(doc: dict[str, Any], fmt: str, html: Callable[[dict[str, Any]], str], pdf: Callable[[dict[str, Any]], bytes]) -> Response:
+    """A billing document (invoice, credit note, statement) as JSON, HTML or a PDF download."""
     if fmt == "html":
-        return Response(render_html(invoice), media_type="text/html; charset=utf-8")
+        return Response(html(doc), media_type="text/html; charset=utf-8")
     if fmt == "pdf":
-        headers = {"Content-Disposition": f'attachment; filename="{invoice["number"]}.pdf"'}
-        return Response(render_pdf(invoice), media_type="application/pdf", headers=headers)
-    return json_response(invoice)
+        headers = {"Content-Disposition": f'attachment; filename="{doc["number"]}.pdf"'}
+        return Response(pdf(doc), media_type="application/pdf", headers=headers)
+    return json_response(doc)
+
+
+def _invoice_response(invoice: dict[str, Any], fmt: str) -> Response:
+    return document_response(invoice, fmt, render_html, render_pdf)
 
 
 async def _account(request: Request) -> dict[str, Any]:
@@ -437,12 +439,7 @@ async def admin_credit_note(request: Request) -> Response:
 
 
 def _credit_note_response(note: dict[str, Any], fmt: str) -> Response:
-    if fmt == "html":
-        return Response(render_credit_note_html(note), media_type="text/html; charset=utf-8")
-    if fmt == "pdf":
-        headers = {"Content-Disposition": f'attachment; filename="{note["number"]}.pdf"'}
-        return Response(render_credit_note_pdf(note), media_type="application/pdf", headers=headers)
-    return json_response(note)
+    return document_response(note, fmt, render_credit_note_html, render_credit_note_pdf)
 
 
 async def admin_get_credit_note(request: Request) -> Response:

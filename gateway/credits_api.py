@@ -49,8 +49,9 @@ from billing.quota import Scope
 from billing.render import render_statement_html, render_statement_pdf
 from billing.statements import get_statement, list_statements
 from gateway.admin import StrictStr, json_response
+from gateway.billing_api import document_response
 from gateway.errors import InvalidRequest, NotFound
-from gateway.http import authenticate, authenticate_admin, id_value, read_json
+from gateway.http import authenticate, authenticate_admin, id_value, path_id, read_json
 from gateway.protocol import StrictInt, _Model, parse
 
 log = logging.getLogger("tollgate.credits")
@@ -80,10 +81,7 @@ def _book(request: Request) -> CreditBook:
 
 
 def _account_id(request: Request) -> int:
-    value = id_value(request.path_params["account_id"])
-    if value is None:
-        raise NotFound("No such account.", param="account_id")
-    return value
+    return path_id(request, "account_id", "account", param="account_id")
 
 
 async def my_balance(request: Request) -> Response:
@@ -123,19 +121,11 @@ def _statement_response(doc: dict[str, Any] | None, request: Request) -> Respons
         raise NotFound(f"Unknown path {request.url.path}: statements come as /html or /pdf.")
     if doc is None:
         raise NotFound("No such statement.", param="id")
-    if fmt == "html":
-        return Response(render_statement_html(doc), media_type="text/html; charset=utf-8")
-    if fmt == "pdf":
-        headers = {"Content-Disposition": f'attachment; filename="{doc["number"]}.pdf"'}
-        return Response(render_statement_pdf(doc), media_type="application/pdf", headers=headers)
-    return json_response(doc)
+    return document_response(doc, fmt, render_statement_html, render_statement_pdf)
 
 
 def _statement_id(request: Request) -> int:
-    value = id_value(request.path_params["statement_id"])
-    if value is None:
-        raise NotFound("No such statement.", param="id")
-    return value
+    return path_id(request, "statement_id", "statement")
 
 
 async def my_statements(request: Request) -> Response:

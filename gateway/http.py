@@ -9,7 +9,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 
 from billing.keys import KeyStore, KeyStoreUnavailable, Principal, looks_like_key
-from gateway.errors import AuthenticationFailed, InvalidRequest, PayloadTooLarge, PermissionDenied, RequestTimeout, ServiceUnavailable
+from gateway.errors import AuthenticationFailed, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied, RequestTimeout, ServiceUnavailable
 
 
 MAX_ID = 2**31 - 1  # ids are 32-bit integers in the database: anything larger is no id at all
@@ -21,6 +21,14 @@ def id_value(raw: str) -> int | None:
         return None
     value = int(raw)
     return value if 1 <= value <= MAX_ID else None
+
+
+def path_id(request: Request, name: str, what: str, param: str = "id") -> int:
+    """The id in the path parameter `name`, or a 404 naming the kind of thing (`what`) not found."""
+    value = id_value(request.path_params[name])
+    if value is None:
+        raise NotFound(f"No such {what}.", param=param)
+    return value
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -2,17 +2,8 @@
 `Limiter` interface the gateway calls (billing/quota/memory.py and billing/quota/redis_limiter.py
 implement it).
 
-Quotas and rate limits with no overspend under concurrency.
-
-Admission reserves the worst case (prompt tokens + max_tokens, and its price) on every scope
-(the key and its account) in ONE atomic step: everything is reserved or nothing is. Settlement
-commits the actual usage and releases the rest; it is idempotent by request_id. Holds expire by
-themselves, so a crashed gateway's reservations free up. When a scope's counters are missing
-(Redis restarted or flushed, a new process, limits just changed) they are rebuilt from the
-ledger before more traffic is admitted.
-
-Backends: `RedisLimiter` (Lua scripts in billing/quota/lua/, one round trip each for reserve and
-settle) and `MemoryLimiter` (one process, same semantics) for the embedded default.
+The guarantees (one atomic reservation over every scope, idempotent settlement, holds that
+expire, counters rebuilt from the ledger) are in billing/quota/__init__.py's docstring.
 
 A prepaid account's scope also holds its balance (billing/credits.py): credits (each credit-ledger
 row applied once, by id) minus usage settled since it became prepaid. Admission reserves the worst
