@@ -64,6 +64,7 @@ _FROM_STAGE = (
 
 
 _ROW = operator.attrgetter(*_NAMES)  # a record's COPY tuple in one C call
+MIN_PART_ROWS = 256  # a batch is split over the connections only in parts of at least this many rows
 FAST_PATH = True  # False: every part through the staging table (tests and the bench compare)
 
 
@@ -110,7 +111,9 @@ class CopySession:
             return 0
         unique = list({r.request_id: r for r in reversed(records)}.values())[::-1]  # a request id twice: its first row
         await self._connect()
-        size = -(-len(unique) // self.connections)
+        # Parts of at least MIN_PART_ROWS: a small batch (a lightly loaded gateway's: tens of rows per
+        # linger) in one part costs one transaction, COPY and aggregate upsert instead of one per connection.
+        size = max(-(-len(unique) // self.connections), MIN_PART_ROWS)
         parts = [unique[i:i + size] for i in range(0, len(unique), size)]
         try:
             written = await asyncio.gather(*(self._write_part(driver, part) for (_, driver), part in zip(self._held, parts)))

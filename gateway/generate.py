@@ -13,7 +13,7 @@ from typing import Any
 
 from engines.base import EngineOutput
 from gateway import response_cache
-from gateway.metering import Admission
+from gateway.metering import Admission, overloaded
 from gateway.serving import CompletionService, Generation
 from starlette.requests import Request
 
@@ -29,6 +29,9 @@ async def answer(
 ) -> Any:
     hit = await response_cache.lookup(request, gen)
     if hit is not None:  # never reaches the engine: no place in it is taken
+        refused = gen.engine.refusal(gen.engine_request)  # but an engine that turns work away refuses hits too
+        if refused is not None:
+            raise overloaded(refused)
         admission = await service.admit_hit(gen, hit.prompt_tokens, hit.completion_tokens, hit.hit_price)
     else:
         admission = await service.admit(gen)

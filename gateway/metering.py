@@ -57,14 +57,16 @@ class Admission:
 
     __slots__ = ("meter", "request_id", "principal", "slot", "hold", "price", "admitted_at", "journaled", "settled", "_row", "_cut")
 
-    def __init__(self, meter: "Meter", request_id: str, principal: Principal, row: RowOf, cut: Callable[[], None] | None) -> None:
+    def __init__(
+        self, meter: "Meter", request_id: str, principal: Principal, row: RowOf, cut: Callable[[], None] | None, admitted_at: datetime,
+    ) -> None:
         self.meter = meter
         self.request_id = request_id
         self.principal = principal
         self.slot: Engine | None = None  # the engine that holds a place for it
         self.hold: Hold | None = None
         self.price: EffectivePrice | None = None
-        self.admitted_at: datetime = utcnow()  # reset at admission: prices it, names its period
+        self.admitted_at = admitted_at  # when admission began: prices it, names its period
         self.journaled = False
         self.settled = False
         self._row = row
@@ -134,7 +136,7 @@ class Meter:
         """Admits a request that may use up to `tokens` tokens and `cost(price)` nano-USD, or raises
         the 429/503 that says why not. `row(admission, status)` is its ledger row; `slot`: the
         engine (and request) it takes a place in; `cut`: what stops it at the drain deadline."""
-        admission = Admission(self, request_id, principal, row, cut)
+        admission = Admission(self, request_id, principal, row, cut, utcnow())
         try:
             if slot is not None:
                 engine, engine_request = slot
@@ -145,7 +147,6 @@ class Meter:
                 admission.slot = engine
             if self.ledger.refusing:
                 raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
-            admission.admitted_at = utcnow()
             if self.prices is not None:
                 # The account's override (custom price or multiplier) applies when it has one.
                 admission.price = await self.prices.current_for(principal.account_id, model, admission.admitted_at)

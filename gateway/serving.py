@@ -1,7 +1,7 @@
 """Turns a protocol request into one engine stream and meters it.
 
-    prepare()  -> model, key permissions, prompt tokens, context and capacity checks (questions only)
-    admit()    -> an Admission (gateway/metering.py): the engine's place, the worst case reserved, the journal entry
+    prepare()  -> model, key permissions, prompt tokens, context checks (questions only)
+    admit()    -> an Admission (gateway/metering.py): the engine's place (its one capacity check), the worst case reserved, the journal entry
     metered()  -> the engine stream; its `finally` settles the admission (the one ledger row)
     complete() -> the same for a one-body answer from an engine that completes natively (one coroutine)
 """
@@ -34,7 +34,7 @@ from engines.base import (
     EngineRequestRejected,
     SamplingParams,
 )
-from gateway.metering import Admission, Meter, overloaded, share_of
+from gateway.metering import Admission, Meter, share_of
 from gateway.errors import (
     APIError,
     ContextLengthExceeded,
@@ -278,9 +278,8 @@ class CompletionService:
             engine.check_request(engine_request)  # tools, response_format: what this engine honours
         except EngineRequestRejected as exc:
             raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from None
-        refused = engine.refusal(engine_request)  # a question: the place is taken at admission (Meter.admit)
-        if refused is not None:
-            raise overloaded(refused)
+        # The engine's refusal is not asked here: admission asks it once as its first step (Meter.admit:
+        # engine.admit, before any quota is held); answer() asks it for a cache hit, which takes no place.
         return Generation(
             request_id=request_id,
             principal=principal,

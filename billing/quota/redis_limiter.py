@@ -97,6 +97,7 @@ class RedisLimiter(Limiter):
         self._live: dict[str, tuple[Hold, float]] = {}
         self._proc = uuid.uuid4().hex
         self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
+        self._groups: dict[str, str] = {}  # tag -> its group's key prefix
         # Holds to release with nothing counted once Redis answers: reservations whose answer never
         # came, settlements that failed (their usage comes back with the group's rebuild).
         self._unsure: dict[str, Hold] = {}
@@ -114,7 +115,12 @@ class RedisLimiter(Limiter):
 
     def group(self, tag: str) -> str:
         """The prefix of every key of one group (`<prefix>{<tag>}:`): one Redis Cluster hash slot."""
-        return f"{self.prefix}{{{tag}}}:"
+        prefix = self._groups.get(tag)
+        if prefix is None:  # once per group (each reserve and settle asks): a bounded cache of the strings
+            if len(self._groups) >= 100_000:
+                self._groups.clear()
+            prefix = self._groups[tag] = f"{self.prefix}{{{tag}}}:"
+        return prefix
 
     async def _call(self, script: Any, args: list[Any], linger: float = 0.0) -> Any:
         """One round trip, guarded by the breaker; raises QuotaUnavailable when Redis is out.
