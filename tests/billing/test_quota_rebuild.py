@@ -1,0 +1,147 @@
+"""Rebuilding a group's counters counts every request once (issue 24; billing/quota/lua/seed.lua,
+rehold.lua, recover.lua), on one Redis and on a real local Redis Cluster:
+
+- usage settled while the counters wait for their rebuild (`pend`) counts once: from the ledger
+  when the rebuild's snapshot holds its row, from `pend` when it does not;
+- rows a gateway has not written to the database yet (a Postgres outage, a replayed journal) are
+  put back by that gateway when the group recovers (a failover, another gateway's restart), and the
+  rebuild counts them although the ledger does not hold them and Redis lost them;
+- a recovery keeps the holds of a process that never comes back (its running requests still count),
+  and a process that re-registers drops its own holds it no longer runs (settlements Redis lost).
+
+The failover itself (a master SIGKILLed, its replica promoted) is tests/billing/test_quota_failover.py
+and the chaos run across gateways tests/gateway/test_chaos.py; here the recovery is started the way a
+restarted gateway starts it (RedisLimiter.recover_groups), which takes the same steps."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from billing import migrate
+from billing.db import create_engine
+from billing.ledger import UsageRecord, write_records
+from billing.limits import Limits
+from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
+from tests.conftest import REDIS_URL, require_redis
+
+NOW = 1_795_000_000.0  # 2026-11, a fixed instant
+AT = month_start(NOW).replace(day=2)
+
+
+@pytest.fixture(scope="module")
+def ledger_url(fresh_pg_database: Any) -> str:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "cluster":
+        return str(request.getfixturevalue("redis_cluster").url)
+    require_redis(REDIS_URL)
+    return REDIS_URL
+
+
+@contextlib.asynccontextmanager
+async def limiters(ledger_url: str, redis_url: str) -> AsyncIterator[Callable[..., RedisLimiter]]:
+    """Limiters ("gateway processes") on one Redis prefix and one ledger; `unwritten` is what each
+    one's ledger writer has not written yet."""
+    db = create_engine(ledger_url)
+    prefix = f"tgrebuild:{uuid.uuid4().hex[:8]}:"
+    made: list[RedisLimiter] = []
+
+    def limiter(unwritten: list[UsageRecord] | None = None) -> RedisLimiter:
+        rows = unwritten if unwritten is not None else []
+        lim = RedisLimiter(redis_url, LedgerTotals(db, pending=lambda: list(rows)), prefix=prefix, timeout=2.0)
+        made.append(lim)
+        return lim
+
+    try:
+        yield limiter
+    finally:
+        if made:
+            await made[0].flush_all()
+        for lim in made:
+            await lim.close()
+        await db.dispose()
+
+
+@pytest.fixture
+async def make(ledger_url: str, redis_url: str) -> AsyncIterator[Callable[..., RedisLimiter]]:
+    async with limiters(ledger_url, redis_url) as limiter:
+        yield limiter
+
+
+def scopes() -> tuple[Scope, Scope]:
+    account = int(uuid.uuid4().int % 10**9)
+    return (Scope("key", int(uuid.uuid4().int % 10**9), Limits(monthly_tokens=100_000), account=account),
+            Scope("account", account, Limits(monthly_tokens=100_000)))
+
+
+def row(request_id: str, key: Scope, account: Scope, tokens: int) -> UsageRecord:
+    return UsageRecord(request_id=request_id, account_id=account.id, key_id=key.id, model="m", prompt_tokens=tokens,
+                       completion_tokens=0, status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=tokens,
+                       created_at=AT, admitted_at=AT)
+
+
+async def month_tokens(lim: RedisLimiter, *of: Scope) -> list[int]:
+    return [(await lim.counters(s, now=NOW))["month_tokens"] for s in of]
+
+
+async def test_usage_settled_before_a_rebuild_counts_once_whether_or_not_the_ledger_has_its_row(
+    make: Callable[..., RedisLimiter], ledger_url: str
+) -> None:
+    lim = make()
+    key, account = scopes()
+    first = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    second = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await lim.invalidate(account)  # the group's counters are to be rebuilt (limits changed, a failover)
+    await lim.settle(first, 60, 60)
+    await lim.settle(second, 70, 70)
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [row(first.request_id, key, account, 60)])  # the first's row landed, the second's not yet
+    finally:
+        await db.dispose()
+    await lim.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)  # rebuilds: ledger 60 + pend 70
+    assert await month_tokens(lim, key, account) == [130, 130]
+
+
+async def test_rows_a_gateway_has_not_written_count_in_a_recovery_although_redis_lost_them(make: Callable[..., RedisLimiter]) -> None:
+    key, account = scopes()
+    unwritten: list[UsageRecord] = []
+    first = make(unwritten)
+    hold = await first.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await first.settle(hold, 50, 50)
+    unwritten.append(row(hold.request_id, key, account, 50))  # Postgres is down: the row is in the journal only
+    # The settlement is lost with the master that took it.
+    await first._redis.delete(*(f"{first.group(account.tag)}{s.name}:mtok:{month_of(NOW)}" for s in (key, account)))
+    restarted = make()
+    await restarted.recover_groups({account.tag})  # another gateway restarted on a journal with replayed rows
+    with pytest.raises(QuotaUnavailable):  # admissions wait for the first to re-register
+        await restarted.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    await first.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)  # re-registers with its unwritten row
+    assert await month_tokens(first, key, account) == [50, 50]
+
+
+async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_settled_ones(redis_cluster: Any, ledger_url: str) -> None:
+    """On Cluster and Sentinel, where a failover can lose writes (one Redis keeps no `scopes` set)."""
+    async with limiters(ledger_url, redis_cluster.url) as make:
+        key, account = scopes()
+        live, dead = make(), make()
+        running = await live.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+        settled = await live.reserve(uuid.uuid4().hex, [key, account], 200, 200, now=NOW)
+        live._live.pop(settled.request_id)  # settled, and the settlement lost with the old master
+        await dead.reserve(uuid.uuid4().hex, [key, account], 400, 400, now=NOW)  # its process then dies
+        await make().recover_groups({account.tag})  # a third one restarted with replayed rows
+        with pytest.raises(QuotaUnavailable):  # re-registers, then waits for the dead one (up to 3 s)
+            await live.reserve(uuid.uuid4().hex, [key, account], 1, 1, now=NOW)
+        counters = await live.counters(account, now=NOW)
+        assert (counters["in_flight"], counters["held_tokens"]) == (2, 100 + 400)
+        assert running.request_id in live._live
