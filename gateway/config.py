@@ -237,6 +237,8 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class Settings:
+    """The whole configuration: the groups, and top-level what they share (module docstring)."""
+
     # What many groups share: where state lives, and the secrets.
     data_dir: Path = Path(".tollgate")
     database_url: str | None = None  # None: SQLite file in data_dir
@@ -520,7 +522,8 @@ def for_workers(settings: Settings, path: Path) -> dict[str, str]:
     """Writes the whole Settings for the worker processes of `serve --workers N`; returns the one
     environment variable that tells them where (they inherit the parent's environment)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the server secret when set
+    # 0600: it holds the server secret when set, and the copy of the environment (engines.environ)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
         pickle.dump(settings, fh)
     return {WORKER_SETTINGS: str(path)}
