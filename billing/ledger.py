@@ -227,6 +227,10 @@ class LedgerWriter:
         """True while the policy says to refuse new requests: the backlog is over `max_backlog`."""
         return self.max_backlog > 0 and self.backlog > self.max_backlog
 
+    def unconfirmed(self) -> list[UsageRecord]:
+        """Rows recorded (or replayed from the journal) that the database has not confirmed yet."""
+        return list(self._pending)
+
     def admitted(self, record: UsageRecord, hold: dict[str, Any] | None = None) -> None:
         """Journals an admitted request's provisional row (status `interrupted`) and its quota hold,
         so a crash before its final row still leaves a row and a hold to release. Never raises."""

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -147,8 +148,8 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
     return schedule_engines(served, make)
 
 
-def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
-    totals = LedgerTotals(db, flush=lambda: ledger.flush(timeout=2.0))
+def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter, process_id: str | None = None) -> Limiter:
+    totals = LedgerTotals(db, flush=lambda: ledger.flush(timeout=2.0), pending=ledger.unconfirmed)
     if settings.redis.url:
         return RedisLimiter(
             settings.redis.url,
@@ -157,8 +158,43 @@ def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter) -> Limiter:
             timeout=settings.redis.timeout,
             fail_open=settings.quotas.fail_open,
             hold_seconds=settings.quotas.hold_seconds,
+            process_id=process_id,
         )
     return MemoryLimiter(totals, hold_seconds=settings.quotas.hold_seconds)
+
+
+def quota_process_ids(ledger: LedgerWriter) -> tuple[str | None, str | None]:
+    """This process's registration with the shared quota store, and the one the previous run on the
+    same journal had (kept in the journal's directory: one process per directory), so a restart
+    after a crash does not wait for a registration that will never come back. (None, None) without
+    a journal."""
+    if ledger.journal is None:
+        return None, None
+    path = ledger.journal.directory / "quota-process"
+    try:
+        previous: str | None = path.read_text().strip() or None
+    except OSError:
+        previous = None
+    current = uuid.uuid4().hex
+    try:
+        path.write_text(current)
+    except OSError as exc:
+        log.warning("could not keep the quota registration id in %s: %s", path, type(exc).__name__)
+    return current, previous
+
+
+async def finish_crashed_run(ledger: LedgerWriter, limiter: Limiter, recovered: Recovered, previous: str | None) -> None:
+    """What a start does with the journal of a run that crashed: its interrupted requests' holds are
+    released with what their rows say; then, on a shared quota store, the counters of every account
+    with replayed rows are rebuilt from the ledger and the rows not in it yet (the crashed run had
+    counted them, but a failover meanwhile may have lost that; billing/quota/lua/recover.lua)."""
+    await release_interrupted(ledger, limiter.settle, recovered, wait=30.0)
+    rows = [*recovered.replayed, *(row for row, _hold in recovered.interrupted)]
+    if rows and isinstance(limiter, RedisLimiter):
+        try:
+            await limiter.recover_groups({f"a{row['account_id']}" for row in rows}, previous)
+        except Exception as exc:  # Redis out: the counters are rebuilt when it comes back (a restart or failover)
+            log.warning("could not rebuild the quota counters after replaying the journal: %s", type(exc).__name__)
 
 
 def freeze_heap() -> None:
@@ -196,8 +232,9 @@ def lifespan(
         state.ledger = ledger
         served, schedulers = schedule(engines if engines is not None else build_engines(settings), settings)
         prices = PriceBook(db)
-        limiter = build_limiter(settings, db, ledger)
-        releasing = asyncio.create_task(release_interrupted(ledger, limiter.settle, recovered, wait=30.0))
+        process_id, previous_process = quota_process_ids(ledger)
+        limiter = build_limiter(settings, db, ledger, process_id)
+        releasing = asyncio.create_task(finish_crashed_run(ledger, limiter, recovered, previous_process))
         adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]
         partitioning = asyncio.create_task(partitions.keep_ahead(db, utcnow), name="ledger-partitions")  # issue 24
         state.prices = prices

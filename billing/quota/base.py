@@ -16,11 +16,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import calendar
+import contextlib
 import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -192,12 +193,48 @@ class ScopeTotals:
     spent: int = 0  # prepaid: cost of usage since the account became prepaid
 
 
+@dataclass
+class Snapshot:
+    """A rebuild's view of the ledger (LedgerTotals.snapshot): totals, and which request ids it holds."""
+
+    totals: dict[str, ScopeTotals]
+    present: Callable[[list[str]], Awaitable[set[str]]]
+
+
+@contextlib.asynccontextmanager
+async def ledger_snapshot(totals: Any, scopes: list[Scope], now: float) -> AsyncIterator[Snapshot]:
+    """`totals.snapshot(...)` where it has one (LedgerTotals); a read-back that only has `for_scopes`
+    (benches and tests that start from an empty ledger) holds no row."""
+    if hasattr(totals, "snapshot"):
+        async with totals.snapshot(scopes, now) as snap:
+            yield snap
+        return
+
+    async def none(request_ids: list[str]) -> set[str]:
+        return set()
+
+    yield Snapshot(await totals.for_scopes(scopes, now), none)
+
+
 class LedgerTotals:
     """Reads current-window usage back from the ledger, to rebuild lost counters."""
 
-    def __init__(self, engine: AsyncEngine, flush: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        flush: Callable[[], Awaitable[None]] | None = None,
+        pending: Callable[[], list[Any]] | None = None,
+    ) -> None:
+        """`flush`: this process's ledger rows to the database; `pending`: its rows not known to be
+        there yet (the ledger writer's UsageRecords; billing.ledger.LedgerWriter.unconfirmed)."""
         self._engine = engine
         self._flush = flush
+        self._pending = pending
+
+    def pending(self) -> list[Any]:
+        """This process's ledger rows that may not be in the database yet (a Postgres outage, a
+        journal replayed at start): a rebuild after a failover counts them (Redis' `pend` hashes)."""
+        return self._pending() if self._pending is not None else []
 
     async def flush(self) -> None:
         """This process's pending ledger rows reach the database (up to the writer's timeout)."""
@@ -207,33 +244,59 @@ class LedgerTotals:
             except asyncio.TimeoutError:
                 log.warning("rebuilding quota counters while ledger rows are still pending")
 
-    async def for_scopes(self, scopes: list[Scope], now: float) -> dict[str, ScopeTotals]:
-        await self.flush()
+    async def for_scopes(self, scopes: list[Scope], now: float, conn: Any = None) -> dict[str, ScopeTotals]:
+        """Each scope's usage this month and minute. `conn`: read inside that connection's
+        transaction (`snapshot`); else this process's rows are flushed first and a connection opened."""
+        if conn is None:
+            await self.flush()
+            async with self._engine.connect() as own:
+                return await self.for_scopes(scopes, now, own)
         start = month_start(now)
         minute_start = datetime.fromtimestamp(minute_of(now) * 60, tz=timezone.utc)
         tokens = LEDGER.c.prompt_tokens + LEDGER.c.completion_tokens
         out: dict[str, ScopeTotals] = {}
-        async with self._engine.connect() as conn:
-            for scope in scopes:
-                column = LEDGER.c.key_id if scope.kind == "key" else LEDGER.c.account_id
-                month = (
-                    await conn.execute(
-                        sa.select(sa.func.coalesce(sa.func.sum(tokens), 0), sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
-                            column == scope.id, LEDGER.c.admitted_at >= start
-                        )
+        for scope in scopes:
+            column = LEDGER.c.key_id if scope.kind == "key" else LEDGER.c.account_id
+            month = (
+                await conn.execute(
+                    sa.select(sa.func.coalesce(sa.func.sum(tokens), 0), sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
+                        column == scope.id, LEDGER.c.admitted_at >= start
                     )
-                ).one()
-                minute = (
-                    await conn.execute(
-                        sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(tokens), 0)).where(
-                            column == scope.id, LEDGER.c.admitted_at >= minute_start
-                        )
+                )
+            ).one()
+            minute = (
+                await conn.execute(
+                    sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(tokens), 0)).where(
+                        column == scope.id, LEDGER.c.admitted_at >= minute_start
                     )
-                ).one()
-                out[scope.name] = ScopeTotals(int(month[0]), int(month[1]), int(minute[0]), int(minute[1]))
-                if scope.prepaid:
-                    out[scope.name].credits, out[scope.name].spent = await prepaid_totals(conn, scope.id)
+                )
+            ).one()
+            out[scope.name] = ScopeTotals(int(month[0]), int(month[1]), int(minute[0]), int(minute[1]))
+            if scope.prepaid:
+                out[scope.name].credits, out[scope.name].spent = await prepaid_totals(conn, scope.id)
         return out
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self, scopes: list[Scope], now: float) -> AsyncIterator[Snapshot]:
+        """The scopes' totals and a `present(request_ids)` check, both read in one snapshot of the
+        database (REPEATABLE READ on Postgres): a rebuild that adds the usage of rows not yet in the
+        ledger (Redis' `pend`) asks which of them the totals already hold, and gets an answer
+        consistent with the totals whatever commits meanwhile."""
+        await self.flush()
+        async with self._engine.connect() as conn:
+            if conn.dialect.name == "postgresql":
+                await conn.execution_options(isolation_level="REPEATABLE READ")
+            async with conn.begin():
+                totals = await self.for_scopes(scopes, now, conn)
+
+                async def present(request_ids: list[str]) -> set[str]:
+                    found: set[str] = set()
+                    for i in range(0, len(request_ids), 1000):
+                        query = sa.select(LEDGER.c.request_id).where(LEDGER.c.request_id.in_(request_ids[i:i + 1000]))
+                        found.update(str(r) for r in (await conn.execute(query)).scalars())
+                    return found
+
+                yield Snapshot(totals, present)
 
     async def account_of_key(self, key_id: int) -> int | None:
         """A key's account from the database (None for an unknown key)."""
@@ -273,10 +336,12 @@ class Limiter(abc.ABC):
             # "sync": some scopes have no counters for this window; rebuild them from the ledger.
             missing = [s for s in limited if s.name in outcome[1]]
             try:
-                totals = await self.totals.for_scopes(missing, now)
+                async with ledger_snapshot(self.totals, missing, now) as snap:
+                    await self._seed(hold, missing, snap.totals, now, snap.present)
+            except QuotaUnavailable:
+                raise
             except Exception as exc:  # the ledger database is unreachable: no counters to trust
                 raise QuotaUnavailable(f"ledger unreachable: {type(exc).__name__}") from None
-            await self._seed(hold, missing, totals, now)
         raise QuotaUnavailable("quota counters could not be rebuilt")
 
     def _grouped(self, scopes: list[Scope], tag: str) -> None:
@@ -286,7 +351,10 @@ class Limiter(abc.ABC):
     async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]: ...
 
     @abc.abstractmethod
-    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None: ...
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float,
+                    present: Callable[[list[str]], Awaitable[set[str]]] | None = None) -> None:
+        """Sets the scopes' counters from the ledger's `totals` (read at the time of `present`, which
+        says which request ids those totals hold)."""
 
     @abc.abstractmethod
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:

@@ -72,7 +72,7 @@ class MemoryLimiter(Limiter):
             state.holds[hold.request_id] = (hold.tokens, hold.nanos, hold.minute, expiry)
         return ("ok", remaining)
 
-    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None:
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float, present: Any = None) -> None:
         month, minute = month_of(now), minute_of(now)
         for scope in scopes:
             current = self._scopes.get(scope.name)

@@ -31,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from billing import resp
 from billing.limits import Limits
 from billing.quota.base import Hold, LedgerTotals, group_tag, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
-from billing.quota.scripts import CREDIT_LUA, REHOLD_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
+from billing.quota.scripts import CREDIT_LUA, RECOVER_LUA, REHOLD_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
 
 log = logging.getLogger("tollgate.quota")
 # How long a settlement nobody waits for may wait to share its Redis round trip with the next call
@@ -42,6 +42,11 @@ SETTLE_LINGER = 0.002
 # registered there to re-register its running holds (each does at its next call, an idle one
 # within its hold watch's interval); a process that died meanwhile stops counting after that.
 FAILOVER_WAIT = 3.0
+
+
+def _row_tag(row: Any) -> str:
+    """The group of a ledger row's scopes (its account's; Scope.tag)."""
+    return f"a{row.account_id}"
 
 
 class CircuitBreaker:
@@ -81,6 +86,7 @@ class RedisLimiter(Limiter):
         breaker: CircuitBreaker | None = None,
         max_connections: int = 64,
         lean: bool = True,
+        process_id: str | None = None,
     ) -> None:
         """`lean`: run the Lua scripts through billing.resp (one pipelined connection, a fraction of
         redis-py's CPU per call) where the URL is redis://; redis-py's scripts otherwise (rediss://,
@@ -95,7 +101,7 @@ class RedisLimiter(Limiter):
         # Holds this process reserved and has not settled, re-registered if Redis loses them (a restart,
         # a failover): counters rebuilt from the ledger alone would not see requests still running.
         self._live: dict[str, tuple[Hold, float]] = {}
-        self._proc = uuid.uuid4().hex
+        self._proc = process_id or uuid.uuid4().hex  # this process's registration in each group
         self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
         # Holds to release with nothing counted once Redis answers: reservations whose answer never
         # came, settlements that failed (their usage comes back with the group's rebuild).
@@ -103,9 +109,13 @@ class RedisLimiter(Limiter):
         self._watcher: asyncio.Task[None] | None = None
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
-        self._reserve_script, self._settle_script, self._seed_script, self._rehold_script, self._credit_script = (
-            self._client.script(lua) for lua in (RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA)
+        self._reserve_script, self._settle_script, self._seed_script, self._rehold_script, self._credit_script, self._recover_script = (
+            self._client.script(lua) for lua in (RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA)
         )
+
+    @property
+    def process_id(self) -> str:
+        return self._proc
 
     @property
     def lean(self) -> bool:
@@ -192,7 +202,8 @@ class RedisLimiter(Limiter):
             return ("deny", result[1], result[2], [tuple(r) for r in result[3]], int(result[4]))
         return ("sync", list(result[1]))
 
-    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float) -> None:
+    async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float,
+                    present: Any = None) -> None:
         args: list[Any] = [self.group(hold.tag), month_of(now), minute_of(now), len(scopes)]
         for scope in scopes:
             t = totals[scope.name]
@@ -202,7 +213,19 @@ class RedisLimiter(Limiter):
         for scope in prepaid:
             t = totals[scope.name]
             args += [scope.name, t.spent, len(t.credits), *[v for row in t.credits for v in row]]
-        await self._call(self._seed_script, args)
+        # Usage settled while the counters were lost (`pend`) counts unless `totals` already hold its
+        # row: the script names the request ids it needs to know about, asked in the same ledger read.
+        held: set[str] = set()
+        lacking: set[str] = set()
+        for _ in range(20):
+            result = await self._call(self._seed_script, [*args, len(held), *held, len(lacking), *lacking])
+            if not isinstance(result, list) or result[0] != "check":
+                return
+            unknown = [str(r) for r in result[1]]
+            found = await present(unknown) if present is not None else set()
+            held.update(found)
+            lacking.update(r for r in unknown if r not in found)
+        raise QuotaUnavailable("quota counters could not be rebuilt (usage kept arriving)")
 
     async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
         account = Scope("account", account_id, Limits())
@@ -217,6 +240,13 @@ class RedisLimiter(Limiter):
         args: list[Any] = [self.group(tag), self._proc, f"{now:.3f}", 86400, len(live)]
         for hold, expiry in live:
             args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, f"{expiry:.3f}", len(hold.scopes), *[s.name for s in hold.scopes]]
+        # Rows of requests whose holds are settled but that may not be in the ledger yet: a rebuild
+        # must count them (a request still holding is counted by its settlement, not here).
+        unwritten = [r for r in self._unwritten() if _row_tag(r) == tag and r.request_id not in self._live]
+        args.append(len(unwritten))
+        for row in unwritten:
+            args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month_of(row.admitted_at.timestamp())}",
+                     month_of(row.admitted_at.timestamp()), 2, f"k{row.key_id}", f"a{row.account_id}"]
         await self._call(self._rehold_script, args)
         if live:
             log.warning("quota store lost its state: re-registered %d holds of requests still running", len(live))
@@ -234,15 +264,33 @@ class RedisLimiter(Limiter):
                 continue
             if self._unsure:
                 await self._release_unsure()
-            if not self._live:
+            unwritten = self._unwritten()
+            if not self._live and not unwritten:
                 continue
             try:
                 now = time.time()
-                tags = sorted({h.tag for h, _ in self._live.values()})
+                tags = sorted({h.tag for h, _ in self._live.values()} | {_row_tag(r) for r in unwritten})
                 for tag in await self._client.lost_groups([self.group(t) for t in tags], tags, self._proc, now):
                     await self._rehold(tag, now)
             except Exception as exc:  # Redis still down: the next round or the next reserve retries
                 log.debug("hold watch: %s", type(exc).__name__)
+
+    def _unwritten(self) -> list[Any]:
+        """This process's ledger rows not confirmed in the database (a read-back without a writer: none)."""
+        pending = getattr(self.totals, "pending", None)
+        return pending() if pending is not None else []
+
+    async def recover_groups(self, tags: set[str], previous_proc: str | None = None) -> None:
+        """After a restart that replayed rows a crashed run had settled (counted, or lost with a failover
+        meanwhile): each group is rebuilt from the ledger and every process's unwritten rows, as after
+        a failover (recover.lua). `previous_proc`: the crashed run's registration, not waited for."""
+        now = time.time()
+        for tag in sorted(tags):
+            group = self.group(tag)
+            await self._client.run(self._recover_script, group + "epoch", [group, previous_proc or "", int(FAILOVER_WAIT * 1000)])
+            await self._rehold(tag, now)
+        if tags:
+            log.warning("quota counters of %d account groups rebuilt after a restart with unwritten ledger rows", len(tags))
 
     async def _release_unsure(self) -> None:
         for rid, hold in list(self._unsure.items()):

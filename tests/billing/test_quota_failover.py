@@ -39,9 +39,9 @@ class CountingTotals(LedgerTotals):
 
     rebuilds: list[float]
 
-    async def for_scopes(self, scopes: list[Scope], now: float) -> dict[str, ScopeTotals]:
+    async def for_scopes(self, scopes: list[Scope], now: float, conn: Any = None) -> dict[str, ScopeTotals]:
         self.rebuilds.append(time.monotonic())
-        return await super().for_scopes(scopes, now)
+        return await super().for_scopes(scopes, now, conn)
 
 
 async def ledger_tokens(db: Any, account: int) -> int:

@@ -3,3 +3,20 @@
 local p = ARGV[1]
 local epoch = redis.call('GET', p .. 'epoch') or '0'
 local function num(key) return tonumber(redis.call('GET', key) or '0') end
+-- Removes the holds (of every scope a failover may touch: the `scopes` set) for which
+-- `doomed(owner process, request id)` is true.
+local function drop_holds(doomed)
+  for _, name in ipairs(redis.call('SMEMBERS', p .. 'scopes')) do
+    local k = p .. name .. ':'
+    local flat = redis.call('HGETALL', k .. 'holds')
+    for x = 1, #flat, 2 do
+      local t, c, _, owner = string.match(flat[x + 1], '^(%d+):(%d+):(%d+):?(%w*)$')
+      if t and doomed(owner, flat[x]) then
+        redis.call('HDEL', k .. 'holds', flat[x])
+        redis.call('ZREM', k .. 'hexp', flat[x])
+        redis.call('DECRBY', k .. 'held:tok', t)
+        redis.call('DECRBY', k .. 'held:nanos', c)
+      end
+    end
+  end
+end

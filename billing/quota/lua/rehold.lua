@@ -1,5 +1,14 @@
 local proc = ARGV[2]; local now = tonumber(ARGV[3]); local ttl = tonumber(ARGV[4]); local n = tonumber(ARGV[5])
+local live = {}
 local i = 6
+for _ = 1, n do
+  live[ARGV[i]] = true
+  i = i + 6 + tonumber(ARGV[i + 5])
+end
+-- This process's holds it no longer runs: settled, the settlement lost with a failover (its usage
+-- is in the ledger or in `pend`), or reservations whose answer never came.
+drop_holds(function(owner, rid) return owner == proc and not live[rid] end)
+i = 6
 for _ = 1, n do
   local rid = ARGV[i]; local tok = ARGV[i + 1]; local nanos = ARGV[i + 2]; local minute = ARGV[i + 3]
   local expiry = ARGV[i + 4]; local k = tonumber(ARGV[i + 5])
@@ -8,7 +17,7 @@ for _ = 1, n do
       local s = p .. ARGV[i + 5 + j] .. ':'
       if redis.call('HEXISTS', s .. 'holds', rid) == 0 then
         redis.call('SADD', p .. 'scopes', ARGV[i + 5 + j])
-        redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute)
+        redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute .. ':' .. proc)
         redis.call('ZADD', s .. 'hexp', expiry, rid)
         redis.call('INCRBY', s .. 'held:tok', tok)
         redis.call('INCRBY', s .. 'held:nanos', nanos)
@@ -16,6 +25,21 @@ for _ = 1, n do
     end
   end
   i = i + 6 + k
+end
+-- This process's rows that may not be in the ledger yet (written through its journal while the
+-- database was out, replayed at a restart), each settled already: where the counters are still
+-- to be rebuilt, the rebuild counts each once (seed.lua); where they were rebuilt, it is too late.
+local rows = tonumber(ARGV[i] or '0'); i = i + 1
+for _ = 1, rows do
+  local rid = ARGV[i]; local usage = ARGV[i + 1]; local month = ARGV[i + 2]; local k = tonumber(ARGV[i + 3])
+  for j = 1, k do
+    local s = p .. ARGV[i + 3 + j] .. ':'
+    if redis.call('EXISTS', s .. 'synced:' .. month .. ':' .. epoch) == 0 then
+      redis.call('HSET', s .. 'pend', rid, usage)
+      redis.call('EXPIRE', s .. 'pend', 40 * 86400)
+    end
+  end
+  i = i + 4 + k
 end
 redis.call('ZREMRANGEBYSCORE', p .. 'procs', '-inf', now)  -- processes not seen for a day
 redis.call('ZADD', p .. 'procs', now + ttl, proc)

@@ -12,11 +12,8 @@ if ARGV[11 + n * 7] == '1' then
   if seen ~= id then
     redis.call('SET', p .. 'node', id)
     if seen then
-      -- Holds are rebuilt from the processes too: one whose settlement was lost would stay for good.
-      for _, name in ipairs(redis.call('SMEMBERS', p .. 'scopes')) do
-        local k = p .. name .. ':'
-        redis.call('DEL', k .. 'holds', k .. 'hexp', k .. 'held:tok', k .. 'held:nanos')
-      end
+      -- Holds stay (a dead process's running requests still count); each process that re-registers
+      -- drops its own holds it no longer runs (their settlement was lost) and puts back those lost.
       redis.call('ZUNIONSTORE', p .. 'procs:stale', 2, p .. 'procs:stale', p .. 'procs')
       redis.call('DEL', p .. 'procs')
       redis.call('SET', p .. 'recovering', '1', 'PX', ARGV[12 + n * 7])
@@ -92,7 +89,7 @@ for i, s in ipairs(scopes) do
   redis.call('INCRBY', s.k .. 'tpm:' .. minute, tok)
   redis.call('EXPIRE', s.k .. 'tpm:' .. minute, 180)
   if ARGV[11 + n * 7] == '1' then redis.call('SADD', p .. 'scopes', s.name) end  -- the scopes a failover clears
-  redis.call('HSET', s.k .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute)
+  redis.call('HSET', s.k .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute .. ':' .. proc)
   redis.call('ZADD', s.k .. 'hexp', expiry, rid)
   redis.call('INCRBY', s.k .. 'held:tok', tok)
   redis.call('INCRBY', s.k .. 'held:nanos', nanos)

@@ -1,12 +1,61 @@
 local month = ARGV[2]; local minute = ARGV[3]; local n = tonumber(ARGV[4])
 local ttl = 40 * 86400
-for i = 0, n - 1 do
-  local b = 5 + i * 5
+-- ARGV: n scopes (name, month tokens, month nanos, minute requests, minute tokens); then the prepaid
+-- scopes (a count; each: name, spent, credit rows, rows x (id, nanos)); then the request ids the
+-- caller's ledger read holds (a count, ids) and those it does not hold (a count, ids).
+local i = 5 + n * 5
+local balances = {}
+local count = tonumber(ARGV[i] or '0'); i = i + 1
+for _ = 1, count do
+  balances[#balances + 1] = i
+  i = i + 3 + tonumber(ARGV[i + 2]) * 2
+end
+local checked = {}
+count = tonumber(ARGV[i] or '0'); i = i + 1
+for _ = 1, count do checked[ARGV[i]] = true; i = i + 1 end
+count = tonumber(ARGV[i] or '0'); i = i + 1
+for _ = 1, count do checked[ARGV[i]] = false; i = i + 1 end
+-- Usage settled while these counters were not rebuilt (a failover, a restart: `pend`, rid ->
+-- tokens:nanos:month) counts unless the ledger read holds its row. Rows the caller has not looked
+-- up yet go back to it (in the same read); nothing is written until every one is known.
+local rebuilt = {}
+for s = 0, n - 1 do
+  local k = p .. ARGV[5 + s * 5] .. ':'
+  if redis.call('EXISTS', k .. 'synced:' .. month .. ':' .. epoch) == 0 then rebuilt[k] = true end
+end
+for _, b in ipairs(balances) do
+  local k = p .. ARGV[b] .. ':'
+  if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 0 then rebuilt[k] = true end
+end
+local unknown = {}
+local extra = {}
+for k in pairs(rebuilt) do
+  local e = {0, 0, 0}
+  local flat = redis.call('HGETALL', k .. 'pend')
+  for x = 1, #flat, 2 do
+    local seen = checked[flat[x]]
+    if seen == nil then
+      unknown[#unknown + 1] = flat[x]
+    elseif seen == false then
+      local t, c, m = string.match(flat[x + 1], '^(%d+):(%d+):(%d+)$')
+      if m == month then e[1] = e[1] + tonumber(t); e[2] = e[2] + tonumber(c) end
+      e[3] = e[3] + tonumber(c)
+    end
+  end
+  extra[k] = e
+end
+if #unknown > 0 then return {'check', unknown} end
+local function plus(value, add)
+  if add == 0 then return value end
+  return string.format('%d', tonumber(value) + add)
+end
+for s = 0, n - 1 do
+  local b = 5 + s * 5
   local k = p .. ARGV[b] .. ':'
   local synced = k .. 'synced:' .. month .. ':' .. epoch
   if redis.call('EXISTS', synced) == 0 then
-    redis.call('SET', k .. 'mtok:' .. month, ARGV[b + 1], 'EX', ttl)
-    redis.call('SET', k .. 'mspend:' .. month, ARGV[b + 2], 'EX', ttl)
+    redis.call('SET', k .. 'mtok:' .. month, plus(ARGV[b + 1], extra[k][1]), 'EX', ttl)
+    redis.call('SET', k .. 'mspend:' .. month, plus(ARGV[b + 2], extra[k][2]), 'EX', ttl)
     if redis.call('EXISTS', k .. 'rpm:' .. minute) == 0 then
       redis.call('SET', k .. 'rpm:' .. minute, ARGV[b + 3], 'EX', 180)
       redis.call('SET', k .. 'tpm:' .. minute, ARGV[b + 4], 'EX', 180)
@@ -15,18 +64,17 @@ for i = 0, n - 1 do
   end
 end
 -- Prepaid balances: each credit row once (HSETNX keeps rows credited meanwhile), spent from the ledger.
-local i = 5 + n * 5
-for _ = 1, tonumber(ARGV[i] or '0') do
-  local k = p .. ARGV[i + 1] .. ':'
-  local rows = tonumber(ARGV[i + 3])
+for _, b in ipairs(balances) do
+  local k = p .. ARGV[b] .. ':'
   if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 0 then
-    for j = 0, rows - 1 do redis.call('HSETNX', k .. 'cred', ARGV[i + 4 + j * 2], ARGV[i + 5 + j * 2]) end
+    local rows = tonumber(ARGV[b + 2])
+    for j = 0, rows - 1 do redis.call('HSETNX', k .. 'cred', ARGV[b + 3 + j * 2], ARGV[b + 4 + j * 2]) end
     local sum = 0
     for _, v in ipairs(redis.call('HVALS', k .. 'cred')) do sum = sum + tonumber(v) end
     redis.call('SET', k .. 'cred:sum', sum)
-    redis.call('SET', k .. 'spent', ARGV[i + 2])
+    redis.call('SET', k .. 'spent', plus(ARGV[b + 1], extra[k][3]))
     redis.call('SET', k .. 'bsynced:' .. epoch, '1')
   end
-  i = i + 4 + rows * 2
 end
+for k in pairs(rebuilt) do redis.call('DEL', k .. 'pend') end
 return 1

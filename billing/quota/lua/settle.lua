@@ -15,10 +15,14 @@ for i = 0, n - 1 do
       redis.call('DECRBY', k .. 'tpm:' .. m, tonumber(t) - tok)
     end
   end
-  -- Counters that were lost are rebuilt from the ledger, which will hold this request's row.
   if redis.call('EXISTS', k .. 'synced:' .. month .. ':' .. epoch) == 1 then
     redis.call('INCRBY', k .. 'mtok:' .. month, tok)
     redis.call('INCRBY', k .. 'mspend:' .. month, nanos)
+  else
+    -- Counters not rebuilt since they were lost (a failover, limits changed): the rebuild counts
+    -- this usage once, from the ledger if its read holds the row, else from here (seed.lua).
+    redis.call('HSET', k .. 'pend', rid, tok .. ':' .. nanos .. ':' .. month)
+    redis.call('EXPIRE', k .. 'pend', 40 * 86400)
   end
   if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 1 then redis.call('INCRBY', k .. 'spent', nanos) end
 end
