@@ -45,17 +45,23 @@ for k in pairs(rebuilt) do
   extra[k] = e
 end
 if #unknown > 0 then return {'check', unknown} end
-local function plus(value, add)
-  if add == 0 then return value end
-  return string.format('%d', tonumber(value) + add)
+-- What a counter is rebuilt to: the ledger's total plus `add`, or what the counter already holds where
+-- that is more. Both are usage that happened (a counter only ever adds settled usage), so the larger
+-- misses less: after a failover the new master still has what was replicated before it, including
+-- the usage of a gateway that is dead now with its rows in its journal, which no ledger read can see.
+local function rebuilt_value(key, value, add)
+  local total = tonumber(value) + add
+  local kept = tonumber(redis.call('GET', key) or '0')
+  if kept > total then total = kept end
+  return string.format('%d', total)
 end
 for s = 0, n - 1 do
   local b = 5 + s * 5
   local k = p .. ARGV[b] .. ':'
   local synced = k .. 'synced:' .. month .. ':' .. epoch
   if redis.call('EXISTS', synced) == 0 then
-    redis.call('SET', k .. 'mtok:' .. month, plus(ARGV[b + 1], extra[k][1]), 'EX', ttl)
-    redis.call('SET', k .. 'mspend:' .. month, plus(ARGV[b + 2], extra[k][2]), 'EX', ttl)
+    redis.call('SET', k .. 'mtok:' .. month, rebuilt_value(k .. 'mtok:' .. month, ARGV[b + 1], extra[k][1]), 'EX', ttl)
+    redis.call('SET', k .. 'mspend:' .. month, rebuilt_value(k .. 'mspend:' .. month, ARGV[b + 2], extra[k][2]), 'EX', ttl)
     if redis.call('EXISTS', k .. 'rpm:' .. minute) == 0 then
       redis.call('SET', k .. 'rpm:' .. minute, ARGV[b + 3], 'EX', 180)
       redis.call('SET', k .. 'tpm:' .. minute, ARGV[b + 4], 'EX', 180)
@@ -72,7 +78,7 @@ for _, b in ipairs(balances) do
     local sum = 0
     for _, v in ipairs(redis.call('HVALS', k .. 'cred')) do sum = sum + tonumber(v) end
     redis.call('SET', k .. 'cred:sum', sum)
-    redis.call('SET', k .. 'spent', plus(ARGV[b + 1], extra[k][3]))
+    redis.call('SET', k .. 'spent', rebuilt_value(k .. 'spent', ARGV[b + 1], extra[k][3]))
     redis.call('SET', k .. 'bsynced:' .. epoch, '1')
   end
 end
