@@ -32,7 +32,7 @@ from billing.keys import KeyStore
 from engines.base import EngineRequest, SamplingParams
 from engines.hf import HFEngine
 from gateway.app import create_app
-from gateway.config import DEFAULT_MODEL_ID, Settings
+from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "engine_scaling.json"
 MIN_SCALING = 3.0
@@ -177,7 +177,8 @@ async def run_rounds(modes: dict[str, StreamFn], args: argparse.Namespace) -> di
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     load_at_start = os.getloadavg()
-    engine = HFEngine(model_id=DEFAULT_MODEL_ID, device=args.device, max_batch_size=max(32, max(args.concurrency)))
+    engine = HFEngine(model_id=DEFAULT_MODEL_ID, device=args.device, max_batch_size=max(32, max(args.concurrency)),
+                      cache_dir=default_cache_dir(os.environ))  # the converted checkpoint `tollgate serve` uses
     await engine.start()
     try:
         with tempfile.TemporaryDirectory(prefix="tollgate-bench-") as tmp:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from billing.db import create_engine  # noqa: E402
 from billing.keys import KeyStore  # noqa: E402
 from engines.hf import HFEngine  # noqa: E402
 from gateway.app import create_app  # noqa: E402
-from gateway.config import DEFAULT_MODEL_ID, Settings  # noqa: E402
+from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir  # noqa: E402
 
 SECRET = "bench-fairness-secret"
 
@@ -120,7 +121,7 @@ def run_mode(engine: HFEngine, label: str, overrides: dict[str, Any], args: argp
     db_url = f"sqlite:///{tmp / 'tollgate.db'}"
     migrate.upgrade(db_url)
     a, b = keys_for(db_url, ["flooder", "light"])
-    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, **overrides)
+    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp).with_overrides(**overrides)
     with ServerThread(create_app(settings, engines={engine.model_id: engine})) as server:
         result = asyncio.run(workload(f"http://127.0.0.1:{server.port}", a, b, args))
     result["mode"] = label
@@ -168,15 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the per-mode figures here")
     args = parser.parse_args(argv)
 
-    engine = HFEngine(model_id=DEFAULT_MODEL_ID, model_path=args.model_path, device=args.device,
+    engine = HFEngine(model_id=DEFAULT_MODEL_ID, model_path=args.model_path, device=args.device, cache_dir=default_cache_dir(os.environ),
                       max_batch_size=args.capacity, max_queue=args.flood + args.light + 16)
     asyncio.run(engine.start())
     asyncio.run(warm_up(engine, args.capacity))
-    patient = {"scheduler_classes": "interactive:3600,batch:3600"}  # the flood queues, nothing is refused
+    patient = {"classes": "interactive:3600,batch:3600"}  # the flood queues, nothing is refused
     modes = [
-        ("scheduler off", {"scheduler": False}),
-        ("on, reserve 1", {"scheduler_reserve": 1, **patient}),
-        ("on, reserve 0", {"scheduler_reserve": 0, **patient}),
+        ("scheduler off", {"scheduler": {"enabled": False}}),
+        ("on, reserve 1", {"scheduler": {"reserve": 1, **patient}}),
+        ("on, reserve 0", {"scheduler": {"reserve": 0, **patient}}),
     ]
     print(f"hf engine on {args.device}, batch size {args.capacity}; A floods {args.flood} x {args.tokens} tokens, "
           f"B sends {args.light} one every {args.every:g}s", flush=True)

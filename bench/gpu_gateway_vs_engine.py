@@ -127,8 +127,11 @@ def summarize(results: list[Timing], wall: float, cpu: dict[str, float] | None =
 # the engine alone ------------------------------------------------------------------------------
 def engine_kwargs(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     """What `tollgate serve` gives the hf engine for the TOLLGATE_* settings of `gateway_env`."""
+    from gateway.config import default_cache_dir
+
     return dict(model_path=model_path, device=args.device, max_batch_size=args.batch_size, max_queue=args.max_queue,
-                kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens, warmup=True)
+                kv_cache_tokens=args.kv_cache_tokens, max_batch_tokens=args.max_batch_tokens, warmup=True,
+                cache_dir=default_cache_dir(os.environ))
 
 
 def gateway_env(args: argparse.Namespace, model_path: str) -> dict[str, str]:

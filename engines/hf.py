@@ -214,7 +214,9 @@ class HFEngine(Engine):
         self._guides: dict[str, guided.Guide] = {}  # request id -> its matcher, while it runs
         self.context_length = 0
         self._model_path = model_path
-        self._cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tollgate"
+        # Where a converted .gguf checkpoint is cached: the server passes Settings.engines.cache_dir
+        # ($XDG_CACHE_HOME/tollgate, read by gateway/config.py); made without one, XDG's default.
+        self._cache_dir = cache_dir or Path.home() / ".cache" / "tollgate"
         self._device = device
         self._max_batch_size = max_batch_size
         self._max_queue = max_queue

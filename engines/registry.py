@@ -15,9 +15,8 @@ and alias -> a `FallbackEngine` over the model's own engine and its fallbacks' e
 from __future__ import annotations
 
 import difflib
-import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,9 +243,12 @@ class ModelTable:
     specs: dict[str, ModelSpec]
     aliases: dict[str, str]  # alias -> model id
 
-    def build(self, *, trtllm_api: Any = None) -> dict[str, Engine]:
-        """The served map: every public id and alias -> its model (same object for an alias)."""
-        engines = {mid: build_engine(spec, trtllm_api=trtllm_api) for mid, spec in self.specs.items() if spec.backend != "router"}
+    def build(self, *, trtllm_api: Any = None, cache_dir: Path | None = None) -> dict[str, Engine]:
+        """The served map: every public id and alias -> its model (same object for an alias).
+        `cache_dir`: where hf models cache a converted checkpoint (`Settings.engines.cache_dir`)."""
+        engines = {
+            mid: build_engine(spec, trtllm_api=trtllm_api, cache_dir=cache_dir) for mid, spec in self.specs.items() if spec.backend != "router"
+        }
         lifecycle = SharedLifecycle()
         served: dict[str, Engine] = {}
         chains: dict[str, Engine] = {}
@@ -272,8 +274,10 @@ class ModelTable:
         return served
 
 
-def parse_models(text: str, where: str, *, environ: dict[str, str] | None = None, trtllm_check: bool = True) -> ModelTable:
-    """Validates a models file's text; raises ModelsConfigError listing every problem."""
+def parse_models(text: str, where: str, *, environ: Mapping[str, str] | None = None, trtllm_check: bool = True) -> ModelTable:
+    """Validates a models file's text; raises ModelsConfigError listing every problem. `environ`:
+    where `api_key_env` names are looked up (the server passes the environment it started with,
+    `Settings.engines.environ`); none given, no variable is set. This module never reads os.environ."""
     problems: list[str] = []
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -299,7 +303,7 @@ def parse_models(text: str, where: str, *, environ: dict[str, str] | None = None
 
     specs: dict[str, ModelSpec] = {}
     for i, entry in enumerate(entries):
-        spec = _parse_entry(entry, ("models", i), problem, environ if environ is not None else dict(os.environ), trtllm_check)
+        spec = _parse_entry(entry, ("models", i), problem, environ or {}, trtllm_check)
         if spec is not None and spec.id not in specs:
             spec.line = lines.of(("models", i))
             specs[spec.id] = spec
@@ -310,7 +314,7 @@ def parse_models(text: str, where: str, *, environ: dict[str, str] | None = None
 
 
 def _parse_entry(
-    entry: Any, path: tuple[Any, ...], problem: Callable[..., None], environ: dict[str, str], trtllm_check: bool
+    entry: Any, path: tuple[Any, ...], problem: Callable[..., None], environ: Mapping[str, str], trtllm_check: bool
 ) -> ModelSpec | None:
     if not isinstance(entry, dict):
         problem(path, f"each model must be a mapping with id and backend, got {_show(entry)}")
@@ -436,8 +440,9 @@ def _check_routes(specs: dict[str, ModelSpec], entries: list[Any], problem: Call
             problem(("models", i, "fallbacks"), "a router has no fallbacks of its own; its routes' models keep theirs")
 
 
-def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
-    """One backend engine for a spec (nothing loads until `start()`)."""
+def build_engine(spec: ModelSpec, *, trtllm_api: Any = None, cache_dir: Path | None = None) -> Engine:
+    """One backend engine for a spec (nothing loads until `start()`); `cache_dir`: the hf engine's
+    converted checkpoints (None: its default)."""
     params = dict(spec.params)
     if spec.backend == "hf":
         from engines.hf import HFEngine
@@ -446,6 +451,7 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
         separate = params.pop("process", None)
         if separate is None:  # like TOLLGATE_ENGINE_PROCESS=auto: its own process on a GPU
             separate = str(params.get("device", "cpu")).startswith("cuda")
+        params["cache_dir"] = cache_dir
         if not separate:
             params.pop("gather_ms", None)  # only the engine process gathers a burst
             return HFEngine(model_id=spec.id, **params)
@@ -459,8 +465,8 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None) -> Engine:
     return OpenAIPoolEngine(model_id=spec.id, **params)
 
 
-def load_models(path: str | Path, *, environ: dict[str, str] | None = None) -> ModelTable:
-    """Reads and validates a models file (TOLLGATE_MODELS / --models)."""
+def load_models(path: str | Path, *, environ: Mapping[str, str] | None = None) -> ModelTable:
+    """Reads and validates a models file (TOLLGATE_MODELS / --models); `environ` as parse_models takes it."""
     where = str(path)
     try:
         text = Path(path).read_text()

@@ -108,7 +108,7 @@ async def _patched_limits(
 ) -> Response:
     state = request.app.state
     if body is None:
-        body = parse(PatchLimits, await read_json(request, state.settings.max_body_bytes))
+        body = parse(PatchLimits, await read_json(request, state.settings.http.max_body_bytes))
     try:
         updated = await apply(scope_id, body.limits)
     except InvalidLimits as exc:
@@ -130,8 +130,8 @@ async def patch_account(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
     account_id = _path_id(request, "account_id", "account")
-    body = parse(PatchAccount, await read_json(request, state.settings.max_body_bytes))
-    classes = [c.name for c in state.settings.priority_classes]
+    body = parse(PatchAccount, await read_json(request, state.settings.http.max_body_bytes))
+    classes = [c.name for c in state.settings.scheduler.priority_classes]
     if body.priority is not None and body.priority not in classes:
         raise InvalidRequest(f"priority must be one of {', '.join(classes)} (or null)", param="priority", code="invalid_value")
     if body.limits is not None:
@@ -163,7 +163,7 @@ async def list_prices(request: Request) -> Response:
 async def add_price(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
-    body = parse(AddPrice, await read_json(request, state.settings.max_body_bytes))
+    body = parse(AddPrice, await read_json(request, state.settings.http.max_body_bytes))
     try:
         version = await state.prices.add(body.model, body.input_per_million, body.output_per_million, body.effective_from,
                                          cached_input_per_million=body.cached_input_per_million)
@@ -175,7 +175,7 @@ async def add_price(request: Request) -> Response:
 async def create_account(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
-    body = parse(CreateAccount, await read_json(request, state.settings.max_body_bytes))
+    body = parse(CreateAccount, await read_json(request, state.settings.http.max_body_bytes))
     try:
         account = await state.keys.create_account(body.name)
     except AccountExists:
@@ -192,7 +192,7 @@ async def list_accounts(request: Request) -> Response:
 async def create_key(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
-    body = parse(CreateKey, await read_json(request, state.settings.max_body_bytes))
+    body = parse(CreateKey, await read_json(request, state.settings.http.max_body_bytes))
     try:
         key = await state.keys.create_key(body.account_id, name=body.name, models=body.models, expires_at=body.expires_at)
     except UnknownAccount:

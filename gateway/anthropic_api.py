@@ -232,7 +232,7 @@ async def _create_message(request: Request, request_id: str) -> Any:
     state = request.app.state
     principal = await authenticate(request, state.keys, api_key(request))
     state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
-    body = parse(MessagesRequest, await read_json(request, state.settings.max_body_bytes))
+    body = parse(MessagesRequest, await read_json(request, state.settings.http.max_body_bytes))
     service: CompletionService = state.service
     gen = service.prepare_messages(principal, body, request_id)  # as the chat completion it translates to
     render = MessageRenderer(gen)
@@ -254,7 +254,7 @@ async def _count_tokens(request: Request, request_id: str) -> Response:
     state = request.app.state
     principal = await authenticate(request, state.keys, api_key(request))
     state.billing.guard(principal)
-    body = parse(CountTokensRequest, await read_json(request, state.settings.max_body_bytes))
+    body = parse(CountTokensRequest, await read_json(request, state.settings.http.max_body_bytes))
     service: CompletionService = state.service
     engine = service.engine_for(body.model, principal)
     tokens = len(service.prompt_of(engine, body.chat_body(), "messages", {}, tools=True))  # what the engine bills

@@ -250,7 +250,7 @@ class CloseRequest(_Model):
 async def admin_close(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
-    body = parse(CloseRequest, await read_json(request, state.settings.max_body_bytes))
+    body = parse(CloseRequest, await read_json(request, state.settings.http.max_body_bytes))
     period = _period(body.period)
     billing = _billing(request)
     if period.end > datetime.now(timezone.utc):
@@ -336,7 +336,7 @@ async def admin_add_override(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
     account = await _account(request)
-    body = parse(AddOverride, await read_json(request, state.settings.max_body_bytes))
+    body = parse(AddOverride, await read_json(request, state.settings.http.max_body_bytes))
     try:
         version = await _billing(request).book.add_override(
             account["id"],
@@ -373,7 +373,7 @@ async def admin_set_details(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
     account = await _account(request)
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings.http.max_body_bytes)
     try:
         details = await set_details(_billing(request).db, account["id"], body, replace=request.method == "PUT")
     except InvalidBillingDetails as exc:
@@ -389,7 +389,7 @@ async def admin_tax_rates(request: Request) -> Response:
 async def admin_set_tax_rate(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings.http.max_body_bytes)
     if not isinstance(body, dict) or set(body) != {"rate"}:
         raise InvalidRequest('the body must be {"rate": "19.000"} (percent)', param="rate")
     try:
@@ -423,7 +423,7 @@ async def admin_credit_note(request: Request) -> Response:
     await authenticate_admin(request, state.keys)
     billing = _billing(request)
     invoice_id = _id(request, "invoice_id", "invoice")
-    body = parse(CreditNoteBody, await read_json(request, state.settings.max_body_bytes))
+    body = parse(CreditNoteBody, await read_json(request, state.settings.http.max_body_bytes))
     try:
         note = await issue_credit_note(billing.db, invoice_id, CreditRequest(body.amount_cents, body.reason, body.memo), billing.config)
     except CreditNoteRefused as exc:
@@ -475,7 +475,7 @@ async def stripe_webhook(request: Request) -> Response:
     billing = _billing(request)
     if billing.webhooks is None:
         raise NotFound("Stripe webhooks are not configured on this server.")
-    payload = await _raw_body(request, request.app.state.settings.max_body_bytes)  # the signature covers these bytes
+    payload = await _raw_body(request, request.app.state.settings.http.max_body_bytes)  # the signature covers these bytes
     try:
         result = await billing.webhooks.handle(payload, request.headers.get("stripe-signature"))
     except WebhookRejected as exc:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -18,7 +17,7 @@ from billing.db import create_engine
 from billing.keys import AccountExists, KeyStore, UnknownAccount
 from gateway import cli_billing, cli_ledger, cli_ops
 from gateway import cli_credits  # issue 25
-from gateway.config import DashboardSettings, Settings, for_workers, load_settings, worker_settings
+from gateway.config import Settings, for_workers, load_settings, worker_settings
 from gateway.logs import configure_logging
 
 
@@ -64,18 +63,18 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.drain import Drain, DrainingServer
     from gateway.hardening import guarded_http_protocol
 
-    host = args.host or settings.host
-    port = args.port or settings.port
-    settings = settings.with_overrides(host=host, port=port, models_file=args.models or settings.models_file)
-    if settings.models_file and check_models_file(settings.models_file, quiet=not args.check):
+    host = args.host or settings.http.host
+    port = args.port or settings.http.port
+    settings = settings.with_overrides(http={"host": host, "port": port}, engines={"models_file": args.models or settings.engines.models_file})
+    if settings.engines.models_file and check_models_file(settings.engines.models_file, quiet=not args.check, environ=settings.engines.environ):
         return 2  # refuse to start on a bad models file, before anything loads
     if args.check:
         return 0
-    workers = args.workers if args.workers is not None else settings.workers
+    workers = args.workers if args.workers is not None else settings.http.workers
     if workers < 1:
         print(f"error: --workers must be at least 1, got {workers}", file=sys.stderr)
         return 2
-    settings = settings.with_overrides(workers=workers)
+    settings = settings.with_overrides(http={"workers": workers})
     refused = workers_refused(settings) if workers > 1 else None
     if refused:
         print(f"error: --workers {workers}: {refused}", file=sys.stderr)
@@ -88,19 +87,19 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         print("Created the first admin key. It is shown only this once; store it now:")
         print(f"    {created}")
         print("=" * 72, flush=True)
-    print(f"Tollgate serving {settings.models_file or settings.model_id} on http://{host}:{port}/v1", flush=True)
+    print(f"Tollgate serving {settings.engines.models_file or settings.engines.model_id} on http://{host}:{port}/v1", flush=True)
     configure_logging(args.log_format, args.log_level)  # JSON lines with request ids; uvicorn logs through it
     if workers > 1:
         _serve_workers(settings, args, workers)
         return 0
-    http = guarded_http_protocol(read_timeout=settings.request_read_timeout, max_header_bytes=settings.max_header_bytes)
+    http = guarded_http_protocol(read_timeout=settings.http.request_read_timeout, max_header_bytes=settings.http.max_header_bytes)
     app = create_app(settings, freeze_gc=True, exit_on_load_failure=True)
     _tune_gc(settings)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, loop="auto", http=http,
                                            log_config=None, access_log=False, proxy_headers=False))  # nothing reads the client address
     stop = lambda: setattr(server, "should_exit", True)  # noqa: E731  (uvicorn's graceful stop)
     app.state.stop_server = stop
-    server.drain = Drain(app, settings.drain_seconds, stop)
+    server.drain = Drain(app, settings.http.drain_seconds, stop)
     server.run()
     fatal = app.state.fatal
     if fatal:
@@ -113,14 +112,15 @@ def workers_refused(settings: Settings) -> str | None:
     """Why these settings cannot run as several processes (None: they can). Quotas and the ledger
     stay exact across workers only where every worker shares them, and an in-process model would
     load once per worker."""
-    if not settings.models_file:
+    if not settings.engines.models_file:
         return "several workers need remote engines (a models file of `openai` backends); the embedded model would load once per worker"
     from engines.registry import load_models
 
-    local = sorted(spec.id for spec in load_models(settings.models_file).specs.values() if spec.backend in ("hf", "trtllm"))
+    table = load_models(settings.engines.models_file, environ=settings.engines.environ)
+    local = sorted(spec.id for spec in table.specs.values() if spec.backend in ("hf", "trtllm"))
     if local:
         return f"the models {', '.join(local)} run in-process and would load once per worker; serve them with one worker"
-    if not settings.redis_url:
+    if not settings.redis.url:
         return "several workers share quotas through Redis: set REDIS_URL"
     if not settings.resolved_database_url.startswith("postgresql"):
         return "several workers write one ledger: set DATABASE_URL to Postgres (SQLite takes one writer)"
@@ -135,19 +135,19 @@ def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -
 
     import uvicorn
 
-    metrics_dir = (settings.data_dir / f"metrics-{settings.port}").resolve()
+    metrics_dir = (settings.data_dir / f"metrics-{settings.http.port}").resolve()
     shutil.rmtree(metrics_dir, ignore_errors=True)  # counters start at zero with the server, as with one process
     metrics_dir.mkdir(parents=True)
     settings = settings.with_overrides(
-        workers=workers, dashboards=DashboardSettings(prometheus_multiproc_dir=str(metrics_dir)),
-        process=dataclasses.replace(settings.process, log_format=args.log_format, log_level=args.log_level),
+        http={"workers": workers}, dashboards={"prometheus_multiproc_dir": str(metrics_dir)},
+        process={"log_format": args.log_format, "log_level": args.log_level},
     )
     # The workers inherit this environment: where the whole Settings is, and prometheus_client's own
     # variable (the library reads it when it is imported).
-    os.environ.update({**for_workers(settings, settings.data_dir / f"worker-settings-{settings.port}"),
+    os.environ.update({**for_workers(settings, settings.data_dir / f"worker-settings-{settings.http.port}"),
                        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
     configure_logging(args.log_format, args.log_level)
-    uvicorn.run("gateway.cli:worker_app", factory=True, workers=workers, host=settings.host, port=settings.port,
+    uvicorn.run("gateway.cli:worker_app", factory=True, workers=workers, host=settings.http.host, port=settings.http.port,
                 log_level=args.log_level, loop="auto", http="gateway.hardening:EnvGuardedHttpToolsProtocol",
                 log_config=None, access_log=False, proxy_headers=False)
 
@@ -162,7 +162,7 @@ def worker_app() -> Any:
     _tune_gc(settings)
     from gateway.drain import install_in_worker
 
-    install_in_worker(app, settings.drain_seconds)  # SIGTERM from the master drains this worker (gateway/drain.py)
+    install_in_worker(app, settings.http.drain_seconds)  # SIGTERM from the master drains this worker (gateway/drain.py)
     return app
 
 
@@ -286,12 +286,13 @@ def cmd_keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def check_models_file(path: str, quiet: bool) -> int:
-    """Validates a models.yaml; prints every problem as file:line: field: message."""
+def check_models_file(path: str, quiet: bool, environ: Mapping[str, str]) -> int:
+    """Validates a models.yaml (its `api_key_env` names looked up in `environ`, the settings' copy of
+    the environment); prints every problem as file:line: field: message."""
     from engines.registry import ModelsConfigError, load_models
 
     try:
-        table = load_models(path)
+        table = load_models(path, environ=environ)
     except ModelsConfigError as exc:
         print(f"error: {path} is not a usable models file:", file=sys.stderr)
         for problem in exc.problems:

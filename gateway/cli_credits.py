@@ -22,8 +22,8 @@ from gateway.credits_api import housekeeping
 
 
 def _book(settings: Settings, db: Any) -> tuple[CreditBook, Any]:
-    limiter = RedisLimiter(settings.redis_url, LedgerTotals(db), prefix=settings.redis_prefix, timeout=2.0) if settings.redis_url else None
-    return CreditBook(db, limiter, settle_seconds=settings.credits_settle_seconds), limiter
+    limiter = RedisLimiter(settings.redis.url, LedgerTotals(db), prefix=settings.redis.prefix, timeout=2.0) if settings.redis.url else None
+    return CreditBook(db, limiter, settle_seconds=settings.credits.settle_seconds), limiter
 
 
 def cmd_mode(settings: Settings, args: argparse.Namespace) -> int:

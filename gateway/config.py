@@ -1,16 +1,38 @@
 """Settings: one frozen object, read from the environment in exactly this one place, once, at start.
 
     load_settings()   the environment (README's configuration table is the contract) -> Settings
-    Settings          the server's own settings (http, engines, scheduler, quotas, ledger: top-level
-                      fields, as `Settings(...)` takes them), and one group per subsystem:
-                      `cache`, `embeddings`, `billing` (Stripe and the seller included), `dashboards`,
-                      `process` (logging, the collector)
+    Settings          one group per part of the server, each a frozen dataclass:
+                        http        HttpSettings: the listener, its request limits, workers, drain
+                        engines     EngineSettings: the model(s) served, the hf engine's sizes, the
+                                    models file, and what the engines take from the environment
+                                    (`environ` for models.yaml's `api_key_env`, `cache_dir` from
+                                    XDG_CACHE_HOME for converted checkpoints)
+                        scheduler   SchedulerSettings: the gateway's queue in front of every engine
+                        redis       RedisSettings: the Redis several gateways share (url, key prefix,
+                                    timeout), for the quotas and the response cache
+                        quotas      QuotaSettings: admission: the API-key cache, the quota limiter's
+                                    fail mode and reservation hold
+                        ledger      LedgerSettings: the usage ledger's journal and writer
+                        credits     CreditSettings: prepaid balances' checks and settling
+                        responses   ResponsesSettings: stored /v1/responses
+                        cache       CacheSettings: the response cache
+                        embeddings  EmbeddingSettings: /v1/embeddings
+                        billing     BillingConfig (billing/config.py): invoices, Stripe, the seller
+                        dashboards  DashboardSettings: /metrics (its token) and the dashboards
+                        process     ProcessSettings: log lines, the collector
+                      and, top-level, what many groups share: where state lives (`data_dir` and the
+                      databases, `database_url` and `database_read_url`: the ledger, keys, billing,
+                      credits, dashboards and stored responses all use them) and the secrets
+                      (`server_secret`, `admin_key`).
+    with_overrides()  a changed copy: `http={"port": 9123}` changes fields of a group, `http=HttpSettings(...)`
+                      replaces it, `database_url=...` a top-level field
     unknown_variables() TOLLGATE_* names set but read by nothing, each with the nearest known name;
                       `load_settings()` warns about them (a typo is not silently ignored)
     for_workers()     `tollgate serve --workers N`: the whole Settings, handed to each worker process
                       through one file (`worker_settings()` reads it back there)
 
-Nothing else in the gateway, engines or billing reads os.environ.
+Nothing else in the gateway, engines or billing reads os.environ (tests/gateway/test_settings.py
+keeps it so); the engines get what they used to read from it through `settings.engines`.
 """
 
 from __future__ import annotations
@@ -21,10 +43,10 @@ import os
 import pickle
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from billing.config import BillingConfig
 
@@ -39,7 +61,116 @@ WORKER_SETTINGS = "TOLLGATE_WORKER_SETTINGS"  # set by `serve --workers N` for i
 
 
 @dataclass(frozen=True)
+class HttpSettings:
+    """The HTTP server: where it listens, what a request may be, its processes, how it stops."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1 << 20
+    request_read_timeout: float = 30.0  # seconds to receive a request's headers and body
+    max_header_bytes: int = 64 * 1024
+    workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
+    drain_seconds: float = 30.0  # on SIGTERM, running generations get this long before they are cut (gateway/drain.py)
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """Where the hf engine caches converted checkpoints: $XDG_CACHE_HOME/tollgate (~/.cache/tollgate)."""
+    return Path(environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tollgate"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What is served (gateway/wiring.py:build_engines): one hf model, or a models file."""
+
+    model_id: str = DEFAULT_MODEL_ID
+    model_path: str | None = None  # HF checkpoint dir or .gguf file; None: the bundled SmolLM2
+    backend: str = "hf"
+    models_file: str | None = None  # models.yaml; None: serve model_id with the hf engine
+    device: str = "cpu"
+    max_batch_size: int = 32
+    max_queue: int = 256
+    kv_cache_tokens: int = 16384  # KV cache capacity of the hf engine; 0 = size from free memory
+    max_batch_tokens: int = 1024  # tokens per continuous-batching step (prefill chunk)
+    cuda_graphs: bool = True  # hf engine on CUDA only
+    # The hf engine's model in a process of its own (engines/hf_process.py); on by default on CUDA.
+    process: bool = False
+    gather_ms: int = 20  # the engine process gathers a burst after idle up to this long (engines/hf_process.py)
+    warmup: bool = True
+    # Where the hf engine caches a converted .gguf checkpoint; None: ~/.cache/tollgate
+    # (load_settings() gives $XDG_CACHE_HOME/tollgate).
+    cache_dir: Path | None = None
+    # The environment models.yaml's `api_key_env` names are looked up in, as it was at start
+    # (load_settings() keeps a copy; made in code: empty unless given). Not shown in repr: it holds keys.
+    environ: dict[str, str] = field(default_factory=dict, repr=False, hash=False)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The gateway's queue in front of every engine (docs/scheduling.md)."""
+
+    enabled: bool = True
+    capacity: int = 0  # requests let into an engine at once; 0: its batch size / its replicas' slots
+    capacity_tokens: int = 0  # prompt + max_tokens let in at once; 0: no limit
+    reserve: int = 1  # slots held for a top-class account with nothing running
+    classes: str = "interactive:30,batch:600"  # highest first, each with its longest expected wait (s)
+    max_queue: int = 10_000  # waiting requests per engine beyond which new ones are refused
+
+    @property
+    def priority_classes(self) -> tuple[PriorityClass, ...]:
+        from engines.scheduler import parse_classes
+
+        return parse_classes(self.classes)
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """The Redis several gateways share (billing/redis_url.py): the quota store, and the response
+    cache's store. None: each gateway keeps them in process."""
+
+    url: str | None = None  # one Redis, redis+cluster://host:port,... or redis+sentinel://host:port,.../service
+    prefix: str = "tg:q:"  # every key; the response cache's under prefix + "rc:"
+    timeout: float = 0.05  # seconds, every Redis call
+
+
+@dataclass(frozen=True)
+class QuotaSettings:
+    """Admission: the API-key cache (billing/keys.py) and the quota limiter (billing/quota/)."""
+
+    key_cache_seconds: float = 1.0
+    key_stale_seconds: float = 300.0  # serve a cached key this long while the database is unreachable
+    fail_open: bool = False  # False: refuse with 503 while the quota store is unreachable
+    hold_seconds: float = 900.0  # a crashed gateway's reservations free up after this
+
+
+@dataclass(frozen=True)
+class LedgerSettings:
+    """The usage ledger (docs/reliability.md): its journal, the backlog policy, the writer."""
+
+    journal: bool = True  # rows go through an fsync'd local file in data_dir/journal
+    fsync_interval: float = 0.05  # seconds; one fsync per window (group commit)
+    max_backlog: int = 0  # rows not yet in the database; 0: keep serving, N: 503 above N
+    linger: float = 0.02  # seconds a batch waits for more rows before its insert (0: none)
+    copy_connections: int = 2  # Postgres: binary COPY on this many connections (billing/ledger_copy.py); 0: one INSERT
+
+
+@dataclass(frozen=True)
+class CreditSettings:
+    """Prepaid credit (gateway/credits_api.py)."""
+
+    check_seconds: float = 30.0  # prepaid balances and alerts are checked this often (0: never)
+    settle_seconds: float | None = None  # None: 120 s on Postgres, 0 on SQLite
+
+
+@dataclass(frozen=True)
+class ResponsesSettings:
+    """Stored Responses (/v1/responses, gateway/openai_responses.py)."""
+
+    retention_days: float = 30.0  # kept this long; 0: until deleted
+
+
+@dataclass(frozen=True)
 class CacheSettings:
+
     """The response cache (gateway/response_cache.py)."""
 
     ttl_seconds: float = 3600.0
@@ -65,6 +196,7 @@ class DashboardSettings:
     """/metrics and the dashboards."""
 
     prometheus_multiproc_dir: str | None = None  # several workers: counters summed over their files
+    metrics_token: str | None = None  # set: GET /metrics wants `Authorization: Bearer <token>`
 
 
 @dataclass(frozen=True)
@@ -105,79 +237,39 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    """The whole configuration: the groups, and top-level what they share (module docstring)."""
+
+    # What many groups share: where state lives, and the secrets.
     data_dir: Path = Path(".tollgate")
     database_url: str | None = None  # None: SQLite file in data_dir
     database_read_url: str | None = None  # a replica for dashboards and /v1/usage; None: they read database_url
-    redis_url: str | None = None
     server_secret: str | None = None  # None: generated once and kept in data_dir
     admin_key: str | None = None
-    model_id: str = DEFAULT_MODEL_ID
-    model_path: str | None = None  # HF checkpoint dir or .gguf file; None: the bundled SmolLM2
-    engine_backend: str = "hf"
-    models_file: str | None = None  # models.yaml; None: serve model_id with the hf engine
-    device: str = "cpu"
-    max_batch_size: int = 32
-    max_queue: int = 256
-    kv_cache_tokens: int = 16384  # KV cache capacity of the hf engine; 0 = size from free memory
-    max_batch_tokens: int = 1024  # tokens per continuous-batching step (prefill chunk)
-    cuda_graphs: bool = True  # hf engine on CUDA only
-    # The hf engine's model in a process of its own (engines/hf_process.py); on by default on CUDA.
-    engine_process: bool = False
-    engine_gather_ms: int = 20  # the engine process gathers a burst after idle up to this long (engines/hf_process.py)
-    # The gateway's queue in front of every engine (docs/scheduling.md).
-    scheduler: bool = True
-    scheduler_capacity: int = 0  # requests let into an engine at once; 0: its batch size / its replicas' slots
-    scheduler_capacity_tokens: int = 0  # prompt + max_tokens let in at once; 0: no limit
-    scheduler_reserve: int = 1  # slots held for a top-class account with nothing running
-    scheduler_classes: str = "interactive:30,batch:600"  # highest first, each with its longest expected wait (s)
-    scheduler_max_queue: int = 10_000  # waiting requests per engine beyond which new ones are refused
-    max_body_bytes: int = 1 << 20
-    key_cache_seconds: float = 1.0
-    redis_prefix: str = "tg:q:"
-    redis_timeout: float = 0.05  # seconds, every Redis call
-    quota_fail_open: bool = False  # False: refuse with 503 while the quota store is unreachable
-    quota_hold_seconds: float = 900.0  # a crashed gateway's reservations free up after this
-    # Reliability (docs/reliability.md): the ledger journal, the backlog policy, hostile clients.
-    ledger_journal: bool = True  # rows go through an fsync'd local file in data_dir/journal
-    ledger_fsync_interval: float = 0.05  # seconds; one fsync per window (group commit)
-    ledger_max_backlog: int = 0  # rows not yet in the database; 0: keep serving, N: 503 above N
-    ledger_linger: float = 0.02  # seconds a batch waits for more rows before its insert (0: none)
-    ledger_copy_connections: int = 2  # Postgres: binary COPY on this many connections (billing/ledger_copy.py); 0: one INSERT
-    key_stale_seconds: float = 300.0  # serve a cached key this long while the database is unreachable
-    request_read_timeout: float = 30.0  # seconds to receive a request's headers and body
-    max_header_bytes: int = 64 * 1024
-    metrics_token: str | None = None  # set: GET /metrics wants `Authorization: Bearer <token>`
-    warmup: bool = True
-    responses_retention_days: float = 30.0  # stored Responses (/v1/responses) are kept this long; 0: until deleted
-    workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
-    drain_seconds: float = 30.0  # on SIGTERM, running generations get this long before they are cut (gateway/drain.py)
-    # Subsystems, each one group.
+    # The groups.
+    http: HttpSettings = HttpSettings()
+    engines: EngineSettings = EngineSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    redis: RedisSettings = RedisSettings()
+    quotas: QuotaSettings = QuotaSettings()
+    ledger: LedgerSettings = LedgerSettings()
+    credits: CreditSettings = CreditSettings()
+    responses: ResponsesSettings = ResponsesSettings()
     cache: CacheSettings = CacheSettings()
     embeddings: EmbeddingSettings = EmbeddingSettings()
     billing: BillingConfig | None = None  # None: from `extra` (TOLLGATE_BILLING_*, _STRIPE_*, _SELLER_* names)
-    credits_check_seconds: float = 30.0  # prepaid balances and alerts are checked this often (0: never)
-    credits_settle_seconds: float | None = None  # TOLLGATE_CREDITS_SETTLE_SECONDS; None: 120 s on Postgres, 0 on SQLite
     dashboards: DashboardSettings = DashboardSettings()
     process: ProcessSettings = ProcessSettings()
     # Settings by their environment names, for what is set in code rather than the environment
-    # (tests): `billing` and `credits_check_seconds` are read from it when given there.
+    # (tests): `billing` and `credits` are read from it when given there.
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.billing is None:
             object.__setattr__(self, "billing", BillingConfig.from_mapping(self.extra))
         if "TOLLGATE_CREDITS_CHECK_SECONDS" in self.extra:
-            object.__setattr__(self, "credits_check_seconds", float(self.extra["TOLLGATE_CREDITS_CHECK_SECONDS"]))
+            object.__setattr__(self, "credits", replace(self.credits, check_seconds=float(self.extra["TOLLGATE_CREDITS_CHECK_SECONDS"])))
         if self.extra.get("TOLLGATE_CREDITS_SETTLE_SECONDS"):
-            object.__setattr__(self, "credits_settle_seconds", float(self.extra["TOLLGATE_CREDITS_SETTLE_SECONDS"]))
-
-    @property
-    def priority_classes(self) -> tuple[PriorityClass, ...]:
-        from engines.scheduler import parse_classes
-
-        return parse_classes(self.scheduler_classes)
+            object.__setattr__(self, "credits", replace(self.credits, settle_seconds=float(self.extra["TOLLGATE_CREDITS_SETTLE_SECONDS"])))
 
     @property
     def sqlite_path(self) -> Path:
@@ -189,8 +281,17 @@ class Settings:
             return self.database_url
         return f"sqlite:///{self.sqlite_path.resolve()}"
 
-    def with_overrides(self, **kwargs: object) -> "Settings":
-        return replace(self, **kwargs)  # type: ignore[arg-type]
+    def with_overrides(self, **changes: Any) -> Settings:
+        """A copy with `changes`: a top-level field by its name (`database_url="postgresql://..."`), a group
+        whole (`http=HttpSettings(port=9123)`) or some of a group's fields by a mapping
+        (`http={"port": 9123}`, `scheduler={"enabled": False}`). An unknown name is a TypeError."""
+        for name, value in changes.items():
+            if name in GROUPS and isinstance(value, Mapping):
+                current = getattr(self, name)
+                if current is None:
+                    raise TypeError(f"Settings.{name} is not set; give the whole group")
+                changes[name] = replace(current, **value)
+        return replace(self, **changes)
 
     def secret_bytes(self) -> bytes:
         """The HMAC secret for API keys: from the environment, else a file made once with 0600."""
@@ -203,6 +304,10 @@ class Settings:
             with os.fdopen(fd, "w") as fh:
                 fh.write(secrets.token_urlsafe(48))
         return path.read_text().strip().encode()
+
+
+# The fields of Settings that are groups (with_overrides takes a mapping of changes for each).
+GROUPS = frozenset(f.name for f in fields(Settings) if is_dataclass(f.default) or f.name == "billing")
 
 
 def _redis_url(raw: str | None) -> str | None:
@@ -273,52 +378,72 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     for name, nearest in unknown_variables(env):
         log.warning("%s is not a Tollgate setting and is ignored%s", name, f" (did you mean {nearest}?)" if nearest else "")
+    device = env.get("TOLLGATE_DEVICE", "cpu")
     return Settings(
-        host=env.get("TOLLGATE_HOST", "127.0.0.1"),
-        port=_env_int(env, "TOLLGATE_PORT", 8000),
         data_dir=Path(env.get("TOLLGATE_DATA_DIR", ".tollgate")),
         database_url=env.get("DATABASE_URL") or None,
         database_read_url=env.get("DATABASE_READ_URL") or None,
-        redis_url=_redis_url(env.get("REDIS_URL")),
         server_secret=env.get("TOLLGATE_SECRET") or None,
         admin_key=_admin_key(env.get("TOLLGATE_ADMIN_KEY")),
-        model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
-        model_path=env.get("TOLLGATE_MODEL_PATH") or None,
-        engine_backend=env.get("TOLLGATE_ENGINE", "hf"),
-        models_file=env.get("TOLLGATE_MODELS") or None,
-        device=env.get("TOLLGATE_DEVICE", "cpu"),
-        engine_process=_engine_process(env.get("TOLLGATE_ENGINE_PROCESS", "auto"), env.get("TOLLGATE_DEVICE", "cpu")),
-        engine_gather_ms=_env_nonnegative(env, "TOLLGATE_ENGINE_GATHER_MS", 20),
-        max_batch_size=_env_int(env, "TOLLGATE_MAX_BATCH_SIZE", 32),
-        max_queue=_env_int(env, "TOLLGATE_MAX_QUEUE", 256),
-        kv_cache_tokens=_env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384),
-        max_batch_tokens=_env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024),
-        scheduler=env.get("TOLLGATE_SCHEDULER", "1") not in ("0", "false", "no"),
-        scheduler_capacity=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY", 0),
-        scheduler_capacity_tokens=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
-        scheduler_reserve=_env_int(env, "TOLLGATE_SCHEDULER_RESERVE", 1),
-        scheduler_classes=_classes(env.get("TOLLGATE_SCHEDULER_CLASSES", "interactive:30,batch:600")),
-        scheduler_max_queue=_env_int(env, "TOLLGATE_SCHEDULER_MAX_QUEUE", 10_000),
-        cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
-        max_body_bytes=_env_int(env, "TOLLGATE_MAX_BODY_BYTES", 1 << 20),
-        key_cache_seconds=_env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0),
-        redis_prefix=_redis_prefix(env.get("TOLLGATE_REDIS_PREFIX", "tg:q:")),
-        redis_timeout=_env_float(env, "TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
-        quota_fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
-        quota_hold_seconds=_env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
-        ledger_journal=env.get("TOLLGATE_LEDGER_JOURNAL", "1") not in ("0", "false", "no"),
-        ledger_fsync_interval=_env_float(env, "TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
-        ledger_max_backlog=_env_int(env, "TOLLGATE_LEDGER_MAX_BACKLOG", 0),
-        ledger_linger=_env_float(env, "TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
-        ledger_copy_connections=max(0, _env_int(env, "TOLLGATE_LEDGER_COPY_CONNECTIONS", 2)),
-        key_stale_seconds=_env_float(env, "TOLLGATE_KEY_STALE_SECONDS", 300.0),
-        request_read_timeout=_env_float(env, "TOLLGATE_REQUEST_READ_SECONDS", 30.0),
-        max_header_bytes=_env_int(env, "TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
-        metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
-        warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
-        workers=max(1, _env_int(env, "TOLLGATE_WORKERS", 1)),
-        drain_seconds=max(0.0, _env_float(env, "TOLLGATE_DRAIN_SECONDS", 30.0)),
-        responses_retention_days=max(0.0, _env_float(env, "TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
+        http=HttpSettings(
+            host=env.get("TOLLGATE_HOST", "127.0.0.1"),
+            port=_env_int(env, "TOLLGATE_PORT", 8000),
+            max_body_bytes=_env_int(env, "TOLLGATE_MAX_BODY_BYTES", 1 << 20),
+            request_read_timeout=_env_float(env, "TOLLGATE_REQUEST_READ_SECONDS", 30.0),
+            max_header_bytes=_env_int(env, "TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
+            workers=max(1, _env_int(env, "TOLLGATE_WORKERS", 1)),
+            drain_seconds=max(0.0, _env_float(env, "TOLLGATE_DRAIN_SECONDS", 30.0)),
+        ),
+        engines=EngineSettings(
+            model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
+            model_path=env.get("TOLLGATE_MODEL_PATH") or None,
+            backend=env.get("TOLLGATE_ENGINE", "hf"),
+            models_file=env.get("TOLLGATE_MODELS") or None,
+            device=device,
+            process=_engine_process(env.get("TOLLGATE_ENGINE_PROCESS", "auto"), device),
+            gather_ms=_env_nonnegative(env, "TOLLGATE_ENGINE_GATHER_MS", 20),
+            max_batch_size=_env_int(env, "TOLLGATE_MAX_BATCH_SIZE", 32),
+            max_queue=_env_int(env, "TOLLGATE_MAX_QUEUE", 256),
+            kv_cache_tokens=_env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384),
+            max_batch_tokens=_env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024),
+            cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
+            warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
+            cache_dir=default_cache_dir(env),
+            environ=dict(env),
+        ),
+        scheduler=SchedulerSettings(
+            enabled=env.get("TOLLGATE_SCHEDULER", "1") not in ("0", "false", "no"),
+            capacity=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY", 0),
+            capacity_tokens=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
+            reserve=_env_int(env, "TOLLGATE_SCHEDULER_RESERVE", 1),
+            classes=_classes(env.get("TOLLGATE_SCHEDULER_CLASSES", "interactive:30,batch:600")),
+            max_queue=_env_int(env, "TOLLGATE_SCHEDULER_MAX_QUEUE", 10_000),
+        ),
+        redis=RedisSettings(
+            url=_redis_url(env.get("REDIS_URL")),
+            prefix=_redis_prefix(env.get("TOLLGATE_REDIS_PREFIX", "tg:q:")),
+            timeout=_env_float(env, "TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
+        ),
+        quotas=QuotaSettings(
+            key_cache_seconds=_env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0),
+            key_stale_seconds=_env_float(env, "TOLLGATE_KEY_STALE_SECONDS", 300.0),
+            fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
+            hold_seconds=_env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
+        ),
+        ledger=LedgerSettings(
+            journal=env.get("TOLLGATE_LEDGER_JOURNAL", "1") not in ("0", "false", "no"),
+            fsync_interval=_env_float(env, "TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
+            max_backlog=_env_int(env, "TOLLGATE_LEDGER_MAX_BACKLOG", 0),
+            linger=_env_float(env, "TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
+            copy_connections=max(0, _env_int(env, "TOLLGATE_LEDGER_COPY_CONNECTIONS", 2)),
+        ),
+        credits=CreditSettings(
+            check_seconds=_env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0),
+            settle_seconds=float(env["TOLLGATE_CREDITS_SETTLE_SECONDS"]) if env.get("TOLLGATE_CREDITS_SETTLE_SECONDS") else None,
+        ),
+        responses=ResponsesSettings(
+            retention_days=max(0.0, _env_float(env, "TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
+        ),
         cache=CacheSettings(
             ttl_seconds=float(env.get("TOLLGATE_CACHE_TTL", "3600")),
             hit_price=parse_hit_price(env.get("TOLLGATE_CACHE_HIT_PRICE", "0")),
@@ -332,9 +457,10 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             batch_wait_ms=_env_float(env, "TOLLGATE_EMBEDDING_BATCH_WAIT_MS", 2.0),
         ),
         billing=BillingConfig.from_mapping(env),
-        credits_check_seconds=_env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0),
-        credits_settle_seconds=float(env["TOLLGATE_CREDITS_SETTLE_SECONDS"]) if env.get("TOLLGATE_CREDITS_SETTLE_SECONDS") else None,
-        dashboards=DashboardSettings(prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None),
+        dashboards=DashboardSettings(
+            prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None,
+            metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
+        ),
         process=ProcessSettings(
             log_format=env.get("TOLLGATE_LOG_FORMAT", "json"),
             log_level=env.get("TOLLGATE_LOG_LEVEL", "info"),
@@ -396,7 +522,8 @@ def for_workers(settings: Settings, path: Path) -> dict[str, str]:
     """Writes the whole Settings for the worker processes of `serve --workers N`; returns the one
     environment variable that tells them where (they inherit the parent's environment)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the server secret when set
+    # 0600: it holds the server secret when set, and the copy of the environment (engines.environ)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
         pickle.dump(settings, fh)
     return {WORKER_SETTINGS: str(path)}

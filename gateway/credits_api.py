@@ -173,7 +173,7 @@ async def admin_add_credit(request: Request) -> Response:
     state = request.app.state
     principal = await authenticate_admin(request, state.keys)
     account_id = _account_id(request)
-    body = parse(AddCredit, await read_json(request, state.settings.max_body_bytes))
+    body = parse(AddCredit, await read_json(request, state.settings.http.max_body_bytes))
     try:
         nanos = parse_usd(body.amount, "amount", signed=body.kind == "adjustment")
         if body.kind == "refund":
@@ -191,7 +191,7 @@ async def admin_billing_mode(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
     account_id = _account_id(request)
-    body = parse(BillingMode, await read_json(request, state.settings.max_body_bytes))
+    body = parse(BillingMode, await read_json(request, state.settings.http.max_body_bytes))
     try:
         result = await _book(request).set_mode(account_id, body.billing_mode)
     except CreditError as exc:
@@ -231,7 +231,7 @@ async def admin_add_alert(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
     account_id = _account_id(request)
-    body = parse(AddAlert, await read_json(request, state.settings.max_body_bytes))
+    body = parse(AddAlert, await read_json(request, state.settings.http.max_body_bytes))
     if await state.keys.get_account(account_id=account_id) is None:
         raise NotFound(f"No account with id {account_id}.", param="account_id")
     try:
@@ -279,7 +279,7 @@ def _checkout(request: Request) -> CheckoutService:
 async def create_checkout(request: Request) -> Response:
     state = request.app.state
     principal = await authenticate(request, state.keys)
-    body = parse(Checkout, await read_json(request, state.settings.max_body_bytes))
+    body = parse(Checkout, await read_json(request, state.settings.http.max_body_bytes))
     if not principal.prepaid:
         raise InvalidRequest("This account is postpaid (billed monthly); it has no prepaid balance to top up.", param="amount",
                              code="not_prepaid")
@@ -321,7 +321,7 @@ async def admin_recharge(request: Request) -> Response:
     state = request.app.state
     await authenticate_admin(request, state.keys)
     account_id = _account_id(request)
-    body = parse(Recharge, await read_json(request, state.settings.max_body_bytes))
+    body = parse(Recharge, await read_json(request, state.settings.http.max_body_bytes))
     if await state.keys.get_account(account_id=account_id) is None:
         raise NotFound(f"No account with id {account_id}.", param="account_id")
     try:
@@ -368,8 +368,8 @@ async def _loop(book: CreditBook, db: Any, alerts: AlertService, checkout: Check
 
 async def start(app: Starlette) -> None:
     settings = app.state.settings
-    every = settings.credits_check_seconds
-    app.state.credits = CreditBook(app.state.db, app.state.limiter, settle_seconds=settings.credits_settle_seconds)
+    every = settings.credits.check_seconds
+    app.state.credits = CreditBook(app.state.db, app.state.limiter, settle_seconds=settings.credits.settle_seconds)
     app.state.alerts = AlertService(app.state.db, app.state.credits)
     billing = app.state.billing
     app.state.checkout = None

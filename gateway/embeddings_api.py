@@ -163,7 +163,7 @@ async def create_embeddings(request: Request) -> Response:
     request_id = request_id_of(request)
     principal = await authenticate(request, state.keys)
     state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
-    body = parse_embedding_request(await read_json(request, state.settings.max_body_bytes))
+    body = parse_embedding_request(await read_json(request, state.settings.http.max_body_bytes))
     if service is None:
         raise ModelNotFound(f"The embedding model {body.model!r} does not exist.", param="model")
     model = service.model_for(body.model, principal)

@@ -241,7 +241,7 @@ def _worker_limits() -> tuple[float, int]:
     settings = worker_settings()
     if settings is None:
         return GuardedHttpToolsProtocol.read_timeout, GuardedHttpToolsProtocol.max_header_bytes
-    return settings.request_read_timeout, settings.max_header_bytes
+    return settings.http.request_read_timeout, settings.http.max_header_bytes
 
 
 class EnvGuardedHttpToolsProtocol(GuardedHttpToolsProtocol):

@@ -173,7 +173,7 @@ class Metrics:
 async def metrics_endpoint(request: Request) -> Response:
     """Prometheus text. Open by default (a scraper's network only, README); with
     TOLLGATE_METRICS_TOKEN set, only for `Authorization: Bearer <that token>`."""
-    token = request.app.state.settings.metrics_token
+    token = request.app.state.settings.dashboards.metrics_token
     if token:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):

@@ -289,7 +289,7 @@ class ResponseStore:
         state = request.app.state
         store = state.response_store
         if store is None:
-            store = state.response_store = cls(state.db, state.settings.responses_retention_days)
+            store = state.response_store = cls(state.db, state.settings.responses.retention_days)
         return store
 
     def _visible(self, account_id: int, response_id: str) -> Any:
@@ -393,7 +393,7 @@ async def create_response(request: Request) -> Any:
     request_id = request_id_of(request)
     principal = await authenticate(request, state.keys)
     state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
-    body: ResponsesRequest = parse(ResponsesRequest, await read_json(request, state.settings.max_body_bytes))
+    body: ResponsesRequest = parse(ResponsesRequest, await read_json(request, state.settings.http.max_body_bytes))
     store = ResponseStore.of(request)
     history = await _history(store, principal, body.previous_response_id) if body.previous_response_id else []
     service: CompletionService = state.service

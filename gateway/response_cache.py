@@ -282,8 +282,8 @@ async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: As
 async def start(app: Any) -> None:
     settings = app.state.settings
     config = app.state.response_cache_config or CacheConfig.from_settings(settings.cache)
-    if settings.redis_url:
-        store: Any = RedisStore(settings.redis_url, settings.redis_prefix + "rc:", max(0.05, settings.redis_timeout))
+    if settings.redis.url:
+        store: Any = RedisStore(settings.redis.url, settings.redis.prefix + "rc:", max(0.05, settings.redis.timeout))
     else:
         store = MemoryStore(config.max_entries)
     cache = ResponseCache(store, config)

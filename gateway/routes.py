@@ -32,7 +32,7 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     request_id = request_id_of(request)  # made by RequestContext; also the ledger row's id
     principal = await authenticate(request, state.keys)
     state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
-    raw = await read_json(request, state.settings.max_body_bytes)
+    raw = await read_json(request, state.settings.http.max_body_bytes)
     raw = route_body(state.service.engines, raw, kind)  # issue 10: a virtual model (`auto`) names a real one
     body = parse(model, raw, passthrough=_passes_through(state.service, raw))
     service: CompletionService = state.service

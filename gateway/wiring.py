@@ -34,38 +34,43 @@ log = logging.getLogger("tollgate")
 
 
 def build_engines(settings: Settings) -> dict[str, Engine]:
-    if settings.models_file:
+    """The served map from `settings.engines`: a models file's models, or the one hf model. What the
+    engines would otherwise take from the environment comes from the settings too: models.yaml's
+    `api_key_env` names are looked up in `engines.environ`, converted checkpoints go to `engines.cache_dir`."""
+    config = settings.engines
+    if config.models_file:
         from engines.registry import ModelsConfigError, load_models
 
         try:
-            built = load_models(settings.models_file).build()
+            built = load_models(config.models_file, environ=config.environ).build(cache_dir=config.cache_dir)
         except ModelsConfigError as exc:
             raise SystemExit(f"error in the models file:\n{exc}") from None
-        if settings.workers > 1:
-            share_replicas(built, settings.workers)
+        if settings.http.workers > 1:
+            share_replicas(built, settings.http.workers)
         return built
-    if settings.engine_backend != "hf":
+    if config.backend != "hf":
         raise SystemExit(
-            f"TOLLGATE_ENGINE={settings.engine_backend!r}: without a models file only the hf backend is served; "
+            f"TOLLGATE_ENGINE={config.backend!r}: without a models file only the hf backend is served; "
             "describe trtllm and openai models in a models.yaml (TOLLGATE_MODELS or --models)"
         )
     from engines.hf import HFEngine
     from engines.hf_process import HFProcessEngine
 
     params: dict[str, Any] = dict(
-        model_path=settings.model_path,
-        device=settings.device,
-        max_batch_size=settings.max_batch_size,
-        max_queue=settings.max_queue,
-        kv_cache_tokens=settings.kv_cache_tokens,
-        max_batch_tokens=settings.max_batch_tokens,
-        cuda_graphs=settings.cuda_graphs,
-        warmup=settings.warmup,
+        model_path=config.model_path,
+        cache_dir=config.cache_dir,
+        device=config.device,
+        max_batch_size=config.max_batch_size,
+        max_queue=config.max_queue,
+        kv_cache_tokens=config.kv_cache_tokens,
+        max_batch_tokens=config.max_batch_tokens,
+        cuda_graphs=config.cuda_graphs,
+        warmup=config.warmup,
     )
-    if settings.engine_process:
-        engine: HFEngine = HFProcessEngine(model_id=settings.model_id, gather_ms=settings.engine_gather_ms, **params)
+    if config.process:
+        engine: HFEngine = HFProcessEngine(model_id=config.model_id, gather_ms=config.gather_ms, **params)
     else:
-        engine = HFEngine(model_id=settings.model_id, **params)
+        engine = HFEngine(model_id=config.model_id, **params)
     return {engine.model_id: engine}
 
 
@@ -84,15 +89,15 @@ def share_replicas(engines: dict[str, Engine], workers: int) -> None:
 
 def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
     """The ledger writer; with the journal on, rows an earlier run left unwritten are queued first."""
-    if not settings.ledger_journal:
-        return LedgerWriter(db, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger, **_ingest(settings)), Recovered()
+    if not settings.ledger.journal:
+        return LedgerWriter(db, max_backlog=settings.ledger.max_backlog, linger=settings.ledger.linger, **_ingest(settings)), Recovered()
     # One journal directory per process. With several workers each takes the first one no other
     # worker holds (journal, journal-1, ...): a worker that replaces a dead one recovers its rows.
     def writer(name: str) -> LedgerWriter:
-        journal = LedgerJournal(settings.data_dir / name, fsync_interval=settings.ledger_fsync_interval)
-        return LedgerWriter(db, journal=journal, max_backlog=settings.ledger_max_backlog, linger=settings.ledger_linger, **_ingest(settings))
+        journal = LedgerJournal(settings.data_dir / name, fsync_interval=settings.ledger.fsync_interval)
+        return LedgerWriter(db, journal=journal, max_backlog=settings.ledger.max_backlog, linger=settings.ledger.linger, **_ingest(settings))
 
-    names = ["journal"] + [f"journal-{i}" for i in range(1, settings.workers)]
+    names = ["journal"] + [f"journal-{i}" for i in range(1, settings.http.workers)]
     for name in names[:-1]:
         ledger = writer(name)
         try:
@@ -106,38 +111,38 @@ def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
 def _ingest(settings: Settings) -> dict[str, int]:
     """The ledger writer's Postgres path: binary COPY on several connections with larger batches
     (billing/ledger_copy.py; bench/ledger_writer.py compares), or the one-statement insert."""
-    if settings.ledger_copy_connections:
-        return {"copy_connections": settings.ledger_copy_connections, "batch_size": 2500 * settings.ledger_copy_connections}
+    if settings.ledger.copy_connections:
+        return {"copy_connections": settings.ledger.copy_connections, "batch_size": 2500 * settings.ledger.copy_connections}
     return {}
 
 
 def orphan_journals(settings: Settings) -> list[Path]:
     """Journal directories of workers beyond the current count (the server ran with more before):
     no worker claims them now, so their rows are finished here (billing.ledger.adopt_journal)."""
-    if not settings.ledger_journal:
+    if not settings.ledger.journal:
         return []
     found = []
     for path in settings.data_dir.glob("journal-*"):
         suffix = path.name.removeprefix("journal-")
-        if path.is_dir() and suffix.isdigit() and int(suffix) >= settings.workers:
+        if path.is_dir() and suffix.isdigit() and int(suffix) >= settings.http.workers:
             found.append(path)
     return sorted(found)
 
 
 def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, Engine], list[ScheduledEngine]]:
     """The gateway's queue in front of every engine (docs/scheduling.md); off: the engines as they are."""
-    if not settings.scheduler:
+    if not settings.scheduler.enabled:
         return served, []
-    classes = settings.priority_classes
+    classes = settings.scheduler.priority_classes
 
     def make(engine: Engine) -> ScheduledEngine:
         return ScheduledEngine(
             engine,
-            capacity=-(-settings.scheduler_capacity // settings.workers) or None,  # each worker's share
-            capacity_tokens=settings.scheduler_capacity_tokens or None,
-            reserve=settings.scheduler_reserve,
+            capacity=-(-settings.scheduler.capacity // settings.http.workers) or None,  # each worker's share
+            capacity_tokens=settings.scheduler.capacity_tokens or None,
+            reserve=settings.scheduler.reserve,
             classes=classes,
-            max_queue=settings.scheduler_max_queue,
+            max_queue=settings.scheduler.max_queue,
         )
 
     return schedule_engines(served, make)
@@ -145,17 +150,17 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
 
 def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter, process_id: str | None = None) -> Limiter:
     totals = LedgerTotals(db, flush=lambda: ledger.flush(timeout=2.0), pending=ledger.unconfirmed)
-    if settings.redis_url:
+    if settings.redis.url:
         return RedisLimiter(
-            settings.redis_url,
+            settings.redis.url,
             totals,
-            prefix=settings.redis_prefix,
-            timeout=settings.redis_timeout,
-            fail_open=settings.quota_fail_open,
-            hold_seconds=settings.quota_hold_seconds,
+            prefix=settings.redis.prefix,
+            timeout=settings.redis.timeout,
+            fail_open=settings.quotas.fail_open,
+            hold_seconds=settings.quotas.hold_seconds,
             process_id=process_id,
         )
-    return MemoryLimiter(totals, hold_seconds=settings.quota_hold_seconds)
+    return MemoryLimiter(totals, hold_seconds=settings.quotas.hold_seconds)
 
 
 def quota_process_ids(ledger: LedgerWriter) -> tuple[str | None, str | None]:
@@ -222,7 +227,7 @@ def lifespan(
         read_db = create_engine(settings.database_read_url) if settings.database_read_url else db
         state.read_db = read_db
         state.keys = KeyStore(
-            db, settings.secret_bytes(), cache_seconds=settings.key_cache_seconds, stale_seconds=settings.key_stale_seconds
+            db, settings.secret_bytes(), cache_seconds=settings.quotas.key_cache_seconds, stale_seconds=settings.quotas.key_stale_seconds
         )
         state.ledger = ledger
         served, schedulers = schedule(engines if engines is not None else build_engines(settings), settings)

@@ -26,7 +26,7 @@ from billing.db import create_engine
 from billing.keys import KeyStore
 from engines.hf import HFEngine
 from gateway.app import create_app
-from gateway.config import DEFAULT_MODEL_ID, Settings
+from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir
 
 PG_HOST = os.environ.get("TOLLGATE_TEST_PGHOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("TOLLGATE_TEST_PGPORT", "5432"))
@@ -185,7 +185,8 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def engine() -> Iterator[HFEngine]:
     """The real embedded model, loaded once for the whole session."""
-    eng = HFEngine(model_id=MODEL, max_batch_size=32, max_queue=64)
+    # The converted checkpoint where `tollgate serve` keeps it ($XDG_CACHE_HOME/tollgate): converted once.
+    eng = HFEngine(model_id=MODEL, max_batch_size=32, max_queue=64, cache_dir=default_cache_dir(os.environ))
     asyncio.run(eng.start())
     yield eng
     asyncio.run(eng.stop())
@@ -280,13 +281,14 @@ def bootstrap(db_url: str, secret: str) -> str:
 
 
 def start_gateway(db_url: str, engine: HFEngine, tmp: Path, **overrides: Any) -> tuple[ServerThread, Gateway]:
+    """`overrides` as Settings.with_overrides takes them: a group's fields by a mapping (`redis={"url": ...}`)."""
     # Slow shared CI cores must not turn the scheduler's expected-wait refusals into quota-test noise;
     # the scheduling tests pass their own classes.
-    overrides.setdefault("scheduler_classes", "interactive:600,batch:3600")
+    overrides["scheduler"] = {"classes": "interactive:600,batch:3600", **overrides.get("scheduler", {})}
     admin_key = bootstrap(db_url, SECRET)
-    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, **overrides)
+    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp).with_overrides(**overrides)
     app = create_app(settings, engines={engine.model_id: engine})
-    limits = {"read_timeout": settings.request_read_timeout, "max_header_bytes": settings.max_header_bytes}
+    limits = {"read_timeout": settings.http.request_read_timeout, "max_header_bytes": settings.http.max_header_bytes}
     server = ServerThread(app, **limits).__enter__()
     gw = Gateway(f"http://127.0.0.1:{server.port}", settings, admin_key, engine, app, db_url)
     return server, gw
@@ -318,8 +320,8 @@ def redis_gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: py
     require_redis(REDIS_URL)
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
     server, gw = start_gateway(
-        fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-redis"), redis_url=REDIS_URL, redis_prefix=prefix,
-        redis_timeout=0.25,  # the suite shares 2 cores with the model; production default is 50 ms
+        fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-redis"),
+        redis={"url": REDIS_URL, "prefix": prefix, "timeout": 0.25},  # the suite shares 2 cores with the model; production default is 50 ms
     )
     try:
         yield gw
@@ -332,8 +334,8 @@ def cluster_gateway(engine: HFEngine, fresh_pg_database: Any, redis_cluster: Any
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """The gateway with REDIS_URL naming the local Redis Cluster (quotas and the response cache)."""
     server, gw = start_gateway(
-        fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-cluster"), redis_url=redis_cluster.url,
-        redis_prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", redis_timeout=0.25,
+        fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-cluster"),
+        redis={"url": redis_cluster.url, "prefix": f"tgtest:{uuid.uuid4().hex[:8]}:", "timeout": 0.25},
     )
     try:
         yield gw

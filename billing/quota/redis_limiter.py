@@ -101,6 +101,7 @@ class RedisLimiter(Limiter):
         # Holds this process reserved and has not settled, re-registered if Redis loses them (a restart,
         # a failover): counters rebuilt from the ledger alone would not see requests still running.
         self._live: dict[str, tuple[Hold, float]] = {}
+        self._reserving: set[str] = set()  # reservations sent, their answer not read yet
         self._proc = process_id or uuid.uuid4().hex  # this process's registration in each group
         self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
         self._groups: dict[str, str] = {}  # tag -> its group's key prefix
@@ -181,6 +182,13 @@ class RedisLimiter(Limiter):
     async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
         args = self.reserve_args(hold, now)
         self._watch()
+        self._reserving.add(hold.request_id)  # a re-registration meanwhile must not drop its hold
+        try:
+            return await self._reserve_once(hold, now, args)
+        finally:
+            self._reserving.discard(hold.request_id)
+
+    async def _reserve_once(self, hold: Hold, now: float, args: list[Any]) -> tuple[Any, ...]:
         try:
             result = await self._call(self._reserve_script, args)
             if result[0] == "lost":
@@ -253,6 +261,7 @@ class RedisLimiter(Limiter):
         for row in unwritten:
             args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month_of(row.admitted_at.timestamp())}",
                      month_of(row.admitted_at.timestamp()), 2, f"k{row.key_id}", f"a{row.account_id}"]
+        args += [len(self._reserving), *self._reserving]
         await self._call(self._rehold_script, args)
         if live:
             log.warning("quota store lost its state: re-registered %d holds of requests still running", len(live))

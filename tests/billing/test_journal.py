@@ -200,7 +200,7 @@ async def test_a_journal_no_worker_claims_is_finished_and_removed(fresh_pg_datab
     rows, releases its interrupted holds, and removes it (billing.ledger.adopt_journal)."""
     from billing.ledger import adopt_journal
     from gateway.app import orphan_journals
-    from gateway.config import Settings
+    from gateway.config import HttpSettings, Settings
 
     url = fresh_pg_database()
     migrate.upgrade(url)
@@ -208,8 +208,8 @@ async def test_a_journal_no_worker_claims_is_finished_and_removed(fresh_pg_datab
     try:
         for name in ("journal", "journal-1", "journal-3", "journal-x"):
             (tmp_path / name).mkdir()
-        assert orphan_journals(Settings(data_dir=tmp_path, workers=2)) == [tmp_path / "journal-3"]
-        assert orphan_journals(Settings(data_dir=tmp_path, workers=4)) == []
+        assert orphan_journals(Settings(data_dir=tmp_path, http=HttpSettings(workers=2))) == [tmp_path / "journal-3"]
+        assert orphan_journals(Settings(data_dir=tmp_path, http=HttpSettings(workers=4))) == []
 
         gone = LedgerJournal(tmp_path / "journal-3")
         gone.open()

@@ -45,7 +45,7 @@ def test_a_malformed_url_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> Non
         load_settings()
     assert "is not host:port" in str(info.value) and "hunter2" not in str(info.value)
     monkeypatch.setenv("REDIS_URL", "redis+cluster://h:7000,h:7001")
-    assert load_settings().redis_url == "redis+cluster://h:7000,h:7001"
+    assert load_settings().redis.url == "redis+cluster://h:7000,h:7001"
     monkeypatch.setenv("TOLLGATE_REDIS_PREFIX", "tg:{x}:")
     with pytest.raises(SystemExit, match="braces"):
         load_settings()

@@ -16,7 +16,7 @@ import pytest
 
 from engines.base import Engine
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.config import EngineSettings, Settings
 from tests.conftest import SECRET, Gateway, ServerThread, bootstrap
 from tests.fakes.upstream import ScriptedUpstream
 
@@ -86,15 +86,17 @@ def models_db(fresh_pg_database: Any) -> str:
 
 
 @pytest.fixture
-def tollgate_with(models_db: str, tmp_path: Path) -> Iterator[Callable[[str], ModelsGateway]]:
-    """Starts a Tollgate on Postgres serving the models of a models.yaml text; waits until ready."""
+def tollgate_with(models_db: str, tmp_path: Path) -> Iterator[Callable[..., ModelsGateway]]:
+    """Starts a Tollgate on Postgres serving the models of a models.yaml text; waits until ready.
+    `environ`: the environment it started with, where the file's `api_key_env` names are looked up."""
     running: list[ServerThread] = []
 
-    def start(models_yaml: str) -> ModelsGateway:
+    def start(models_yaml: str, environ: dict[str, str] | None = None) -> ModelsGateway:
         path = tmp_path / f"models-{uuid.uuid4().hex[:6]}.yaml"
         path.write_text(textwrap.dedent(models_yaml))
         admin_key = bootstrap(models_db, SECRET)
-        settings = Settings(database_url=models_db, server_secret=SECRET, data_dir=tmp_path, models_file=str(path))
+        engines = EngineSettings(models_file=str(path), environ=dict(environ or {}))
+        settings = Settings(database_url=models_db, server_secret=SECRET, data_dir=tmp_path, engines=engines)
         app = create_app(settings)
         server = ServerThread(app).__enter__()
         running.append(server)

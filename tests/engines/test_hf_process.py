@@ -300,7 +300,7 @@ def test_gather_ms_is_a_setting_and_a_negative_one_is_refused(monkeypatch: pytes
     from gateway.config import load_settings
 
     monkeypatch.setenv("TOLLGATE_ENGINE_GATHER_MS", "5")
-    assert load_settings().engine_gather_ms == 5
+    assert load_settings().engines.gather_ms == 5
     monkeypatch.setenv("TOLLGATE_ENGINE_GATHER_MS", "-1")
     with pytest.raises(SystemExit, match="TOLLGATE_ENGINE_GATHER_MS must be 0 or more"):
         load_settings()

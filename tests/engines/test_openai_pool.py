@@ -54,9 +54,8 @@ async def client_of(gw: Gateway) -> AsyncOpenAI:
 
 
 # a second Tollgate as the upstream -------------------------------------------------------------
-async def test_pool_of_another_tollgate_bills_the_upstream_usage(gateway: Gateway, tollgate_with: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_pool_of_another_tollgate_bills_the_upstream_usage(gateway: Gateway, tollgate_with: Any) -> None:
     upstream_key = await gateway.new_key()
-    monkeypatch.setenv("TG_TEST_UPSTREAM_KEY", upstream_key["key"])
     gw = tollgate_with(f"""
     models:
       - id: remote-smollm
@@ -66,7 +65,7 @@ async def test_pool_of_another_tollgate_bills_the_upstream_usage(gateway: Gatewa
         upstream_model: {MODEL}
         api_key_env: TG_TEST_UPSTREAM_KEY
         health_path: /healthz
-    """)
+    """, environ={"TG_TEST_UPSTREAM_KEY": upstream_key["key"]})  # the environment the server started with
     client = await client_of(gw)
 
     resp = await client.chat.completions.create(model="remote-smollm", messages=QUESTION, temperature=0, max_tokens=20)

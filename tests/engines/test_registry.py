@@ -158,3 +158,28 @@ def test_load_models_reads_the_file(tmp_path: Any) -> None:
     with pytest.raises(ModelsConfigError) as missing:
         load_models(tmp_path / "absent.yaml")
     assert missing.value.problems[0].startswith(f"{tmp_path / 'absent.yaml'}:1: cannot read the models file")
+
+
+def test_the_server_builds_its_engines_from_its_settings_not_the_environment(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gateway/wiring.py:build_engines: models.yaml's api_key_env names are looked up in the
+    environment load_settings() captured (settings.engines.environ), and the hf engines cache a
+    converted checkpoint in settings.engines.cache_dir; os.environ as it is now plays no part."""
+    from engines.hf_process import HFProcessEngine
+    from gateway.config import EngineSettings, Settings
+    from gateway.wiring import build_engines
+
+    double.install(monkeypatch)
+    monkeypatch.setenv("POOL_KEY", "sk-from-os-environ")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-now"))
+    path = tmp_path / "models.yaml"
+    path.write_text(GOOD)
+    engines = EngineSettings(models_file=str(path), environ={"POOL_KEY": "sk-from-settings"}, cache_dir=tmp_path / "cache")
+    trt, pool, hf = build_engines(Settings(engines=engines))["llama-3.1-8b"].candidates  # type: ignore[attr-defined]
+    assert pool._api_key == "sk-from-settings" and hf._cache_dir == tmp_path / "cache"
+    with pytest.raises(SystemExit, match="environment variable POOL_KEY is not set"):
+        build_engines(Settings(engines=EngineSettings(models_file=str(path))))  # made in code: an empty environment
+
+    [one] = build_engines(Settings(engines=EngineSettings(cache_dir=tmp_path / "cache"))).values()  # no models file: the hf engine
+    assert type(one) is HFEngine and one._cache_dir == tmp_path / "cache"
+    [own_process] = build_engines(Settings(engines=EngineSettings(cache_dir=tmp_path / "cache", process=True))).values()
+    assert isinstance(own_process, HFProcessEngine) and own_process._params["cache_dir"] == tmp_path / "cache"

@@ -29,7 +29,7 @@ async def test_the_response_cache_lives_on_the_cluster(cluster_gateway: Gateway,
     cluster = RedisCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in
                                           (n.split(":") for n in redis_cluster.url.removeprefix("redis+cluster://").split(","))])
     try:
-        pattern = f"{cluster_gateway.settings.redis_prefix}rc:*"
+        pattern = f"{cluster_gateway.settings.redis.prefix}rc:*"
         deadline = time.monotonic() + 10
         while not [k async for k in cluster.scan_iter(match=pattern)]:  # the entry is written after the answer
             assert time.monotonic() < deadline, "no cache entry on the cluster"

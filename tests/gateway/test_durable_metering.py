@@ -115,7 +115,7 @@ async def wait_for_ids(db_url: str, key_id: int, ids: set[str], timeout: float =
 async def test_postgres_down_under_load_keep_serving_and_refuse_policies(engine: Any, private_pg: PrivatePostgres, tmp_path: Path) -> None:
     url = private_pg.create_database("tollgate")
     keep_srv, keep = start_gateway(url, engine, tmp_path / "keep")
-    refuse_srv, refuse = start_gateway(url, engine, tmp_path / "refuse", ledger_max_backlog=2)
+    refuse_srv, refuse = start_gateway(url, engine, tmp_path / "refuse", ledger={"max_backlog": 2})
     try:
         key = await keep.new_key()
         unused = await keep.new_key()  # never authenticated before the outage: nothing cached

@@ -152,14 +152,14 @@ async def test_prompt_longer_than_context_is_400(gateway: Gateway, client_for: A
 
 
 async def test_body_over_the_limit_is_413(gateway: Gateway, customer: dict[str, Any]) -> None:
-    big = "a" * (gateway.settings.max_body_bytes + 1)
+    big = "a" * (gateway.settings.http.max_body_bytes + 1)
     async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}) as c:
         r = await c.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": big}]})
         assert r.status_code == 413
         assert assert_openai_shape(r.json())["code"] == "payload_too_large"
 
         async def chunked():  # no Content-Length: the limit is enforced while reading
-            for _ in range(gateway.settings.max_body_bytes // 65536 + 2):
+            for _ in range(gateway.settings.http.max_body_bytes // 65536 + 2):
                 yield b"a" * 65536
 
         r = await c.post("/chat/completions", content=chunked())

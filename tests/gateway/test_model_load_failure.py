@@ -16,7 +16,7 @@ import pytest
 
 from bench.harness import ServerThread
 from gateway.app import create_app
-from gateway.config import EmbeddingSettings, Settings
+from gateway.config import EmbeddingSettings, EngineSettings, Settings
 from tests.conftest import SECRET
 
 
@@ -28,7 +28,7 @@ def create_app_loads(app: Any) -> list[asyncio.Task[None]]:
 
 def test_readyz_names_the_load_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'l.db'}", server_secret=SECRET, data_dir=tmp_path,
-                        model_path=str(tmp_path / "no-such-model"), embeddings=EmbeddingSettings(enabled=False))
+                        engines=EngineSettings(model_path=str(tmp_path / "no-such-model")), embeddings=EmbeddingSettings(enabled=False))
     from billing import migrate
 
     migrate.upgrade(settings.resolved_database_url)

@@ -131,12 +131,10 @@ async def test_json_logs_carry_request_ids_and_never_keys(gateway: Gateway, clie
 
 
 def test_a_metrics_token_guards_the_scrape(gateway: Gateway) -> None:
-    import dataclasses
-
     token = "scrape-secret-42"
     app = gateway.app
     open_settings = app.state.settings
-    app.state.settings = dataclasses.replace(open_settings, metrics_token=token)
+    app.state.settings = open_settings.with_overrides(dashboards={"metrics_token": token})
     try:
         url = gateway.base_url + "/metrics"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"}):

@@ -243,7 +243,7 @@ async def test_retention_hides_expired_responses(gateway: Gateway, client: Any, 
     try:
         async with db.begin() as conn:
             expires = (await conn.execute(sa.text("SELECT created_at, expires_at FROM stored_responses WHERE id = :i"), {"i": resp.id})).one()
-            assert expires.expires_at - expires.created_at == timedelta(days=gateway.settings.responses_retention_days)
+            assert expires.expires_at - expires.created_at == timedelta(days=gateway.settings.responses.retention_days)
             await conn.execute(sa.text("UPDATE stored_responses SET expires_at = :t WHERE id = :i"),
                                {"t": datetime.now(timezone.utc) - timedelta(seconds=1), "i": resp.id})
     finally:
@@ -251,7 +251,7 @@ async def test_retention_hides_expired_responses(gateway: Gateway, client: Any, 
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(resp.id)
     monkeypatch.setenv("TOLLGATE_RESPONSES_RETENTION_DAYS", "7")
-    assert load_settings().responses_retention_days == 7.0
+    assert load_settings().responses.retention_days == 7.0
 
 
 async def test_previous_response_id_bills_earlier_turns_as_prompt_tokens(gateway: Gateway, client: Any) -> None:

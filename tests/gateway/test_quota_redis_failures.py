@@ -90,9 +90,9 @@ async def test_redis_killed_fail_closed_and_fail_open_then_rebuilt(
 ) -> None:
     db_url = fresh_pg_database()
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
-    common = dict(redis_url=private_redis.url, redis_prefix=prefix)  # default 50 ms Redis timeout
+    common = dict(redis={"url": private_redis.url, "prefix": prefix})  # default 50 ms Redis timeout
     closed_srv, closed = start_gateway(db_url, engine, tmp_path / "closed", **common)
-    open_srv, opened = start_gateway(db_url, engine, tmp_path / "open", quota_fail_open=True, **common)
+    open_srv, opened = start_gateway(db_url, engine, tmp_path / "open", quotas={"fail_open": True}, **common)
     try:
         key = await closed.new_key()
         await set_limits(closed, f"/admin/keys/{key['id']}", {"monthly_tokens": 1_000_000, "rpm": 1000})
@@ -153,8 +153,8 @@ def second_gateway_process(redis_gateway: Gateway, tmp_path: Path) -> Iterator[s
     port = free_port()
     env = dict(os.environ)
     env.update(
-        DATABASE_URL=redis_gateway.db_url, REDIS_URL=redis_gateway.settings.redis_url or "",
-        TOLLGATE_REDIS_PREFIX=redis_gateway.settings.redis_prefix, TOLLGATE_SECRET=SECRET,
+        DATABASE_URL=redis_gateway.db_url, REDIS_URL=redis_gateway.settings.redis.url or "",
+        TOLLGATE_REDIS_PREFIX=redis_gateway.settings.redis.prefix, TOLLGATE_SECRET=SECRET,
         TOLLGATE_PORT=str(port), TOLLGATE_DATA_DIR=str(tmp_path), TOLLGATE_REDIS_TIMEOUT_MS="250",
         TOLLGATE_ADMIN_KEY=redis_gateway.admin_key,
     )
@@ -221,8 +221,7 @@ async def test_redis_restarted_with_requests_in_flight_no_budget_overrun(
     gateway re-registers them before its counters are rebuilt from the ledger (which does not have
     those requests yet), so admissions after the restart cannot spend their budget twice."""
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
-    srv, gw = start_gateway(fresh_pg_database(), engine, tmp_path / "gw", redis_url=private_redis.url, redis_prefix=prefix,
-                            redis_timeout=0.25)
+    srv, gw = start_gateway(fresh_pg_database(), engine, tmp_path / "gw", redis={"url": private_redis.url, "prefix": prefix, "timeout": 0.25})
     try:
         count_words = [{"role": "user", "content": "Count from one to fifty in words."}]
         long_tokens = 24

@@ -31,9 +31,9 @@ def gw(request: pytest.FixtureRequest) -> Gateway:
 
 async def counters(gw: Gateway, kind: str, scope_id: int) -> dict[str, int]:
     scope = Scope(kind, scope_id, Limits())
-    if gw.settings.redis_url:
+    if gw.settings.redis.url:
         db = create_engine(gw.db_url)
-        lim = RedisLimiter(gw.settings.redis_url, LedgerTotals(db), prefix=gw.settings.redis_prefix, timeout=1.0)
+        lim = RedisLimiter(gw.settings.redis.url, LedgerTotals(db), prefix=gw.settings.redis.prefix, timeout=1.0)
         try:
             return await lim.counters(scope)
         finally:

@@ -1,6 +1,7 @@
-"""One settings model (gateway/config.py): read from the environment in one place, once; every
-TOLLGATE_* name the docs or the code use is one it knows, and one it does not know is reported
-at start with the nearest known name; workers get the whole object."""
+"""One settings model (gateway/config.py): read from the environment in one place, once, into
+nested groups; every TOLLGATE_* name the docs or the code use is one it knows, and one it does not
+know is reported at start with the nearest known name; workers get the whole object; the engines
+take what they used to read from the environment from it."""
 
 from __future__ import annotations
 
@@ -12,13 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import KNOWN_VARIABLES, Settings, for_workers, load_settings, unknown_variables, worker_settings
+from gateway.config import (
+    KNOWN_VARIABLES,
+    EngineSettings,
+    HttpSettings,
+    Settings,
+    for_workers,
+    load_settings,
+    unknown_variables,
+    worker_settings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-# Reads of the environment allowed outside gateway/config.py, and why.
-ALLOWED = {
-    "engines/registry.py": "models.yaml's ${VAR} references are resolved against the environment (the models file's own contract)",
-    "engines/hf.py": "XDG_CACHE_HOME, where a converted checkpoint is cached, when the caller gives no cache_dir",
+# Writes to the environment allowed outside gateway/config.py, and why; no read is allowed there.
+ALLOWED_WRITES = {
+    "gateway/cli.py": "`serve --workers N` hands its workers the settings file's path and prometheus_client's directory",
+    "engines/embeddings.py": "the HF offline flags (setdefault) before the embedding model loads",
 }
 
 
@@ -26,7 +36,7 @@ def test_a_misspelt_variable_is_reported_with_the_nearest_name(caplog: pytest.Lo
     caplog.set_level(logging.WARNING, logger="tollgate.config")
     env = {"TOLLGATE_SCHEDULR_CLASSES": "batch:60", "TOLLGATE_PORT": "9000", "TOLLGATE_TEST_STRICT": "1", "TOLLGATE_XYZZY": "1"}
     settings = load_settings(env)
-    assert settings.port == 9000 and settings.scheduler_classes == "interactive:30,batch:600"  # the typo changed nothing
+    assert settings.http.port == 9000 and settings.scheduler.classes == "interactive:30,batch:600"  # the typo changed nothing
     warnings = [r.getMessage() for r in caplog.records if r.name == "tollgate.config"]
     assert warnings == [
         "TOLLGATE_SCHEDULR_CLASSES is not a Tollgate setting and is ignored (did you mean TOLLGATE_SCHEDULER_CLASSES?)",
@@ -47,23 +57,51 @@ def test_every_documented_and_every_read_name_is_known() -> None:
     assert not KNOWN_VARIABLES - {n for n in KNOWN_VARIABLES if n in documented or n in read}  # no stale names either
 
 
+def environment_uses(tree: ast.AST) -> tuple[list[int], list[int]]:
+    """Lines that read the environment and lines that only write it. os.environ[...], .get(), a
+    copy of it, os.getenv() and `from os import environ` read it; os.environ.setdefault() /
+    .update() only set it for libraries and child processes."""
+    reads, writes = [], []
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            reads += [node.lineno for a in node.names if a.name in ("environ", "environb", "getenv", "getenvb")]
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "environb", "getenv", "getenvb") and getattr(node.value, "id", None) == "os":
+            use = parents.get(id(node))
+            if isinstance(use, ast.Attribute) and use.attr in ("setdefault", "update"):
+                writes.append(node.lineno)
+            else:
+                reads.append(node.lineno)
+    return sorted(reads), sorted(writes)
+
+
 def test_nothing_else_reads_the_environment() -> None:
-    readers = []
+    readers, writers = [], set()
     for package in ("gateway", "engines", "billing", "migrations"):
         for path in (ROOT / package).rglob("*.py"):
             rel = str(path.relative_to(ROOT))
-            if rel == "gateway/config.py" or rel in ALLOWED:
+            if rel == "gateway/config.py":
                 continue
-            tree = ast.parse(path.read_text())
-            parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-            for node in ast.walk(tree):
-                # os.environ[...] / .get() / os.getenv() read it; os.environ.setdefault() / .update() only set it
-                # for libraries (the HF offline flags, prometheus_client's directory for workers)
-                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and getattr(node.value, "id", None) == "os":
-                    use = parents.get(id(node))
-                    if not (isinstance(use, ast.Attribute) and use.attr in ("setdefault", "update")):
-                        readers.append(f"{rel}:{node.lineno}")
-    assert readers == []
+            reads, writes = environment_uses(ast.parse(path.read_text()))
+            readers += [f"{rel}:{line}" for line in reads]
+            if writes:
+                writers.add(rel)
+    assert readers == [], "only gateway/config.py reads the environment; these read it too"
+    assert writers <= set(ALLOWED_WRITES), f"environment writes not in ALLOWED_WRITES: {sorted(writers - set(ALLOWED_WRITES))}"
+
+
+def test_the_environment_check_sees_every_form_of_read() -> None:
+    source = """
+import os
+from os import getenv
+a = os.environ["A"]
+b = os.environ.get("B")
+c = dict(os.environ)
+d = os.getenv("D")
+os.environ.setdefault("E", "1")
+os.environ.update({"F": "1"})
+"""
+    assert environment_uses(ast.parse(source)) == ([3, 4, 5, 6, 7], [8, 9])
 
 
 def test_migrations_do_not_import_the_gateway() -> None:
@@ -80,16 +118,40 @@ def test_groups_are_read_once_and_workers_get_the_whole_object(tmp_path: Path, m
     settings = load_settings(env)
     assert settings.cache.hit_price == Decimal("0.25") and not settings.embeddings.enabled
     assert settings.billing is not None and settings.billing.grace_seconds == 60 and settings.billing.stripe_enabled
-    assert settings.credits_check_seconds == 5 and settings.process.gc_gen0 == 5000
+    assert settings.credits.check_seconds == 5 and settings.process.gc_gen0 == 5000
     monkeypatch.delenv("TOLLGATE_WORKER_SETTINGS", raising=False)
     assert worker_settings() is None
-    handed = settings.with_overrides(port=9123)  # as `serve` changes it from its flags
+    handed = settings.with_overrides(http={"port": 9123})  # as `serve` changes it from its flags
     for name, value in for_workers(handed, tmp_path / "w").items():
         monkeypatch.setenv(name, value)
-    assert worker_settings() == handed
+    handed_back = worker_settings()
+    assert handed_back == handed and handed_back is not None and handed_back.http.port == 9123
+    assert handed_back.engines.environ == env  # models.yaml's api_key_env names are looked up in it, as at start
     assert (tmp_path / "w").stat().st_mode & 0o077 == 0  # it may hold the server secret
 
 
 def test_settings_made_in_code_take_billing_from_extra() -> None:
     settings = Settings(extra={"TOLLGATE_BILLING_AUTO_CLOSE": "0", "TOLLGATE_CREDITS_CHECK_SECONDS": "0.5"})
-    assert settings.billing is not None and settings.billing.auto_close is False and settings.credits_check_seconds == 0.5
+    assert settings.billing is not None and settings.billing.auto_close is False and settings.credits.check_seconds == 0.5
+
+
+def test_groups_are_changed_by_a_mapping_or_replaced_whole() -> None:
+    settings = load_settings({"TOLLGATE_PORT": "9000", "TOLLGATE_MAX_BODY_BYTES": "1024", "TOLLGATE_SCHEDULER_RESERVE": "3"})
+    changed = settings.with_overrides(http={"host": "0.0.0.0"}, scheduler={"enabled": False}, database_url="sqlite:///x.db")
+    assert changed.http == HttpSettings(host="0.0.0.0", port=9000, max_body_bytes=1024)  # the group's other fields kept
+    assert not changed.scheduler.enabled and changed.scheduler.reserve == 3
+    assert changed.database_url == "sqlite:///x.db" and settings.http.host == "127.0.0.1"  # a copy: the original is as it was
+    assert settings.with_overrides(http=HttpSettings(workers=2)).http == HttpSettings(workers=2)  # whole: defaults elsewhere
+    with pytest.raises(TypeError):
+        settings.with_overrides(port=9123)  # the flat names are gone
+    with pytest.raises(TypeError):
+        settings.with_overrides(http={"prot": 9123})
+
+
+def test_what_the_engines_read_from_the_environment_is_captured_at_start(tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "POOL_KEY": "sk-upstream", "TOLLGATE_MODELS": str(tmp_path / "models.yaml")}
+    settings = load_settings(env)
+    assert settings.engines.cache_dir == tmp_path / "xdg" / "tollgate" and settings.engines.environ == env
+    assert "sk-upstream" not in repr(settings)  # the environment's keys stay out of log lines
+    assert load_settings({}).engines.cache_dir == Path.home() / ".cache" / "tollgate"
+    assert EngineSettings().environ == {} and EngineSettings().cache_dir is None  # made in code: nothing from os.environ

@@ -18,7 +18,7 @@ import openai
 from openai import AsyncOpenAI
 
 from gateway.cli import workers_refused
-from gateway.config import Settings
+from gateway.config import EngineSettings, RedisSettings, Settings
 from tests.conftest import REDIS_URL, require_redis, run_coro, seconds_to_room_in_minute
 from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
 from tests.processes import GatewayProcess
@@ -42,11 +42,14 @@ def test_settings_that_cannot_run_as_several_workers_are_refused(tmp_path: Path)
     remote = _models(tmp_path, MODELS.format(url="http://127.0.0.1:9/v1"))
     local = _models(tmp_path, "models:\n  - id: small\n    backend: hf\n    context_length: 2048\n")
     pg, redis = "postgresql://postgres@127.0.0.1:5432/test", "redis://127.0.0.1:6379/0"
-    assert "remote engines" in str(workers_refused(Settings(database_url=pg, redis_url=redis)))
-    assert "small" in str(workers_refused(Settings(models_file=local, database_url=pg, redis_url=redis)))
-    assert "REDIS_URL" in str(workers_refused(Settings(models_file=remote, database_url=pg)))
-    assert "Postgres" in str(workers_refused(Settings(models_file=remote, redis_url=redis, data_dir=tmp_path)))
-    assert workers_refused(Settings(models_file=remote, database_url=pg, redis_url=redis)) is None
+    def settings(models_file: str | None, redis_url: str | None, **top: Any) -> Settings:
+        return Settings(engines=EngineSettings(models_file=models_file), redis=RedisSettings(url=redis_url), **top)
+
+    assert "remote engines" in str(workers_refused(settings(None, redis, database_url=pg)))
+    assert "small" in str(workers_refused(settings(local, redis, database_url=pg)))
+    assert "REDIS_URL" in str(workers_refused(settings(remote, None, database_url=pg)))
+    assert "Postgres" in str(workers_refused(settings(remote, redis, data_dir=tmp_path)))
+    assert workers_refused(settings(remote, redis, database_url=pg)) is None
 
 
 def _admin(gw: GatewayProcess) -> httpx.Client:

@@ -5,9 +5,17 @@ for _ = 1, n do
   live[ARGV[i]] = true
   i = i + 6 + tonumber(ARGV[i + 5])
 end
--- This process's holds it no longer runs: settled, the settlement lost with a failover (its usage
--- is in the ledger or in `pend`), or reservations whose answer never came.
-drop_holds(function(owner, rid) return owner == proc and not live[rid] end)
+local rows = tonumber(ARGV[i] or '0')
+i = i + 1
+for _ = 1, rows do i = i + 4 + tonumber(ARGV[i + 3]) end
+for j = 1, tonumber(ARGV[i] or "0") do live[ARGV[i + j]] = true end  -- reservations awaiting their answer
+-- Back after a recovery (a failover, a restart elsewhere): this process's holds it no longer runs
+-- are dropped: settled, the settlement lost with the old master (its usage is in the ledger or in
+-- `pend`), or reservations whose answer never came. Only the first time: until this process is
+-- registered again no reservation of its can succeed, and later calls may race with new ones.
+if redis.call('ZSCORE', p .. 'procs:stale', proc) then
+  drop_holds(function(owner, rid) return owner == proc and not live[rid] end)
+end
 i = 6
 for _ = 1, n do
   local rid = ARGV[i]; local tok = ARGV[i + 1]; local nanos = ARGV[i + 2]; local minute = ARGV[i + 3]
