@@ -184,37 +184,34 @@ class RedisLimiter(Limiter):
         self._watch()
         self._reserving.add(hold.request_id)  # a re-registration meanwhile must not drop its hold
         try:
-            return await self._reserve_once(hold, now, args)
+            try:
+                result = await self._call(self._reserve_script, args)
+                if result[0] == "lost":
+                    if len(result) > 1 and int(result[1]):  # a failover: our rows reach the ledger before the rebuild
+                        await self.totals.flush()
+                    await self._rehold(hold.tag, now)
+                    result = await self._call(self._reserve_script, args)
+                if result[0] == "recovering":
+                    raise QuotaUnavailable("quota store recovering from a failover")
+            except QuotaUnavailable:
+                # The call may have reserved before its answer was lost (a failover, a timeout): released
+                # once Redis answers again, so a refused request leaves no hold behind.
+                if len(self._unsure) < 10_000:
+                    self._unsure[hold.request_id] = hold
+                if self.fail_open:
+                    self._resync.add(hold.tag)
+                    return ("degraded",)
+                raise
+            if result[0] == "lost":
+                raise QuotaUnavailable("quota store keeps losing its state")
+            if result[0] == "ok":
+                self._live[hold.request_id] = (hold, now + self.hold_seconds)
+                return ("ok", [tuple(r) for r in result[1]])
+            if result[0] == "deny":
+                return ("deny", result[1], result[2], [tuple(r) for r in result[3]], int(result[4]))
+            return ("sync", list(result[1]))
         finally:
             self._reserving.discard(hold.request_id)
-
-    async def _reserve_once(self, hold: Hold, now: float, args: list[Any]) -> tuple[Any, ...]:
-        try:
-            result = await self._call(self._reserve_script, args)
-            if result[0] == "lost":
-                if len(result) > 1 and int(result[1]):  # a failover: our rows reach the ledger before the rebuild
-                    await self.totals.flush()
-                await self._rehold(hold.tag, now)
-                result = await self._call(self._reserve_script, args)
-            if result[0] == "recovering":
-                raise QuotaUnavailable("quota store recovering from a failover")
-        except QuotaUnavailable:
-            # The call may have reserved before its answer was lost (a failover, a timeout): released
-            # once Redis answers again, so a refused request leaves no hold behind.
-            if len(self._unsure) < 10_000:
-                self._unsure[hold.request_id] = hold
-            if self.fail_open:
-                self._resync.add(hold.tag)
-                return ("degraded",)
-            raise
-        if result[0] == "lost":
-            raise QuotaUnavailable("quota store keeps losing its state")
-        if result[0] == "ok":
-            self._live[hold.request_id] = (hold, now + self.hold_seconds)
-            return ("ok", [tuple(r) for r in result[1]])
-        if result[0] == "deny":
-            return ("deny", result[1], result[2], [tuple(r) for r in result[3]], int(result[4]))
-        return ("sync", list(result[1]))
 
     async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float,
                     present: Any = None) -> None:
