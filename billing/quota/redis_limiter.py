@@ -256,8 +256,9 @@ class RedisLimiter(Limiter):
         unwritten = [r for r in self._unwritten() if _row_tag(r) == tag and r.request_id not in self._live]
         args.append(len(unwritten))
         for row in unwritten:
-            args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month_of(row.admitted_at.timestamp())}",
-                     month_of(row.admitted_at.timestamp()), 2, f"k{row.key_id}", f"a{row.account_id}"]
+            month = month_of(row.admitted_at.timestamp())
+            args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month}",
+                     month, 2, f"k{row.key_id}", f"a{row.account_id}"]
         args += [len(self._reserving), *self._reserving]
         await self._call(self._rehold_script, args)
         if live:

@@ -79,6 +79,44 @@ async def account_counters(redis_url: str, prefix: str, db_url: str, account_id:
         await db.dispose()
 
 
+async def check_the_run(db_url: str, redis_url: str, prefix: str, account_id: int, key_ids: list[int],
+                        warm: list[Any], out: list[Any], budget: int) -> str:
+    """What every chaos run checks once its requests are done (tests/gateway/chaos_cluster.py too);
+    returns its figures as one line."""
+    answered = [o for o in [*warm, *out] if o.answered]
+    cut = [o for o in out if o.status == 200 and not o.answered]
+    refused = [o for o in out if o.status not in (0, 200)]
+    assert {o.code for o in refused} <= {"monthly_tokens", "database_unavailable", "quota_unavailable"}, {o.code for o in refused}
+    deadline = time.monotonic() + 120
+    while True:  # rows reach Postgres from the journals and the restarted gateway's replay
+        rows: dict[str, dict[str, Any]] = {}
+        for key_id in key_ids:
+            rows.update(await ledger_ids(db_url, key_id))
+        counters = await account_counters(redis_url, prefix, db_url, account_id)
+        if {o.request_id for o in answered + cut} <= set(rows) and counters["in_flight"] == 0:
+            break
+        assert time.monotonic() < deadline, f"rows or holds outstanding: {counters}"
+        await asyncio.sleep(0.25)
+
+    for o in answered:
+        row = rows[o.request_id]
+        assert row["status"] == "completed", row
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (o.usage["prompt_tokens"], o.usage["completion_tokens"])
+    for o in cut:
+        assert rows[o.request_id]["status"] in ("interrupted", "cancelled"), rows[o.request_id]
+    extra = set(rows) - {o.request_id for o in [*warm, *out] if o.status == 200}
+    assert all(rows[r]["status"] == "interrupted" for r in extra)
+    assert len(extra) <= sum(1 for o in out if o.status == 0)
+    tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
+    allowed = budget + sum(o.usage["total_tokens"] for o in warm)
+    assert tokens <= allowed  # the shared budget held
+    assert counters["month_tokens"] == tokens and counters["in_flight"] == 0, (counters, tokens)
+    return (f"{len(answered) - len(warm)} answered, {len(cut)} cut mid-stream, {len(refused)} refused "
+            f"({sorted({o.code for o in refused})}), {sum(o.status == 0 for o in out)} lost with the killed gateway; "
+            f"{len(rows)} rows ({len(extra)} interrupted before their first byte); tokens {tokens} of {allowed}; "
+            f"Redis month {counters['month_tokens']}, holds {counters['in_flight']}")
+
+
 async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget(tmp_path: Path) -> None:
     pg = PrivatePostgres()
     pg.start()
@@ -127,38 +165,7 @@ async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget
         for c in clients:
             await c.aclose()
 
-        answered = [o for o in [*warm, *out] if o.answered]
-        cut = [o for o in out if o.status == 200 and not o.answered]
-        refused = [o for o in out if o.status not in (0, 200)]
-        assert {o.code for o in refused} <= {"monthly_tokens", "database_unavailable", "quota_unavailable"}, {o.code for o in refused}
-        deadline = time.monotonic() + 120
-        key_ids = [k["id"] for k in keys]
-        while True:  # rows reach Postgres from the journals and the restarted gateway's replay
-            rows: dict[str, dict[str, Any]] = {}
-            for key_id in key_ids:
-                rows.update(await ledger_ids(url, key_id))
-            counters = await account_counters(redis.url, prefix, url, account["id"])
-            if {o.request_id for o in answered + cut} <= set(rows) and counters["in_flight"] == 0:
-                break
-            assert time.monotonic() < deadline, f"rows or holds outstanding: {counters}"
-            await asyncio.sleep(0.25)
-
-        for o in answered:
-            row = rows[o.request_id]
-            assert row["status"] == "completed", row
-            assert (row["prompt_tokens"], row["completion_tokens"]) == (o.usage["prompt_tokens"], o.usage["completion_tokens"])
-        for o in cut:
-            assert rows[o.request_id]["status"] in ("interrupted", "cancelled"), rows[o.request_id]
-        extra = set(rows) - {o.request_id for o in [*warm, *out] if o.status == 200}
-        assert all(rows[r]["status"] == "interrupted" for r in extra)
-        assert len(extra) <= sum(1 for o in out if o.status == 0)
-        tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
-        assert tokens <= budget + sum(o.usage["total_tokens"] for o in warm)  # the shared budget held
-        assert counters["month_tokens"] == tokens and counters["in_flight"] == 0, (counters, tokens)
-        print(f"\nchaos: {len(answered) - len(warm)} answered, {len(cut)} cut mid-stream, {len(refused)} refused "
-              f"({sorted({o.code for o in refused})}), {sum(o.status == 0 for o in out)} lost with the killed gateway; "
-              f"{len(rows)} rows ({len(extra)} interrupted before their first byte); tokens {tokens} of "
-              f"{budget + sum(o.usage['total_tokens'] for o in warm)}; Redis month {counters['month_tokens']}, holds {counters['in_flight']}")
+        print("\nchaos: " + await check_the_run(url, redis.url, prefix, account["id"], [k["id"] for k in keys], warm, out, budget))
     finally:
         for g in gws:
             g.stop()
