@@ -106,21 +106,38 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
             key = admin.post("/admin/keys", json={"account_id": account["id"]}).json()
             assert admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"rpm": 20}}).status_code == 200
 
+        async def pinned(worker: psutil.Process, others: list[psutil.Process]) -> httpx.AsyncClient:
+            """A keep-alive connection that `worker` accepted: the others are stopped (SIGSTOP, our own
+            child processes, for the milliseconds of one /healthz) so the kernel can only hand it to
+            `worker`. Which worker accepts a fresh connection is the kernel's choice, and on a quiet
+            machine one worker's accept loop can take them all (it did, twice, in CI runs)."""
+            client = httpx.AsyncClient(base_url=gw.base_url + "/v1", timeout=60, limits=httpx.Limits(max_connections=1),
+                                       headers={"Authorization": f"Bearer {key['key']}"})
+            for other in others:
+                other.suspend()
+            try:
+                assert (await client.get(gw.base_url + "/healthz")).status_code == 200
+            finally:
+                for other in others:
+                    other.resume()
+            return client
+
         async def fire(n: int) -> list[tuple[int, str]]:
-            async def one() -> tuple[int, str]:
-                # A fresh connection per request: the kernel spreads them over both workers.
-                async with httpx.AsyncClient(base_url=gw.base_url + "/v1", timeout=60,
-                                             headers={"Authorization": f"Bearer {key['key']}"}) as c:
+            clients = [await pinned(w, [o for o in spawned if o is not w]) for w in spawned]
+            try:
+                async def one(c: httpx.AsyncClient) -> tuple[int, str]:
                     r = await c.post("/chat/completions", json={"model": "remote", "max_tokens": 8,
                                                                  "messages": [{"role": "user", "content": "hi"}]})
                     return r.status_code, r.headers["x-request-id"]
-            # Two at a time, rounds one after another: one worker's accept loop takes every connection
-            # pending when it wakes, so a single burst of 60 could all land on one worker (it did once
-            # in a strict run); rounds give each a fresh draw, and each pair still meets the limit at once.
-            answers: list[tuple[int, str]] = []
-            for _ in range(n // 2):
-                answers += await asyncio.gather(one(), one())
-            return answers
+                # One request on each worker's connection at once, rounds one after another: every
+                # round meets the shared limit from both workers together.
+                answers: list[tuple[int, str]] = []
+                for _ in range(n // 2):
+                    answers += await asyncio.gather(*(one(c) for c in clients))
+                return answers
+            finally:
+                for c in clients:
+                    await c.aclose()
 
         time.sleep(seconds_to_room_in_minute(40))  # the 61 requests below in one minute's window
         answers = run_coro(fire(60))
