@@ -145,6 +145,29 @@ class GatewayProcess:
     def admin(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=30)
 
+    def workers(self) -> list[Any]:
+        """uvicorn's worker processes under `--workers N` (psutil.Process each)."""
+        import psutil
+
+        assert self.proc is not None
+        return [p for p in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+    async def client_on_worker(self, worker: Any, **kw: Any) -> httpx.AsyncClient:
+        """A client whose one keep-alive connection `worker` accepted. Which worker accepts a fresh
+        connection is the kernel's choice (on a quiet machine one worker's accept loop can take them
+        all), so the other workers, our own children, are stopped (SIGSTOP) for the milliseconds of
+        one /healthz on it. Keep the client busy: uvicorn closes an idle connection after 5 s."""
+        others = [p for p in self.workers() if p.pid != worker.pid]
+        client = httpx.AsyncClient(base_url=self.base_url, limits=httpx.Limits(max_connections=1), **kw)
+        for other in others:
+            other.suspend()
+        try:
+            assert (await client.get("/healthz")).status_code == 200
+        finally:
+            for other in others:
+                other.resume()
+        return client
+
     async def new_key(self, **fields: Any) -> dict[str, Any]:
         import uuid
 

@@ -196,29 +196,35 @@ async def test_sigterm_to_the_master_drains_every_worker(upstreams: Any, fresh_p
         auth = {"Authorization": f"Bearer {key['key']}"}
         body = {"model": "remote", "messages": LONG, "max_tokens": 5000, "stream": True, "stream_options": {"include_usage": True}}
         journals = [gw.data_dir / "journal", gw.data_dir / "journal-1"]
-        # Long streams, two at a time, each on a fresh connection, until both workers run at least one
-        # (a worker still starting answers 503 engine_not_ready: that stream is dropped and tried again).
+        # One long stream on each worker, each on a keep-alive connection that worker accepted
+        # (GatewayProcess.client_on_worker: which worker accepts a fresh connection is the kernel's
+        # choice). A worker still starting answers 503 engine_not_ready: that stream is tried again.
         streams: list[Stream] = []
         tasks: list[asyncio.Task[None]] = []
-        deadline = time.monotonic() + 120
 
-        async def open_stream() -> None:
-            client = httpx.AsyncClient(base_url=gw.base_url, headers=auth, timeout=120)
-            clients.append(client)
-            stream = Stream()
-            task = asyncio.create_task(stream.run(client, "/v1/chat/completions", body))
-            first = asyncio.create_task(stream.first.wait())
-            await asyncio.wait([task, first], timeout=60, return_when=asyncio.FIRST_COMPLETED)
-            if stream.first.is_set():
-                streams.append(stream)
-                tasks.append(task)
-            else:
+        async def open_stream(worker: Any) -> None:
+            deadline = time.monotonic() + 120
+            while True:
+                client = await gw.client_on_worker(worker, headers=auth, timeout=120)
+                clients.append(client)
+                stream = Stream()
+                task = asyncio.create_task(stream.run(client, "/v1/chat/completions", body))
+                first = asyncio.create_task(stream.first.wait())
+                await asyncio.wait([task, first], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+                if stream.first.is_set():
+                    streams.append(stream)
+                    tasks.append(task)
+                    return
                 first.cancel()
+                assert time.monotonic() < deadline, f"worker {worker.pid} never started a stream"
+                await asyncio.sleep(0.5)
 
+        for worker in gw.workers():  # one at a time: each stops the others while it connects
+            await open_stream(worker)
+        deadline = time.monotonic() + 30
         while not all(journal_admitted(j) & {s.request_id for s in streams} for j in journals):
-            assert time.monotonic() < deadline and len(streams) < 24, f"{len(streams)} streams, all on one worker"
-            await asyncio.gather(open_stream(), open_stream())
-            await asyncio.sleep(0.5)
+            assert time.monotonic() < deadline, "a worker's journal does not hold its stream's admission"
+            await asyncio.sleep(0.2)
         short = Stream()
         upstream.script.append(Behaviour(tokens=["a", " b", " c"], token_delay=1.0))  # the next request: ~3 s
         client = httpx.AsyncClient(base_url=gw.base_url, headers=auth, timeout=120)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import openai
 from openai import AsyncOpenAI
@@ -93,7 +92,7 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
     ).start()
     try:
         assert gw.proc is not None
-        spawned = [p for p in psutil.Process(gw.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        spawned = gw.workers()
         assert len(spawned) == 2  # uvicorn's worker processes
         # Each worker holds its own journal directory.
         deadline = time.monotonic() + 30
@@ -106,27 +105,14 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
             key = admin.post("/admin/keys", json={"account_id": account["id"]}).json()
             assert admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"rpm": 20}}).status_code == 200
 
-        async def pinned(worker: psutil.Process, others: list[psutil.Process]) -> httpx.AsyncClient:
-            """A keep-alive connection that `worker` accepted: the others are stopped (SIGSTOP, our own
-            child processes, for the milliseconds of one /healthz) so the kernel can only hand it to
-            `worker`. Which worker accepts a fresh connection is the kernel's choice, and on a quiet
-            machine one worker's accept loop can take them all (it did, twice, in CI runs)."""
-            client = httpx.AsyncClient(base_url=gw.base_url + "/v1", timeout=60, limits=httpx.Limits(max_connections=1),
-                                       headers={"Authorization": f"Bearer {key['key']}"})
-            for other in others:
-                other.suspend()
-            try:
-                assert (await client.get(gw.base_url + "/healthz")).status_code == 200
-            finally:
-                for other in others:
-                    other.resume()
-            return client
-
         async def fire(n: int) -> list[tuple[int, str]]:
-            clients = [await pinned(w, [o for o in spawned if o is not w]) for w in spawned]
+            # One keep-alive connection on each worker (see GatewayProcess.client_on_worker): which
+            # worker accepts a fresh one is the kernel's choice, and one took all 20 in two CI runs.
+            clients = [await gw.client_on_worker(w, timeout=60, headers={"Authorization": f"Bearer {key['key']}"})
+                       for w in spawned]
             try:
                 async def one(c: httpx.AsyncClient) -> tuple[int, str]:
-                    r = await c.post("/chat/completions", json={"model": "remote", "max_tokens": 8,
+                    r = await c.post("/v1/chat/completions", json={"model": "remote", "max_tokens": 8,
                                                                  "messages": [{"role": "user", "content": "hi"}]})
                     return r.status_code, r.headers["x-request-id"]
                 # One request on each worker's connection at once, rounds one after another: every
