@@ -158,10 +158,19 @@ class RedisLimiter(Limiter):
         return result
 
     async def _bump_epochs(self) -> None:
-        """Usage admitted while Redis was unreachable is only in the ledger: those groups are rebuilt."""
-        tags = list(self._resync)
-        await self._client.incr_all([self.group(tag) + "epoch" for tag in tags])
+        """Groups whose usage went unrecorded in Redis (admitted while it was unreachable, a settlement
+        that failed) are rebuilt from the ledger. Each bump goes with this process's rows the database
+        has not confirmed yet (rehold.lua puts them in `pend` in the same script): a rebuild that
+        starts before a row is written still counts it, once."""
+        tags = sorted(self._resync)
         self._resync.difference_update(tags)
+        now = time.time()
+        for tag in tags:
+            try:
+                await self._client.run(self._rehold_script, self.group(tag) + "epoch", self._rehold_args(tag, now, bump=True), 0.0)
+            except BaseException:
+                self._resync.update(tags[tags.index(tag):])  # still to do: the next call tries again
+                raise
 
     def _grouped(self, scopes: list[Scope], tag: str) -> None:
         for scope in scopes:
@@ -246,6 +255,13 @@ class RedisLimiter(Limiter):
     async def _rehold(self, tag: str, now: float) -> None:
         """Puts this process's unsettled holds of one group back (after Redis lost them) and registers
         the process there."""
+        args = self._rehold_args(tag, now)
+        await self._call(self._rehold_script, args)
+        if args[4]:
+            log.warning("quota store lost its state: re-registered %d holds of requests still running", args[4])
+
+    def _rehold_args(self, tag: str, now: float, bump: bool = False) -> list[Any]:
+        """rehold.lua's arguments; `bump`: the script first starts a new epoch (a rebuild)."""
         self._live = {rid: (h, exp) for rid, (h, exp) in self._live.items() if exp > now}
         live = [(h, exp) for h, exp in self._live.values() if h.tag == tag]
         args: list[Any] = [self.group(tag), self._proc, f"{now:.3f}", 86400, len(live)]
@@ -259,10 +275,8 @@ class RedisLimiter(Limiter):
             month = month_of(row.admitted_at.timestamp())
             args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month}",
                      month, 2, f"k{row.key_id}", f"a{row.account_id}"]
-        args += [len(self._reserving), *self._reserving]
-        await self._call(self._rehold_script, args)
-        if live:
-            log.warning("quota store lost its state: re-registered %d holds of requests still running", len(live))
+        args += [len(self._reserving), *self._reserving, 1 if bump else 0]
+        return args
 
     def _watch(self) -> None:
         if self._watcher is None:

@@ -6,6 +6,8 @@ rehold.lua, recover.lua), on one Redis and on a real local Redis Cluster:
 - rows a gateway has not written to the database yet (a Postgres outage, a replayed journal) are
   put back by that gateway when the group recovers (a failover, another gateway's restart), and the
   rebuild counts them although the ledger does not hold them and Redis lost them;
+- a settlement Redis did not take (unreachable) counts once in the rebuild it starts, although the
+  rebuild reads the ledger before the row is written;
 - a recovery keeps the holds of a process that never comes back (its running requests still count),
   and a process that re-registers drops its own holds it no longer runs (settlements Redis lost).
 
@@ -128,6 +130,38 @@ async def test_rows_a_gateway_has_not_written_count_in_a_recovery_although_redis
         await restarted.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
     await first.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)  # re-registers with its unwritten row
     assert await month_tokens(first, key, account) == [50, 50]
+
+
+async def test_a_settlement_redis_did_not_take_counts_once_although_the_rebuild_runs_before_its_row_is_written(
+    make: Callable[..., RedisLimiter], ledger_url: str
+) -> None:
+    """A settlement that fails (Redis unreachable, here its circuit open) leaves the usage to the
+    group's rebuild. The bump that starts the rebuild puts the process's rows not yet written in
+    `pend` in the same script, and the hold's release with nothing used (once Redis answers) does not
+    overwrite them: the rebuild counts the row once, whether it reads the ledger before or after the
+    row lands."""
+    key, account = scopes()
+    unwritten: list[UsageRecord] = []
+    lim, other = make(unwritten), make()
+    hold = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    unwritten.append(row(hold.request_id, key, account, 50))  # recorded before its settlement, as Admission.settle does
+    lim.breaker.opened_at, lim.breaker.cooldown = 0.0, 1e9  # Redis unreachable
+    assert await lim.settle(hold, 50, 50) is False
+    lim.breaker.success()  # Redis answers again
+    # The order the watch loop and the next call may take: the bump at the next call, the hold's
+    # release in between, then another process's admission rebuilds from a ledger without the row.
+    await lim._bump_epochs()
+    await lim._release_unsure()
+    await other.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    assert await month_tokens(other, key, account) == [50, 50]
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [row(hold.request_id, key, account, 50)])  # the row lands afterwards
+    finally:
+        await db.dispose()
+    await other.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    assert await month_tokens(other, key, account) == [50, 50]
+    assert (await other.counters(account, now=NOW))["held_tokens"] == 20
 
 
 async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_settled_ones(redis_cluster: Any, ledger_url: str) -> None:

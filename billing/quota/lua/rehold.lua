@@ -8,7 +8,11 @@ end
 local rows = tonumber(ARGV[i] or '0')
 i = i + 1
 for _ = 1, rows do i = i + 4 + tonumber(ARGV[i + 3]) end
-for j = 1, tonumber(ARGV[i] or "0") do live[ARGV[i + j]] = true end  -- reservations awaiting their answer
+local reserving = tonumber(ARGV[i] or '0')
+for j = 1, reserving do live[ARGV[i + j]] = true end  -- reservations awaiting their answer
+-- A rebuild this process asks for (usage that Redis did not record): the new epoch and, below, this
+-- process's rows not yet in the ledger in `pend`, in one script, so the rebuild cannot miss them.
+if ARGV[i + reserving + 1] == '1' then epoch = tostring(redis.call('INCR', p .. 'epoch')) end
 -- Back after a recovery (a failover, a restart elsewhere): this process's holds it no longer runs
 -- are dropped: settled, the settlement lost with the old master (its usage is in the ledger or in
 -- `pend`), or reservations whose answer never came. Only the first time: until this process is

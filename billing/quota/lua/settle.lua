@@ -18,9 +18,11 @@ for i = 0, n - 1 do
   if redis.call('EXISTS', k .. 'synced:' .. month .. ':' .. epoch) == 1 then
     redis.call('INCRBY', k .. 'mtok:' .. month, tok)
     redis.call('INCRBY', k .. 'mspend:' .. month, nanos)
-  else
+  elseif tok > 0 or nanos > 0 then
     -- Counters not rebuilt since they were lost (a failover, limits changed): the rebuild counts
-    -- this usage once, from the ledger if its read holds the row, else from here (seed.lua).
+    -- this usage once, from the ledger if its read holds the row, else from here (seed.lua). A
+    -- release with nothing used (a hold whose settlement failed) must not overwrite what a
+    -- re-registration put here for the same request.
     redis.call('HSET', k .. 'pend', rid, tok .. ':' .. nanos .. ':' .. month)
     redis.call('EXPIRE', k .. 'pend', 40 * 86400)
   end
