@@ -204,6 +204,7 @@ class LedgerWriter:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._listeners: list[Callable[[UsageRecord], None]] = []
+        self._written_listeners: list[Callable[[list[UsageRecord]], None]] = []
         self.write_errors = 0
         self._session: Any = PgSession(engine) if PgSession.applies(engine) else None
         if copy_connections and self._session is not None:  # binary COPY on several connections (billing/ledger_copy.py)
@@ -264,6 +265,11 @@ class LedgerWriter:
     def add_listener(self, listener: Callable[[UsageRecord], None]) -> None:
         """Calls `listener(record)` synchronously in `record()`; a failing listener is logged, never raised."""
         self._listeners.append(listener)
+
+    def on_written(self, listener: Callable[[list[UsageRecord]], None]) -> None:
+        """Calls `listener(rows)` with each batch the database has confirmed; a failing listener is
+        logged, never raised."""
+        self._written_listeners.append(listener)
 
     def start(self) -> None:
         if self._task is None:
@@ -333,6 +339,11 @@ class LedgerWriter:
             if self.journal is not None:
                 self.journal.acknowledged([r.request_id for r in batch])
             del self._pending[: len(batch)]
+            for written in self._written_listeners:
+                try:
+                    written(batch)
+                except Exception:
+                    log.exception("ledger written-listener %r failed", written)
             async with self._progress:
                 self._written += len(batch)
                 self._progress.notify_all()

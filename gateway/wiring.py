@@ -151,7 +151,7 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
 def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter, process_id: str | None = None) -> Limiter:
     totals = LedgerTotals(db, flush=lambda: ledger.flush(timeout=2.0), pending=ledger.unconfirmed)
     if settings.redis.url:
-        return RedisLimiter(
+        limiter = RedisLimiter(
             settings.redis.url,
             totals,
             prefix=settings.redis.prefix,
@@ -160,6 +160,8 @@ def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter, process_id:
             hold_seconds=settings.quotas.hold_seconds,
             process_id=process_id,
         )
+        ledger.on_written(limiter.written)  # settled usage the ledger now holds (rebuilds need not keep it)
+        return limiter
     return MemoryLimiter(totals, hold_seconds=settings.quotas.hold_seconds)
 
 

@@ -108,6 +108,14 @@ class RedisLimiter(Limiter):
         # Holds to release with nothing counted once Redis answers: reservations whose answer never
         # came, settlements that failed (their usage comes back with the group's rebuild).
         self._unsure: dict[str, Hold] = {}
+        # Settled usage whose row the database has not confirmed: each settlement also files its usage
+        # under the group's `unc` hash (rid -> usage), and the request ids the ledger has written since
+        # go with this process's next settlement there, to be struck off. A rebuild counts every `unc`
+        # entry its ledger read does not hold: a gateway that died with rows only in its journal is
+        # still counted after a failover, although no live process can put those rows back.
+        self._unc_sent: dict[str, str] = {}  # rid -> group tag: settlements sent with their usage filed
+        self._written_early: set[str] = set()  # rows written before their settlement was sent
+        self._struck: dict[str, list[str]] = {}  # group tag -> rids written, to strike off `unc`
         self._watcher: asyncio.Task[None] | None = None
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
@@ -332,8 +340,33 @@ class RedisLimiter(Limiter):
         # the immediate retry, never later: an interrupted request's release only follows a process
         # that never settled it), not a day: a day of markers is ~86M keys at 1,000 requests/s.
         keep = max(60, int(self.hold_seconds))
-        return [self.group(hold.tag or group_tag(hold.scopes)), hold.request_id, hold.month, tokens, nanos, len(hold.scopes),
-                *[s.name for s in hold.scopes], keep]
+        tag = hold.tag or group_tag(hold.scopes)
+        rid = hold.request_id
+        file_usage = 0
+        if tokens or nanos:
+            if rid in self._written_early:
+                self._written_early.discard(rid)
+            else:
+                file_usage = 1
+                self._unc_sent[rid] = tag
+        struck = self._struck.get(tag)
+        if struck:
+            strike, self._struck[tag] = struck[:500], struck[500:]
+        else:
+            strike = []
+        return [self.group(tag), rid, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep,
+                file_usage, len(strike), *strike]
+
+    def written(self, rows: list[Any]) -> None:
+        """The ledger writer's confirmation of `rows`: their usage need not be kept in `unc` any more
+        (struck off with this process's next settlement in the group)."""
+        sent = self._unc_sent
+        for row in rows:
+            tag = sent.pop(row.request_id, None)
+            if tag is not None:
+                self._struck.setdefault(tag, []).append(row.request_id)
+            elif len(self._written_early) < 100_000:  # its settlement not sent yet (or it has no hold)
+                self._written_early.add(row.request_id)
 
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
         self._live.pop(hold.request_id, None)

@@ -8,6 +8,8 @@ rehold.lua, recover.lua), on one Redis and on a real local Redis Cluster:
   rebuild counts them although the ledger does not hold them and Redis lost them;
 - a settlement Redis did not take (unreachable) counts once in the rebuild it starts, although the
   rebuild reads the ledger before the row is written;
+- a gateway that died with rows only in its journal still counts in a rebuild after a failover that
+  lost others' usage (each settlement's `unc` entry, struck off once its row is written);
 - a recovery keeps the holds of a process that never comes back (its running requests still count),
   and a process that re-registers drops its own holds it no longer runs (settlements Redis lost).
 
@@ -18,6 +20,7 @@ restarted gateway starts it (RedisLimiter.recover_groups), which takes the same 
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -162,6 +165,69 @@ async def test_a_settlement_redis_did_not_take_counts_once_although_the_rebuild_
     await other.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
     assert await month_tokens(other, key, account) == [50, 50]
     assert (await other.counters(account, now=NOW))["held_tokens"] == 20
+
+
+async def test_a_dead_gateway_s_unwritten_rows_and_usage_redis_lost_both_count_in_a_rebuild(
+    make: Callable[..., RedisLimiter], ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chaos run's overspend: a gateway dies with rows only in its journal (their usage is in the
+    counters), then a failover loses another's later settlement (its row is in the ledger). Neither
+    the surviving counter (40) nor the ledger (30) holds all of it, and the larger of the two is
+    still short: the rebuild must add the dead gateway's settled usage that the ledger lacks, which
+    each settlement files under `unc` until its process sees the row written."""
+    monkeypatch.setattr("billing.quota.redis_limiter.FAILOVER_WAIT", 0.3)  # the dead one is waited for that long
+    key, account = scopes()
+    dead, live = make(), make()
+    first = await dead.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await dead.settle(first, 40, 40)  # its row stays in its journal: Postgres was down, then it was killed
+    second = await live.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await live.settle(second, 30, 30)
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [row(second.request_id, key, account, 30)])
+        live.written([row(second.request_id, key, account, 30)])  # what its ledger writer tells it
+        # A failover loses the second settlement (the replica had not received it): its counts, its
+        # settle-once marker and its `unc` entry.
+        group = live.group(account.tag)
+        for s in (key, account):
+            await live._redis.decrby(f"{group}{s.name}:mtok:{month_of(NOW)}", 30)
+        await live._redis.delete(f"{group}settled:{second.request_id}")
+        await live._redis.hdel(f"{group}unc", second.request_id)
+        await make().recover_groups({account.tag})  # the group is rebuilt; the dead gateway never re-registers
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await live.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+                break
+            except QuotaUnavailable:  # admissions wait for the dead gateway until FAILOVER_WAIT has passed
+                assert time.monotonic() < deadline
+        assert await month_tokens(live, key, account) == [70, 70]  # ledger 30 + the dead one's 40
+        # The dead gateway starts again and writes its journal's row: a later rebuild counts it from
+        # the ledger, once, and strikes it off `unc`.
+        await write_records(db, [row(first.request_id, key, account, 40)])
+    finally:
+        await db.dispose()
+    await live.invalidate(account)
+    await live.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    assert await month_tokens(live, key, account) == [70, 70]
+    assert not await live._redis.hexists(f"{group}unc", first.request_id)
+
+
+async def test_settled_usage_is_struck_off_unc_once_its_row_is_written(make: Callable[..., RedisLimiter]) -> None:
+    """`unc` holds only the settlements whose rows the process has not seen written: each confirmation
+    from the ledger writer goes with the next settlement in the group, and a row written before its
+    settlement was even sent is never filed there."""
+    key, account = scopes()
+    lim = make()
+    holds = [await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW) for _ in range(4)]
+    for hold in holds[:3]:
+        await lim.settle(hold, 10, 10)
+    unc = f"{lim.group(account.tag)}unc"
+    assert set(await lim._redis.hkeys(unc)) == {h.request_id for h in holds[:3]}
+    lim.written([row(h.request_id, key, account, 10) for h in holds])  # the fourth's row before its settlement
+    await lim.settle(holds[3], 10, 10)
+    assert await lim._redis.hlen(unc) == 0
+    assert await month_tokens(lim, key, account) == [40, 40]
 
 
 async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_settled_ones(redis_cluster: Any, ledger_url: str) -> None:

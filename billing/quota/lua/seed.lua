@@ -15,9 +15,12 @@ count = tonumber(ARGV[i] or '0'); i = i + 1
 for _ = 1, count do checked[ARGV[i]] = true; i = i + 1 end
 count = tonumber(ARGV[i] or '0'); i = i + 1
 for _ = 1, count do checked[ARGV[i]] = false; i = i + 1 end
--- Usage settled while these counters were not rebuilt (a failover, a restart: `pend`, rid ->
--- tokens:nanos:month) counts unless the ledger read holds its row. Rows the caller has not looked
--- up yet go back to it (in the same read); nothing is written until every one is known.
+-- Usage settled that a rebuild must count unless the ledger read holds its row: `pend` (settled
+-- while these counters were not rebuilt: a failover, a restart; per scope, rid -> tokens:nanos:month)
+-- and `unc` (every settlement whose row the settling process had not seen written yet; per group,
+-- rid -> tokens:nanos:month:scope,scope). A request counts once per scope, whichever holds it. Rows
+-- the caller has not looked up yet go back to it (in the same read); nothing is written until every
+-- one is known.
 local rebuilt = {}
 for s = 0, n - 1 do
   local k = p .. ARGV[5 + s * 5] .. ':'
@@ -28,21 +31,39 @@ for _, b in ipairs(balances) do
   if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 0 then rebuilt[k] = true end
 end
 local unknown = {}
+local asked = {}
 local extra = {}
+local counted = {}
+local function tally(k, rid, t, c, m)
+  if counted[k][rid] then return end
+  counted[k][rid] = true
+  local seen = checked[rid]
+  if seen == nil then
+    if not asked[rid] then asked[rid] = true; unknown[#unknown + 1] = rid end
+  elseif seen == false then
+    local e = extra[k]
+    if m == month then e[1] = e[1] + tonumber(t); e[2] = e[2] + tonumber(c) end
+    e[3] = e[3] + tonumber(c)
+  end
+end
 for k in pairs(rebuilt) do
-  local e = {0, 0, 0}
+  extra[k] = {0, 0, 0}
+  counted[k] = {}
   local flat = redis.call('HGETALL', k .. 'pend')
   for x = 1, #flat, 2 do
-    local seen = checked[flat[x]]
-    if seen == nil then
-      unknown[#unknown + 1] = flat[x]
-    elseif seen == false then
-      local t, c, m = string.match(flat[x + 1], '^(%d+):(%d+):(%d+)$')
-      if m == month then e[1] = e[1] + tonumber(t); e[2] = e[2] + tonumber(c) end
-      e[3] = e[3] + tonumber(c)
+    local t, c, m = string.match(flat[x + 1], '^(%d+):(%d+):(%d+)$')
+    if t then tally(k, flat[x], t, c, m) end
+  end
+end
+local unc = redis.call('HGETALL', p .. 'unc')
+for x = 1, #unc, 2 do
+  local t, c, m, names = string.match(unc[x + 1], '^(%d+):(%d+):(%d+):(.*)$')
+  if t then
+    for name in string.gmatch(names, '[^,]+') do
+      local k = p .. name .. ':'
+      if rebuilt[k] then tally(k, unc[x], t, c, m) end
     end
   end
-  extra[k] = e
 end
 if #unknown > 0 then return {'check', unknown} end
 -- What a counter is rebuilt to: the ledger's total plus `add`, or what the counter already holds where
@@ -83,4 +104,8 @@ for _, b in ipairs(balances) do
   end
 end
 for k in pairs(rebuilt) do redis.call('DEL', k .. 'pend') end
+-- `unc` entries the ledger read holds are counted there from now on: struck off.
+for x = 1, #unc, 2 do
+  if checked[unc[x]] == true then redis.call('HDEL', p .. 'unc', unc[x]) end
+end
 return 1

@@ -1,7 +1,17 @@
 local rid = ARGV[2]; local month = ARGV[3]; local tok = tonumber(ARGV[4]); local nanos = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
 local keep = tonumber(ARGV[7 + n]) or 86400
+-- Rows the caller's ledger has written since its last settlement here: struck off `unc`, where
+-- each settlement files its usage until then (below).
+local struck = tonumber(ARGV[9 + n] or '0')
+if struck > 0 then redis.call('HDEL', p .. 'unc', unpack(ARGV, 10 + n, 9 + n + struck)) end
 if not redis.call('SET', p .. 'settled:' .. rid, '1', 'NX', 'EX', keep) then return 0 end
+-- Usage settled whose row the ledger may not hold yet (ARGV[8 + n] = 1): a rebuild counts it unless
+-- its ledger read holds the row (seed.lua), even if the process that settled it is gone by then.
+if ARGV[8 + n] == '1' and (tok > 0 or nanos > 0) then
+  redis.call('HSET', p .. 'unc', rid, tok .. ':' .. nanos .. ':' .. month .. ':' .. table.concat(ARGV, ',', 7, 6 + n))
+  redis.call('EXPIRE', p .. 'unc', 40 * 86400)
+end
 for i = 0, n - 1 do
   local k = p .. ARGV[7 + i] .. ':'
   local v = redis.call('HGET', k .. 'holds', rid)
