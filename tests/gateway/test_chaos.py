@@ -5,9 +5,9 @@ started again and Postgres is restarted. After: the ledger's tokens are within t
 answered request has exactly one `completed` row with the usage its client saw, every request cut
 mid-stream one `interrupted`/`cancelled` row, no quota hold is left, Redis' counters equal the ledger.
 
-The Redis Cluster variant with the account's master killed under it is tests/gateway/chaos_cluster.py,
-run by path and not yet in the suite (docs/reliability.md says why); the cluster failover under load
-is tests/billing/test_quota_failover.py, a rebuild's exactness tests/billing/test_quota_rebuild.py."""
+The Redis Cluster variant with the account's master killed under it is
+tests/gateway/test_chaos_cluster.py; the cluster failover under load is
+tests/billing/test_quota_failover.py, a rebuild's exactness tests/billing/test_quota_rebuild.py."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ async def account_counters(redis_url: str, prefix: str, db_url: str, account_id:
 
 async def check_the_run(db_url: str, redis_url: str, prefix: str, account_id: int, key_ids: list[int],
                         warm: list[Any], out: list[Any], budget: int) -> str:
-    """What every chaos run checks once its requests are done (tests/gateway/chaos_cluster.py too);
+    """What every chaos run checks once its requests are done (tests/gateway/test_chaos_cluster.py too);
     returns its figures as one line."""
     answered = [o for o in [*warm, *out] if o.answered]
     cut = [o for o in out if o.status == 200 and not o.answered]

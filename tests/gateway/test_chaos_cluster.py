@@ -9,12 +9,8 @@ mid-stream one `interrupted`/`cancelled` row, no quota hold is left, Redis' coun
 
 The failover comes while rows served during the Postgres outage may still be in the gateways'
 journals, and the killed gateway's are in its own until it starts again: the rebuild counts those
-rows once (billing/quota/lua/seed.lua's `pend`; recover.lua for the restart).
-
-Not in the suite yet (the file name keeps pytest from collecting it; run it by path:
-`pytest tests/gateway/chaos_cluster.py`): it passed three runs by itself, but overspent once in the
-full suite (6,817 tokens against 6,105), a cause not found yet (docs/reliability.md). The suite's
-chaos run is tests/gateway/test_chaos.py, on one Redis."""
+rows once (billing/quota/lua/seed.lua: `pend`, and `unc` for the killed gateway's settled usage the
+ledger lacks; recover.lua for the restart)."""
 
 from __future__ import annotations
 
