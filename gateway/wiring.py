@@ -190,6 +190,8 @@ async def finish_crashed_run(ledger: LedgerWriter, limiter: Limiter, recovered: 
     released with what their rows say; then, on a shared quota store, the counters of every account
     with replayed rows are rebuilt from the ledger and the rows not in it yet (the crashed run had
     counted them, but a failover meanwhile may have lost that; billing/quota/lua/recover.lua)."""
+    if isinstance(limiter, RedisLimiter):
+        limiter.adopt(recovered.replayed)  # the crashed run filed their usage in `unc`
     await release_interrupted(ledger, limiter.settle, recovered, wait=30.0)
     rows = [*recovered.replayed, *(row for row, _hold in recovered.interrupted)]
     if rows and isinstance(limiter, RedisLimiter):

@@ -114,8 +114,9 @@ class RedisLimiter(Limiter):
         # entry its ledger read does not hold: a gateway that died with rows only in its journal is
         # still counted after a failover, although no live process can put those rows back.
         self._unc_sent: dict[str, str] = {}  # rid -> group tag: settlements sent with their usage filed
-        self._written_early: set[str] = set()  # rows written before their settlement was sent
+        self._written_early: dict[str, None] = {}  # rows written before their settlement was sent (oldest first)
         self._struck: dict[str, list[str]] = {}  # group tag -> rids written, to strike off `unc`
+        self._struck_waiting: set[str] = set()  # groups whose strikes waited a whole watch round
         self._watcher: asyncio.Task[None] | None = None
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
@@ -299,6 +300,7 @@ class RedisLimiter(Limiter):
                 continue
             if self._unsure:
                 await self._release_unsure()
+            await self._strike_idle()
             unwritten = self._unwritten()
             if not self._live and not unwritten:
                 continue
@@ -309,6 +311,18 @@ class RedisLimiter(Limiter):
                     await self._rehold(tag, now)
             except Exception as exc:  # Redis still down: the next round or the next reserve retries
                 log.debug("hold watch: %s", type(exc).__name__)
+
+    async def _strike_idle(self) -> None:
+        """Strikes off `unc` the written rows of groups with no settlement to carry them since the
+        last round (an account gone quiet), so its entries do not stay in Redis until it is busy again."""
+        waited = [tag for tag in self._struck_waiting if self._struck.get(tag)]
+        self._struck_waiting = set(self._struck)
+        for tag in waited:
+            rids = self._struck.pop(tag)
+            try:
+                await self._redis.hdel(self.group(tag) + "unc", *rids)
+            except Exception as exc:  # left for the group's next rebuild, which strikes them off too
+                log.debug("unc strike-off: %s", type(exc).__name__)
 
     def _unwritten(self) -> list[Any]:
         """This process's ledger rows not confirmed in the database (a read-back without a writer: none)."""
@@ -344,29 +358,43 @@ class RedisLimiter(Limiter):
         rid = hold.request_id
         file_usage = 0
         if tokens or nanos:
-            if rid in self._written_early:
-                self._written_early.discard(rid)
+            if rid in self._written_early:  # written already: nothing to file
+                del self._written_early[rid]
             else:
                 file_usage = 1
                 self._unc_sent[rid] = tag
-        struck = self._struck.get(tag)
-        if struck:
-            strike, self._struck[tag] = struck[:500], struck[500:]
-        else:
-            strike = []
+                if len(self._unc_sent) > 1_000_000:  # rows this process's ledger never confirms (no writer)
+                    del self._unc_sent[next(iter(self._unc_sent))]
+        strike = self._struck.pop(tag, None) or []
+        if len(strike) > 500:
+            strike, self._struck[tag] = strike[:500], strike[500:]
         return [self.group(tag), rid, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep,
                 file_usage, len(strike), *strike]
 
     def written(self, rows: list[Any]) -> None:
         """The ledger writer's confirmation of `rows`: their usage need not be kept in `unc` any more
-        (struck off with this process's next settlement in the group)."""
-        sent = self._unc_sent
+        (struck off with this process's next settlement in the group, or by the hold watch once they
+        have waited a whole round for one)."""
+        sent, early = self._unc_sent, self._written_early
         for row in rows:
             tag = sent.pop(row.request_id, None)
             if tag is not None:
                 self._struck.setdefault(tag, []).append(row.request_id)
-            elif len(self._written_early) < 100_000:  # its settlement not sent yet (or it has no hold)
-                self._written_early.add(row.request_id)
+            else:  # its settlement not sent yet, or never to be (a request with no limit, a replayed row)
+                early[row.request_id] = None
+                if len(early) > 10_000:  # the oldest are rows that were never settled here
+                    del early[next(iter(early))]
+
+    def adopt(self, rows: list[dict[str, Any]]) -> None:
+        """Rows a crashed run of this journal had settled (its settlements filed their usage in `unc`)
+        and this process now writes: struck off once written, as if this process had settled them."""
+        for row in rows:
+            rid, tag = row["request_id"], f"a{row['account_id']}"
+            if rid in self._written_early:  # written already
+                del self._written_early[rid]
+                self._struck.setdefault(tag, []).append(rid)
+            else:
+                self._unc_sent[rid] = tag
 
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
         self._live.pop(hold.request_id, None)

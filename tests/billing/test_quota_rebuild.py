@@ -19,7 +19,9 @@ restarted gateway starts it (RedisLimiter.recover_groups), which takes the same 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from dataclasses import asdict
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -228,6 +230,30 @@ async def test_settled_usage_is_struck_off_unc_once_its_row_is_written(make: Cal
     await lim.settle(holds[3], 10, 10)
     assert await lim._redis.hlen(unc) == 0
     assert await month_tokens(lim, key, account) == [40, 40]
+    # The account goes quiet after its last row is written: the hold watch strikes it off.
+    last = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await lim.settle(last, 10, 10)
+    lim.written([row(last.request_id, key, account, 10)])
+    deadline = time.monotonic() + 10
+    while await lim._redis.hlen(unc):
+        assert time.monotonic() < deadline, "the quiet account's unc entry stayed"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_restarted_gateway_strikes_off_what_its_crashed_run_filed(make: Callable[..., RedisLimiter]) -> None:
+    """The rows a crashed run settled are written by the run that replays its journal: that one
+    strikes their `unc` entries off, whether the rows are written before or after it adopts them."""
+    key, account = scopes()
+    crashed, restarted = make(), make()
+    holds = [await crashed.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW) for _ in range(2)]
+    for hold in holds:
+        await crashed.settle(hold, 10, 10)  # then SIGKILL: the rows are in its journal only
+    replayed = [asdict(row(h.request_id, key, account, 10)) for h in holds]
+    restarted.written([row(holds[0].request_id, key, account, 10)])  # written before the adoption
+    restarted.adopt(replayed)
+    restarted.written([row(holds[1].request_id, key, account, 10)])
+    await restarted.settle(await restarted.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW), 0, 0)
+    assert await restarted._redis.hlen(f"{restarted.group(account.tag)}unc") == 0
 
 
 async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_settled_ones(redis_cluster: Any, ledger_url: str) -> None:
