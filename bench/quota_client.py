@@ -2,7 +2,8 @@
 scripts run by billing/resp.py (lean) and by redis-py's Script objects, same Redis, same process.
 
 Each pair is one reserve (RESERVE_LUA) and one settle (SETTLE_LUA) on two scopes (a key and its
-account, limits high enough never to refuse), as an admitted request does. `concurrency` workers
+account, limits high enough never to refuse), as an admitted request does, and the ledger writer's
+confirmation of its row (struck off `unc` with a later settlement). `concurrency` workers
 share one limiter and each runs its share of the pairs back to back. Reported: pairs/s, script
 calls/s (two per pair) and this process's CPU time per pair (Redis's own work is not in it), for
 redis-py and lean side by side, and lean/redis-py. The event loop is uvloop when installed (as
@@ -20,6 +21,7 @@ import time
 import uuid
 from decimal import Decimal
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -27,6 +29,13 @@ from billing.limits import Limits  # noqa: E402
 from billing.quota import RedisLimiter, Scope, ScopeTotals  # noqa: E402
 
 HIGH = Limits(rpm=10**9, tpm=10**12, max_concurrent=10**6, monthly_tokens=10**14, monthly_spend=Decimal("1000000"))
+
+
+class Written(NamedTuple):
+    """A ledger row as RedisLimiter.written reads it."""
+
+    request_id: str
+    account_id: int
 
 
 class NoLedger:
@@ -64,6 +73,7 @@ async def measure(url: str, lean: bool, pairs: int, concurrency: int) -> tuple[f
         for i in range(count):
             hold = await limiter.reserve(f"{run}-{w}-{i}", scopes, 120, 600)
             await limiter.settle(hold, 100, 500)
+            limiter.written([Written(hold.request_id, 1)])  # its row confirmed, as the ledger writer says it
 
     try:
         await worker(-1, 50)  # seeds the counters, loads the scripts, opens connections

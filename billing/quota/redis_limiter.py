@@ -349,27 +349,28 @@ class RedisLimiter(Limiter):
                 return  # still out: the next round
             self._unsure.pop(rid, None)
 
-    def _settle_args(self, hold: Hold, tokens: int, nanos: int) -> list[Any]:
+    def _settle_args(self, hold: Hold, tokens: int, nanos: int, file_usage: bool = False) -> list[Any]:
         # The settle-once marker lives as long as a hold does (a repeat of a settlement comes from
         # the immediate retry, never later: an interrupted request's release only follows a process
         # that never settled it), not a day: a day of markers is ~86M keys at 1,000 requests/s.
         keep = max(60, int(self.hold_seconds))
         tag = hold.tag or group_tag(hold.scopes)
-        rid = hold.request_id
-        file_usage = 0
-        if tokens or nanos:
-            if rid in self._written_early:  # written already: nothing to file
-                del self._written_early[rid]
-            else:
-                file_usage = 1
-                self._unc_sent[rid] = tag
-                if len(self._unc_sent) > 1_000_000:  # rows this process's ledger never confirms (no writer)
-                    del self._unc_sent[next(iter(self._unc_sent))]
         strike = self._struck.pop(tag, None) or []
         if len(strike) > 500:
             strike, self._struck[tag] = strike[:500], strike[500:]
-        return [self.group(tag), rid, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep,
-                file_usage, len(strike), *strike]
+        return [self.group(tag), hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep,
+                1 if file_usage else 0, len(strike), *strike]
+
+    def _filed(self, rid: str, tag: str) -> None:
+        """A settlement that filed its usage in `unc` has been answered (or failed): from now on its
+        row's confirmation strikes the entry off, and a strike can only reach Redis after the entry."""
+        if rid in self._written_early:  # written while the settlement was on its way
+            del self._written_early[rid]
+            self._struck.setdefault(tag, []).append(rid)
+            return
+        self._unc_sent[rid] = tag
+        if len(self._unc_sent) > 1_000_000:  # rows this process's ledger never confirms (no writer)
+            del self._unc_sent[next(iter(self._unc_sent))]
 
     def written(self, rows: list[Any]) -> None:
         """The ledger writer's confirmation of `rows`: their usage need not be kept in `unc` any more
@@ -397,11 +398,16 @@ class RedisLimiter(Limiter):
                 self._unc_sent[rid] = tag
 
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
-        self._live.pop(hold.request_id, None)
+        rid = hold.request_id
+        self._live.pop(rid, None)
         if hold.degraded or not hold.scopes:
             return False
+        file_usage = bool(tokens or nanos)  # filed in `unc` until the row is written (settle.lua)
+        if file_usage and rid in self._written_early:  # written already: nothing to file
+            del self._written_early[rid]
+            file_usage = False
         try:
-            return bool(await self._call(self._settle_script, self._settle_args(hold, tokens, nanos),
+            return bool(await self._call(self._settle_script, self._settle_args(hold, tokens, nanos, file_usage),
                                          SETTLE_LINGER if background else 0.0))
         except QuotaUnavailable:
             # The ledger row carries the usage for the next rebuild; the hold is released (with
@@ -411,6 +417,9 @@ class RedisLimiter(Limiter):
                 self._unsure[hold.request_id] = hold
             self._watch()  # a process that only settles (a restart releasing its journal's holds) releases them too
             return False
+        finally:
+            if file_usage:
+                self._filed(rid, hold.tag or group_tag(hold.scopes))
 
     async def _tag_of(self, scope: Scope) -> str:
         """The group of a scope named without its account (a key, from the dashboard or the admin API)."""

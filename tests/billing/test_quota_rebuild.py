@@ -230,12 +230,22 @@ async def test_settled_usage_is_struck_off_unc_once_its_row_is_written(make: Cal
     await lim.settle(holds[3], 10, 10)
     assert await lim._redis.hlen(unc) == 0
     assert await month_tokens(lim, key, account) == [40, 40]
+    # A row written while its settlement is on its way: struck off only after that settlement's
+    # answer, so the strike cannot reach Redis before the entry it strikes.
+    racing = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    settling = asyncio.create_task(lim.settle(racing, 10, 10))
+    await asyncio.sleep(0)  # the settlement is sent, its answer not read
+    lim.written([row(racing.request_id, key, account, 10)])
+    await settling
+    assert await lim._redis.hkeys(unc) == [racing.request_id]
+    await lim.settle(await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW), 0, 0)
+    assert await lim._redis.hlen(unc) == 0
     # The account goes quiet after its last row is written: the hold watch strikes it off.
     last = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
     await lim.settle(last, 10, 10)
     lim.written([row(last.request_id, key, account, 10)])
     deadline = time.monotonic() + 10
-    while await lim._redis.hlen(unc):
+    while await lim._redis.hlen(unc):  # the watch runs once a second
         assert time.monotonic() < deadline, "the quiet account's unc entry stayed"
         await asyncio.sleep(0.1)
 
