@@ -376,6 +376,7 @@ class RedisLimiter(Limiter):
         """The ledger writer's confirmation of `rows`: their usage need not be kept in `unc` any more
         (struck off with this process's next settlement in the group, or by the hold watch once they
         have waited a whole round for one)."""
+        self._watch()  # strikes off a quiet group's entries
         sent, early = self._unc_sent, self._written_early
         for row in rows:
             tag = sent.pop(row.request_id, None)
