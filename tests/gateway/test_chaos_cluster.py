@@ -109,18 +109,21 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
             r = await a.patch(f"/admin/accounts/{account['id']}", json={"limits": {"monthly_tokens": budget + sum(o.usage["total_tokens"] for o in warm)}})
             assert r.status_code == 200, r.text
 
-        # Three waves, so that admissions go on through every fault: the first at the start, the second
-        # while a gateway is dead and Postgres down, the third after the Redis failover; the budget runs
-        # out in the third (its refusals come from the rebuilt counters: an undercount would overspend).
+        # Four waves, so that admissions go on through every fault: the first at the start, the second
+        # while a gateway is dead and Postgres down, the third (20) once the account's master is cut off
+        # from its replica (what it takes then is lost in the failover: the earlier waves may all be
+        # done by then), the fourth after the failover; the budget runs out in the fourth (its refusals
+        # come from the rebuilt counters: an undercount would overspend).
         rng = random.Random(24)
         out = [Outcome(i % 3, rng.random() < 0.5) for i in range(REQUESTS)]
-        waves = [asyncio.Event() for _ in range(3)]
+        waves = [asyncio.Event() for _ in range(4)]
+        starts = (0, 60, 120, 140)  # each wave's first request
 
         async def when(wave: int, i: int, o: Outcome) -> None:
             await waves[wave].wait()
             await one(clients[o.gateway], keys[i % KEYS]["key"], o.stream, o)
 
-        tasks = [asyncio.create_task(when(min(2, i // 60), i, o)) for i, o in enumerate(out)]
+        tasks = [asyncio.create_task(when(sum(i >= s for s in starts) - 1, i, o)) for i, o in enumerate(out)]
 
         async def until(pred: Any, timeout: float = 150.0) -> None:
             deadline = time.monotonic() + timeout
@@ -149,11 +152,12 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
         victim = cluster.master_of(group_key)
         lag_replica(victim)
         lagged_at = answers()
+        waves[2].set()
         await until(lambda: answers() >= lagged_at + 3)
         cluster.kill(victim)
         await asyncio.to_thread(cluster.wait_failover, victim, group_key)
         failed_over_at = answers()
-        waves[2].set()
+        waves[3].set()
         await until(lambda: answers() >= failed_over_at + 5)  # admitted and served after the failover
         await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
         await asyncio.gather(*tasks)
