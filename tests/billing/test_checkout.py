@@ -103,8 +103,16 @@ def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: Fake
                     assert r.status_code == 200, r.text
                     return list(r.json()["recharged"])
 
-                return_values = await asyncio.gather(run(), run())
-                assert sorted(len(v) for v in return_values) == [0, 1]  # one charge in flight at a time
+                # Two instances' timers at once: while the first one's charge is in flight at Stripe, the
+                # second finds the account's charge pending and charges nothing.
+                arrived, release = fake.hold_charges()
+                first = asyncio.create_task(run())
+                try:
+                    assert await asyncio.to_thread(arrived.wait, 30)  # the first run's charge reached Stripe
+                    assert await run() == []  # one charge in flight at a time
+                finally:
+                    fake.release_charges()
+                assert len(await first) == 1
                 intents = [pi for pi in fake.payment_intents.values() if pi["metadata"].get("tollgate_recharge")]
                 assert len(intents) == 1 and intents[0]["amount"] == 500
                 succeeded = fake.event_of("payment_intent.succeeded", intents[0]["id"])

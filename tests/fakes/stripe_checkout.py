@@ -19,8 +19,11 @@ events they send. Shapes and rules follow Stripe's API reference (2026-10):
 
 from __future__ import annotations
 
+import threading
 import time
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+from urllib.parse import urlsplit
 
 from tests.fakes.stripe_server import FakeStripe, StripeFailure, _int, _metadata, missing
 
@@ -33,6 +36,8 @@ class FakeStripePayments(FakeStripe):
         self.refunds: dict[str, dict[str, Any]] = {}
         self.payment_methods: dict[str, str] = {}  # id -> customer it is attached to
         self._decline = 0
+        self._arrived: threading.Event | None = None
+        self._release: threading.Event | None = None
 
     # test helpers ------------------------------------------------------------------------------
     def complete_session(self, session_id: str, payment_method: str = "pm_card_visa") -> dict[str, Any]:
@@ -50,6 +55,25 @@ class FakeStripePayments(FakeStripe):
             intent["setup_future_usage"] = data.get("setup_future_usage")
             session.update(status="complete", payment_status="paid", payment_intent=intent["id"], url=None)
             return self._event("checkout.session.completed", session)
+
+    def hold_charges(self) -> tuple[threading.Event, threading.Event]:
+        """Off-session charges wait, outside the fake's lock, until the returned `release` is set;
+        `arrived` is set once one waits: a test holds a charge in flight at Stripe (the real
+        thing takes its time too). `release_charges()` ends it."""
+        self._arrived, self._release = threading.Event(), threading.Event()
+        return self._arrived, self._release
+
+    def release_charges(self) -> None:
+        if self._release is not None:
+            self._release.set()
+        self._arrived = self._release = None
+
+    def _handle(self, http: BaseHTTPRequestHandler) -> None:
+        release, arrived = self._release, self._arrived
+        if release is not None and arrived is not None and http.command == "POST" and urlsplit(http.path).path == "/v1/payment_intents":
+            arrived.set()
+            release.wait(30)
+        super()._handle(http)
 
     def decline_next(self, times: int = 1) -> None:
         """The next off-session charges are declined by the card's bank."""
