@@ -28,7 +28,7 @@ import httpx
 
 from tests.conftest import MODEL, SECRET, bootstrap
 from tests.billing.test_quota_failover import lag_replica
-from tests.gateway.test_chaos import check_the_run
+from tests.gateway.test_chaos import check_the_run, probe_each
 from tests.processes import GatewayProcess, PrivatePostgres
 from tests.redis_topologies import LocalCluster
 
@@ -161,18 +161,7 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
         await until(lambda: answers() >= failed_over_at + 5)  # admitted and served after the failover
         await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
         await asyncio.gather(*tasks)
-        # One more request on each gateway: a reservation is what finds a group still to rebuild (the
-        # restarted gateway's recovery); the budget is spent, so each ends refused once the counters are back.
-        probes = [Outcome(i, False) for i in range(3)]
-        for o in probes:
-            deadline = time.monotonic() + 60
-            while True:
-                await one(clients[o.gateway], keys[0]["key"], False, o)
-                if o.status in (200, 429):
-                    break
-                assert time.monotonic() < deadline, (o.status, o.code)
-                await asyncio.sleep(0.5)
-        out += probes
+        out += await probe_each(clients, keys[0]["key"], one, Outcome)  # the restarted gateway's recovery
         for c in clients:
             await c.aclose()
 
