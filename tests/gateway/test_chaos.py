@@ -143,6 +143,45 @@ async def check_the_run(db_url: str, redis_url: str, prefix: str, account_id: in
             f"Redis month {counters['month_tokens']}, holds {counters['in_flight']}, unc {len(counters['unc'])} (rows in the ledger)")
 
 
+@dataclass
+class Chaos:
+    """A chaos run's set-up: three gateways on one Postgres database and one Redis, an account with
+    KEYS keys known to every gateway (a warm-up request each), and its monthly token budget."""
+
+    url: str
+    prefix: str
+    account: dict[str, Any]
+    keys: list[dict[str, Any]]
+    clients: list[httpx.AsyncClient]
+    warm: list[Any]
+    budget: int
+
+
+async def set_up(pg: PrivatePostgres, redis_url: str, tmp_path: Path, gws: list[GatewayProcess], worst_cases: int,
+                 one: Callable[..., Awaitable[None]], outcome: Callable[[int, bool], Any]) -> Chaos:
+    """Starts the gateways (appended to `gws`, which the caller stops) and sets a budget of
+    `worst_cases` requests at their worst case on top of the warm-up's usage."""
+    url = pg.create_database("tollgate")
+    admin_key = bootstrap(url, SECRET)
+    prefix = f"tgchaos:{uuid.uuid4().hex[:8]}:"
+    env = {"REDIS_URL": redis_url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
+    gws += [GatewayProcess(url, tmp_path / f"gw{i}", admin_key, **env) for i in range(3)]
+    await asyncio.gather(*(asyncio.to_thread(g.start, 300.0) for g in gws))
+    async with gws[0].admin() as a:
+        account = (await a.post("/admin/accounts", json={"name": "chaos"})).json()
+        keys = [(await a.post("/admin/keys", json={"account_id": account["id"]})).json() for _ in range(KEYS)]
+    limits = httpx.Limits(max_connections=REQUESTS, max_keepalive_connections=REQUESTS)
+    clients = [httpx.AsyncClient(base_url=g.base_url, timeout=300, limits=limits) for g in gws]
+    warm = [outcome(i, False) for i in range(3) for _ in range(KEYS)]  # every key known to every gateway
+    await asyncio.gather(*(one(clients[o.gateway], keys[n % KEYS]["key"], False, o) for n, o in enumerate(warm)))
+    assert all(o.status == 200 for o in warm), [(o.status, o.code) for o in warm]
+    budget = worst_cases * (warm[0].usage["prompt_tokens"] + MAX_TOKENS)  # room for fewer than the 300 at their worst case
+    async with gws[0].admin() as a:
+        r = await a.patch(f"/admin/accounts/{account['id']}", json={"limits": {"monthly_tokens": budget + sum(o.usage["total_tokens"] for o in warm)}})
+        assert r.status_code == 200, r.text
+    return Chaos(url, prefix, account, keys, clients, warm, budget)
+
+
 async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget(tmp_path: Path) -> None:
     pg = PrivatePostgres()
     pg.start()
@@ -150,25 +189,8 @@ async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget
     redis.start()
     gws: list[GatewayProcess] = []
     try:
-        url = pg.create_database("tollgate")
-        admin_key = bootstrap(url, SECRET)
-        prefix = f"tgchaos:{uuid.uuid4().hex[:8]}:"
-        env = {"REDIS_URL": redis.url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
-        gws = [GatewayProcess(url, tmp_path / f"gw{i}", admin_key, **env) for i in range(3)]
-        await asyncio.gather(*(asyncio.to_thread(g.start, 300.0) for g in gws))
-        async with gws[0].admin() as a:
-            account = (await a.post("/admin/accounts", json={"name": "chaos"})).json()
-            keys = [(await a.post("/admin/keys", json={"account_id": account["id"]})).json() for _ in range(KEYS)]
-        limits = httpx.Limits(max_connections=REQUESTS, max_keepalive_connections=REQUESTS)
-        clients = [httpx.AsyncClient(base_url=g.base_url, timeout=300, limits=limits) for g in gws]
-        warm = [Outcome(i, False) for i in range(3) for _ in range(KEYS)]  # every key known to every gateway
-        await asyncio.gather(*(one(clients[o.gateway], keys[n % KEYS]["key"], False, o) for n, o in enumerate(warm)))
-        assert all(o.status == 200 for o in warm), [(o.status, o.code) for o in warm]
-        worst = warm[0].usage["prompt_tokens"] + MAX_TOKENS
-        budget = 120 * worst  # room for fewer than the 300 at their worst case
-        async with gws[0].admin() as a:
-            r = await a.patch(f"/admin/accounts/{account['id']}", json={"limits": {"monthly_tokens": budget + sum(o.usage["total_tokens"] for o in warm)}})
-            assert r.status_code == 200, r.text
+        run = await set_up(pg, redis.url, tmp_path, gws, 120, one, Outcome)
+        url, prefix, account, keys, clients, warm, budget = (run.url, run.prefix, run.account, run.keys, run.clients, run.warm, run.budget)
 
         rng = random.Random(24)
         out = [Outcome(i % 3, rng.random() < 0.5) for i in range(REQUESTS)]

@@ -18,7 +18,6 @@ import asyncio
 import json
 import random
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,16 +25,11 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import MODEL, SECRET, bootstrap
+from tests.conftest import MODEL
 from tests.billing.test_quota_failover import lag_replica
-from tests.gateway.test_chaos import check_the_run, probe_each
+from tests.gateway.test_chaos import KEYS, MAX_TOKENS, PROMPT, REQUESTS, check_the_run, probe_each, set_up
 from tests.processes import GatewayProcess, PrivatePostgres
 from tests.redis_topologies import LocalCluster
-
-REQUESTS = 300
-KEYS = 5
-MAX_TOKENS = 4
-PROMPT = [{"role": "user", "content": "Say yes."}]
 
 
 @dataclass
@@ -89,25 +83,8 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
     cluster = LocalCluster(tmp_path / "redis-cluster").start()
     gws: list[GatewayProcess] = []
     try:
-        url = pg.create_database("tollgate")
-        admin_key = bootstrap(url, SECRET)
-        prefix = f"tgchaos:{uuid.uuid4().hex[:8]}:"
-        env = {"REDIS_URL": cluster.url, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_SCHEDULER_CLASSES": "interactive:600,batch:3600"}
-        gws = [GatewayProcess(url, tmp_path / f"gw{i}", admin_key, **env) for i in range(3)]
-        await asyncio.gather(*(asyncio.to_thread(g.start, 300.0) for g in gws))
-        async with gws[0].admin() as a:
-            account = (await a.post("/admin/accounts", json={"name": "chaos"})).json()
-            keys = [(await a.post("/admin/keys", json={"account_id": account["id"]})).json() for _ in range(KEYS)]
-        limits = httpx.Limits(max_connections=REQUESTS, max_keepalive_connections=REQUESTS)
-        clients = [httpx.AsyncClient(base_url=g.base_url, timeout=300, limits=limits) for g in gws]
-        warm = [Outcome(i, False) for i in range(3) for _ in range(KEYS)]  # every key known to every gateway
-        await asyncio.gather(*(one(clients[o.gateway], keys[n % KEYS]["key"], False, o) for n, o in enumerate(warm)))
-        assert all(o.status == 200 for o in warm), [(o.status, o.code) for o in warm]
-        worst = warm[0].usage["prompt_tokens"] + MAX_TOKENS
-        budget = 150 * worst  # room for fewer than the 300 at their worst case
-        async with gws[0].admin() as a:
-            r = await a.patch(f"/admin/accounts/{account['id']}", json={"limits": {"monthly_tokens": budget + sum(o.usage["total_tokens"] for o in warm)}})
-            assert r.status_code == 200, r.text
+        run = await set_up(pg, cluster.url, tmp_path, gws, 150, one, Outcome)
+        url, prefix, account, keys, clients, warm, budget = (run.url, run.prefix, run.account, run.keys, run.clients, run.warm, run.budget)
 
         # Four waves, so that admissions go on through every fault: the first at the start, the second
         # while a gateway is dead and Postgres down, the third (20) once the account's master is cut off
