@@ -40,11 +40,13 @@ from starlette.requests import Request
 
 from engines.base import FINISH_LENGTH, FINISH_STOP, EngineOutput
 from gateway.config import CacheSettings, parse_hit_price  # noqa: F401  (parse_hit_price: re-exported)
+from gateway.http import header
 from gateway.metering import Admission
 from gateway.serving import Generation
 
 log = logging.getLogger("tollgate.response_cache")
 HEADER = "x-tollgate-cache"
+HEADER_NAME = HEADER.encode()  # as the ASGI scope spells it
 _IGNORED_FIELDS = ("model", "stream", "stream_options", "user")
 _STATE_KEY = "tollgate_cache_key"
 
@@ -132,7 +134,7 @@ class ResponseCache:
 
     # policy --------------------------------------------------------------------------------------
     def applies(self, request: Request, gen: Generation) -> bool:
-        asked = (request.headers.get(HEADER) or "").strip().lower()
+        asked = (header(request, HEADER_NAME) or "").strip().lower()
         if asked in ("off", "false", "0", "bypass", "no"):
             return False
         wanted = asked in ("on", "true", "1", "yes") or gen.model in self.config.models or _model_opted_in(gen.engine)
