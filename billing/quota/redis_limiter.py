@@ -391,12 +391,7 @@ class RedisLimiter(Limiter):
         """Rows a crashed run of this journal had settled (its settlements filed their usage in `unc`)
         and this process now writes: struck off once written, as if this process had settled them."""
         for row in rows:
-            rid, tag = row["request_id"], f"a{row['account_id']}"
-            if rid in self._written_early:  # written already
-                del self._written_early[rid]
-                self._struck.setdefault(tag, []).append(rid)
-            else:
-                self._unc_sent[rid] = tag
+            self._filed(row["request_id"], f"a{row['account_id']}")
 
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
         rid = hold.request_id
