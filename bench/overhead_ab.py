@@ -22,9 +22,15 @@ A variant is a source and optional environment: `wt` (the working tree) or any g
     python bench/overhead_ab.py wt 'wt+TOLLGATE_LEDGER_LINGER_MS=200'     # a setting
     python bench/overhead_ab.py cc00ac0 wt --connections 1 --rounds 5
     python bench/overhead_ab.py a8e8107 HEAD --together --rounds 9
+    python bench/overhead_ab.py a8e8107 'a8e8107+' HEAD --together --json run1.json  # the first twice: A/A
+    python bench/overhead_ab.py --pool run1.json run2.json run3.json      # the rounds of saved runs, pooled
 
 Prints, per cell (mode x connections), each variant's medians over rounds: req/s, p50/p99 and the
-CPU its processes spent per request served, then each variant's CPU and req/s against the first.
+CPU its processes spent per request served, then each variant's CPU and req/s against the first:
+the ratio of the medians, and the median of the per-round ratios with their quartiles. The first
+variant named twice (`REV` and `REV+`, the same code in two gateways) measures the noise floor:
+what the ratios say when nothing differs; each other variant is then also set against the mean of
+those two in each round (a steadier baseline than either alone).
 """
 
 from __future__ import annotations
@@ -108,14 +114,18 @@ def main() -> None:
         drive_one(base, key, stream == "1", int(connections), int(seconds))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("variants", nargs="+", help="wt, a git revision, each optionally +NAME=VALUE;...")
+    parser.add_argument("variants", nargs="*", help="wt, a git revision, each optionally +NAME=VALUE;...")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=4)
     parser.add_argument("--connections", default="1,64", help="comma-separated connection counts")
     parser.add_argument("--modes", default="nonstream,stream")
     parser.add_argument("--together", action="store_true", help="drive all variants at once (CPU read over the same seconds)")
     parser.add_argument("--json", help="also write the per-round figures here")
+    parser.add_argument("--pool", nargs="+", metavar="JSON", help="drive nothing: the report over these saved runs' rounds")
     args = parser.parse_args()
+    if args.pool:
+        pool(args.pool)
+        return
     if len(args.variants) < 2:
         parser.error("give at least two variants to compare")
     conns = [int(c) for c in args.connections.split(",")]
@@ -145,24 +155,70 @@ def main() -> None:
                     result["cpu_us_per_request"] = (tree_cpu_seconds(root) - before) / max(result["requests"], 1) * 1e6
                     runs.setdefault(f"{'stream' if stream else 'nonstream'} c={c}|{spec}", []).append(result)
 
-    width = max(len(v) for v in args.variants)
-    print(f"medians of {args.rounds} rounds x {args.seconds} s, variants {'driven together' if args.together else 'interleaved'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"variants": args.variants, "together": args.together, "runs": runs}, indent=1))
+    report(args.variants, cells, runs, f"{args.rounds} rounds x {args.seconds} s, variants {'driven together' if args.together else 'interleaved'}")
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 4:
+        return min(xs), max(xs)
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
+
+
+def report(variants: list[str], cells: list[tuple[bool, int]], runs: dict[str, list[dict[str, Any]]], what: str) -> None:
+    """Per cell, each variant's medians over rounds, then its CPU against the first variant's: the
+    ratio of the medians, and the median (with quartiles) of the per-round ratios."""
+    width = max(len(v) for v in variants)
+    print(f"medians of {what}")
     for stream, c in cells:
         cell = f"{'stream' if stream else 'nonstream'} c={c}"
         first: dict[str, float] = {}
-        base_rounds = runs[f"{cell}|{args.variants[0]}"]
-        for spec in args.variants:
+        base_rounds = runs[f"{cell}|{variants[0]}"]
+        for spec in variants:
             rs = runs[f"{cell}|{spec}"]
             med = {k: statistics.median(x[k] for x in rs) for k in ("rps", "p50_ms", "p99_ms", "cpu_us_per_request")}
             first = first or med
-            paired = statistics.median(x["cpu_us_per_request"] / b["cpu_us_per_request"] for x, b in zip(rs, base_rounds))
+            per_round = [x["cpu_us_per_request"] / b["cpu_us_per_request"] for x, b in zip(rs, base_rounds)]
+            lo, hi = quartiles(per_round)
             print(
                 f"{cell:14s} {spec:{width}s}  req/s {med['rps']:7.0f}  p50 {med['p50_ms']:6.2f} ms  p99 {med['p99_ms']:6.2f} ms"
                 f"  cpu {med['cpu_us_per_request']:6.0f} us/req  (cpu x {med['cpu_us_per_request'] / first['cpu_us_per_request']:.3f},"
-                f" paired x {paired:.3f}, req/s x {med['rps'] / first['rps']:.2f})"
+                f" paired x {statistics.median(per_round):.3f} [{lo:.3f}-{hi:.3f}], req/s x {med['rps'] / first['rps']:.2f})"
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"variants": args.variants, "together": args.together, "runs": runs}, indent=1))
+        controls = [v for v in variants if parse_variant(v) == parse_variant(variants[0])]
+        if len(controls) > 1:  # the first variant named more than once: each other one against their mean, round by round
+            for spec in variants:
+                if spec in controls:
+                    continue
+                rs = runs[f"{cell}|{spec}"]
+                per_round = [x["cpu_us_per_request"] / statistics.fmean(runs[f"{cell}|{c}"][i]["cpu_us_per_request"] for c in controls)
+                             for i, x in enumerate(rs)]
+                lo, hi = quartiles(per_round)
+                print(f"{cell:14s} {spec:{width}s}  against the mean of {', '.join(controls)} in each round:"
+                      f" cpu paired x {statistics.median(per_round):.3f} [{lo:.3f}-{hi:.3f}]")
+
+
+def pool(paths: list[str]) -> None:
+    """The report over the rounds of several saved runs (--json) of the same variants, pooled."""
+    saved = [json.loads(Path(p).read_text()) for p in paths]
+    variants = saved[0]["variants"]
+    if any(s["variants"] != variants for s in saved):
+        raise SystemExit("--pool: the runs compare different variants")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for s in saved:
+        for name, rs in s["runs"].items():
+            runs.setdefault(name, []).extend(rs)
+    cells = []
+    for name in runs:
+        cell = name.split("|", 1)[0]
+        mode, _, c = cell.partition(" c=")
+        if (mode == "stream", int(c)) not in cells:
+            cells.append((mode == "stream", int(c)))
+    rounds = len(runs[next(iter(runs))])
+    modes = {"driven together" if s.get("together") else "interleaved" for s in saved}
+    report(variants, cells, runs, f"{rounds} rounds pooled from {len(paths)} runs, variants {' and '.join(sorted(modes))}")
 
 
 if __name__ == "__main__":
