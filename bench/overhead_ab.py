@@ -24,6 +24,7 @@ A variant is a source and optional environment: `wt` (the working tree) or any g
     python bench/overhead_ab.py a8e8107 HEAD --together --rounds 9
     python bench/overhead_ab.py a8e8107 'a8e8107+' HEAD --together --json run1.json  # the first twice: A/A
     python bench/overhead_ab.py --pool run1.json run2.json run3.json      # the rounds of saved runs, pooled
+                                    # (the same variants, in any order after the same first one)
 
 Prints, per cell (mode x connections), each variant's medians over rounds: req/s, p50/p99 and the
 CPU its processes spent per request served, then each variant's CPU and req/s against the first:
@@ -203,9 +204,9 @@ def report(variants: list[str], cells: list[tuple[bool, int]], runs: dict[str, l
 def pool(paths: list[str]) -> None:
     """The report over the rounds of several saved runs (--json) of the same variants, pooled."""
     saved = [json.loads(Path(p).read_text()) for p in paths]
-    variants = saved[0]["variants"]
-    if any(s["variants"] != variants for s in saved):
-        raise SystemExit("--pool: the runs compare different variants")
+    variants = saved[0]["variants"]  # runs that named them in another order pool too (the first stays the baseline)
+    if any(sorted(s["variants"]) != sorted(variants) or s["variants"][0] != variants[0] for s in saved):
+        raise SystemExit("--pool: the runs compare different variants, or against a different first one")
     runs: dict[str, list[dict[str, Any]]] = {}
     for s in saved:
         for name, rs in s["runs"].items():

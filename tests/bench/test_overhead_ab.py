@@ -62,10 +62,22 @@ def test_no_controls_mean_without_a_repeated_first_variant(capsys: Any) -> None:
     assert "paired x 1.030" in out and "against the mean" not in out
 
 
+def test_pool_takes_the_same_variants_in_another_order(tmp_path: Path) -> None:
+    a = _saved(tmp_path / "a.json", [100], [100], [110])
+    b = _saved(tmp_path / "b.json", [100], [100], [130])
+    reordered = json.loads(b.read_text())
+    reordered["variants"] = ["old", "new", "old+"]  # the new one in the middle: same gateways, another place
+    b.write_text(json.dumps(reordered))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead_ab.py"), "--pool", str(a), str(b)],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "paired x 1.200 [1.100-1.300]" in _line(out, "nonstream c=1", "new")
+
+
 def test_pool_refuses_runs_of_other_variants(tmp_path: Path) -> None:
     a = _saved(tmp_path / "a.json", [100], [100], [100])
-    b = tmp_path / "b.json"
-    b.write_text(json.dumps({"variants": ["x", "y"], "runs": {}}))
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead_ab.py"), "--pool", str(a), str(b)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode != 0 and "different variants" in done.stderr
+    for variants in (["x", "y"], ["new", "old", "old+"]):  # other gateways; the same ones against another first
+        b = tmp_path / "b.json"
+        b.write_text(json.dumps({"variants": variants, "runs": {}}))
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead_ab.py"), "--pool", str(a), str(b)],
+                              capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode != 0 and "different variants" in done.stderr
