@@ -36,7 +36,7 @@ STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspen
 
 def _reader(request: Request) -> Any:
     """Where the dashboards read: the replica when DATABASE_READ_URL names one, else the writer."""
-    return getattr(request.app.state, "read_db", None) or request.app.state.billing.db
+    return request.app.state.read_db or request.app.state.billing.db
 
 
 def _date(iso: str | None) -> str:
