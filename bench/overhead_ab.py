@@ -161,17 +161,17 @@ def main() -> None:
     report(args.variants, cells, runs, f"{args.rounds} rounds x {args.seconds} s, variants {'driven together' if args.together else 'interleaved'}")
 
 
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 4:
-        return min(xs), max(xs)
-    q = statistics.quantiles(xs, n=4)
-    return q[0], q[2]
+def paired(ratios: list[float]) -> str:
+    """Per-round ratios as their median and quartiles (min and max below four rounds)."""
+    lo, hi = (min(ratios), max(ratios)) if len(ratios) < 4 else statistics.quantiles(ratios, n=4)[::2]
+    return f"paired x {statistics.median(ratios):.3f} [{lo:.3f}-{hi:.3f}]"
 
 
 def report(variants: list[str], cells: list[tuple[bool, int]], runs: dict[str, list[dict[str, Any]]], what: str) -> None:
     """Per cell, each variant's medians over rounds, then its CPU against the first variant's: the
     ratio of the medians, and the median (with quartiles) of the per-round ratios."""
     width = max(len(v) for v in variants)
+    controls = [v for v in variants if parse_variant(v) == parse_variant(variants[0])]  # the same code as the first
     print(f"medians of {what}")
     for stream, c in cells:
         cell = f"{'stream' if stream else 'nonstream'} c={c}"
@@ -182,23 +182,19 @@ def report(variants: list[str], cells: list[tuple[bool, int]], runs: dict[str, l
             med = {k: statistics.median(x[k] for x in rs) for k in ("rps", "p50_ms", "p99_ms", "cpu_us_per_request")}
             first = first or med
             per_round = [x["cpu_us_per_request"] / b["cpu_us_per_request"] for x, b in zip(rs, base_rounds)]
-            lo, hi = quartiles(per_round)
             print(
                 f"{cell:14s} {spec:{width}s}  req/s {med['rps']:7.0f}  p50 {med['p50_ms']:6.2f} ms  p99 {med['p99_ms']:6.2f} ms"
                 f"  cpu {med['cpu_us_per_request']:6.0f} us/req  (cpu x {med['cpu_us_per_request'] / first['cpu_us_per_request']:.3f},"
-                f" paired x {statistics.median(per_round):.3f} [{lo:.3f}-{hi:.3f}], req/s x {med['rps'] / first['rps']:.2f})"
+                f" {paired(per_round)}, req/s x {med['rps'] / first['rps']:.2f})"
             )
-        controls = [v for v in variants if parse_variant(v) == parse_variant(variants[0])]
-        if len(controls) > 1:  # the first variant named more than once: each other one against their mean, round by round
-            for spec in variants:
-                if spec in controls:
-                    continue
-                rs = runs[f"{cell}|{spec}"]
-                per_round = [x["cpu_us_per_request"] / statistics.fmean(runs[f"{cell}|{c}"][i]["cpu_us_per_request"] for c in controls)
-                             for i, x in enumerate(rs)]
-                lo, hi = quartiles(per_round)
-                print(f"{cell:14s} {spec:{width}s}  against the mean of {', '.join(controls)} in each round:"
-                      f" cpu paired x {statistics.median(per_round):.3f} [{lo:.3f}-{hi:.3f}]")
+        if len(controls) < 2:
+            continue
+        # the first variant named more than once: each other one against their mean, round by round
+        means = [statistics.fmean(r["cpu_us_per_request"] for r in rounds) for rounds in zip(*(runs[f"{cell}|{c}"] for c in controls))]
+        for spec in variants:
+            if spec not in controls:
+                per_round = [x["cpu_us_per_request"] / m for x, m in zip(runs[f"{cell}|{spec}"], means)]
+                print(f"{cell:14s} {spec:{width}s}  against the mean of {', '.join(controls)} in each round: cpu {paired(per_round)}")
 
 
 def pool(paths: list[str]) -> None:

@@ -34,11 +34,6 @@ from gateway.http import id_value
 STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
 
 
-def _reader(request: Request) -> Any:
-    """Where the dashboards read: the replica when DATABASE_READ_URL names one, else the writer."""
-    return request.app.state.read_db or request.app.state.billing.db
-
-
 def _date(iso: str | None) -> str:
     return iso[:10] if iso else "-"
 
@@ -66,7 +61,7 @@ async def invoices_table(request: Request, account_id: int | None, *, admin: boo
     billing = request.app.state.billing
     if billing is None:
         return None
-    return invoice_rows(await list_invoices(_reader(request), account_id=account_id, admin=admin, limit=limit), admin=admin)
+    return invoice_rows(await list_invoices(request.app.state.read_db, account_id=account_id, admin=admin, limit=limit), admin=admin)
 
 
 async def statements_table(request: Request, account_id: int, limit: int = 24) -> list[dict[str, Any]]:
@@ -81,7 +76,7 @@ async def statements_table(request: Request, account_id: int, limit: int = 24) -
 async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
     """The admin account page's billing: state (since when, why), invoices, price overrides, details."""
     billing = request.app.state.billing
-    standing = await account_standing(_reader(request), account_id, grace_seconds=billing.config.grace_seconds)
+    standing = await account_standing(request.app.state.read_db, account_id, grace_seconds=billing.config.grace_seconds)
     reasons = [f"invoice {u['number']} (${u['total']}) unpaid" + (", payment failed" if u["payment_failed"] else "")
                for u in standing["unpaid_invoices"]]
     return {
@@ -93,7 +88,7 @@ async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
         "invoices": await invoices_table(request, account_id, admin=True),
         "statements": await statements_table(request, account_id),
         "overrides": [o.view() for o in await billing.book.overrides(account_id)],
-        "details": await get_details(_reader(request), account_id) or {},
+        "details": await get_details(request.app.state.read_db, account_id) or {},
         "countries": sorted(COUNTRIES),
     }
 
@@ -121,7 +116,7 @@ async def _document(request: Request, kind: str) -> Response:
     if fmt not in ("html", "pdf") or doc_id is None:
         return _not_found(request, session, kind.replace("_", " "))
     own = None if session.principal.is_admin else session.principal.account_id
-    db = _reader(request)
+    db = request.app.state.read_db
     if kind == "invoice":
         doc = await get_invoice(db, doc_id, account_id=own, admin=False)
         renderers = (render_html, render_pdf)
