@@ -27,6 +27,7 @@ from billing.keys import KeyStore
 from engines.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir
+from tests.engine_ids import EngineIds
 
 PG_HOST = os.environ.get("TOLLGATE_TEST_PGHOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("TOLLGATE_TEST_PGPORT", "5432"))
@@ -188,6 +189,7 @@ def engine() -> Iterator[HFEngine]:
     # The converted checkpoint where `tollgate serve` keeps it ($XDG_CACHE_HOME/tollgate): converted once.
     eng = HFEngine(model_id=MODEL, max_batch_size=32, max_queue=64, cache_dir=default_cache_dir(os.environ))
     asyncio.run(eng.start())
+    EngineIds.on(eng)  # what the engine itself produces per request, for tests to bill against
     yield eng
     asyncio.run(eng.stop())
 
@@ -253,6 +255,18 @@ class Gateway:
 
     async def flush_ledger(self, timeout: float = 30.0) -> None:
         await flush_ledger(self.app, timeout)
+
+    @property
+    def produced(self) -> EngineIds:
+        """What the engine itself produced per request id (tests/engine_ids.py), not what the gateway metered."""
+        return EngineIds.on(self.engine)
+
+    async def only_row(self, request_id: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The request's ledger row, asserted to be its only one once the writer has flushed."""
+        row = await self.ledger_row(request_id, timeout)
+        await self.flush_ledger()
+        assert await self.ledger_count(request_id=request_id) == 1, f"more than one ledger row for {request_id}"
+        return row
 
     async def ledger_count(self, **where: Any) -> int:
         db = create_engine(self.db_url)

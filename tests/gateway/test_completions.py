@@ -27,13 +27,14 @@ async def test_chat_non_streaming_answers_and_meters(gateway: Gateway, customer:
     assert 0 < resp.usage.completion_tokens <= 30
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
 
-    row = await gateway.ledger_row(request_id_of(resp.id))
+    row = await gateway.only_row(request_id_of(resp.id))
     assert row["status"] == "completed"
     assert row["finish_reason"] == "stop"
     assert row["account_id"] == customer["account_id"]
     assert row["key_id"] == customer["id"]
     assert row["model"] == MODEL
     assert (row["prompt_tokens"], row["completion_tokens"]) == (resp.usage.prompt_tokens, resp.usage.completion_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(resp.id))  # the engine's own ids
     assert row["ttft_ms"] is not None and row["total_ms"] >= row["ttft_ms"] > 0
     assert row["queue_ms"] is not None and row["queue_ms"] >= 0
 
@@ -66,10 +67,12 @@ async def test_chat_streaming_usage_chunk_equals_ledger_row(gateway: Gateway, cu
     assert finish == "stop"
     assert "Paris" in "".join(pieces)
     assert usage is not None
-    row = await gateway.ledger_row(request_id_of(ids.pop()))
+    request_id = request_id_of(ids.pop())
+    row = await gateway.only_row(request_id)
     assert row["status"] == "completed"
     assert row["prompt_tokens"] == usage.prompt_tokens
     assert row["completion_tokens"] == usage.completion_tokens
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
@@ -105,8 +108,9 @@ async def test_text_completion_non_streaming_and_streaming(gateway: Gateway, cus
     assert resp.object == "text_completion"
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 12
-    row = await gateway.ledger_row(request_id_of(resp.id))
+    row = await gateway.only_row(request_id_of(resp.id))
     assert (row["prompt_tokens"], row["completion_tokens"], row["finish_reason"]) == (resp.usage.prompt_tokens, 12, "length")
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(resp.id))
 
     stream = await client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
@@ -115,6 +119,8 @@ async def test_text_completion_non_streaming_and_streaming(gateway: Gateway, cus
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == resp.choices[0].text
     assert chunks[-1].usage.completion_tokens == 12
+    row = await gateway.only_row(request_id_of(chunks[0].id))
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(chunks[0].id)) == (resp.usage.prompt_tokens, 12)
 
 
 async def test_completion_accepts_token_id_prompt(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
@@ -146,8 +152,34 @@ async def test_stop_sequence_cuts_output(gateway: Gateway, customer: dict[str, A
     stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stop=" is", stream=True)
     streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert streamed == cut.choices[0].message.content
-    row = await gateway.ledger_row(request_id_of(cut.id))
+    row = await gateway.only_row(request_id_of(cut.id))
     assert row["status"] == "completed" and row["completion_tokens"] == cut.usage.completion_tokens
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(cut.id))
+
+
+# Cases whose text re-tokenizes to another count than the ids the engine generated: the stop string's
+# own token is generated (and billed) but not sent; a character cut by max_tokens leaves a partial one.
+TEXT_AND_IDS_DIFFER = {
+    "stop string": dict(api="chat", messages=QUESTION, stop=[" is"], max_tokens=30),
+    "multi-byte characters": dict(api="text", prompt="Emoji: 🎉🎉🎉🎉", max_tokens=5),
+}
+
+
+@pytest.mark.parametrize("case", TEXT_AND_IDS_DIFFER)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_billed_tokens_are_the_engines_ids_not_its_text(gateway: Gateway, customer: dict[str, Any], client_for: Any, case: str, stream: bool) -> None:
+    client = client_for(customer["key"])
+    fields = dict(TEXT_AND_IDS_DIFFER[case])
+    create = client.chat.completions.create if fields.pop("api") == "chat" else client.completions.create
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    answer = await create(model=MODEL, temperature=0, **fields, **extra)
+    chunks = [c async for c in answer] if stream else [answer]
+    request_id, usage = request_id_of(chunks[0].id), chunks[-1].usage
+    produced = await gateway.produced.finished(request_id)
+    # The case must separate the two counts, or it proves nothing.
+    assert len(gateway.engine.encode_text(produced.text)) != len(produced.ids), (produced.text, produced.ids)
+    row = await gateway.only_row(request_id)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens) == (produced.prompt, len(produced.ids))
 
 
 async def test_sampling_parameters_are_accepted(customer: dict[str, Any], client_for: Any) -> None:
