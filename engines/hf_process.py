@@ -62,6 +62,8 @@ class _Live:
 class HFProcessEngine(HFEngine):
     """`HFEngine` whose model runs in a child process (TOLLGATE_ENGINE_PROCESS; on by default on CUDA)."""
 
+    child_module = "engines.hf_process"  # what the child runs: `python -m <it> FD`, speaking this module's messages
+
     def __init__(self, *, model_id: str, gather_ms: float = GATHER_MS, **params: Any) -> None:
         super().__init__(model_id=model_id, **params)
         self._params = params
@@ -86,7 +88,7 @@ class HFProcessEngine(HFEngine):
         # and unlike multiprocessing's spawn it does not re-run the parent's main module.
         ours, theirs = socket.socketpair()
         try:
-            process = subprocess.Popen([sys.executable, "-m", "engines.hf_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+            process = subprocess.Popen([sys.executable, "-m", self.child_module, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
         conn = Connection(ours.detach())

@@ -26,7 +26,7 @@ import yaml
 from engines.base import Engine
 from engines.fallback import FallbackEngine, SharedLifecycle
 
-BACKENDS = ("hf", "trtllm", "openai", "router")
+BACKENDS = ("hf", "trtllm", "openai", "router", "synthetic")
 Check = Callable[[Any], str | None]  # returns a problem, or None
 
 
@@ -156,6 +156,12 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "max_queue": Field(_int(0)),
         "llm_options": Field(_mapping),
         "tool_parser": Field(_one_of("hermes", "llama3_json")),
+    },
+    "synthetic": {  # benchmarks only: token ids at a set rate, no model (engines/synthetic.py)
+        "step_ms": Field(_number(0.0, above=True)),
+        "tokens_per_step": Field(_int(1)),
+        "max_batch_size": Field(_int(1)),
+        "max_queue": Field(_int(0)),
     },
     "router": {
         "routes": Field(_routes, required=True),
@@ -456,6 +462,10 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None, cache_dir: Path | N
             params.pop("gather_ms", None)  # only the engine process gathers a burst
             return HFEngine(model_id=spec.id, **params)
         return HFProcessEngine(model_id=spec.id, **params)
+    if spec.backend == "synthetic":
+        from engines.synthetic import SyntheticEngine
+
+        return SyntheticEngine(model_id=spec.id, cache_dir=cache_dir, **({"context_length": spec.context_length} if spec.context_length else {}), **params)
     if spec.backend == "trtllm":
         from engines.trtllm import TRTLLMEngine
 

@@ -1,0 +1,261 @@
+"""The gateway's relay capacity: streamed, metered tokens/s per gateway process, and its CPU per 1,000 tokens.
+
+Each variant is a `tollgate serve` as bench/overhead.py sets one up (API key auth, Redis quotas with
+limits, a priced model, Postgres ledger with its journal) in front of the `synthetic` engine
+(engines/synthetic.py): an engine process with no model that gives every running stream one token
+id per step at a set rate, through the `hf` engine process's pipe. So what is measured is the
+gateway's own work per token (detokenizing, stop strings, metering, SSE), far past what the CPU
+model could generate. Each cell (64 or 256 streams) has its own model (`synth-64`, `synth-256`)
+whose step is set so that the engine offers `--offered` tokens/s in all, one token per stream per
+step: more than the gateway relays, so the tokens/s it reaches are its capacity.
+
+The load generator (a process of its own) keeps `streams` streamed chat completions running
+(max_tokens each, with stream_options.include_usage) for the seconds of the round (a stream started
+before the end runs to its end), reads the bytes without parsing each event, and adds up the tokens
+of each stream's usage chunk (what the ledger meters); tokens/s is that over the time from the first
+request to the last stream's end, and the gateway's CPU over the same time is read from /proc
+(psutil) for its processes (every worker, not the engine process). Variants run one at a time, cell by cell, the order
+reversed every other round, as bench/overhead_ab.py runs them; a variant is `wt` or a git
+revision, then `+NAME=VALUE;...` for settings (`wt+TOLLGATE_WORKERS=2`: two workers over one
+engine process). The first variant named twice (`wt wt+`) is an A/A control: how far apart two
+identical gateways come out on this machine.
+
+    python bench/relay.py wt wt+ --rounds 5                         # A/A: the noise floor
+    python bench/relay.py HEAD~1 wt --rounds 5                      # before/after a change
+    python bench/relay.py wt 'wt+TOLLGATE_WORKERS=2' --rounds 5     # 1 vs 2 workers
+
+Prints per cell each variant's medians over rounds (tokens/s, per gateway process, ms CPU per
+1,000 tokens, tokens per SSE event, streams finished) and, against the first variant, the ratio of
+the medians and the median of the per-round ratios with their min-max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import REDIS, delete_redis_keys, fresh_database, gateway, make_key  # noqa: E402
+from bench.overhead import LIMITS, listening_pid, snapshot  # noqa: E402
+from bench.overhead_ab import parse_variant  # noqa: E402
+
+MAX_TOKENS = 256
+ENGINE_MARK = "engines.synthetic"
+
+
+def models_yaml(cells: list[int], offered: float) -> str:
+    out = "models:\n"
+    for streams in cells:
+        out += (f"  - id: synth-{streams}\n    backend: synthetic\n    step_ms: {streams / offered * 1000.0:.4f}\n"
+                f"    tokens_per_step: 1\n    max_batch_size: {streams}\n    max_queue: {streams}\n")
+    return out
+
+
+def body(streams: int) -> bytes:
+    return json.dumps({"model": f"synth-{streams}", "messages": [{"role": "user", "content": "Tell me about gateways."}],
+                       "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+
+# ---------------------------------------------------------------- the load generator (its own process)
+async def _stream_loop(host: str, port: int, request: bytes, deadline: float, totals: dict[str, float]) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while time.perf_counter() < deadline:
+            writer.write(request)
+            block = await reader.read(65536)
+            if not block.startswith(b"HTTP/1.1 200"):
+                totals["errors"] += 1  # an error answer (not chunked): a new connection for the next one
+                writer.close()
+                await asyncio.sleep(0.05)
+                reader, writer = await asyncio.open_connection(host, port)
+                continue
+            tail = block[-2048:]
+            events = block.count(b"data: ")
+            while not tail.endswith(b"\r\n0\r\n\r\n"):
+                block = await reader.read(65536)
+                if not block:
+                    raise ConnectionError("the gateway closed the connection")
+                events += block.count(b"data: ")
+                tail = (tail + block)[-2048:]
+            at = tail.rfind(b'"completion_tokens":')
+            if at < 0:
+                totals["errors"] += 1
+                continue
+            end = at + 20
+            while tail[end:end + 1].isdigit():
+                end += 1
+            totals["tokens"] += int(tail[at + 20:end])
+            totals["events"] += events
+            totals["streams"] += 1
+    finally:
+        writer.close()
+
+
+def drive_one(base: str, key: str, streams: int, seconds: float) -> None:
+    url = urlparse(base)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    payload = body(streams)
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+               f"authorization: Bearer {key}\r\ncontent-length: {len(payload)}\r\n\r\n").encode() + payload
+    print("ready", flush=True)
+    sys.stdin.readline()
+    totals = {"tokens": 0.0, "events": 0.0, "streams": 0.0, "errors": 0.0}
+
+    async def run() -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*[_stream_loop(host, port, request, started + seconds, totals) for _ in range(streams)])
+        return started
+
+    started = asyncio.run(run())
+    totals["wall_s"] = time.perf_counter() - started
+    print(json.dumps(totals), flush=True)
+
+
+# ---------------------------------------------------------------- the gateway processes and their CPU
+def gateway_processes(port: int) -> list[psutil.Process]:
+    """The `tollgate serve` process tree listening on `port`, without the engine process."""
+    proc = psutil.Process(listening_pid(port))
+    while (parent := proc.parent()) is not None and any("tollgate" in a for a in parent.cmdline()):
+        proc = parent
+    return [p for p in [proc, *proc.children(recursive=True)] if not any(ENGINE_MARK in a for a in p.cmdline())]
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def drive(base: str, key: str, procs: list[psutil.Process], streams: int, seconds: float) -> dict[str, float]:
+    child = subprocess.Popen([sys.executable, __file__, "--drive-one", base, key, str(streams), str(seconds)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdin is not None
+    if child.stdout.readline().strip() != "ready":
+        raise SystemExit("the load generator did not start")
+    before = cpu_seconds(procs)
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    out, _ = child.communicate(timeout=seconds + 120)
+    cpu = cpu_seconds(procs) - before  # every stream started before the deadline runs to its end, and counts
+    if child.returncode != 0:
+        raise SystemExit(f"the load generator exited {child.returncode}")
+    r = json.loads(out.strip().splitlines()[-1])
+    r["tok_s"] = r["tokens"] / r["wall_s"]
+    r["cpu_ms_per_1k"] = cpu * 1e6 / max(r["tokens"], 1.0)
+    r["tokens_per_event"] = r["tokens"] / max(r["events"], 1.0)
+    return r
+
+
+def wait_quiet(procs: list[psutil.Process], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = cpu_seconds(procs)
+        time.sleep(0.5)
+        if cpu_seconds(procs) - before < 0.03:
+            return
+
+
+def setup(stack: ExitStack, spec: str, models: Path) -> tuple[str, str, int]:
+    source, env = parse_variant(spec)
+    db = stack.enter_context(fresh_database())
+    prefix = f"tgbench:r:{uuid.uuid4().hex[:6]}:"
+    stack.callback(delete_redis_keys, prefix)
+    tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_MODELS": str(models), **env}
+    if source != "wt":
+        tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(source)))
+    base, admin = stack.enter_context(gateway(db, None, extra_env=tg_env))
+    key = make_key(base, admin, limits=LIMITS)
+    for model in models.read_text().split("id: ")[1:]:
+        httpx.post(f"{base}/admin/prices", headers={"Authorization": f"Bearer {admin}"},
+                   json={"model": model.split()[0], "input_per_million": "0.150", "output_per_million": "0.600"}).raise_for_status()
+    return base, key, int(env.get("TOLLGATE_WORKERS", "1"))
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
+def report(runs: dict[str, list[dict[str, float]]], variants: list[str], workers: dict[str, int], cells: list[int]) -> None:
+    first = variants[0]
+    for streams in cells:
+        print(f"\n== {streams} streams ==")
+        print(f"{'variant':34} {'tok/s':>9} {'per proc':>9} {'ms CPU/1k':>10} {'tok/event':>9} {'streams':>8} {'errors':>6}")
+        for v in variants:
+            rs = runs[f"{streams}|{v}"]
+            med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+            print(f"{v:34} {med('tok_s'):9.0f} {med('tok_s') / workers[v]:9.0f} {med('cpu_ms_per_1k'):10.2f} "
+                  f"{med('tokens_per_event'):9.2f} {med('streams'):8.0f} {med('errors'):6.0f}")
+        base = runs[f"{streams}|{first}"]
+        for v in variants[1:]:
+            rs = runs[f"{streams}|{v}"]
+            tok = [r["tok_s"] / b["tok_s"] for r, b in zip(rs, base)]
+            cpu = [r["cpu_ms_per_1k"] / b["cpu_ms_per_1k"] for r, b in zip(rs, base)]
+            tok_m = statistics.median(r["tok_s"] for r in rs) / statistics.median(b["tok_s"] for b in base)
+            cpu_m = statistics.median(r["cpu_ms_per_1k"] for r in rs) / statistics.median(b["cpu_ms_per_1k"] for b in base)
+            print(f"  {v} / {first}: tok/s x{tok_m:.3f} (paired {spread(tok)}), CPU per 1k tokens x{cpu_m:.3f} (paired {spread(cpu)})")
+
+
+def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--drive-one":
+        drive_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="+", help="wt, a git revision, each optionally +NAME=VALUE;...")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--streams", default="64,256", help="comma-separated stream counts (one cell each)")
+    parser.add_argument("--offered", type=float, default=100_000.0, help="tokens/s the engine offers in all, in each cell")
+    parser.add_argument("--json", help="also write the per-round figures here")
+    args = parser.parse_args()
+    cells = [int(c) for c in args.streams.split(",")]
+    runs: dict[str, list[dict[str, float]]] = {}
+    with ExitStack() as stack:
+        models = Path(stack.enter_context(__import__("tempfile").TemporaryDirectory(prefix="relay-bench-"))) / "models.yaml"
+        models.write_text(models_yaml(cells, args.offered))
+        targets: dict[str, tuple[str, str, list[psutil.Process]]] = {}
+        workers: dict[str, int] = {}
+        for spec in args.variants:
+            base, key, workers[spec] = setup(stack, spec, models)
+            targets[spec] = (base, key, gateway_processes(urlparse(base).port or 80))
+        for spec, (base, key, procs) in targets.items():
+            wait_quiet(procs)
+            for streams in cells:
+                drive(base, key, procs, streams, 1.0)  # warm-up
+        for r in range(args.rounds):
+            for streams in cells:
+                order = list(targets) if r % 2 == 0 else list(reversed(targets))
+                for spec in order:
+                    base, key, procs = targets[spec]
+                    wait_quiet(procs)
+                    result = drive(base, key, procs, streams, args.seconds)
+                    runs.setdefault(f"{streams}|{spec}", []).append(result)
+                    print(f"round {r + 1} {streams} streams {spec}: {result['tok_s']:.0f} tok/s, {result['cpu_ms_per_1k']:.2f} ms CPU/1k, "
+                          f"{result['tokens_per_event']:.2f} tok/event, errors {result['errors']:.0f}", flush=True)
+    print(f"\nrelay bench: offered {args.offered:.0f} tok/s per cell (one token per stream per step), max_tokens {MAX_TOKENS}, "
+          f"{args.seconds:g} s x {args.rounds} rounds; medians over rounds")
+    report(runs, args.variants, workers, cells)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"variants": args.variants, "cells": cells, "offered": args.offered, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
