@@ -53,8 +53,8 @@ PERIODS = BillingPeriod.__table__
 INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
 BILLABLE_STATUSES = ("completed", "cancelled")
-DIRECTIONS = ("input", "cached", "output")  # cached: prompt tokens at the price's cached-input price
-DIRECTION_NAMES = {"input": "input", "cached": "cached input", "output": "output"}
+DIRECTIONS = ("input", "cached", "output", "batch_input", "batch_output")  # cached: prompt tokens at the price's cached-input price
+DIRECTION_NAMES = {"input": "input", "cached": "cached input", "output": "output", "batch_input": "batch input", "batch_output": "batch output"}
 CLOSE_LOCK_KEY = 0x746F6C6C67617465  # "tollgate": one monthly close at a time across instances
 MILLION = Decimal(1_000_000)
 
@@ -117,6 +117,8 @@ async def priced_usage(
             LEDGER.c.completion_tokens.label("completion"),
             sa.case((LEDGER.c.cached_tokens > LEDGER.c.prompt_tokens, LEDGER.c.prompt_tokens),
                     else_=sa.func.coalesce(LEDGER.c.cached_tokens, 0)).label("cached"),
+            # Lines of a batch are priced at the batch price and get lines of their own.
+            sa.case((LEDGER.c.api == "batch", 1), else_=0).label("batch"),
         )
         .where(
             LEDGER.c.account_id == account_id,
@@ -131,15 +133,20 @@ async def priced_usage(
     )
     query = sa.select(
         rows.c.model, rows.c.seg, sa.func.sum(rows.c.prompt).label("prompt"), sa.func.sum(rows.c.completion).label("completion"),
-        sa.func.sum(rows.c.cached).label("cached"),
-    ).group_by(rows.c.model, rows.c.seg)
+        sa.func.sum(rows.c.cached).label("cached"), rows.c.batch,
+    ).group_by(rows.c.model, rows.c.seg, rows.c.batch)
     out: dict[PriceKey, PricedTokens] = {}
     for row in (await conn.execute(query)).all():
         at = bounds[int(row.seg)]
         price = book.price_for(account_id, row.model, at)
+        if row.batch and price is not None:
+            price = price.for_batch()
         # Cached prompt tokens get their own line where the price has a cached-input price.
         cached = int(row.cached or 0) if price is not None and price.cached_input_per_million is not None else 0
-        for direction, tokens in (("input", int(row.prompt or 0) - cached), ("cached", cached), ("output", int(row.completion or 0))):
+        directions = (("input", int(row.prompt or 0) - cached), ("cached", cached), ("output", int(row.completion or 0)))
+        if row.batch:
+            directions = (("batch_input", int(row.prompt or 0)), ("batch_output", int(row.completion or 0)))
+        for direction, tokens in directions:
             if tokens == 0:
                 continue
             key = _key(str(Period.containing(at)), row.model, direction, price)
@@ -151,7 +158,8 @@ async def priced_usage(
 def _key(period: str, model: str, direction: str, price: EffectivePrice | None) -> PriceKey:
     if price is None:
         return PriceKey(period, model, direction, None, None, None)
-    unit = {"input": price.input_per_million, "cached": price.cached_input_per_million, "output": price.output_per_million}[direction]
+    unit = {"input": price.input_per_million, "cached": price.cached_input_per_million, "output": price.output_per_million,
+            "batch_input": price.input_per_million, "batch_output": price.output_per_million}[direction]
     return PriceKey(period, model, direction, price.price_version_id, price.override_id, unit)
 
 

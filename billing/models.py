@@ -70,6 +70,9 @@ class Price(SQLModel, table=True):
     output_per_million: Decimal = Field(sa_column=sa.Column(sa.Numeric(18, 3), nullable=False))
     # Prompt tokens served from the engine's prefix cache (ledger cached_tokens); NULL: billed as input.
     cached_input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
+    # What a line of a batch pays (api = batch); NULL: the normal price.
+    batch_input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
+    batch_output_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
     currency: str = Field(default="USD", sa_column=sa.Column(sa.String(3), nullable=False, default="USD"))
     effective_from: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
     created_at: datetime = Field(
@@ -113,6 +116,8 @@ class LedgerEntry(SQLModel, table=True):
     api: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
     ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
+    # The batch the request was a line of (api = batch; billing/batch_models.py); NULL otherwise.
+    batch_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )
@@ -130,3 +135,4 @@ from billing import invoice_models  # noqa: E402,F401  (registers the invoice an
 from billing import response_models  # noqa: E402,F401  (registers stored_responses, the Responses API's store)
 from billing import credit_models  # noqa: E402,F401  (registers credit_entries, the prepaid credit ledger)
 from billing import alert_models  # noqa: E402,F401  (registers the spend alert tables)
+from billing import batch_models  # noqa: E402,F401  (registers the Batch API's files, batches and lines)

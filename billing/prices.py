@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import decimal
 import functools
 import logging
@@ -84,6 +85,8 @@ class PriceVersion:
     currency: str
     effective_from: datetime
     cached_input_per_million: Decimal | None = None
+    batch_input_per_million: Decimal | None = None  # a batch line's price; None: the normal one
+    batch_output_per_million: Decimal | None = None
 
     def cost_nanos(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> int:
         per_in = int(self.input_per_million * NANOS_PER_MILLION_UNIT)
@@ -100,6 +103,8 @@ class PriceVersion:
             "input_per_million": str(self.input_per_million),
             "output_per_million": str(self.output_per_million),
             "cached_input_per_million": _str(self.cached_input_per_million),
+            "batch_input_per_million": _str(self.batch_input_per_million),
+            "batch_output_per_million": _str(self.batch_output_per_million),
             "currency": self.currency,
             "effective_from": self.effective_from.isoformat(),
         }
@@ -168,6 +173,22 @@ class EffectivePrice:
     version: PriceVersion | None  # None under a custom price override
     override: OverrideVersion | None
     cached_input_per_million: Decimal | None = None  # None: cached prompt tokens cost the input price
+    batch_input_per_million: Decimal | None = None  # what a batch line pays; None: input_per_million
+    batch_output_per_million: Decimal | None = None
+    batched: bool = False  # this is the batch price (`for_batch()`)
+
+    def for_batch(self) -> "EffectivePrice":
+        """The price a line of a batch pays: the batch price where the version has one, else this
+        one; cached prompt tokens of a batch line pay its input price."""
+        if self.batched:
+            return self
+        return dataclasses.replace(
+            self,
+            input_per_million=self.input_per_million if self.batch_input_per_million is None else self.batch_input_per_million,
+            output_per_million=self.output_per_million if self.batch_output_per_million is None else self.batch_output_per_million,
+            cached_input_per_million=None,
+            batched=True,
+        )
 
     @property
     def price_version_id(self) -> int | None:
@@ -277,7 +298,13 @@ def _version(row: Any) -> PriceVersion:
         cached_input_per_million=(
             None if row.cached_input_per_million is None else Decimal(row.cached_input_per_million).quantize(Decimal("0.001"))
         ),
+        batch_input_per_million=_places(getattr(row, "batch_input_per_million", None)),
+        batch_output_per_million=_places(getattr(row, "batch_output_per_million", None)),
     )
+
+
+def _places(value: Any) -> Decimal | None:
+    return None if value is None else Decimal(value).quantize(Decimal("0.001"))
 
 
 class PriceBook:
@@ -347,17 +374,23 @@ class PriceBook:
         scaling = specific or self._active_override(account_id, ANY_MODEL, when)
         if scaling is None:
             return EffectivePrice(model, base.input_per_million, base.output_per_million, base.currency, base, None,
-                                  base.cached_input_per_million)
+                                  base.cached_input_per_million, base.batch_input_per_million, base.batch_output_per_million)
         assert scaling.multiplier is not None
-        cached = base.cached_input_per_million
+        multiplier = scaling.multiplier
+
+        def scaled(value: Decimal | None) -> Decimal | None:
+            return None if value is None else _tidy(EXACT.multiply(value, multiplier))
+
         return EffectivePrice(
             model,
-            _tidy(EXACT.multiply(base.input_per_million, scaling.multiplier)),
-            _tidy(EXACT.multiply(base.output_per_million, scaling.multiplier)),
+            _tidy(EXACT.multiply(base.input_per_million, multiplier)),
+            _tidy(EXACT.multiply(base.output_per_million, multiplier)),
             base.currency,
             base,
             scaling,
-            None if cached is None else _tidy(EXACT.multiply(cached, scaling.multiplier)),
+            scaled(base.cached_input_per_million),
+            scaled(base.batch_input_per_million),
+            scaled(base.batch_output_per_million),
         )
 
     def _active_override(self, account_id: int, model: str, when: datetime) -> OverrideVersion | None:
@@ -422,6 +455,8 @@ class PriceBook:
         *,
         backdate: bool = False,
         cached_input_per_million: Any = None,
+        batch_input_per_million: Any = None,
+        batch_output_per_million: Any = None,
     ) -> PriceVersion:
         """Adds a version. Scheduling in the past is refused (past versions are never rewritten),
         unless `backdate`, which still refuses any instant inside a closed billing period."""
@@ -435,6 +470,10 @@ class PriceBook:
             output_per_million=parse_price(output_per_million, "output_per_million"),
             cached_input_per_million=(
                 None if cached_input_per_million is None else parse_price(cached_input_per_million, "cached_input_per_million")
+            ),
+            batch_input_per_million=None if batch_input_per_million is None else parse_price(batch_input_per_million, "batch_input_per_million"),
+            batch_output_per_million=(
+                None if batch_output_per_million is None else parse_price(batch_output_per_million, "batch_output_per_million")
             ),
             currency="USD",
             effective_from=start,

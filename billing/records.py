@@ -32,7 +32,8 @@ class UsageRecord:
     cost_nanos: int | None = None
     cached: bool = False  # issue 10: served from the response cache
     cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache, when it said
-    api: str | None = None  # chat | completions | embeddings | messages (issue 21)
+    api: str | None = None  # chat | completions | embeddings | messages | responses | batch
+    batch_id: str | None = None  # the batch it was a line of (api = batch)
     created_at: datetime = field(default_factory=utcnow)  # when it finished
     # When it was admitted (its price looked up): prices it and decides its hour, day and month.
     # None: derived as created_at minus total_ms (what migration 0010 backfilled).

@@ -67,6 +67,8 @@ class AddPrice(_Model):
     input_per_million: StrictStr | StrictInt  # strict: JSON true is no price
     output_per_million: StrictStr | StrictInt
     cached_input_per_million: StrictStr | StrictInt | None = None  # prompt tokens served from the engine's prefix cache
+    batch_input_per_million: StrictStr | StrictInt | None = None  # a batch line's price; absent: the normal one
+    batch_output_per_million: StrictStr | StrictInt | None = None
     effective_from: datetime | None = None
 
     def check_supported(self) -> None:
@@ -166,7 +168,9 @@ async def add_price(request: Request) -> Response:
     body = parse(AddPrice, await read_json(request, state.settings.http.max_body_bytes))
     try:
         version = await state.prices.add(body.model, body.input_per_million, body.output_per_million, body.effective_from,
-                                         cached_input_per_million=body.cached_input_per_million)
+                                         cached_input_per_million=body.cached_input_per_million,
+                                         batch_input_per_million=body.batch_input_per_million,
+                                         batch_output_per_million=body.batch_output_per_million)
     except InvalidPrice as exc:
         raise InvalidRequest(str(exc), code="invalid_value") from None
     return json_response(version.view(), 201)

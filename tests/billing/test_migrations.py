@@ -21,6 +21,7 @@ TABLES = {
     "stored_responses", "credit_entries", "credit_settings", "alert_rules", "alert_events", "alert_deliveries",
     "billing_details", "tax_rates", "document_sequences", "credit_notes",  # issue 22
     "credit_usage_marks", "prepaid_statements",  # issue 25
+    "stored_files", "batches", "batch_lines",  # the Batch API
 }
 
 
