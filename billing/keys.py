@@ -313,26 +313,39 @@ class KeyStore:
         self._generation += 1
         self._cache.clear()
 
-    async def _principal_from_db(self, digest: str) -> Principal | None:
-        query = (
+    async def principal_of_key(self, key_id: int) -> Principal | None:
+        """The principal of a key by its id, read now (a batch runs on its key long after the call)."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(self._principal_query().where(KEYS.c.id == key_id))).first()
+        return None if row is None else _principal_of(row)
+
+    @staticmethod
+    def _principal_query() -> Any:
+        return (
             sa.select(KEYS, ACCOUNTS.c.limits.label("account_limits"), ACCOUNTS.c.priority.label("account_priority"),
                       ACCOUNTS.c.billing_mode.label("billing_mode"))
             .join(ACCOUNTS, ACCOUNTS.c.id == KEYS.c.account_id)
-            .where(KEYS.c.key_hash == digest)
         )
+
+    async def _principal_from_db(self, digest: str) -> Principal | None:
+        query = self._principal_query().where(KEYS.c.key_hash == digest)
         async with self._engine.connect() as conn:
             row = (await conn.execute(query)).first()
         if row is None or not hmac.compare_digest(row.key_hash, digest):
             return None
-        return Principal(
-            key_id=row.id,
-            account_id=row.account_id,
-            is_admin=bool(row.is_admin),
-            models=frozenset(json.loads(row.models)) if row.models else None,
-            expires_at=_aware(row.expires_at) if row.expires_at else None,
-            revoked=row.revoked_at is not None,
-            key_limits=Limits.from_json(row.limits),
-            account_limits=Limits.from_json(row.account_limits),
-            priority=row.account_priority,
-            prepaid=row.billing_mode == "prepaid",
-        )
+        return _principal_of(row)
+
+
+def _principal_of(row: Any) -> Principal:
+    return Principal(
+        key_id=row.id,
+        account_id=row.account_id,
+        is_admin=bool(row.is_admin),
+        models=frozenset(json.loads(row.models)) if row.models else None,
+        expires_at=_aware(row.expires_at) if row.expires_at else None,
+        revoked=row.revoked_at is not None,
+        key_limits=Limits.from_json(row.limits),
+        account_limits=Limits.from_json(row.account_limits),
+        priority=row.account_priority,
+        prepaid=row.billing_mode == "prepaid",
+    )

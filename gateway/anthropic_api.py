@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from engines.base import FINISH_LENGTH, FINISH_STOP
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+from gateway.batches.line import batch_line
 from gateway.errors import APIError, AuthenticationFailed, EngineOverloaded, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
@@ -198,6 +199,8 @@ class MessageRenderer:
 
 def api_key(request: Request) -> str | None:
     """Anthropic's SDKs send `x-api-key`; `Authorization: Bearer` (their `auth_token`) works too."""
+    if batch_line(request.scope) is not None:  # a line of a batch: authenticate() gives its principal
+        return None
     key = (request.headers.get("x-api-key") or "").strip()
     if key:
         return key

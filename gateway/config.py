@@ -17,6 +17,7 @@
                         responses   ResponsesSettings: stored /v1/responses
                         cache       CacheSettings: the response cache
                         embeddings  EmbeddingSettings: /v1/embeddings
+                        batches     BatchSettings: /v1/files, /v1/batches, /v1/messages/batches
                         billing     BillingConfig (billing/config.py): invoices, Stripe, the seller
                         dashboards  DashboardSettings: /metrics (its token) and the dashboards
                         process     ProcessSettings: log lines, the collector
@@ -192,6 +193,18 @@ class EmbeddingSettings:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """The Batch API (gateway/batches/): files, and the runner that sends each line through admission."""
+
+    enabled: bool = True
+    files_max_bytes: int = 100 * 1024 * 1024  # one uploaded file, held in the database
+    max_lines: int = 50_000  # lines in one batch
+    concurrency: int = 4  # lines of batches in flight at once, per process
+    poll_seconds: float = 1.0  # how often the runner looks for batches to run
+    window_seconds: float | None = None  # set: every batch's window, whatever completion_window says (tests, demos)
+
+
+@dataclass(frozen=True)
 class DashboardSettings:
     """/metrics and the dashboards."""
 
@@ -256,6 +269,7 @@ class Settings:
     responses: ResponsesSettings = ResponsesSettings()
     cache: CacheSettings = CacheSettings()
     embeddings: EmbeddingSettings = EmbeddingSettings()
+    batches: BatchSettings = BatchSettings()
     billing: BillingConfig | None = None  # None: from `extra` (TOLLGATE_BILLING_*, _STRIPE_*, _SELLER_* names)
     dashboards: DashboardSettings = DashboardSettings()
     process: ProcessSettings = ProcessSettings()
@@ -456,6 +470,14 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             batch=_env_int(env, "TOLLGATE_EMBEDDING_BATCH", 64),
             batch_wait_ms=_env_float(env, "TOLLGATE_EMBEDDING_BATCH_WAIT_MS", 2.0),
         ),
+        batches=BatchSettings(
+            enabled=env.get("TOLLGATE_BATCHES", "on").lower() not in ("off", "0", "false", "no"),
+            files_max_bytes=_env_int(env, "TOLLGATE_FILES_MAX_BYTES", 100 * 1024 * 1024),
+            max_lines=_env_int(env, "TOLLGATE_BATCH_MAX_LINES", 50_000),
+            concurrency=max(1, _env_int(env, "TOLLGATE_BATCH_CONCURRENCY", 4)),
+            poll_seconds=_env_float(env, "TOLLGATE_BATCH_POLL_SECONDS", 1.0),
+            window_seconds=_env_float(env, "TOLLGATE_BATCH_WINDOW_SECONDS", 0.0) or None,
+        ),
         billing=BillingConfig.from_mapping(env),
         dashboards=DashboardSettings(
             prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR") or None,
@@ -494,6 +516,8 @@ TOLLGATE_LEDGER_LINGER_MS TOLLGATE_LEDGER_COPY_CONNECTIONS TOLLGATE_REQUEST_READ
 TOLLGATE_METRICS_TOKEN TOLLGATE_RESPONSES_RETENTION_DAYS TOLLGATE_WORKERS TOLLGATE_DRAIN_SECONDS
 TOLLGATE_CACHE_TTL TOLLGATE_CACHE_HIT_PRICE TOLLGATE_CACHE_MODELS
 TOLLGATE_EMBEDDINGS TOLLGATE_EMBEDDING_MODEL TOLLGATE_EMBEDDING_MODEL_PATH TOLLGATE_EMBEDDING_BATCH TOLLGATE_EMBEDDING_BATCH_WAIT_MS
+TOLLGATE_BATCHES TOLLGATE_FILES_MAX_BYTES TOLLGATE_BATCH_MAX_LINES TOLLGATE_BATCH_CONCURRENCY TOLLGATE_BATCH_POLL_SECONDS
+TOLLGATE_BATCH_WINDOW_SECONDS
 TOLLGATE_CREDITS_CHECK_SECONDS TOLLGATE_CREDITS_SETTLE_SECONDS TOLLGATE_LOG_FORMAT TOLLGATE_LOG_LEVEL TOLLGATE_GC_GEN0
 TOLLGATE_BILLING_AUTO_CLOSE TOLLGATE_BILLING_CLOSE_DELAY_SECONDS TOLLGATE_BILLING_CHECK_SECONDS TOLLGATE_BILLING_LOOKBACK_MONTHS
 TOLLGATE_BILLING_GRACE_SECONDS TOLLGATE_BILLING_STATE_REFRESH_SECONDS

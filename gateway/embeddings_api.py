@@ -36,6 +36,7 @@ from engines.embeddings import EmbeddingModel
 from gateway.config import EmbeddingSettings
 from gateway.json_response import json_response
 from gateway.metering import Admission, Meter
+from gateway.batches.line import batch_line
 from gateway.errors import ContextLengthExceeded, EngineNotReady, InvalidRequest, ModelNotFound, PermissionDenied, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
@@ -179,6 +180,7 @@ async def create_embeddings(request: Request) -> Response:
 
     meter: Meter = state.service.meter
     started = time.perf_counter()
+    line = batch_line(request.scope)  # a line of a batch: api = batch, the batch price
 
     def row(admission: Admission, status: str | None) -> UsageRecord:
         """Input tokens at the model's input price while running (the journal's); after, what was used."""
@@ -192,11 +194,15 @@ async def create_embeddings(request: Request) -> Response:
             prompt_tokens=tokens if done else 0, completion_tokens=0, status=status,
             finish_reason="stop" if status == "completed" else None,
             total_ms=(time.perf_counter() - started) * 1000.0 if final else 0.0,
-            cost_nanos=nanos if price is not None else None, api="embeddings",
+            cost_nanos=nanos if price is not None else None, api="embeddings" if line is None else "batch",
+            batch_id=None if line is None else line.batch_id,
             created_at=utcnow() if final else admission.admitted_at, admitted_at=admission.admitted_at,
         )
 
-    admission = await meter.admit(request_id, principal, model.model_id, tokens=tokens, cost=lambda price: price.cost_nanos(tokens, 0), row=row)
+    admission = await meter.admit(request_id, principal, model.model_id, tokens=tokens, cost=lambda price: price.cost_nanos(tokens, 0), row=row,
+                                  batch=line is not None)
+    if line is not None:
+        line.admitted = True
     started = time.perf_counter()
     status: str | None = None
     try:

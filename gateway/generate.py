@@ -13,6 +13,7 @@ from typing import Any
 
 from engines.base import EngineOutput
 from gateway import response_cache
+from gateway.batches.line import batch_line
 from gateway.metering import Admission, overloaded
 from gateway.serving import CompletionService, Generation
 from starlette.requests import Request
@@ -27,7 +28,10 @@ async def answer(
     request: Request, service: CompletionService, gen: Generation, *, streamed: Streamed, completed: Completed,
     headers: dict[str, str] | None = None,
 ) -> Any:
-    hit = await response_cache.lookup(request, gen)
+    line = batch_line(request.scope)
+    if line is not None:  # a line of a batch: its own row (api = batch), never a cache hit
+        gen.api, gen.batch_id = "batch", line.batch_id
+    hit = await response_cache.lookup(request, gen) if line is None else None
     if hit is not None:  # never reaches the engine: no place in it is taken
         refused = gen.engine.refusal(gen.engine_request)  # but an engine that turns work away refuses hits too
         if refused is not None:
@@ -35,6 +39,8 @@ async def answer(
         admission = await service.admit_hit(gen, hit.prompt_tokens, hit.completion_tokens, hit.hit_price)
     else:
         admission = await service.admit(gen)
+    if line is not None:
+        line.admitted = True
     # Admitted from here on: the response settles the admission; until it exists, this does.
     try:
         head = {"x-request-id": gen.request_id, **(headers or {}), **admission.headers}

@@ -9,6 +9,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 
 from billing.keys import KeyStore, KeyStoreUnavailable, Principal, looks_like_key
+from gateway.batches.line import batch_line
 from gateway.errors import AuthenticationFailed, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied, RequestTimeout, ServiceUnavailable
 
 
@@ -100,7 +101,11 @@ def bearer_key(request: Request) -> str:
 
 async def authenticate(request: Request, keys: KeyStore, key: str | None = None) -> Principal:
     """The caller's principal; 401 for a missing or unknown key, 403 for a revoked or expired one.
-    `key`: found elsewhere than in `Authorization: Bearer` (Anthropic's `x-api-key`)."""
+    `key`: found elsewhere than in `Authorization: Bearer` (Anthropic's `x-api-key`). A line of a
+    batch (gateway/batches/runner.py) is its batch's principal."""
+    line = batch_line(request.scope)
+    if line is not None:
+        return line.principal
     key = bearer_key(request) if key is None else key
     try:
         principal = await keys.authenticate(key) if looks_like_key(key) else None

@@ -132,10 +132,12 @@ class Meter:
         row: RowOf,
         slot: tuple[Engine, EngineRequest] | None = None,
         cut: Callable[[], None] | None = None,
+        batch: bool = False,
     ) -> Admission:
         """Admits a request that may use up to `tokens` tokens and `cost(price)` nano-USD, or raises
         the 429/503 that says why not. `row(admission, status)` is its ledger row; `slot`: the
-        engine (and request) it takes a place in; `cut`: what stops it at the drain deadline."""
+        engine (and request) it takes a place in; `cut`: what stops it at the drain deadline; `batch`:
+        a line of a batch, priced at the batch price."""
         admission = Admission(self, request_id, principal, row, cut, utcnow())
         try:
             if slot is not None:
@@ -150,6 +152,8 @@ class Meter:
             if self.prices is not None:
                 # The account's override (custom price or multiplier) applies when it has one.
                 admission.price = await self.prices.current_for(principal.account_id, model, admission.admitted_at)
+                if batch and admission.price is not None:
+                    admission.price = admission.price.for_batch()
             nanos = cost(admission.price) if admission.price is not None else 0
             admission.hold = await self._reserve(request_id, principal, tokens, nanos)
             provisional = row(admission, "interrupted")

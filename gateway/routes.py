@@ -14,6 +14,7 @@ from billing.prices import EffectivePrice
 from engines.base import Engine
 from engines.router import route_body  # issue 10
 from gateway import admin, anthropic_api, billing_api, credits_api, dashboard, embeddings_api, openai_responses
+from gateway.batches import anthropic_api as batch_anthropic, openai_api as batch_openai
 from gateway.errors import EngineNotReady, NotFound, ServiceUnavailable
 from gateway.generate import answer
 from gateway.http import authenticate, read_json
@@ -151,4 +152,6 @@ ROUTES = [
     *embeddings_api.routes,  # issue 10
     *anthropic_api.routes,  # issue 21
     *openai_responses.routes,  # issue 21
+    *batch_openai.routes,  # /v1/files, /v1/batches
+    *batch_anthropic.routes,  # /v1/messages/batches
 ]

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from billing.alerts import AlertService
+    from billing.batch_store import BatchStore
+    from billing.files import FileStore
+    from gateway.batches.runner import BatchRunner
     from billing.checkout import CheckoutService
     from billing.credits import CreditBook
     from billing.keys import KeyStore
@@ -54,6 +57,9 @@ class Services:
     response_cache: ResponseCache | None = None
     response_cache_config: CacheConfig | None = None  # set before start: the cache's settings (tests)
     response_store: ResponseStore | None = None
+    files: FileStore | None = None  # the Batch API's (None: TOLLGATE_BATCHES=off)
+    batch_store: BatchStore | None = None
+    batch_runner: BatchRunner | None = None
     load_failures: dict[str, str] = field(default_factory=dict)  # model -> why it failed to load (/readyz)
     model_loads: list[asyncio.Task[None]] = field(default_factory=list)  # the background loads (tests wait on them)
     fatal: str | None = None  # why `tollgate serve` stops with exit 1

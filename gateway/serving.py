@@ -27,6 +27,7 @@ from billing.quota import Hold, Limiter
 from engines.base import (
     FINISH_CANCELLED,
     FINISH_ERROR,
+    FINISH_UPSTREAM_CANCELLED,
     Engine,
     EngineError,
     EngineOutput,
@@ -79,8 +80,10 @@ class Generation:
     price: EffectivePrice | None = None
     hit: bool = False  # answered from the response cache
     hit_nanos: int = 0  # what a cache hit costs, delivered whole
-    api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages | responses
+    api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages | responses | batch
+    batch_id: str | None = None  # the batch it is a line of (api = batch): priced at the batch price
     stop_sequence: str | None = None  # the stop string that ended it, when the engine says
+    recorded_finish: str | None = None  # the row's finish_reason when the engine's source ended it early (timeout, cancelled)
 
     @property
     def model(self) -> str:
@@ -132,6 +135,7 @@ class CompletionService:
             row=lambda admission, status: self.row_of(gen, admission, status),
             slot=(gen.engine, request),
             cut=gen.cut_short,
+            batch=gen.batch_id is not None,
         )
 
     async def admit_hit(self, gen: Generation, prompt: int, completion: int, hit_price: Decimal) -> Admission:
@@ -364,9 +368,10 @@ class CompletionService:
             gen.finish_reason = out.finish_reason
             gen.error = out.error
             gen.stop_sequence = out.stop_sequence
+            gen.recorded_finish = out.recorded_finish
 
     def usage_record(self, gen: Generation, status: str) -> UsageRecord:
-        finish = gen.finish_reason
+        finish = gen.recorded_finish or gen.finish_reason
         if status == "cancelled":
             finish = FINISH_CANCELLED
         return UsageRecord(
@@ -385,6 +390,7 @@ class CompletionService:
             cached_tokens=gen.cached_tokens,
             cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen.price else None,
             api=gen.api,
+            batch_id=gen.batch_id,
             admitted_at=gen.admitted_at,
         )
 
@@ -440,6 +446,8 @@ def final_status(gen: Generation) -> str:
         return "error"
     if gen.finish_reason in (None, FINISH_CANCELLED):
         return "interrupted" if gen.cut else "cancelled"  # cut: the server ended it (drain), not the client
+    if gen.recorded_finish == FINISH_UPSTREAM_CANCELLED:
+        return "interrupted"  # the upstream ended it while the client was there
     return "completed"
 
 

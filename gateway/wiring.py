@@ -24,6 +24,7 @@ from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine, EngineError
 from engines.scheduler import ScheduledEngine, schedule_engines
 from gateway import billing_api, credits_api, embeddings_api, response_cache
+from gateway.batches import service as batches
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.serving import CompletionService
@@ -131,6 +132,11 @@ def orphan_journals(settings: Settings) -> list[Path]:
 
 def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, Engine], list[ScheduledEngine]]:
     """The gateway's queue in front of every engine (docs/scheduling.md); off: the engines as they are."""
+    names = tuple(c.name for c in settings.scheduler.priority_classes)
+    for engine in served.values():  # pools that send the account's class upstream map these
+        for candidate in getattr(engine, "candidates", None) or (engine,):
+            if hasattr(candidate, "use_classes"):
+                candidate.use_classes(names)
     if not settings.scheduler.enabled:
         return served, []
     classes = settings.scheduler.priority_classes
@@ -254,6 +260,7 @@ def lifespan(
         await response_cache.start(app)  # issue 10
         await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
         await credits_api.start(app)  # prepaid credit (issue 25)
+        await batches.start(app)  # the Batch API's stores and runner
         loading: list[asyncio.Task[None]] = []
         state.load_failures = {}
         state.model_loads = loading  # the background loads (tests wait on them)
@@ -268,6 +275,7 @@ def lifespan(
         try:
             yield
         finally:
+            await batches.stop(app)
             await billing_api.stop(app)
             await credits_api.stop(app)
             await embeddings_api.stop(app)  # issue 10

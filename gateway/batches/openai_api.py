@@ -1,0 +1,200 @@
+"""OpenAI's Files and Batch APIs: /v1/files and /v1/batches, per account (another account's file
+or batch is not found)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from billing.batch_store import new_batch_id
+from billing.models import utcnow
+from gateway.batches.results import OPENAI_ENDPOINTS, WINDOWS, BadInput, openai_view, parse_input
+from gateway.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from gateway.http import authenticate, header, read_json
+from gateway.json_response import json_response
+
+UPLOAD_PURPOSES = ("batch",)
+
+
+def _state(request: Request) -> Any:
+    state = request.app.state
+    if state.batch_store is None:
+        raise ServiceUnavailable("The Batch API is off on this server (TOLLGATE_BATCHES).", code="batches_disabled")
+    return state
+
+
+def _limit(request: Request, default: int, most: int) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise InvalidRequest(f"limit must be an integer from 1 to {most}", param="limit")
+    return int(raw)
+
+
+def _no_file(file_id: str) -> NotFound:
+    return NotFound(f"No such File object: {file_id}", param="id", code="file_not_found")
+
+
+# files ---------------------------------------------------------------------------------------------
+async def upload_file(request: Request) -> Response:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    most = state.settings.batches.files_max_bytes
+    declared = header(request, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > most + 64 * 1024:  # the form's own bytes besides the file
+        raise PayloadTooLarge(f"the file is larger than the {most}-byte limit", param="file")
+    if not (header(request, b"content-type") or "").startswith("multipart/form-data"):
+        raise InvalidRequest("send the file as multipart/form-data with the fields file and purpose", param="file")
+    async with request.form(max_files=1, max_fields=8) as form:
+        purpose = form.get("purpose")
+        upload = form.get("file")
+        if not isinstance(purpose, str) or not purpose:
+            raise InvalidRequest("purpose is required", param="purpose")
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequest(f"purpose {purpose!r} is not supported here; use one of {list(UPLOAD_PURPOSES)}", param="purpose",
+                                 code="invalid_purpose")
+        if upload is None or isinstance(upload, str):
+            raise InvalidRequest("file is required", param="file")
+        content = await upload.read(most + 1)
+        filename = (upload.filename or "upload.jsonl")[:255]
+    if len(content) > most:
+        raise PayloadTooLarge(f"the file is larger than the {most}-byte limit", param="file")
+    if not content:
+        raise InvalidRequest("the file is empty", param="file")
+    info = await state.files.put(principal.account_id, purpose, filename, content)
+    return json_response(info.view())
+
+
+async def list_files(request: Request) -> Response:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    limit = _limit(request, 100, 10_000)
+    found = await state.files.list(principal.account_id, purpose=request.query_params.get("purpose") or None, limit=limit + 1,
+                                   after=request.query_params.get("after") or None)
+    data = [f.view() for f in found[:limit]]
+    return json_response({"object": "list", "data": data, "has_more": len(found) > limit,
+                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+async def get_file(request: Request) -> Response:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    file_id = request.path_params["file_id"]
+    info = await state.files.get(principal.account_id, file_id)
+    if info is None:
+        raise _no_file(file_id)
+    return json_response(info.view())
+
+
+async def file_content(request: Request) -> Response:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    file_id = request.path_params["file_id"]
+    content = await state.files.content(principal.account_id, file_id)
+    if content is None:
+        raise _no_file(file_id)
+    return Response(content, media_type="application/octet-stream")
+
+
+async def delete_file(request: Request) -> Response:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    file_id = request.path_params["file_id"]
+    if not await state.files.delete(principal.account_id, file_id):
+        raise _no_file(file_id)
+    return json_response({"id": file_id, "object": "file", "deleted": True})
+
+
+# batches -------------------------------------------------------------------------------------------
+async def create_batch(request: Request) -> Response:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    body = await read_json(request, state.settings.http.max_body_bytes)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    file_id, endpoint, window, metadata = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window"), body.get("metadata")
+    if not isinstance(file_id, str) or not file_id:
+        raise InvalidRequest("input_file_id is required", param="input_file_id")
+    if endpoint not in OPENAI_ENDPOINTS:
+        raise InvalidRequest(f"endpoint must be one of {list(OPENAI_ENDPOINTS)}", param="endpoint", code="invalid_value")
+    if window not in WINDOWS:
+        raise InvalidRequest(f"completion_window must be one of {list(WINDOWS)}", param="completion_window", code="invalid_value")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
+                                 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                                            for k, v in metadata.items())):
+        raise InvalidRequest("metadata must be an object of at most 16 string values", param="metadata", code="invalid_value")
+    info = await state.files.get(principal.account_id, file_id)
+    if info is None:
+        raise _no_file(file_id)
+    if info.purpose != "batch":
+        raise InvalidRequest(f"file {file_id} has purpose {info.purpose!r}; a batch's input file has purpose 'batch'",
+                             param="input_file_id", code="invalid_purpose")
+    content = await state.files.content(principal.account_id, file_id) or b""
+    try:
+        lines = parse_input(content, endpoint, state.settings.batches.max_lines)
+    except BadInput as exc:
+        raise InvalidRequest(f"the input file is not a valid batch: {exc}", param="input_file_id", code="invalid_jsonl") from None
+    now = utcnow()
+    batch = await state.batch_store.create({
+        "id": new_batch_id(), "account_id": principal.account_id, "key_id": principal.key_id, "api": "openai",
+        "endpoint": endpoint, "input_file_id": file_id, "completion_window": window, "status": "validating",
+        "metadata_json": orjson.dumps(metadata).decode() if metadata else None,
+        "created_at": now, "expires_at": now + timedelta(seconds=WINDOWS[window]),
+    }, lines)
+    state.batch_runner.wake()
+    return json_response(openai_view(batch, await state.batch_store.counts(batch["id"])))
+
+
+async def _own_batch(request: Request) -> tuple[Any, dict[str, Any]]:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    batch_id = request.path_params["batch_id"]
+    batch = await state.batch_store.get(batch_id, principal.account_id)
+    if batch is None or batch["api"] != "openai":
+        raise NotFound(f"No batch found with id '{batch_id}'.", param="batch_id", code="batch_not_found")
+    return state, batch
+
+
+async def get_batch(request: Request) -> Response:
+    state, batch = await _own_batch(request)
+    return json_response(openai_view(batch, await state.batch_store.counts(batch["id"])))
+
+
+async def cancel_batch(request: Request) -> Response:
+    state, batch = await _own_batch(request)
+    if await state.batch_store.move(batch["id"], "cancelling", from_=("validating", "in_progress")):
+        state.batch_runner.wake()
+    elif batch["status"] not in ("cancelling", "cancelled"):
+        raise InvalidRequest(f"a batch that is {batch['status']} cannot be cancelled", param="batch_id", code="invalid_state")
+    found = await state.batch_store.get(batch["id"])
+    return json_response(openai_view(found, await state.batch_store.counts(batch["id"])))
+
+
+async def list_batches(request: Request) -> Response:
+    state = _state(request)
+    principal = await authenticate(request, state.keys)
+    limit = _limit(request, 20, 100)
+    found = await state.batch_store.list(principal.account_id, "openai", limit=limit + 1, after=request.query_params.get("after") or None)
+    data = [openai_view(b, await state.batch_store.counts(b["id"])) for b in found[:limit]]
+    return json_response({"object": "list", "data": data, "has_more": len(found) > limit,
+                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+routes = [
+    Route("/v1/files", upload_file, methods=["POST"]),
+    Route("/v1/files", list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", get_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+    Route("/v1/batches", create_batch, methods=["POST"]),
+    Route("/v1/batches", list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
+]

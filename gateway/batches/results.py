@@ -1,0 +1,162 @@
+"""What a batch is shown as: OpenAI's Batch object and its output / error files' lines, Anthropic's
+MessageBatch and its results lines; and the check of an OpenAI batch input file."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from billing.batch_store import Line, line_request_id
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
+OPENAI_ENDPOINTS = ENDPOINTS[:4]
+WINDOWS = {"24h": 24 * 3600}
+EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window expired."}
+CANCELLED = {"code": "batch_cancelled", "message": "This request was not executed: the batch was cancelled."}
+
+
+class BadInput(ValueError):
+    """An input file that is no batch: `line` (1-based) says where."""
+
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(f"line {line}: {message}" if line else message)
+        self.line = line
+
+
+def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str, str]]:
+    """OpenAI's batch input: one JSON object a line, {"custom_id", "method": "POST", "url", "body"}.
+    Returns (custom_id, body JSON) per line; raises BadInput at the first line that is wrong."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInput("the file is not UTF-8 text") from None
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            item = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadInput("not valid JSON", number) from None
+        if not isinstance(item, dict):
+            raise BadInput("each line must be a JSON object", number)
+        custom_id = item.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255:
+            raise BadInput("custom_id must be a string of 1 to 255 characters", number)
+        if custom_id in seen:
+            raise BadInput(f"custom_id {custom_id!r} is used twice; each must be unique", number)
+        seen.add(custom_id)
+        if item.get("method", "POST") != "POST":
+            raise BadInput("method must be POST", number)
+        if item.get("url") != endpoint:
+            raise BadInput(f"url must be the batch's endpoint {endpoint!r}", number)
+        body = item.get("body")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise BadInput("body must be a JSON object with a model", number)
+        out.append((custom_id, orjson.dumps(body).decode()))
+        if len(out) > max_lines:
+            raise BadInput(f"a batch has at most {max_lines} lines", number)
+    if not out:
+        raise BadInput("the file has no requests")
+    return out
+
+
+def _ts(value: datetime | None) -> int | None:
+    return None if value is None else int(value.timestamp())
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat().replace("+00:00", "Z")
+
+
+def _body(line: Line) -> Any:
+    if line.result is None:
+        return None
+    try:
+        return orjson.loads(line.result)
+    except orjson.JSONDecodeError:
+        return {"error": {"message": line.result[:500], "type": "server_error"}}
+
+
+def openai_counts(counts: dict[str, int]) -> dict[str, int]:
+    total = sum(v for k, v in counts.items() if ":" not in k)
+    failed = counts.get("done:errored", 0) + counts.get("done:expired", 0)
+    return {"total": total, "completed": counts.get("done:succeeded", 0), "failed": failed}
+
+
+def openai_view(batch: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
+    """OpenAI's Batch object."""
+    errors = orjson.loads(batch["errors_json"]) if batch.get("errors_json") else None
+    return {
+        "id": batch["id"], "object": "batch", "endpoint": batch["endpoint"],
+        "errors": {"object": "list", "data": errors} if errors else None,
+        "input_file_id": batch["input_file_id"], "completion_window": batch["completion_window"], "status": batch["status"],
+        "output_file_id": batch["output_file_id"], "error_file_id": batch["error_file_id"],
+        "created_at": _ts(batch["created_at"]), "in_progress_at": _ts(batch["in_progress_at"]),
+        "expires_at": _ts(batch["expires_at"]), "finalizing_at": _ts(batch["finalizing_at"]),
+        "completed_at": _ts(batch["completed_at"]), "failed_at": _ts(batch["failed_at"]),
+        "expired_at": _ts(batch["expired_at"]), "cancelling_at": _ts(batch["cancelling_at"]),
+        "cancelled_at": _ts(batch["cancelled_at"]),
+        "request_counts": openai_counts(counts),
+        "metadata": orjson.loads(batch["metadata_json"]) if batch.get("metadata_json") else None,
+    }
+
+
+def _line_id(line: Line) -> str:
+    return "batch_req_" + hashlib.sha256(line_request_id(line.batch_id, line.line).encode()).hexdigest()[:24]
+
+
+def openai_line(line: Line) -> dict[str, Any]:
+    """One line of an output or error file, in OpenAI's shape."""
+    if line.outcome in ("succeeded", "errored"):
+        response = {"status_code": line.status_code, "request_id": line.request_id, "body": _body(line)}
+        return {"id": _line_id(line), "custom_id": line.custom_id, "response": response, "error": None}
+    return {"id": _line_id(line), "custom_id": line.custom_id, "response": None,
+            "error": EXPIRED if line.outcome == "expired" else CANCELLED}
+
+
+def openai_files(lines: list[Line]) -> tuple[bytes, bytes]:
+    """(output file, error file): the lines that succeeded, and every other line that ended."""
+    output, errors = [], []
+    for line in lines:
+        if line.state != "done":
+            continue
+        (output if line.outcome == "succeeded" else errors).append(orjson.dumps(openai_line(line)) + b"\n")
+    return b"".join(output), b"".join(errors)
+
+
+# Anthropic ---------------------------------------------------------------------------------------
+def anthropic_status(status: str) -> str:
+    return {"cancelling": "canceling"}.get(status, "ended" if status in ("completed", "failed", "expired", "cancelled") else "in_progress")
+
+
+def anthropic_view(batch: dict[str, Any], counts: dict[str, int], base_url: str) -> dict[str, Any]:
+    """Anthropic's MessageBatch."""
+    status = anthropic_status(batch["status"])
+    ended = batch["completed_at"] or batch["expired_at"] or batch["cancelled_at"] or batch["failed_at"]
+    return {
+        "id": batch["id"], "type": "message_batch", "processing_status": status,
+        "request_counts": {
+            "processing": counts.get("pending", 0) + counts.get("claimed", 0), "succeeded": counts.get("done:succeeded", 0),
+            "errored": counts.get("done:errored", 0), "canceled": counts.get("done:canceled", 0), "expired": counts.get("done:expired", 0),
+        },
+        "ended_at": _iso(ended), "created_at": _iso(batch["created_at"]), "expires_at": _iso(batch["expires_at"]),
+        "archived_at": None, "cancel_initiated_at": _iso(batch["cancelling_at"]),
+        "results_url": f"{base_url.rstrip('/')}/v1/messages/batches/{batch['id']}/results" if status == "ended" else None,
+    }
+
+
+def anthropic_line(line: Line) -> dict[str, Any]:
+    """One line of a MessageBatch's results."""
+    if line.outcome == "succeeded":
+        return {"custom_id": line.custom_id, "result": {"type": "succeeded", "message": _body(line)}}
+    if line.outcome == "errored":
+        body = _body(line) or {}
+        error = body if body.get("type") == "error" else {"type": "error", "error": {
+            "type": "api_error", "message": str((body.get("error") or {}).get("message", "the request failed"))}}
+        return {"custom_id": line.custom_id, "result": {"type": "errored", "error": error}}
+    return {"custom_id": line.custom_id, "result": {"type": "canceled" if line.outcome == "canceled" else "expired"}}

@@ -1,0 +1,258 @@
+"""The batch runner: a background loop in the gateway process that runs the lines of every active
+batch through the route of their endpoint, as the app's own request: the same authentication
+result (the batch's key), parsing, admission (gateway/metering.py: Meter.admit), engine and ledger
+row as any request, in the scheduler's lowest class and at the batch price (gateway/batches/line.py).
+
+Restart safety: a line is claimed durably before it runs, and its request id (so its ledger row's)
+is `<batch id>-<line index>`. A run that stopped leaves claimed lines; the next one, once the
+ledger has the rows its journal replayed, finds each claimed line's row: a line with a row ran (in
+part) and is not run again (it ends `errored`: interrupted); a line without one was never admitted
+and goes back to pending. A line refused before admission (429/503: queue full, quota) has no
+row either: it is put back and retried until the batch's window ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.routing import Route
+
+from billing.batch_store import BatchStore, Line
+from billing.files import FileStore
+from billing.keys import KeyStore
+from billing.models import utcnow
+from gateway.batches import results
+from gateway.batches.line import SCOPE_KEY, BatchLine
+from gateway.config import BatchSettings
+
+log = logging.getLogger("tollgate.batches")
+RETRIED = (429, 503, 529)  # refused before admission (529: Anthropic's overloaded): no row, may run later
+INTERRUPTED = {"error": {"message": "The gateway restarted while this request ran; it was not run again (its usage is in the ledger).",
+                         "type": "server_error", "param": None, "code": "interrupted"}}
+
+
+class BatchRunner:
+    def __init__(
+        self, app: Any, store: BatchStore, files: FileStore, keys: KeyStore, settings: BatchSettings, *,
+        lowest_class: str | None, flush: Callable[[], Any],
+    ) -> None:
+        self._app = app
+        self._store = store
+        self._files = files
+        self._keys = keys
+        self._settings = settings
+        self._lowest = lowest_class
+        self._flush = flush  # the ledger's rows (a replayed journal's too) into the database
+        self._slots = asyncio.Semaphore(settings.concurrency)
+        self._jobs: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._endpoints: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self._endpoints = {r.path: r.endpoint for r in self._app.routes
+                           if isinstance(r, Route) and r.path in results.ENDPOINTS and "POST" in (r.methods or ())}
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
+
+    def wake(self) -> None:
+        """A batch was created or cancelled: look now rather than at the next poll."""
+        self._wake.set()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Claims nothing more; lines in flight get `timeout` seconds to end, then are cut."""
+        self._stopping = True
+        self._wake.set()
+        jobs = list(self._jobs.values())
+        if jobs:
+            await asyncio.wait(jobs, timeout=timeout)
+        for task in [*self._jobs.values(), *([self._task] if self._task else [])]:
+            task.cancel()
+        for task in [*jobs, *([self._task] if self._task else [])]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                for batch_id in await self._store.active():
+                    if batch_id not in self._jobs:
+                        self._jobs[batch_id] = asyncio.get_running_loop().create_task(self._job(batch_id), name=f"batch-{batch_id}")
+            except Exception as exc:  # the database is out: the next round tries again
+                log.warning("could not list active batches: %s", type(exc).__name__)
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._settings.poll_seconds)
+
+    async def _job(self, batch_id: str) -> None:
+        try:
+            await self._drive(batch_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: the runner failed; the next round resumes it", batch_id)
+        finally:
+            self._jobs.pop(batch_id, None)
+
+    def window_end(self, batch: dict[str, Any]) -> float:
+        """When the batch's window ends, in epoch seconds."""
+        if self._settings.window_seconds:
+            return batch["created_at"].timestamp() + self._settings.window_seconds
+        return float(batch["expires_at"].timestamp())
+
+    async def _drive(self, batch_id: str) -> None:
+        await self._recover(batch_id)
+        await self._store.move(batch_id, "in_progress", from_=("validating",))
+        running: dict[asyncio.Task[float | None], Line] = {}
+        retry_at = 0.0
+        try:
+            while True:
+                batch = await self._store.get(batch_id)
+                if batch is None:
+                    return
+                status = batch["status"]
+                ending = "cancelled" if status == "cancelling" else "expired" if time.time() >= self.window_end(batch) else None
+                if status == "finalizing":
+                    ending = "completed"
+                if ending is not None or self._stopping:
+                    if running:
+                        await asyncio.wait(list(running))
+                        running.clear()
+                    if self._stopping:
+                        return
+                    if ending != "completed":
+                        await self._store.end_pending(batch_id, "canceled" if ending == "cancelled" else "expired")
+                    await self._finalize(batch, ending or "completed")
+                    return
+                principal = await self._principal(batch)
+                free = self._settings.concurrency - len(running)
+                if free > 0 and time.time() >= retry_at:
+                    lines = await self._store.pending(batch_id, free)
+                    if not lines and not running:
+                        if await self._store.move(batch_id, "finalizing", from_=("in_progress",)):
+                            continue
+                    for line in lines:
+                        if await self._store.claim(line):
+                            task = asyncio.get_running_loop().create_task(self._run_line(batch, line, principal))
+                            running[task] = line
+                if not running:
+                    await asyncio.sleep(min(self._settings.poll_seconds, max(0.0, retry_at - time.time())) or 0.05)
+                    continue
+                done, _ = await asyncio.wait(list(running), timeout=self._settings.poll_seconds, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    running.pop(task)
+                    if not task.cancelled() and task.exception() is not None:
+                        log.error("batch %s: a line failed: %s", batch_id, type(task.exception()).__name__)
+                    elif not task.cancelled() and task.result() is not None:
+                        retry_at = max(retry_at, time.time() + (task.result() or 1.0))
+        finally:
+            for task in running:
+                task.cancel()
+
+    async def _principal(self, batch: dict[str, Any]) -> Any:
+        principal = await self._keys.principal_of_key(batch["key_id"])
+        if principal is None:
+            return None
+        return dataclasses.replace(principal, priority=self._lowest) if self._lowest else principal
+
+    async def _recover(self, batch_id: str) -> None:
+        """Lines a stopped run had claimed: done if their ledger row exists, else pending again."""
+        claimed = await self._store.claimed(batch_id)
+        if not claimed:
+            return
+        await self._flush()
+        ran = await self._store.in_ledger([line.request_id for line in claimed])
+        for line in claimed:
+            if line.request_id in ran:
+                await self._store.finish(line, "errored", 500, orjson.dumps(INTERRUPTED).decode())
+            else:
+                await self._store.release(line)
+        log.info("batch %s: %d claimed lines had run, %d go back to pending", batch_id, len(ran), len(claimed) - len(ran))
+
+    async def _run_line(self, batch: dict[str, Any], line: Line, principal: Any) -> float | None:
+        """Runs one claimed line; returns seconds to wait before claiming more when it was refused
+        before admission (it is pending again), else None (it is done)."""
+        if principal is None or principal.revoked or principal.expired():
+            err = {"error": {"message": "The batch's API key is no longer valid.", "type": "invalid_request_error",
+                             "param": None, "code": "key_revoked"}}
+            await self._store.finish(line, "errored", 403, orjson.dumps(err).decode())
+            return None
+        context = BatchLine(batch["id"], line.request_id, principal)
+        async with self._slots:
+            status, body, retry_after = await self._dispatch(batch["endpoint"], line.body, context)
+        if not context.admitted and status in RETRIED:
+            await self._store.release(line)
+            return retry_after
+        await self._store.finish(line, "succeeded" if 200 <= status < 300 else "errored", status, body.decode("utf-8", "replace"))
+        return None
+
+    async def _dispatch(self, path: str, body: str, line: BatchLine) -> tuple[int, bytes, float]:
+        """The line as a request to its route in this app; (status, body, Retry-After seconds)."""
+        raw = orjson.loads(body)
+        if isinstance(raw, dict) and "stream" in raw:
+            raw["stream"] = False  # a batch line's answer is one body
+        payload = orjson.dumps(raw)
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            "client": ("batch", 0), "server": ("batch", 0), "app": self._app,
+            "state": {"request_id": line.request_id}, SCOPE_KEY: line,
+        }
+        inbox = [{"type": "http.request", "body": payload, "more_body": False}]
+        finished = asyncio.Event()
+        answer: dict[str, Any] = {"status": 500, "headers": [], "body": []}
+
+        async def receive() -> dict[str, Any]:
+            if inbox:
+                return inbox.pop()
+            await finished.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"], answer["headers"] = message["status"], message.get("headers", [])
+            elif message["type"] == "http.response.body":
+                answer["body"].append(message.get("body", b""))
+                if not message.get("more_body"):
+                    finished.set()
+
+        from gateway.error_handlers import error_response  # the app's one answer to a route's exception
+
+        endpoint = self._endpoints[path]
+        try:
+            response = await endpoint(Request(scope, receive, send))
+        except Exception as exc:
+            response = await error_response(scope, exc)
+        try:
+            await response(scope, receive, send)
+        finally:
+            finished.set()
+        retry = next((v for k, v in answer["headers"] if k.lower() == b"retry-after"), b"1")
+        try:
+            wait = float(retry)
+        except ValueError:
+            wait = 1.0
+        return int(answer["status"]), b"".join(answer["body"]), min(max(wait, 0.2), 30.0)
+
+    async def _finalize(self, batch: dict[str, Any], ending: str) -> None:
+        """Writes the output and error files (OpenAI's batches) and moves the batch to `ending`."""
+        batch_id = batch["id"]
+        values: dict[str, Any] = {}
+        if batch["api"] == "openai":
+            output, errors = results.openai_files(await self._store.lines(batch_id))
+            if output:
+                values["output_file_id"] = (await self._files.put(batch["account_id"], "batch_output", f"{batch_id}_output.jsonl", output)).id
+            if errors:
+                values["error_file_id"] = (await self._files.put(batch["account_id"], "batch_output", f"{batch_id}_error.jsonl", errors)).id
+        moved = await self._store.move(batch_id, ending, from_=("in_progress", "finalizing", "cancelling", "validating"), **values)
+        if moved:
+            log.info("batch %s %s at %s", batch_id, ending, utcnow().isoformat())

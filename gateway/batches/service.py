@@ -1,0 +1,32 @@
+"""The Batch API's part of the lifespan: its stores and its runner, built once and stopped at shutdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from billing.batch_store import BatchStore
+from billing.files import SqlFileStore
+from engines.scheduler import parse_classes
+from gateway.batches.runner import BatchRunner
+
+
+async def start(app: Any) -> None:
+    state = app.state
+    settings = state.settings
+    if not settings.batches.enabled:
+        return
+    classes = parse_classes(settings.scheduler.classes)
+    state.files = SqlFileStore(state.db)
+    state.batch_store = BatchStore(state.db)
+    state.batch_runner = BatchRunner(
+        app, state.batch_store, state.files, state.keys, settings.batches,
+        lowest_class=classes[-1].name if len(classes) > 1 else None,  # the scheduler's lowest class
+        flush=lambda: state.ledger.flush(timeout=30.0),
+    )
+    state.batch_runner.start()
+
+
+async def stop(app: Any) -> None:
+    runner = app.state.batch_runner
+    if runner is not None:
+        await runner.stop(timeout=min(app.state.settings.http.drain_seconds, 10.0))
