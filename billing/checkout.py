@@ -2,7 +2,8 @@
 
     create_session(account, cents)   a Checkout Session (mode=payment) for that amount; the hosted page's URL
     checkout.session.completed       paid -> one `topup` credit row, external_id = the session id
-    refund.created                   -> one `refund` row (negative), external_id = the refund id
+    refund.created/updated           -> one `refund` row (negative), external_id = the refund id
+    refund.failed (or canceled)      -> that row, and one that gives it back (external_id `<refund id>:failed`)
     recharge_due()                   balance below the account's threshold -> one off-session PaymentIntent
                                      (at most one in flight: a conditional update claims it), credited by its
                                      id; a decline leaves recharge_state `failed` with Stripe's message
@@ -114,6 +115,7 @@ class CheckoutService:
             "checkout.session.async_payment_succeeded": self._session_completed,
             "refund.created": self._refund,
             "refund.updated": self._refund,
+            "refund.failed": self._refund,
             "payment_intent.succeeded": self._intent_event,
             "payment_intent.payment_failed": self._intent_event,
         }
@@ -136,16 +138,20 @@ class CheckoutService:
 
     async def _refund(self, obj: dict[str, Any]) -> Apply | None:
         refund = _plain(await self._stripe.v1.refunds.retrieve_async(obj["id"]))
-        if refund.get("status") not in ("succeeded", "pending") or not refund.get("payment_intent"):
-            return None
+        status = refund.get("status")
+        if status not in ("succeeded", "pending", "failed", "canceled") or not refund.get("payment_intent"):
+            return None  # requires_action: no money has moved yet
         intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(refund["payment_intent"]))
         account_id = _account_of(intent)
         if account_id is None:
             return None
 
         async def apply(conn: AsyncConnection) -> int | None:
-            await insert_credit(conn, self._db, account_id, "refund", -int(refund["amount"]) * NANOS_PER_CENT, refund["id"],
-                                "Stripe refund")
+            nanos = int(refund["amount"]) * NANOS_PER_CENT
+            await insert_credit(conn, self._db, account_id, "refund", -nanos, refund["id"], "Stripe refund")
+            if status in ("failed", "canceled"):  # the money stayed with us: the debit is given back, whichever event came first
+                await insert_credit(conn, self._db, account_id, "refund", nanos, f"{refund['id']}:failed",
+                                    f"Stripe refund {status}: {refund.get('failure_reason') or 'no reason given'}")
             return account_id
 
         return apply
@@ -163,17 +169,21 @@ class CheckoutService:
         return apply
 
     async def _recharge_outcome(self, conn: AsyncConnection, account_id: int, intent: dict[str, Any]) -> None:
+        # The account's pending charge is this intent, also when Stripe's answer to the charge was lost
+        # (its id never stored): the attempt number in its metadata names the claim it was made for.
+        attempt = str((intent.get("metadata") or {}).get("tollgate_recharge") or "")
+        claim = sa.and_(SETTINGS.c.recharge_state == "pending", SETTINGS.c.recharge_count == int(attempt)) if attempt.isdigit() else sa.false()
+        mine = sa.and_(SETTINGS.c.account_id == account_id, sa.or_(SETTINGS.c.recharge_payment_intent == intent["id"], claim))
         if intent.get("status") == "succeeded":
             await insert_credit(conn, self._db, account_id, "topup", int(intent["amount_received"]) * NANOS_PER_CENT, intent["id"],
                                 "auto-recharge")
-            await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == account_id,
-                                                       SETTINGS.c.recharge_payment_intent == intent["id"])
-                               .values(recharge_state="idle", recharge_error=None, updated_at=utcnow()))
+            await conn.execute(SETTINGS.update().where(mine).values(
+                recharge_state="idle", recharge_error=None, recharge_payment_intent=intent["id"], updated_at=utcnow()))
         elif intent.get("status") in ("requires_payment_method", "canceled"):
             error = (intent.get("last_payment_error") or {}).get("message") or intent.get("status")
-            await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == account_id,
-                                                       SETTINGS.c.recharge_payment_intent == intent["id"])
-                               .values(recharge_state="failed", recharge_error=f"auto-recharge declined: {error}", updated_at=utcnow()))
+            await conn.execute(SETTINGS.update().where(mine, SETTINGS.c.recharge_state == "pending").values(  # not after a reset
+                recharge_state="failed", recharge_error=f"auto-recharge declined: {error}", recharge_payment_intent=intent["id"],
+                updated_at=utcnow()))
 
     # auto-recharge -----------------------------------------------------------------------------
     async def recharge_due(self) -> list[int]:

@@ -4,7 +4,7 @@
     topup       +              purchased credit (Stripe Checkout, an admin)
     grant       +              promotional credit, spent before purchased credit; may expire
     usage       -              the account's metered usage, posted in batches (grant_id: the grant it used)
-    refund      -              a refunded top-up
+    refund      -/+            a refunded top-up; + gives back a refund that failed (external_id `<refund id>:failed`)
     expiry      -              the unused rest of an expired grant (grant_id)
     adjustment  +/-            a manual correction with its reason and the admin key that made it
 
