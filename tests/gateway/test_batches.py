@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -19,12 +20,13 @@ from tests.conftest import MODEL, Gateway, start_gateway, stop_server, until
 PRICE = {"input_per_million": "2.000", "output_per_million": "4.000",
          "batch_input_per_million": "1.000", "batch_output_per_million": "2.000"}
 NANOS_IN, NANOS_OUT = 1000, 2000  # the batch price per token, in nano-USD
+MAX_FILE = 64 * 1024
 
 
 @pytest.fixture(scope="module")
 def batch_gateway(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     server, gw = start_gateway(fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-batches"),
-                               batches={"poll_seconds": 0.2, "concurrency": 4})
+                               batches={"poll_seconds": 0.2, "concurrency": 4, "files_max_bytes": MAX_FILE})
     try:
         yield gw
     finally:
@@ -105,3 +107,127 @@ async def test_fifty_line_batch_completes_at_the_batch_price(batch_gateway: Gate
     for r in rows:
         assert r["api"] == "batch" and r["status"] == "completed"
         assert r["cost_nanos"] == r["prompt_tokens"] * NANOS_IN + r["completion_tokens"] * NANOS_OUT, r
+
+
+async def test_anthropic_message_batch_results(batch_gateway: Gateway) -> None:
+    from anthropic import AsyncAnthropic
+
+    gw = batch_gateway
+    await priced(gw)
+    key = (await gw.new_key())["key"]
+    client = AsyncAnthropic(base_url=gw.base_url, api_key=key, max_retries=0, timeout=60)
+    requests = [{"custom_id": f"m-{i}", "params": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"Hi {i}"}]}}
+                for i in range(6)]
+    batch = await client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    assert batch.id.startswith("msgbatch_") and batch.processing_status == "in_progress"
+    got: dict[str, Any] = {}
+
+    async def done() -> bool:
+        got["b"] = await client.messages.batches.retrieve(batch.id)
+        return bool(got["b"].processing_status == "ended")
+
+    await until(done, "message batch ended", timeout=120, every=0.25)
+    assert got["b"].request_counts.succeeded == 6 and got["b"].results_url
+    results = [r async for r in await client.messages.batches.results(batch.id)]
+    assert sorted(r.custom_id for r in results) == [f"m-{i}" for i in range(6)]
+    for r in results:
+        assert r.result.type == "succeeded" and r.result.message.type == "message"  # type: ignore[union-attr]
+    rows = await rows_of(gw, batch.id)
+    assert len(rows) == 6 and all(r["api"] == "batch" for r in rows)
+    assert all(r["cost_nanos"] == r["prompt_tokens"] * NANOS_IN + r["completion_tokens"] * NANOS_OUT for r in rows)
+    listed = await client.messages.batches.list()
+    assert batch.id in [b.id for b in listed.data]
+    other = AsyncAnthropic(base_url=gw.base_url, api_key=(await gw.new_key())["key"], max_retries=0)
+    from anthropic import NotFoundError
+
+    with pytest.raises(NotFoundError):
+        await other.messages.batches.retrieve(batch.id)
+    with pytest.raises(NotFoundError):
+        await other.messages.batches.results(batch.id)
+
+
+async def test_cancel_stops_claiming_lines(batch_gateway: Gateway) -> None:
+    gw = batch_gateway
+    key = (await gw.new_key())["key"]
+    client = openai_client(gw, key)
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(40, max_tokens=8))), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    cancelling = await client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    batch = await ended(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None and batch.cancelling_at is not None
+    ran = batch.request_counts.completed + batch.request_counts.failed
+    assert ran < 40, batch.request_counts
+    errors = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).content.splitlines()]
+    cancelled = [e for e in errors if e["error"] and e["error"]["code"] == "batch_cancelled"]
+    assert len(cancelled) == 40 - ran and all(e["response"] is None for e in cancelled)
+    rows = await rows_of(gw, batch.id)
+    assert len(rows) == ran  # no line that was cancelled ran
+    assert (await client.batches.retrieve(batch.id)).status == "cancelled"
+
+
+async def test_another_account_cannot_see_files_or_batches(batch_gateway: Gateway) -> None:
+    from openai import NotFoundError
+
+    gw = batch_gateway
+    owner = openai_client(gw, (await gw.new_key())["key"])
+    other = openai_client(gw, (await gw.new_key())["key"])
+    uploaded = await owner.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1))), purpose="batch")
+    batch = await owner.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: other.files.retrieve(uploaded.id), lambda: other.files.content(uploaded.id),
+                 lambda: other.files.delete(uploaded.id), lambda: other.batches.retrieve(batch.id),
+                 lambda: other.batches.cancel(batch.id),
+                 lambda: other.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")):
+        with pytest.raises(NotFoundError):
+            await call()
+    assert uploaded.id not in [f.id for f in (await other.files.list()).data]
+    assert batch.id not in [b.id for b in (await other.batches.list()).data]
+    assert batch.id in [b.id for b in (await owner.batches.list()).data]
+    assert (await owner.files.retrieve(uploaded.id)).id == uploaded.id
+    await ended(owner, batch.id)
+
+
+async def test_bad_input_is_refused_in_openai_shape(batch_gateway: Gateway) -> None:
+    import openai
+
+    gw = batch_gateway
+    key = (await gw.new_key())["key"]
+    client = openai_client(gw, key)
+
+    async def refused(status: type[Exception], call: Any, param: str | None = None, code: str | None = None) -> None:
+        with pytest.raises(status) as caught:
+            await call
+        body = caught.value.body  # type: ignore[attr-defined]
+        assert set(body) >= {"message", "type", "param", "code"}, body
+        if param is not None:
+            assert body["param"] == param, body
+        if code is not None:
+            assert body["code"] == code, body
+
+    good = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2))), purpose="batch")
+    broken = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2) + b"{not json\n")), purpose="batch")
+    await refused(openai.BadRequestError, client.batches.create(input_file_id=broken.id, endpoint="/v1/chat/completions",
+                                                                completion_window="24h"), "input_file_id", "invalid_jsonl")
+    wrong_url = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2))), purpose="batch")
+    await refused(openai.BadRequestError, client.batches.create(input_file_id=wrong_url.id, endpoint="/v1/completions",
+                                                                completion_window="24h"), "input_file_id", "invalid_jsonl")
+    await refused(openai.NotFoundError, client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                                                              completion_window="24h"))
+    await refused(openai.BadRequestError, client.batches.create(input_file_id=good.id, endpoint="/v1/images/generations",  # type: ignore[arg-type]
+                                                                completion_window="24h"), "endpoint")
+    await refused(openai.BadRequestError, client.batches.create(input_file_id=good.id, endpoint="/v1/chat/completions",
+                                                                completion_window="48h"), "completion_window")  # type: ignore[arg-type]
+    await refused(openai.BadRequestError, client.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune"),
+                  "purpose", "invalid_purpose")
+    await refused(openai.APIStatusError, client.files.create(file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE + 1))), purpose="batch"),
+                  "file")
+    async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key}"}) as raw:
+        r = await raw.post("/v1/files", files={"file": ("big.jsonl", b"x" * (MAX_FILE + 1))}, data={"purpose": "batch"})
+        assert r.status_code == 413, r.text
+    # A batch's output file has purpose batch_output: it is no batch input.
+    batch = await ended(client, (await client.batches.create(input_file_id=good.id, endpoint="/v1/chat/completions",
+                                                             completion_window="24h")).id)
+    await refused(openai.BadRequestError, client.batches.create(input_file_id=batch.output_file_id, endpoint="/v1/chat/completions",
+                                                                completion_window="24h"), "input_file_id", "invalid_purpose")
+    assert (await client.files.delete(good.id)).deleted
+    await refused(openai.NotFoundError, client.files.retrieve(good.id))
