@@ -194,6 +194,29 @@ def engine() -> Iterator[HFEngine]:
     asyncio.run(eng.stop())
 
 
+async def until(predicate: Any, what: str, timeout: float = 10.0, every: float = 0.02) -> None:
+    """Polls `predicate` (a function, plain or async) until it returns true; fails naming `what`
+    after `timeout` seconds. What tests wait on instead of a sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not so after {timeout}s")
+        await asyncio.sleep(every)
+
+
+async def on_server_loop(app: Any, coro: Any) -> Any:
+    """Runs `coro` on an in-process gateway's own loop (its server thread's, where its Redis and
+    database clients live) and returns its result."""
+    task = app.state.ledger._task  # the ledger writer runs on the server thread's loop
+    assert task is not None and not task.done(), "the ledger writer is not running"
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, task.get_loop()))
+
+
 async def flush_ledger(app: Any, timeout: float = 30.0) -> None:
     """Barrier: returns once every ledger row an in-process gateway recorded before this call is in
     the database (LedgerWriter.flush, run on the server thread's own loop). After it, "no row was

@@ -78,3 +78,30 @@ class EngineIds:
         """(prompt ids prefilled, completion ids yielded) for a finished request."""
         produced = await self.finished(request_id, timeout)
         return produced.prompt, len(produced.ids)
+
+
+class EmbeddedIds:
+    """The token ids an embedding model ran its forward pass on, one list per input, in order (its own
+    [CLS]/[SEP] aside): read off `EmbeddingModel._forward`, below the gateway's counting."""
+
+    def __init__(self) -> None:
+        self.inputs: list[list[int]] = []
+
+    @classmethod
+    def on(cls, model: Any) -> "EmbeddedIds":
+        tap = model.__dict__.get("_test_embedded_ids")
+        if tap is None:
+            tap = cls()
+            forward = model._forward
+
+            def tapped(inputs: list[list[int]]) -> Any:
+                tap.inputs.extend(list(ids) for ids in inputs)
+                return forward(inputs)
+
+            model._forward = tapped
+            model.__dict__["_test_embedded_ids"] = tap
+        return tap  # type: ignore[no-any-return]
+
+    def since(self, mark: int) -> int:
+        """Ids embedded after `mark` (a len(inputs) taken before the request)."""
+        return sum(len(ids) for ids in self.inputs[mark:])

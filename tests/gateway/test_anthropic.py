@@ -52,10 +52,11 @@ async def test_message_answers_like_chat_and_usage_equals_ledger_row(
     assert chat.choices[0].message.content == block.text
     assert (msg.usage.input_tokens, msg.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
 
-    row = await gateway.ledger_row(request_id_of(msg.id))
+    row = await gateway.only_row(request_id_of(msg.id))
     assert (row["status"], row["finish_reason"], row["api"]) == ("completed", "stop", "messages")
     assert (row["account_id"], row["key_id"], row["model"]) == (customer["account_id"], customer["id"], MODEL)
     assert (row["prompt_tokens"], row["completion_tokens"]) == (msg.usage.input_tokens, msg.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(msg.id))  # the engine's own ids
     assert row["ttft_ms"] is not None and row["total_ms"] >= row["ttft_ms"] > 0
     assert (await gateway.ledger_row(chat.id.split("-", 1)[1]))["api"] == "chat"
 
@@ -79,9 +80,10 @@ async def test_stream_events_in_order_and_usage_equals_ledger_row(gateway: Gatew
     assert "".join(d.delta.text for d in deltas) == plain.content[0].text
     assert delta.delta.stop_reason == "end_turn"
 
-    row = await gateway.ledger_row(request_id_of(start.id))
+    row = await gateway.only_row(request_id_of(start.id))
     assert (row["status"], row["api"]) == ("completed", "messages")
     assert (row["prompt_tokens"], row["completion_tokens"]) == (start.usage.input_tokens, delta.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(start.id))
     assert (row["prompt_tokens"], row["completion_tokens"]) == (plain.usage.input_tokens, plain.usage.output_tokens)
 
 
@@ -91,8 +93,9 @@ async def test_stream_helper_final_message(gateway: Gateway, claude: Any) -> Non
         final = await stream.get_final_message()
     assert final.content[0].text == text and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == 12
-    row = await gateway.ledger_row(request_id_of(final.id))
+    row = await gateway.only_row(request_id_of(final.id))
     assert (row["prompt_tokens"], row["completion_tokens"], row["finish_reason"]) == (final.usage.input_tokens, 12, "length")
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(final.id))
 
 
 async def test_max_tokens_and_stop_sequences(gateway: Gateway, claude: Any) -> None:
@@ -105,8 +108,9 @@ async def test_max_tokens_and_stop_sequences(gateway: Gateway, claude: Any) -> N
     assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", " is")
     assert cut.content[0].text == plain.content[0].text.split(" is")[0]
     assert cut.usage.output_tokens < plain.usage.output_tokens
-    row = await gateway.ledger_row(request_id_of(cut.id))
+    row = await gateway.only_row(request_id_of(cut.id))
     assert (row["status"], row["finish_reason"], row["completion_tokens"]) == ("completed", "stop", cut.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(cut.id))
 
     stream = await claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=30, extra_body=GREEDY, stop_sequences=[" is"], stream=True)
     events = [e async for e in stream]

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import Gateway
+from tests.engine_ids import EmbeddedIds
 
 EMB = "all-minilm-l6-v2"
 
@@ -35,6 +36,8 @@ async def test_shapes_usage_and_ledger_row(gateway: Gateway, client_for: Any) ->
     key = await gateway.new_key()
     client = client_for(key["key"])
     texts = ["The cat sat on the mat.", "A kitten is a young cat.", "Quantum chromodynamics describes quarks."]
+    embedded = EmbeddedIds.on(model_of(gateway))
+    mark = len(embedded.inputs)
     resp, rid = await embed_raw(client, input=texts, encoding_format="float")
     assert [d.index for d in resp.data] == [0, 1, 2]
     assert all(len(d.embedding) == 384 for d in resp.data)
@@ -45,8 +48,9 @@ async def test_shapes_usage_and_ledger_row(gateway: Gateway, client_for: Any) ->
     expected = sum(len(model.encode_text(t)) for t in texts)
     assert resp.usage.prompt_tokens == resp.usage.total_tokens == expected
     assert resp.model == EMB
-    row = await gateway.ledger_row(rid)
+    row = await gateway.only_row(rid)
     assert (row["model"], row["prompt_tokens"], row["completion_tokens"], row["status"]) == (EMB, expected, 0, "completed")
+    assert row["prompt_tokens"] == embedded.since(mark)  # the ids the model itself ran on
     assert row["key_id"] == key["id"] and row["cached"] is False
 
     single = await client.embeddings.create(model=EMB, input="hello world", encoding_format="float")

@@ -55,10 +55,11 @@ async def test_create_answers_like_chat_and_usage_equals_ledger_row(
     assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
     assert resp.usage.output_tokens_details.reasoning_tokens == 0
 
-    row = await gateway.ledger_row(request_id_of(resp.id))
+    row = await gateway.only_row(request_id_of(resp.id))
     assert (row["status"], row["finish_reason"], row["api"]) == ("completed", "stop", "responses")
     assert (row["account_id"], row["key_id"], row["model"]) == (customer["account_id"], customer["id"], MODEL)
     assert (row["prompt_tokens"], row["completion_tokens"]) == (resp.usage.input_tokens, resp.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(resp.id))  # the engine's own ids
     assert row["ttft_ms"] is not None and row["total_ms"] >= row["ttft_ms"] > 0
 
     # input as a list of message items with input_text parts: the same prompt as the string.
@@ -83,9 +84,10 @@ async def test_stream_events_in_order_with_sequence_numbers_and_usage_equals_led
     assert all(d.item_id == events[2].item.id and (d.output_index, d.content_index) == (0, 0) for d in deltas)
     assert completed.status == "completed" and completed.usage.output_tokens == plain.usage.output_tokens
 
-    row = await gateway.ledger_row(request_id_of(completed.id))
+    row = await gateway.only_row(request_id_of(completed.id))
     assert (row["status"], row["api"]) == ("completed", "responses")
     assert (row["prompt_tokens"], row["completion_tokens"]) == (completed.usage.input_tokens, completed.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(completed.id))
     assert (row["prompt_tokens"], row["completion_tokens"]) == (plain.usage.input_tokens, plain.usage.output_tokens)
 
     # The SDK's stream helper: text deltas and the final response it assembles.
@@ -93,16 +95,18 @@ async def test_stream_events_in_order_with_sequence_numbers_and_usage_equals_led
         streamed = "".join([e.delta async for e in helper if e.type == "response.output_text.delta"])
         final = await helper.get_final_response()
     assert streamed == final.output_text == plain.output_text
-    row = await gateway.ledger_row(request_id_of(final.id))
+    row = await gateway.only_row(request_id_of(final.id))
     assert (row["prompt_tokens"], row["completion_tokens"]) == (final.usage.input_tokens, final.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(final.id))
 
 
 async def test_max_output_tokens_is_incomplete(gateway: Gateway, client: Any) -> None:
     cut = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=5, temperature=0)
     assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete", "max_output_tokens", 5)
     assert cut.output[0].status == "incomplete"
-    row = await gateway.ledger_row(request_id_of(cut.id))
+    row = await gateway.only_row(request_id_of(cut.id))
     assert (row["status"], row["finish_reason"], row["completion_tokens"]) == ("completed", "length", 5)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(cut.id))
     stream = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=5, temperature=0, stream=True)
     events = [e async for e in stream]
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 5

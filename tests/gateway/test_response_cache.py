@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Gateway, start_gateway
+from gateway.response_cache import ResponseCache
+from tests.conftest import MODEL, Gateway, on_server_loop, start_gateway, until
 
 ON = {"X-Tollgate-Cache": "on"}
 
@@ -44,33 +45,65 @@ async def chat(client: Any, msgs: list[dict[str, str]], headers: dict[str, str] 
     return raw.parse(), raw.headers
 
 
+async def stored(gw: Gateway) -> None:
+    """Barrier: the entries of the misses answered so far are in the store (they are written in the
+    background, after the answer)."""
+    cache = gw.app.state.response_cache
+    await on_server_loop(gw.app, cache.flush())
+    assert not cache._writes, "a response-cache write still pending after flush"
+
+
+def entry_key(account_id: int, msgs: list[dict[str, str]], **params: Any) -> str:
+    """The store key of a chat request as `chat()` sends it (the body's fields but model, as the SDK sends them)."""
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 0, **params}
+    gen = SimpleNamespace(engine_request=SimpleNamespace(extra=body), principal=SimpleNamespace(account_id=account_id),
+                          model=MODEL, kind="chat", api="chat")
+    return ResponseCache.key(gen)  # type: ignore[arg-type]
+
+
+async def held(gw: Gateway, key: str) -> bool:
+    return await on_server_loop(gw.app, gw.app.state.response_cache.get(key)) is not None
+
+
+async def expired(gw: Gateway, key: str) -> None:
+    """Waits until the store no longer holds the entry: its TTL has run out."""
+
+    async def gone() -> bool:
+        return not await held(gw, key)
+
+    await until(gone, "the entry expired", timeout=10.0, every=0.05)
+
+
 async def test_hit_after_miss_is_billed_by_the_rule_and_counted(cache_gw: Gateway, client_for: Any, cache_config: Any) -> None:
     async with cache_gw.admin_client() as admin:
         r = await admin.post("/admin/prices", json={"model": MODEL, "input_per_million": "1.000", "output_per_million": "3.000"})
         assert r.status_code == 201, r.text
-    await asyncio.sleep(0.1)
     client = client_for((await cache_gw.new_key())["key"], cache_gw)
     msgs = messages()
     first, h1 = await chat(client, msgs)
     assert h1.get("x-tollgate-cache") is None
-    row1 = await cache_gw.ledger_row(h1["x-request-id"])
+    row1 = await cache_gw.only_row(h1["x-request-id"])
     assert row1["cached"] is False and row1["cost_nanos"] > 0
-    await asyncio.sleep(0.05)  # the entry is written in the background
+    assert (row1["prompt_tokens"], row1["completion_tokens"]) == await cache_gw.produced.counts(h1["x-request-id"])  # the engine's ids
+    await stored(cache_gw)
 
     second, h2 = await chat(client, msgs)
     assert h2["x-tollgate-cache"] == "hit"
     assert second.choices[0].message.content == first.choices[0].message.content
     assert second.usage.model_dump() == first.usage.model_dump()
     assert second.model == MODEL and second.id != first.id
-    row2 = await cache_gw.ledger_row(h2["x-request-id"])
+    row2 = await cache_gw.only_row(h2["x-request-id"])
     assert row2["cached"] is True and row2["status"] == "completed"
-    assert (row2["prompt_tokens"], row2["completion_tokens"]) == (row1["prompt_tokens"], row1["completion_tokens"])
+    # A hit bills the cached generation's tokens: what the engine produced for the original request.
+    assert (row2["prompt_tokens"], row2["completion_tokens"]) == await cache_gw.produced.counts(h1["x-request-id"])
+    assert h2["x-request-id"] not in cache_gw.produced.requests  # the engine never saw the hit
     assert row2["cost_nanos"] == 0  # default rule: hits are free
 
     cache_config.hit_price = Decimal("0.5")
     third, h3 = await chat(client, msgs)
     assert h3["x-tollgate-cache"] == "hit"
-    row3 = await cache_gw.ledger_row(h3["x-request-id"])
+    row3 = await cache_gw.only_row(h3["x-request-id"])
+    assert (row3["prompt_tokens"], row3["completion_tokens"]) == await cache_gw.produced.counts(h1["x-request-id"])
     assert row3["cached"] is True and row3["cost_nanos"] == int((Decimal(row1["cost_nanos"]) * Decimal("0.5")).quantize(Decimal(1), ROUND_HALF_UP))
 
     async with httpx.AsyncClient(base_url=cache_gw.base_url) as h:
@@ -84,7 +117,7 @@ async def test_no_hit_across_accounts_params_or_nondeterministic(cache_gw: Gatew
     b = client_for((await cache_gw.new_key())["key"], cache_gw)
     msgs = messages()
     await chat(a, msgs)
-    await asyncio.sleep(0.05)
+    await stored(cache_gw)
     assert (await chat(a, msgs))[1].get("x-tollgate-cache") == "hit"
     _, hb = await chat(b, msgs)  # another account: never the first account's entry
     assert hb.get("x-tollgate-cache") is None
@@ -99,7 +132,7 @@ async def test_no_hit_across_accounts_params_or_nondeterministic(cache_gw: Gatew
         assert (await chat(a, msgs, temperature=0.8))[1].get("x-tollgate-cache") is None
     # A fixed seed is deterministic: cached.
     await chat(a, msgs, temperature=0.8, seed=7)
-    await asyncio.sleep(0.05)
+    await stored(cache_gw)
     assert (await chat(a, msgs, temperature=0.8, seed=7))[1].get("x-tollgate-cache") == "hit"
     # The per-model switch, and the per-request bypass.
     cache_config.models = frozenset({MODEL})
@@ -108,13 +141,15 @@ async def test_no_hit_across_accounts_params_or_nondeterministic(cache_gw: Gatew
 
 
 async def test_ttl(cache_gw: Gateway, client_for: Any, cache_config: Any) -> None:
-    cache_config.ttl_seconds = 0.6
-    client = client_for((await cache_gw.new_key())["key"], cache_gw)
+    cache_config.ttl_seconds = 1.5  # room for a hit on a loaded machine; expiry is waited for, not slept
+    key = await cache_gw.new_key()
+    client = client_for(key["key"], cache_gw)
     msgs = messages()
     await chat(client, msgs)
-    await asyncio.sleep(0.05)
+    await stored(cache_gw)
+    assert await held(cache_gw, entry_key(key["account_id"], msgs))  # the key expired() watches is this entry's
     assert (await chat(client, msgs))[1].get("x-tollgate-cache") == "hit"
-    await asyncio.sleep(0.8)
+    await expired(cache_gw, entry_key(key["account_id"], msgs))
     assert (await chat(client, msgs))[1].get("x-tollgate-cache") is None
 
 
@@ -134,7 +169,7 @@ async def test_streamed_replay_equals_original(cache_gw: Gateway, client_for: An
             "stream_options": {"include_usage": True}}
     original, h1 = await collect_stream(cache_gw, key, body)
     assert "x-tollgate-cache" not in h1
-    await asyncio.sleep(0.05)
+    await stored(cache_gw)
     replayed, h2 = await collect_stream(cache_gw, key, body)
     assert h2["x-tollgate-cache"] == "hit"
 
@@ -142,8 +177,9 @@ async def test_streamed_replay_equals_original(cache_gw: Gateway, client_for: An
         return [(e["choices"], e.get("usage"), e["model"], e["object"]) for e in events]
 
     assert strip(replayed) == strip(original)  # the same chunks, in the same order
-    row = await cache_gw.ledger_row(h2["x-request-id"])
+    row = await cache_gw.only_row(h2["x-request-id"])
     assert row["cached"] is True and row["completion_tokens"] == original[-1]["usage"]["completion_tokens"]
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await cache_gw.produced.counts(h1["x-request-id"])
     # The plain request shares the entry and says the same.
     client = client_for(key, cache_gw)
     plain, h3 = await chat(client, body["messages"], max_tokens=10)
@@ -156,20 +192,23 @@ async def test_redis_store_hit_after_miss_and_ttl(redis_gateway: Gateway, client
     config = redis_gateway.app.state.response_cache.config
     assert type(redis_gateway.app.state.response_cache.store).__name__ == "RedisStore"
     saved = config.ttl_seconds
-    config.ttl_seconds = 0.6
+    config.ttl_seconds = 1.5  # room for a hit on a loaded machine; expiry is waited for, not slept
     try:
-        key = (await redis_gateway.new_key())["key"]
-        client = client_for(key, redis_gateway)
+        key = await redis_gateway.new_key()
+        client = client_for(key["key"], redis_gateway)
         msgs = messages()
-        first, _ = await chat(client, msgs)
-        await asyncio.sleep(0.05)
+        first, h1 = await chat(client, msgs)
+        await stored(redis_gateway)
+        assert await held(redis_gateway, entry_key(key["account_id"], msgs))  # the key expired() watches is this entry's
         second, h2 = await chat(client, msgs)
         assert h2["x-tollgate-cache"] == "hit"
         assert second.choices[0].message.content == first.choices[0].message.content
-        assert (await redis_gateway.ledger_row(h2["x-request-id"]))["cached"] is True
+        row = await redis_gateway.only_row(h2["x-request-id"])
+        assert row["cached"] is True
+        assert (row["prompt_tokens"], row["completion_tokens"]) == await redis_gateway.produced.counts(h1["x-request-id"])
         other = client_for((await redis_gateway.new_key())["key"], redis_gateway)
         assert (await chat(other, msgs))[1].get("x-tollgate-cache") is None
-        await asyncio.sleep(0.8)
+        await expired(redis_gateway, entry_key(key["account_id"], msgs))
         assert (await chat(client, msgs))[1].get("x-tollgate-cache") is None
     finally:
         config.ttl_seconds = saved
