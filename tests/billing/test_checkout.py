@@ -8,6 +8,7 @@ clear failed state until it is reset."""
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import uuid
 from collections.abc import Iterator
@@ -76,7 +77,8 @@ def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: Fake
                 stored = fake.sessions[session["id"]]
                 assert stored["metadata"] == {"tollgate_account": str(account)} and stored["amount_total"] == 1234
 
-                completed = fake.complete_session(session["id"])
+                fake.complete_session(session["id"])
+                completed = fake.event_of("checkout.session.completed", session["id"])
                 answers = await asyncio.gather(*(fake.deliver(completed, hook) for _ in range(3)))  # delivered three times
                 assert [a.status_code for a in answers] == [200, 200, 200]
                 assert sum(1 for a in answers if a.json().get("duplicate")) == 2
@@ -150,5 +152,130 @@ def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: Fake
                 assert [s["amount_total"] for s in fake.sessions.values()][-1] == 2500
                 forged = await browser.post("/dashboard/checkout", data={"csrf_token": "nope", "amount": "25.00"})
                 assert forged.status_code in (400, 403) and len(fake.sessions) == before + 1
+
+        run_coro(scenario())
+
+
+def test_stripe_event_sequences_credit_what_stripe_collected_once(fake: FakeStripePayments, fresh_pg_database: Any,
+                                                                  tmp_path: Path) -> None:
+    """Each flow sends every event Stripe sends for it (tests/fakes/stripe_checkout.py), in several
+    orders and each delivered twice (at least once, in any order, is all Stripe promises), and the
+    credit ledger ends at exactly what Stripe collected, net of what it refunded: a card Checkout
+    (its `payment_intent.succeeded` and `charge.succeeded` too), a bank-debit Checkout that
+    completes unpaid and then succeeds or fails, a refund that later fails, an off-session
+    recharge declined for authentication, and one whose answer from Stripe was lost."""
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+
+    async def make() -> tuple[int, str]:
+        db = create_engine(url)
+        try:
+            keys = KeyStore(db, SECRET.encode())
+            account = (await keys.create_account("seq-" + uuid.uuid4().hex[:6]))["id"]
+            return account, (await keys.create_key(account))["key"]
+        finally:
+            await db.dispose()
+
+    account, key = run_coro(make())
+    rng = random.Random(34)
+    with serve(url, tmp_path, **stripe_env(fake)) as app:
+        hook = app.base_url + "/webhooks/stripe"
+
+        async def deliver(events: list[dict[str, Any]], order: str = "shuffled") -> None:
+            """Each event twice: in the order given, reversed or shuffled, the repeats at the end or at once."""
+            sequence = list(events) if order == "as sent" else list(reversed(events)) if order == "reversed" else rng.sample(events, len(events))
+            for event in sequence:
+                assert (await fake.deliver(event, hook)).status_code == 200, event["type"]
+            answers = await asyncio.gather(*(fake.deliver(e, hook) for e in rng.sample(events, len(events))))
+            assert all(a.status_code == 200 and a.json().get("duplicate") for a in answers)
+
+        def collected() -> int:
+            """What Stripe holds of the account's money, in cents: captured charges less refunds not failed."""
+            mine = [c for c in fake.charges.values() if c["metadata"].get("tollgate_account") == str(account)]
+            return sum(c["amount_captured"] - c["amount_refunded"] for c in mine)
+
+        async def scenario() -> None:
+            async with app.admin() as admin, app.as_key(key) as customer:
+                assert (await admin.put(f"/admin/accounts/{account}/billing_mode", json={"billing_mode": "prepaid"})).status_code == 200
+
+                async def balance() -> int:
+                    return int((await customer.get("/v1/billing/balance")).json()["balance_nanos"])
+
+                async def session(cents: int) -> str:
+                    r = await customer.post("/v1/billing/checkout", json={"amount": f"{cents // 100}.{cents % 100:02d}"})
+                    assert r.status_code == 200, r.text
+                    return str(r.json()["id"])
+
+                # card Checkouts: four events each, in three orders
+                for cents, order in ((1234, "as sent"), (2000, "reversed"), (777, "shuffled")):
+                    await deliver(fake.complete_session(await session(cents)), order)
+                assert await balance() == collected() * CENT == (1234 + 2000 + 777) * CENT
+                assert [e["kind"] for e in (await admin.get(f"/admin/accounts/{account}/credits")).json()["entries"]] == ["topup"] * 3
+
+                # a bank debit: completed unpaid (nothing yet), then it settles; or it fails (nothing ever)
+                paid_later, never = await session(5000), await session(900)
+                await deliver(fake.complete_session(paid_later, delayed=True) + fake.complete_session(never, delayed=True))
+                assert await balance() == collected() * CENT == 4011 * CENT
+                await deliver(fake.settle_session(never, succeeded=False) + fake.events_about(never))
+                settled = fake.settle_session(paid_later, succeeded=True)
+                await deliver(settled + [fake.event_of("checkout.session.completed", paid_later)], "reversed")
+                assert await balance() == collected() * CENT == 9011 * CENT
+
+                # a refund that fails later (the card was closed), its events before or after the refund's own
+                intent = fake.sessions[paid_later]["payment_intent"]
+                kept = fake.refund(intent, 1500)
+                await deliver(kept)
+                assert await balance() == collected() * CENT == 7511 * CENT
+                await deliver(fake.fail_refund(kept[0]["data"]["object"]["id"]))
+                assert await balance() == collected() * CENT == 9011 * CENT
+                fake.pend_refunds()
+                late = fake.refund(intent, 1000)
+                fake.pend_refunds(False)
+                failed = fake.fail_refund(late[0]["data"]["object"]["id"], "lost_or_stolen_card")
+                await deliver(failed + late, "as sent")  # the failure arrives first
+                assert await balance() == collected() * CENT == 9011 * CENT
+                refunds = [e for e in (await admin.get(f"/admin/accounts/{account}/credits")).json()["entries"] if e["kind"] == "refund"]
+                assert sorted(e["amount_nanos"] for e in refunds) == sorted([-1500 * CENT, 1500 * CENT, -1000 * CENT, 1000 * CENT])
+
+                # auto-recharge: the bank wants the customer to authenticate, which cannot happen off-session
+                r = await admin.put(f"/admin/accounts/{account}/recharge", json={"recharge_below": "100.00", "recharge_amount": "5.00"})
+                assert r.status_code == 200, r.text
+
+                async def run() -> list[int]:
+                    r = await admin.post("/admin/credits/housekeeping")
+                    assert r.status_code == 200, r.text
+                    return list(r.json()["recharged"])
+
+                async def recharge() -> dict[str, Any]:
+                    return dict((await admin.get(f"/admin/accounts/{account}/credits")).json()["recharge"])
+
+                fake.require_authentication_next()
+                assert await run() == []
+                state = await recharge()
+                assert state["recharge_state"] == "failed" and "requires authentication" in state["recharge_error"], state
+                declined = fake.payment_intents[state["recharge_payment_intent"]]
+                assert declined["status"] == "requires_payment_method"
+                await deliver(fake.events_about(declined["id"], declined["latest_charge"]))
+                assert await balance() == collected() * CENT == 9011 * CENT and (await recharge())["recharge_state"] == "failed"
+                r = await admin.put(f"/admin/accounts/{account}/recharge", json={"recharge_below": "100.00", "recharge_amount": "5.00"})
+                assert r.json()["recharge_state"] == "idle"
+                for event in fake.events_about(declined["id"]):  # redelivered after the reset: the new setting stands
+                    assert (await fake.deliver(fake._event(event["type"], event["data"]["object"]), hook)).status_code == 200
+                assert (await recharge())["recharge_state"] == "idle"
+
+                # the charge succeeds at Stripe but its answer is lost (the call and the SDK's two retries):
+                # pending until its events arrive, which credit it once and free the next charge
+                fake.fail("POST", r"/v1/payment_intents", status=0, times=3)
+                assert await run() == []
+                assert (await recharge())["recharge_state"] == "pending" and await balance() == 9011 * CENT
+                lost = next(pi for pi in reversed(fake.payment_intents.values()) if pi["status"] == "succeeded")
+                await deliver(fake.events_about(lost["id"], lost["latest_charge"]))
+                assert await balance() == collected() * CENT == 9511 * CENT
+                state = await recharge()
+                assert state["recharge_state"] == "idle" and state["recharge_payment_intent"] == lost["id"], state
+                assert len(await run()) == 1  # the next charge is not blocked
+                assert await balance() == collected() * CENT == 10011 * CENT
+                entries = (await admin.get(f"/admin/accounts/{account}/credits")).json()["entries"]
+                assert sum(e["amount_nanos"] for e in entries) == collected() * CENT
 
         run_coro(scenario())

@@ -213,7 +213,7 @@ async def test_credit_notes_never_edit_the_invoice_and_show_on_the_next(db_url: 
             third = (await admin.post(f"/admin/invoices/{a['id']}/credit_notes", json={"amount_cents": 20})).json()
             assert third["number"] == "CN-000003" and third["applies_to"] == "balance"
             customer = fake.customers[fake.invoices[a["stripe"]["invoice_id"]]["customer"]]
-            assert customer["balance"] == -20 and fake.credit_notes[third["stripe"]["stripe_credit_note_id"]]["credit_amount"] == 20
+            assert customer["balance"] == -20 and fake.credit_notes[third["stripe"]["stripe_credit_note_id"]]["_credit_amount"] == 20
 
             note_pdf = pdf_text((await admin.get(f"/admin/credit_notes/{third['id']}/pdf")).content)
             assert "Credit note CN-000003" in note_pdf and a["number"] in note_pdf and "-$0.20" in note_pdf

@@ -1,31 +1,57 @@
 """A FAKE of Stripe's payment objects, added to tests/fakes/stripe_server.py's fake API (Stripe's
-servers cannot run here): Checkout Sessions, PaymentIntents, Charges (implied), Refunds and the
-events they send. Shapes and rules follow Stripe's API reference (2026-10):
+servers cannot run here): Checkout Sessions, PaymentIntents, Charges, Refunds and the events each
+flow sends. Field names and values follow the SDK's object definitions (API version 2026-10-28;
+tests/billing/test_stripe_contract.py checks every object and event the fake makes against them).
+
+Each test helper returns the events its flow emits, in one of the orders Stripe may deliver them
+(Stripe guarantees no order, and delivers at least once: tests shuffle and repeat them):
 
 - POST /v1/checkout/sessions: mode=payment needs success_url and line_items (price_data with
   currency, unit_amount, product_data[name]; quantity); answers a Session with status `open`,
   payment_status `unpaid`, amount_total, `url`, metadata, customer (or customer_creation),
   payment_intent null until the customer pays. GET /v1/checkout/sessions/{id}.
-- The customer paying (test helper `complete_session`) makes a succeeded PaymentIntent (metadata
-  from payment_intent_data[metadata], a saved payment method when setup_future_usage is set), marks
-  the Session `complete`/`paid` and emits `checkout.session.completed`.
+- `complete_session` (the customer pays by card on the hosted page): a succeeded PaymentIntent
+  (metadata from payment_intent_data[metadata], a saved payment method when setup_future_usage is
+  set) and its succeeded Charge; the Session `complete`/`paid`. Events: payment_intent.created,
+  charge.succeeded, payment_intent.succeeded, checkout.session.completed.
+- `complete_session(delayed=True)` (a bank debit: ACH, SEPA): the Session is `complete` but
+  `unpaid`, the PaymentIntent `processing`, the Charge `pending`. Events: payment_intent.created,
+  payment_intent.processing, charge.pending, checkout.session.completed. Later `settle_session`:
+  succeeded -> charge.succeeded, payment_intent.succeeded, checkout.session.async_payment_succeeded
+  (payment_status `paid`); failed -> charge.failed, payment_intent.payment_failed,
+  checkout.session.async_payment_failed (the PaymentIntent back to `requires_payment_method`
+  with `last_payment_error`, the Session still `unpaid`).
 - POST /v1/payment_intents with confirm=true and off_session=true charges a saved payment method:
-  succeeded (and `payment_intent.succeeded`), or, for a declining card (`decline_next`), HTTP 402
-  with a `card_error` (code card_declined) whose error carries the PaymentIntent, which stays
-  `requires_payment_method` with `last_payment_error` (and `payment_intent.payment_failed`).
-- POST /v1/refunds {payment_intent, amount?}: a succeeded Refund (no more than what is left to
-  refund), emitting `refund.created`. GET /v1/refunds/{id}.
+  succeeded (payment_intent.created, charge.succeeded, payment_intent.succeeded), or, for a
+  declining card (`decline_next`) or one whose bank wants the customer to authenticate
+  (`require_authentication_next`: 3-D Secure cannot happen off-session), HTTP 402 with a
+  `card_error` (code card_declined / authentication_required) whose error carries the
+  PaymentIntent, which stays `requires_payment_method` with `last_payment_error`
+  (payment_intent.created, charge.failed, payment_intent.payment_failed). Stripe sends
+  `payment_intent.requires_action` only on-session; an off-session confirm never leaves the
+  PaymentIntent in `requires_action`.
+- POST /v1/refunds {payment_intent, amount?}: a Refund (no more than what is left to refund),
+  `succeeded` or, after `pend_refunds`, `pending`; the Charge's amount_refunded grows. Events:
+  refund.created, charge.refunded. GET /v1/refunds/{id}. `fail_refund` (the card was closed: the
+  money comes back to the merchant's balance): status `failed` with failure_reason, the Charge's
+  amount_refunded shrinks back. Events: refund.updated, refund.failed, charge.refund.updated.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.fakes.stripe_server import FakeStripe, StripeFailure, _int, _metadata, missing
+from tests.fakes.stripe_server import FakeStripe, StripeFailure, _int, _metadata, missing, public
+
+DECLINES = {
+    "card_declined": ("insufficient_funds", "Your card has insufficient funds."),
+    "authentication_required": ("authentication_required", "Your card was declined. This transaction requires authentication."),
+}
 
 
 class FakeStripePayments(FakeStripe):
@@ -33,15 +59,18 @@ class FakeStripePayments(FakeStripe):
         super().__init__(*args, **kwargs)
         self.sessions: dict[str, dict[str, Any]] = {}
         self.payment_intents: dict[str, dict[str, Any]] = {}
+        self.charges: dict[str, dict[str, Any]] = {}
         self.refunds: dict[str, dict[str, Any]] = {}
         self.payment_methods: dict[str, str] = {}  # id -> customer it is attached to
-        self._decline = 0
+        self._declines: list[str] = []  # error codes of the next off-session charges
+        self._refund_status = "succeeded"
         self._arrived: threading.Event | None = None
         self._release: threading.Event | None = None
 
     # test helpers ------------------------------------------------------------------------------
-    def complete_session(self, session_id: str, payment_method: str = "pm_card_visa") -> dict[str, Any]:
-        """The customer pays on the hosted page: the session's `checkout.session.completed` event."""
+    def complete_session(self, session_id: str, payment_method: str = "pm_card_visa", *, delayed: bool = False) -> list[dict[str, Any]]:
+        """The customer pays on the hosted page: by card, or (`delayed`) by a bank debit that
+        settles later (`settle_session`). Returns the flow's events."""
         with self._lock:
             session = self.sessions[session_id]
             assert session["status"] == "open", session["status"]
@@ -51,10 +80,68 @@ class FakeStripePayments(FakeStripe):
             pm = f"{payment_method}_{self._id('pm')}"
             if data.get("setup_future_usage"):
                 self.payment_methods[pm] = session["customer"]
-            intent = self._intent(session["amount_total"], session["currency"], session["customer"], pm, _metadata(data))
+            intent = self._intent(session["amount_total"], session["currency"], session["customer"], pm, _metadata(data),
+                                  "processing" if delayed else "succeeded")
             intent["setup_future_usage"] = data.get("setup_future_usage")
-            session.update(status="complete", payment_status="paid", payment_intent=intent["id"], url=None)
-            return self._event("checkout.session.completed", session)
+            intent["payment_method_types"] = ["us_bank_account"] if delayed else ["card"]
+            charge = self.charges[intent["latest_charge"]]
+            session.update(status="complete", payment_status="unpaid" if delayed else "paid", payment_intent=intent["id"], url=None)
+            created = self._event("payment_intent.created", {**intent, "status": "requires_payment_method", "latest_charge": None})
+            if delayed:
+                return [created, self._event("payment_intent.processing", intent), self._event("charge.pending", charge),
+                        self._event("checkout.session.completed", session)]
+            return [created, self._event("charge.succeeded", charge), self._event("payment_intent.succeeded", intent),
+                    self._event("checkout.session.completed", session)]
+
+    def settle_session(self, session_id: str, *, succeeded: bool) -> list[dict[str, Any]]:
+        """The bank debit of a `delayed` Checkout payment settles (days later, on Stripe)."""
+        with self._lock:
+            session = self.sessions[session_id]
+            intent = self.payment_intents[session["payment_intent"]]
+            charge = self.charges[intent["latest_charge"]]
+            assert intent["status"] == "processing", intent["status"]
+            if succeeded:
+                intent.update(status="succeeded", amount_received=intent["amount"])
+                charge.update(status="succeeded", paid=True, captured=True, amount_captured=charge["amount"],
+                              outcome=self._outcome(None))
+                session["payment_status"] = "paid"
+                return [self._event("charge.succeeded", charge), self._event("payment_intent.succeeded", intent),
+                        self._event("checkout.session.async_payment_succeeded", session)]
+            error = {"type": "invalid_request_error", "code": "payment_method_provider_decline", "decline_code": None,
+                     "message": "The customer's bank account could not be debited.", "param": None,
+                     "charge": charge["id"], "payment_method": {"id": intent["payment_method"], "object": "payment_method"}}
+            intent.update(status="requires_payment_method", last_payment_error=error)
+            charge.update(status="failed", failure_code="payment_method_provider_decline", failure_message=error["message"],
+                          outcome=self._outcome("payment_method_provider_decline"))
+            return [self._event("charge.failed", charge), self._event("payment_intent.payment_failed", intent),
+                    self._event("checkout.session.async_payment_failed", session)]
+
+    def pend_refunds(self, pending: bool = True) -> None:
+        """New refunds stay `pending` (as bank refunds do) instead of succeeding at once."""
+        with self._lock:
+            self._refund_status = "pending" if pending else "succeeded"
+
+    def fail_refund(self, refund_id: str, reason: str = "expired_or_canceled_card") -> list[dict[str, Any]]:
+        """A refund fails after it was created (the card was closed): the money is back in the
+        merchant's balance and the charge can be refunded again."""
+        with self._lock:
+            refund = self.refunds[refund_id]
+            assert refund["status"] in ("pending", "succeeded"), refund["status"]
+            refund.update(status="failed", failure_reason=reason, failure_balance_transaction=self._id("txn"))
+            intent = self.payment_intents[refund["payment_intent"]]
+            intent["_refunded"] -= refund["amount"]
+            charge = self.charges[refund["charge"]]
+            charge["amount_refunded"] -= refund["amount"]
+            charge["refunded"] = False
+            return [self._event("refund.updated", refund), self._event("refund.failed", refund),
+                    self._event("charge.refund.updated", refund)]
+
+    def refund(self, payment_intent: str, amount: int | None = None) -> list[dict[str, Any]]:
+        """A refund made on Stripe's dashboard (POST /v1/refunds), and its events."""
+        with self._lock:
+            before = len(self.events)
+            self._create_refund({"payment_intent": payment_intent, **({"amount": str(amount)} if amount is not None else {})})
+            return self.events[before:]
 
     def hold_charges(self) -> tuple[threading.Event, threading.Event]:
         """Off-session charges wait, outside the fake's lock, until the returned `release` is set;
@@ -78,19 +165,31 @@ class FakeStripePayments(FakeStripe):
     def decline_next(self, times: int = 1) -> None:
         """The next off-session charges are declined by the card's bank."""
         with self._lock:
-            self._decline += times
+            self._declines += ["card_declined"] * times
+
+    def require_authentication_next(self, times: int = 1) -> None:
+        """The card's bank wants the customer to authenticate the next off-session charges."""
+        with self._lock:
+            self._declines += ["authentication_required"] * times
+
+    def event_of(self, kind: str, object_id: str) -> dict[str, Any]:
+        """The latest event of a kind about an object (what Stripe would deliver)."""
+        return next(e for e in reversed(self.events) if e["type"] == kind and e["data"]["object"]["id"] == object_id)
+
+    def events_about(self, *object_ids: str) -> list[dict[str, Any]]:
+        """Every event so far whose object is one of these (a PaymentIntent's flow: it, its charge, its session)."""
+        return [e for e in self.events if e["data"]["object"]["id"] in object_ids]
 
     # routes ------------------------------------------------------------------------------------
     def _route(self, method: str, path: str, params: dict[str, Any]) -> dict[str, Any]:
-        import re
-
         routes = [
             ("POST", r"/v1/checkout/sessions", lambda p: self._create_session(p)),
-            ("GET", r"/v1/checkout/sessions/(?P<id>[^/]+)", lambda p, id: self._public(self._get(self.sessions, "checkout.session", id))),
+            ("GET", r"/v1/checkout/sessions/(?P<id>[^/]+)", lambda p, id: public(self._get(self.sessions, "checkout.session", id))),
             ("POST", r"/v1/payment_intents", lambda p: self._create_intent(p)),
-            ("GET", r"/v1/payment_intents/(?P<id>[^/]+)", lambda p, id: self._public(self._get(self.payment_intents, "payment_intent", id))),
+            ("GET", r"/v1/payment_intents/(?P<id>[^/]+)", lambda p, id: public(self._get(self.payment_intents, "payment_intent", id))),
+            ("GET", r"/v1/charges/(?P<id>[^/]+)", lambda p, id: public(self._get(self.charges, "charge", id))),
             ("POST", r"/v1/refunds", lambda p: self._create_refund(p)),
-            ("GET", r"/v1/refunds/(?P<id>[^/]+)", lambda p, id: self._get(self.refunds, "refund", id)),
+            ("GET", r"/v1/refunds/(?P<id>[^/]+)", lambda p, id: public(self._get(self.refunds, "refund", id))),
         ]
         for verb, pattern, handler in routes:
             match = re.fullmatch(pattern, path)
@@ -99,8 +198,8 @@ class FakeStripePayments(FakeStripe):
         return super()._route(method, path, params)
 
     @staticmethod
-    def _public(session: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in session.items() if not k.startswith("_")}
+    def _public(obj: dict[str, Any]) -> dict[str, Any]:
+        return public(obj)
 
     def _create_session(self, params: dict[str, Any]) -> dict[str, Any]:
         if params.get("mode") not in ("payment", "setup", "subscription"):
@@ -139,21 +238,45 @@ class FakeStripePayments(FakeStripe):
             "customer_creation": params.get("customer_creation"), "client_reference_id": params.get("client_reference_id"),
             "metadata": _metadata(params), "payment_intent": None, "success_url": params["success_url"],
             "cancel_url": params.get("cancel_url"), "url": f"https://checkout.stripe.com/c/pay/{sid}", "created": now,
-            "expires_at": now + 86400, "livemode": False,
+            "expires_at": now + 86400, "livemode": False, "payment_method_types": ["card"],
             "_payment_intent_data": params.get("payment_intent_data") or {},
         }
         self.sessions[sid] = session
-        return self._public(session)
+        return public(session)
+
+    @staticmethod
+    def _outcome(decline: str | None) -> dict[str, Any]:
+        if decline is None:
+            return {"type": "authorized", "network_status": "approved_by_network", "reason": None, "risk_level": "normal",
+                    "seller_message": "Payment complete."}
+        return {"type": "issuer_declined", "network_status": "declined_by_network", "reason": decline, "risk_level": "normal",
+                "seller_message": "The bank did not return any further details with this decline."}
 
     def _intent(self, amount: int, currency: str, customer: str | None, pm: str | None, metadata: dict[str, str],
                 status: str = "succeeded") -> dict[str, Any]:
+        """A PaymentIntent after its confirmation, and the Charge that attempt made."""
+        now = int(time.time())
+        pid, cid = self._id("pi"), self._id("ch")
+        succeeded = status == "succeeded"
         intent = {
-            "id": self._id("pi"), "object": "payment_intent", "amount": amount, "amount_received": amount if status == "succeeded" else 0,
-            "currency": currency, "customer": customer, "payment_method": pm, "status": status, "metadata": metadata,
-            "latest_charge": self._id("ch") if status == "succeeded" else None, "last_payment_error": None,
-            "created": int(time.time()), "livemode": False, "_refunded": 0,
+            "id": pid, "object": "payment_intent", "amount": amount, "amount_capturable": 0,
+            "amount_received": amount if succeeded else 0, "capture_method": "automatic_async",
+            "client_secret": f"{pid}_secret_{self._id('s')[2:]}", "confirmation_method": "automatic", "currency": currency,
+            "customer": customer, "description": None, "payment_method": pm, "payment_method_types": ["card"], "status": status,
+            "metadata": metadata, "latest_charge": cid, "last_payment_error": None, "next_action": None,
+            "setup_future_usage": None, "canceled_at": None, "cancellation_reason": None, "created": now, "livemode": False,
+            "_refunded": 0,
         }
-        self.payment_intents[intent["id"]] = intent
+        self.payment_intents[pid] = intent
+        self.charges[cid] = {
+            "id": cid, "object": "charge", "amount": amount, "amount_captured": amount if succeeded else 0, "amount_refunded": 0,
+            "balance_transaction": self._id("txn") if succeeded else None, "captured": succeeded, "created": now,
+            "currency": currency, "customer": customer, "description": None, "disputed": False, "failure_code": None,
+            "failure_message": None, "livemode": False, "metadata": dict(metadata),
+            "outcome": self._outcome(None) if status != "processing" else None, "paid": succeeded, "payment_intent": pid,
+            "payment_method": pm, "refunded": False,
+            "status": {"succeeded": "succeeded", "processing": "pending"}.get(status, "failed"),
+        }
         return intent
 
     def _create_intent(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -166,19 +289,27 @@ class FakeStripePayments(FakeStripe):
             raise StripeFailure(400, "This fake only charges saved cards off-session: confirm=true and off_session=true.", param="confirm")
         if pm not in self.payment_methods or self.payment_methods[pm] != customer:
             raise StripeFailure(400, f"No such PaymentMethod: '{pm}'", param="payment_method", code="resource_missing")
-        if self._decline:
-            self._decline -= 1
-            intent = self._intent(amount, params.get("currency") or "usd", customer, pm, _metadata(params), "requires_payment_method")
-            error = {"type": "card_error", "code": "card_declined", "decline_code": "insufficient_funds",
-                     "message": "Your card has insufficient funds.", "param": None}
+        currency = params.get("currency") or "usd"
+        if self._declines:
+            code = self._declines.pop(0)
+            decline, message = DECLINES[code]
+            intent = self._intent(amount, currency, customer, pm, _metadata(params), "requires_payment_method")
+            charge = self.charges[intent["latest_charge"]]
+            charge.update(failure_code=code, failure_message=message, outcome=self._outcome(decline))
+            error = {"type": "card_error", "code": code, "decline_code": decline, "message": message, "param": None,
+                     "charge": charge["id"], "payment_method": {"id": pm, "object": "payment_method"}}
             intent["last_payment_error"] = error
-            self._event("payment_intent.payment_failed", self._public(intent))
-            failure = StripeFailure(402, error["message"], type_="card_error", code="card_declined")
-            failure.body["error"].update(decline_code="insufficient_funds", payment_intent=self._public(intent))
+            self._event("payment_intent.created", {**intent, "last_payment_error": None, "latest_charge": None})
+            self._event("charge.failed", charge)
+            self._event("payment_intent.payment_failed", intent)
+            failure = StripeFailure(402, message, type_="card_error", code=code)
+            failure.body["error"].update(decline_code=decline, charge=charge["id"], payment_intent=public(intent))
             raise failure
-        intent = self._intent(amount, params.get("currency") or "usd", customer, pm, _metadata(params))
-        self._event("payment_intent.succeeded", self._public(intent))
-        return self._public(intent)
+        intent = self._intent(amount, currency, customer, pm, _metadata(params))
+        self._event("payment_intent.created", {**intent, "status": "requires_payment_method", "latest_charge": None})
+        self._event("charge.succeeded", self.charges[intent["latest_charge"]])
+        self._event("payment_intent.succeeded", intent)
+        return public(intent)
 
     def _create_refund(self, params: dict[str, Any]) -> dict[str, Any]:
         pid = params.get("payment_intent")
@@ -193,13 +324,14 @@ class FakeStripePayments(FakeStripe):
             raise StripeFailure(400, f"Refund amount (${amount / 100:.2f}) is greater than unrefunded amount on charge "
                                      f"(${left / 100:.2f})", param="amount", code="amount_too_large")
         intent["_refunded"] += amount
+        charge = self.charges[intent["latest_charge"]]
+        charge["amount_refunded"] += amount
+        charge["refunded"] = charge["amount_refunded"] == charge["amount_captured"]
         refund = {"id": self._id("re"), "object": "refund", "amount": amount, "currency": intent["currency"],
-                  "charge": intent["latest_charge"], "payment_intent": pid, "status": "succeeded", "reason": params.get("reason"),
-                  "metadata": _metadata(params), "created": int(time.time())}
+                  "charge": charge["id"], "payment_intent": pid, "status": self._refund_status, "reason": params.get("reason"),
+                  "balance_transaction": self._id("txn"), "failure_balance_transaction": None, "failure_reason": None,
+                  "description": None, "metadata": _metadata(params), "created": int(time.time())}
         self.refunds[refund["id"]] = refund
         self._event("refund.created", refund)
+        self._event("charge.refunded", charge)
         return refund
-
-    def event_of(self, kind: str, object_id: str) -> dict[str, Any]:
-        """The latest event of a kind about an object (what Stripe would deliver)."""
-        return next(e for e in reversed(self.events) if e["type"] == kind and e["data"]["object"]["id"] == object_id)

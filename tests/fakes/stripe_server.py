@@ -19,7 +19,11 @@ Faithful to Stripe's documented behaviour where Tollgate depends on it:
 - credit notes: on open or paid invoices only, at most what is left; first reduce the invoice's
   `amount_remaining` (pre-payment; an invoice left with nothing due is paid), the rest must be
   split exactly into `credit_amount` (to the customer's balance), `refund_amount` and
-  `out_of_band_amount`; numbered per invoice;
+  `out_of_band_amount` (parameters: the note itself shows `out_of_band_amount` and, for a credit,
+  its `customer_balance_transaction`); numbered per invoice;
+- objects carry only the fields of the SDK's class for them in the pinned API version (no
+  invoice `paid` nor `days_until_due`): keys starting `_` are the fake's own bookkeeping, never
+  sent (tests/billing/test_stripe_contract.py);
 - events are signed like Stripe's webhooks: `Stripe-Signature: t=<unix>,v1=<hex HMAC-SHA256 of
   f"{t}.{body}" under the endpoint secret>`.
 """
@@ -52,6 +56,11 @@ class StripeFailure(Exception):
         self.status = status
         self.body = {"error": {"type": type_, "message": message, "param": param, "code": code}}
         self.headers = headers or {}
+
+
+def public(obj: dict[str, Any]) -> dict[str, Any]:
+    """What Stripe shows of a stored object: the fake's own bookkeeping (keys starting `_`) left out."""
+    return {k: v for k, v in obj.items() if not k.startswith("_")}
 
 
 def missing(kind: str, object_id: str, param: str = "id") -> StripeFailure:
@@ -216,7 +225,7 @@ class FakeStripe:
             inv = self.invoices[invoice_id]
             assert inv["status"] == "open", inv["status"]
             now = int(time.time())
-            inv.update(status="paid", paid=True, attempted=True, attempt_count=inv["attempt_count"] + 1,
+            inv.update(status="paid", attempted=True, attempt_count=inv["attempt_count"] + 1,
                        amount_paid=inv["amount_due"], amount_remaining=0)
             inv["status_transitions"]["paid_at"] = now
             return self._event("invoice.paid", inv)
@@ -244,7 +253,7 @@ class FakeStripe:
     def _event(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
         event = {
             "id": self._id("evt"), "object": "event", "api_version": "2026-10-28", "created": int(time.time()),
-            "data": {"object": json.loads(json.dumps(obj))}, "livemode": False, "pending_webhooks": 1,
+            "data": {"object": json.loads(json.dumps(public(obj)))}, "livemode": False, "pending_webhooks": 1,
             "request": {"id": None, "idempotency_key": None}, "type": kind,
         }
         self.events.append(event)
@@ -307,7 +316,7 @@ class FakeStripe:
                 return failure.status, json.dumps(failure.body).encode(), {}, False
             return status, body, {"Idempotent-Replayed": "true", "Idempotency-Key": key}, fault is not None
         try:
-            status, payload = 200, self._route(method, path, decode_form(pairs))
+            status, payload = 200, public(self._route(method, path, decode_form(pairs)))
         except StripeFailure as failure:
             status, payload = failure.status, failure.body
         body = json.dumps(payload).encode()
@@ -508,14 +517,14 @@ class FakeStripe:
         now = int(time.time())
         invoice = {
             "id": self._id("in"), "object": "invoice", "customer": customer, "status": "draft", "number": None,
-            "collection_method": method, "days_until_due": days, "due_date": None,
+            "collection_method": method, "_days_until_due": days, "due_date": None,
             "auto_advance": _bool(params, "auto_advance", False), "currency": params.get("currency", "usd"),
             "description": params.get("description"), "metadata": _metadata(params),
             "subtotal": 0, "total": 0, "amount_due": 0, "amount_paid": 0, "amount_remaining": 0,
             "subtotal_excluding_tax": 0, "total_excluding_tax": 0, "total_taxes": [], "starting_balance": 0,
             "ending_balance": None, "pre_payment_credit_notes_amount": 0, "post_payment_credit_notes_amount": 0,
             "customer_name": None, "customer_email": None, "customer_address": None, "customer_tax_ids": [],
-            "attempted": False, "attempt_count": 0, "paid": False, "next_payment_attempt": None,
+            "attempted": False, "attempt_count": 0, "next_payment_attempt": None,
             "status_transitions": {"finalized_at": None, "paid_at": None, "voided_at": None},
             "lines": {"object": "list", "url": "/v1/invoices/lines", "has_more": False, "data": []},
             "created": now, "livemode": False, "hosted_invoice_url": None,
@@ -579,9 +588,9 @@ class FakeStripe:
                        amount_due=invoice["total"] - applied, amount_remaining=invoice["total"] - applied)
         invoice["hosted_invoice_url"] = f"https://invoice.stripe.test/{invoice['id']}"
         if invoice["collection_method"] == "send_invoice":
-            invoice["due_date"] = now + 86400 * (invoice["days_until_due"] or 0)
+            invoice["due_date"] = now + 86400 * (invoice["_days_until_due"] or 0)
         if invoice["amount_due"] == 0:
-            invoice.update(status="paid", paid=True)
+            invoice["status"] = "paid"
             invoice["status_transitions"]["paid_at"] = now
         else:
             invoice["status"] = "open"
@@ -616,7 +625,8 @@ class FakeStripe:
         note = {
             "id": self._id("cn"), "object": "credit_note", "invoice": invoice_id, "customer": customer["id"],
             "amount": amount, "subtotal": amount, "total": amount, "currency": invoice["currency"], "number": number,
-            "pre_payment_amount": pre, "post_payment_amount": post, "credit_amount": credit, "refund_amount": refund,
+            "pre_payment_amount": pre, "post_payment_amount": post, "_credit_amount": credit, "_refund_amount": refund,
+            "customer_balance_transaction": self._id("cbtxn") if credit else None,
             "out_of_band_amount": out_of_band, "reason": reason, "memo": params.get("memo"), "metadata": _metadata(params),
             "status": "issued", "type": "pre_payment" if post == 0 else ("post_payment" if pre == 0 else "mixed"),
             "created": int(time.time()), "livemode": False,
@@ -627,7 +637,7 @@ class FakeStripe:
         invoice["amount_due"] -= pre
         invoice["amount_remaining"] -= pre
         if invoice["status"] == "open" and invoice["amount_remaining"] == 0:
-            invoice.update(status="paid", paid=True)
+            invoice["status"] = "paid"
             invoice["status_transitions"]["paid_at"] = int(time.time())
         customer["balance"] -= credit  # negative: credit the customer holds
         return note
