@@ -81,18 +81,19 @@ async def test_pool_of_another_tollgate_bills_the_upstream_usage(gateway: Gatewa
     text = await client.completions.create(model="remote-smollm", prompt="The capital of France is", temperature=0, max_tokens=5)
 
     upstream_rows = await upstream_ledger(gateway, upstream_key["id"], expected=3)
-    for request_id, got in ((request_id_of(resp.id), resp.usage), (request_id_of(chunks[0].id), usage), (request_id_of(text.id), text.usage)):
-        row = await gw.ledger_row(request_id)
+    asked = ((request_id_of(resp.id), resp.usage), (request_id_of(chunks[0].id), usage), (request_id_of(text.id), text.usage))
+    for (request_id, got), (upstream_id, *upstream_counts) in zip(asked, upstream_rows):  # both in the order asked
+        row = await gw.only_row(request_id)
         assert row["model"] == "remote-smollm" and row["status"] == "completed"
         assert row["estimated"] is False
         assert (row["prompt_tokens"], row["completion_tokens"]) == (got.prompt_tokens, got.completion_tokens)
-        # exactly what the upstream Tollgate metered from its engine's token ids
-        assert (row["prompt_tokens"], row["completion_tokens"]) in upstream_rows
+        # exactly what the upstream Tollgate's engine produced for it (its own ids), and metered
+        assert (row["prompt_tokens"], row["completion_tokens"]) == tuple(upstream_counts) == await gateway.produced.counts(upstream_id)
     # The gateway's own estimate (cl100k) of the prompt differs from SmolLM's count: the bill is the upstream's.
     assert resp.usage.prompt_tokens != len(gw.engines()["remote-smollm"].encode_chat(QUESTION))
 
 
-async def upstream_ledger(gateway: Gateway, key_id: int, expected: int) -> set[tuple[int, int]]:
+async def upstream_ledger(gateway: Gateway, key_id: int, expected: int) -> list[tuple[str, int, int]]:
     deadline = time.monotonic() + 10
     while await gateway.ledger_count(key_id=key_id) < expected:
         assert time.monotonic() < deadline
@@ -103,11 +104,13 @@ async def upstream_ledger(gateway: Gateway, key_id: int, expected: int) -> set[t
     db = create_engine(gateway.db_url)
     try:
         async with db.connect() as conn:
-            rows = (await conn.execute(sa.text("SELECT model, prompt_tokens, completion_tokens FROM ledger_entries WHERE key_id = :k"), {"k": key_id})).all()
+            rows = (await conn.execute(sa.text(
+                "SELECT request_id, model, prompt_tokens, completion_tokens FROM ledger_entries WHERE key_id = :k ORDER BY admitted_at"),
+                {"k": key_id})).all()
     finally:
         await db.dispose()
     assert {r.model for r in rows} == {MODEL}  # `model` was rewritten to the upstream's name
-    return {(r.prompt_tokens, r.completion_tokens) for r in rows}
+    return [(r.request_id, r.prompt_tokens, r.completion_tokens) for r in rows]
 
 
 # what goes upstream, and what comes back ----------------------------------------------------------
@@ -189,7 +192,7 @@ async def test_upstream_usage_is_billed(upstreams: Any, tollgate_with: Any) -> N
     stream = await client.chat.completions.create(model="pool", messages=QUESTION, stream=True, stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (1234, 77)
-    row = await gw.ledger_row(request_id_of(chunks[0].id))
+    row = await gw.only_row(request_id_of(chunks[0].id))
     assert (row["prompt_tokens"], row["completion_tokens"], row["estimated"]) == (1234, 77, False)
     assert row["ttft_ms"] is not None and row["ttft_ms"] > 0
 
@@ -202,7 +205,7 @@ async def test_upstream_usage_is_billed(upstreams: Any, tollgate_with: Any) -> N
     assert all(c.usage is None for c in plain)
     assert up.requests[-1].body["stream_options"] == {"include_usage": True}
     for request_id, expected in ((request_id_of(resp.id), (55, 5)), (request_id_of(plain[0].id), (66, 6))):
-        row = await gw.ledger_row(request_id)
+        row = await gw.only_row(request_id)
         assert (row["prompt_tokens"], row["completion_tokens"], row["estimated"]) == (*expected, False)
 
 
