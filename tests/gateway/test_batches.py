@@ -231,3 +231,39 @@ async def test_bad_input_is_refused_in_openai_shape(batch_gateway: Gateway) -> N
                                                                 completion_window="24h"), "input_file_id", "invalid_purpose")
     assert (await client.files.delete(good.id)).deleted
     await refused(openai.NotFoundError, client.files.retrieve(good.id))
+
+
+@pytest.fixture(scope="module")
+def short_window_gateway(engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """On SQLite (the embedded default), every batch's window 4 s long."""
+    tmp = tmp_path_factory.mktemp("gw-batches-sqlite")
+    server, gw = start_gateway(f"sqlite:///{tmp / 'tollgate.db'}", engine, tmp,
+                               batches={"poll_seconds": 0.2, "concurrency": 2, "window_seconds": 4.0})
+    try:
+        yield gw
+    finally:
+        stop_server(server)
+
+
+async def test_a_batch_its_quota_stops_expires_with_the_rest_in_the_error_file(short_window_gateway: Gateway) -> None:
+    gw = short_window_gateway
+    limit = 120  # tokens this month: a few lines' worth (each reserves its prompt + max_tokens)
+    key = await gw.new_key()
+    async with gw.admin_client() as c:
+        assert (await c.patch(f"/admin/keys/{key['id']}", json={"limits": {"monthly_tokens": limit}})).status_code == 200
+    client = openai_client(gw, key["key"])
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(30, max_tokens=4))), purpose="batch")
+    started = time.monotonic()
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = await ended(client, batch.id, timeout=60)
+    assert batch.status == "expired" and batch.expired_at is not None, batch
+    assert time.monotonic() - started >= 3.5  # it waited for its window, retrying the refused lines
+    ran = batch.request_counts.completed
+    errors = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).content.splitlines()]
+    expired = [e["custom_id"] for e in errors if e["error"] and e["error"]["code"] == "batch_expired"]
+    assert expired and ran + len(expired) == 30, (ran, len(expired), errors[:2])
+    output = [json.loads(x) for x in (await client.files.content(batch.output_file_id)).content.splitlines()] if ran else []
+    assert sorted([*expired, *(x["custom_id"] for x in output)]) == sorted(f"req-{i}" for i in range(30))
+    rows = await rows_of(gw, batch.id)
+    assert len(rows) == ran  # a line refused by the quota has no row; one that ran has one
+    assert sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows) <= limit  # its lines counted against the quota
