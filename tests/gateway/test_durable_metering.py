@@ -94,9 +94,14 @@ async def keep_loading(base_url: str, key: str, stop: asyncio.Event, out: list[O
 
 
 async def ledger_ids(db_url: str, key_id: int) -> dict[str, dict[str, Any]]:
+    """The key's ledger rows by request id, after asserting that no request id has two rows in the
+    whole ledger (the table's unique key is (request_id, admitted_at): a second row is possible)."""
     db = create_engine(db_url)
     try:
         async with db.connect() as conn:
+            doubled = (await conn.execute(sa.text(
+                "SELECT request_id, count(*) AS n FROM ledger_entries GROUP BY request_id HAVING count(*) > 1"))).all()
+            assert not doubled, f"requests with more than one ledger row: {[(r.request_id, r.n) for r in doubled][:10]}"
             rows = (await conn.execute(sa.text("SELECT * FROM ledger_entries WHERE key_id = :k"), {"k": key_id})).all()
         return {r.request_id: dict(r._mapping) for r in rows}
     finally:
