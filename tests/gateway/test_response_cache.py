@@ -112,6 +112,21 @@ async def test_hit_after_miss_is_billed_by_the_rule_and_counted(cache_gw: Gatewa
     assert "tollgate_response_cache_hit_ratio" in text
 
 
+async def test_a_hit_bills_the_cached_generations_own_ids(cache_gw: Gateway, client_for: Any) -> None:
+    client = client_for((await cache_gw.new_key())["key"], cache_gw)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    _, h1 = await chat(client, question, stop=[" is"], max_tokens=30)
+    produced = await cache_gw.produced.finished(h1["x-request-id"])
+    # The stop string's token is generated and billed but not sent: the text alone would count one less.
+    assert len(cache_gw.engine.encode_text(produced.text)) != len(produced.ids), (produced.text, produced.ids)
+    await stored(cache_gw)
+    hit, h2 = await chat(client, question, stop=[" is"], max_tokens=30)
+    assert h2["x-tollgate-cache"] == "hit"
+    row = await cache_gw.only_row(h2["x-request-id"])
+    assert row["cached"] is True
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (hit.usage.prompt_tokens, hit.usage.completion_tokens) == (produced.prompt, len(produced.ids))
+
+
 async def test_no_hit_across_accounts_params_or_nondeterministic(cache_gw: Gateway, client_for: Any, cache_config: Any) -> None:
     a = client_for((await cache_gw.new_key())["key"], cache_gw)
     b = client_for((await cache_gw.new_key())["key"], cache_gw)
