@@ -20,6 +20,10 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
+# An end the engine's source reports that clients know only as "length" (the answer was cut short):
+# the ledger records it as it came (EngineOutput.recorded_finish).
+FINISH_TIMEOUT = "timeout"
+FINISH_UPSTREAM_CANCELLED = "cancelled"
 
 
 # transformers' from_pretrained patches process-global state while it builds a model (meta-device
@@ -116,6 +120,9 @@ class EngineOutput:
     cached_tokens: int | None = None
     # The stop string that ended the request (finish_reason "stop"), when the engine says which.
     stop_sequence: str | None = None
+    # What the ledger records instead of finish_reason: the engine's source ended the request early
+    # (FINISH_TIMEOUT, or FINISH_UPSTREAM_CANCELLED while the client was still there); the client sees "length".
+    recorded_finish: str | None = None
     # Every choice of a request with n > 1, on the final output of a non-streamed one: the whole
     # choice objects (`message` or `text`, each with its `index`), in order. Streamed, each output
     # carries one choice's chunk in `raw_choice` instead.

@@ -44,8 +44,10 @@ from engines.openai_stream import (
     TokenCounter,
     delta_is_empty,
     normalized_finish,
+    recorded_finish,
 )
 from engines.upstream_http import Inbox, LeanExchange, UpstreamPool
+from engines.scheduler import DEFAULT_CLASSES
 from engines.upstream_params import ParamPolicy, ParamRefused
 
 log = logging.getLogger("tollgate.engines.openai")
@@ -54,6 +56,17 @@ log = logging.getLogger("tollgate.engines.openai")
 CLIENT_ERRORS = {400, 413, 422}
 # Statuses that mean "busy": try another replica, but do not count towards ejection.
 BUSY = {408, 429}
+# trtllm-serve answers every exception of a chat/completion handler as a 400 BadRequestError with
+# the exception's text (openai_server.py create_error_response(str(e))), a dead executor's too:
+# generate_async raises RuntimeError("LLM is shutting down") once the executor is gone. Matched at
+# the start of the message only, so that a client's own text echoed in a validation error cannot
+# eject a replica.
+DEAD_ENGINE_MESSAGES = ("LLM is shutting down", "EngineDeadError")
+
+
+def engine_is_dead(message: str) -> bool:
+    """Whether an upstream's 400 message says its engine is gone (a replica failure, not a bad request)."""
+    return message.lstrip().startswith(DEAD_ENGINE_MESSAGES)
 
 
 @dataclass
@@ -335,6 +348,7 @@ class OpenAIPoolEngine(Engine):
         self.counter = TokenCounter(tokenizer)
         # Which client fields go upstream (models.yaml `params:`, engines/upstream_params.py).
         self.params = ParamPolicy.from_config(params)
+        self.params.use_classes(tuple(c.name for c in DEFAULT_CLASSES))  # the gateway's, once wired
         self.retries = retries
         self.first_token_timeout = first_token_timeout
         self.idle_timeout = idle_timeout
@@ -356,6 +370,10 @@ class OpenAIPoolEngine(Engine):
         self._health_task: asyncio.Task[None] | None = None
         self._live: dict[str, _Live] = {}
         self._ready = False
+
+    def use_classes(self, names: tuple[str, ...]) -> None:
+        """The gateway's scheduling classes, highest first: what `params.priority: by_class` maps."""
+        self.params.use_classes(names)
 
     # lifecycle --------------------------------------------------------------------------------
     @property
@@ -490,6 +508,9 @@ class OpenAIPoolEngine(Engine):
                 body["messages"] = request.messages
             else:
                 body["prompt"] = request.prompt if request.prompt is not None else request.prompt_token_ids
+        priority = self.params.upstream_priority(request.priority)
+        if priority is not None:
+            body["priority"] = priority  # the account's scheduling class, in the upstream's terms
         body["model"] = self.upstream_model
         body["stream"] = True
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -675,6 +696,7 @@ class OpenAIPoolEngine(Engine):
                     text = self._text_of(finish, chat) if finish else ""
                     final = self._final(reason, text, raw, prompt_estimate, merged, usage)
                     final.before, final.first_token_at = batch or None, first_at
+                    final.recorded_finish = recorded_finish(finish.get("finish_reason")) if finish else None
                     yield final
                     return
                 # an error: retry elsewhere while no output has come from this replica, else end the
@@ -693,6 +715,11 @@ class OpenAIPoolEngine(Engine):
 
     def _raise_for_status(self, replica: Replica, status: int, raw: bytes) -> None:
         message, param, code = upstream_error_message(raw)
+        if status == 400 and engine_is_dead(message):
+            # Not the request's fault and not going to pass: out of rotation now, another replica tries.
+            self.pool.failed(replica, f"HTTP 400, engine dead: {message[:200]}")
+            self.pool.eject(replica, f"engine dead: {message[:200]}")
+            raise _Retryable(f"{replica.label}: its engine is not running")
         if status in CLIENT_ERRORS:
             self.pool.succeeded(replica)  # the replica works; the request was wrong
             raise EngineRequestRejected(message, status_code=413 if status == 413 else 400, param=param, code=code)

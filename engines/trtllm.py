@@ -39,6 +39,7 @@ from engines.base import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     FINISH_STOP,
+    FINISH_TIMEOUT,
     Engine,
     EngineError,
     EngineOutput,
@@ -891,6 +892,7 @@ class TRTLLMEngine(Engine):
         reason = FINISH_REASONS.get(step.finish_reason or "", FINISH_STOP)
         if reason == FINISH_CANCELLED:
             return EngineOutput("", step.token_ids, reason, step.prompt_tokens, step.count)
+        early = FINISH_TIMEOUT if step.finish_reason == "timeout" else None  # the client sees `length`, the row `timeout`
         # The final increment: TensorRT-LLM has already cut a stop string it found in the text,
         # and trimmed the ids of one it matched on tokens (the text keeps what streamed before).
         text = stops.push(step.text)
@@ -903,7 +905,7 @@ class TRTLLMEngine(Engine):
             self._abort_after_finish(result)
         else:
             text += stops.flush()
-        return EngineOutput(text, step.token_ids, reason, step.prompt_tokens, step.count)
+        return EngineOutput(text, step.token_ids, reason, step.prompt_tokens, step.count, recorded_finish=early)
 
     @staticmethod
     def _abort_after_finish(result: Any) -> None:

@@ -269,7 +269,8 @@ async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: As
                 usable = usable and part.raw_choice is None
             texts.append(out.text)
             usable = usable and out.raw_choice is None and out.error is None
-            if out.finished and usable and out.finish_reason in (FINISH_STOP, FINISH_LENGTH) and not gen.cancel_requested:
+            if (out.finished and usable and out.finish_reason in (FINISH_STOP, FINISH_LENGTH) and out.recorded_finish is None
+                    and not gen.cancel_requested):
                 cache.put_later(key, {
                     "texts": texts,
                     "finish_reason": out.finish_reason,

@@ -28,7 +28,7 @@ from tests.engines.test_openai_pool import QUESTION, client_of, pool_yaml, reque
 from tests.fakes.upstream import Behaviour
 
 # What an OpenAI SDK client may send that trtllm-serve's ChatCompletionRequest does not declare.
-OPENAI_ONLY = {"metadata": {"team": "a"}, "store": False, "parallel_tool_calls": False, "service_tier": "auto"}
+OPENAI_ONLY = {"metadata": {"team": "a"}, "store": False, "prompt_cache_key": "k", "service_tier": "auto"}
 
 
 def trtllm_like(up: Any) -> None:

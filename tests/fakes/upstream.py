@@ -34,6 +34,7 @@ class Behaviour:
     finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
     error_event_after: int | None = None  # after this many chunks, send an `error` event and end
     ending: str = "done"  # after the finish (and usage): "done" sends [DONE], "eof" just ends the body, "drop" breaks it
+    error_body: dict[str, Any] | None = None  # with a status: this body as it is (e.g. trtllm-serve's ErrorResponse)
 
 
 @dataclass
@@ -109,7 +110,8 @@ class ScriptedUpstream:
                 if seen.disconnected_at is not None:
                     return
             if behaviour.status != 200:
-                await _json(send, behaviour.status, {"error": {"message": behaviour.error_message, "type": "scripted", "param": "tools", "code": "scripted"}})
+                await _json(send, behaviour.status, behaviour.error_body or
+                            {"error": {"message": behaviour.error_message, "type": "scripted", "param": "tools", "code": "scripted"}})
                 return
             if not seen.body.get("stream"):
                 await self._whole(send, seen, behaviour, chat)
@@ -186,24 +188,31 @@ class ScriptedUpstream:
         await emit([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish} if chat else
                     {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}])
         if behaviour.usage and (seen.body.get("stream_options") or {}).get("include_usage"):
-            await emit([], usage=self._usage(behaviour, len(pieces)))
+            await emit([], usage=self._usage(behaviour, len(pieces), seen.body))
         if behaviour.ending == "drop":
             raise ConnectionAbortedError("scripted connection drop after the finish")
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if behaviour.ending == "done" else b"", "more_body": False})
         seen.finished = True
 
     @staticmethod
-    def _usage(behaviour: Behaviour, completion: int) -> dict[str, int]:
+    def _usage(behaviour: Behaviour, completion: int, body: dict[str, Any]) -> dict[str, int]:
         usage = dict(behaviour.usage) if isinstance(behaviour.usage, dict) else {"prompt_tokens": 17, "completion_tokens": completion}
+        # What a real server would bill for the engine-level fields it honours: a token-id prompt
+        # instead of the messages (trtllm-serve), best_of sequences each generating (trtllm-serve chat).
+        if isinstance(body.get("prompt_token_ids"), list):
+            usage["prompt_tokens"] = len(body["prompt_token_ids"])
+        if isinstance(body.get("best_of"), int) and body["best_of"] > 1:
+            usage["completion_tokens"] *= body["best_of"]
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return usage
 
     async def _whole(self, send: Send, seen: Seen, behaviour: Behaviour, chat: bool) -> None:
         text = "".join(behaviour.tokens)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat else \
-            {"index": 0, "text": text, "finish_reason": "stop"}
+        finish = behaviour.finish_reason or "stop"
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat else \
+            {"index": 0, "text": text, "finish_reason": finish}
         body = {"id": "cmpl-scripted", "object": "chat.completion" if chat else "text_completion", "model": seen.body.get("model"),
-                "choices": [choice], "usage": self._usage(behaviour, len(behaviour.tokens))}
+                "choices": [choice], "usage": self._usage(behaviour, len(behaviour.tokens), seen.body)}
         await _json(send, 200, body)
         seen.finished = True
 
