@@ -7,7 +7,8 @@
     batch_lines   one line of a batch: its request body, its state (pending -> claimed -> done)
                   and, once done, what it answered. A line is claimed (durably) before it runs and
                   its ledger row's request_id is `<batch id>-<line index>`, so a restart never runs
-                  nor bills a line twice (gateway/batches/runner.py)
+                  nor bills a line twice (gateway/batches/runner.py); one runner at a time holds a
+                  batch (`runner_id`, `lease_until`)
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class Batch(SQLModel, table=True):
     expired_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
     cancelling_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
     cancelled_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
+    # The runner that drives it (one at a time, across processes) and until when its lease holds.
+    runner_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
+    lease_until: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
 
 
 class BatchLine(SQLModel, table=True):

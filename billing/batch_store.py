@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,6 +23,10 @@ LINES = BatchLine.__table__
 LEDGER = LedgerEntry.__table__
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+class LeaseHeld(RuntimeError):
+    """Another runner drives this batch now."""
 
 
 def new_batch_id(prefix: str = "batch_") -> str:
@@ -104,6 +108,27 @@ class BatchStore:
             done = await conn.execute(BATCHES.update().where(BATCHES.c.id == batch_id, BATCHES.c.status.in_(from_))
                                       .values(status=status, **stamp, **values))
         return bool(done.rowcount)
+
+    async def lease(self, batch_id: str, runner_id: str, seconds: float) -> str | None:
+        """Takes or renews the batch for `runner_id` for `seconds`, unless another runner's lease
+        still holds. Returns the runner that held it before (None: nobody, or this one), or raises
+        LeaseHeld."""
+        now = utcnow()
+        async with self._db.begin() as conn:
+            before = (await conn.execute(sa.select(BATCHES.c.runner_id).where(BATCHES.c.id == batch_id))).scalar()
+            done = await conn.execute(BATCHES.update().where(
+                BATCHES.c.id == batch_id,
+                sa.or_(BATCHES.c.runner_id.is_(None), BATCHES.c.runner_id == runner_id, BATCHES.c.lease_until < now),
+            ).values(runner_id=runner_id, lease_until=now + timedelta(seconds=seconds)))
+        if not done.rowcount:
+            raise LeaseHeld(batch_id)
+        return None if before == runner_id else before
+
+    async def unlease(self, batch_id: str, runner_id: str) -> None:
+        """Lets go of the batch at once (a clean shutdown): the next runner need not wait for the lease."""
+        async with self._db.begin() as conn:
+            await conn.execute(BATCHES.update().where(BATCHES.c.id == batch_id, BATCHES.c.runner_id == runner_id)
+                               .values(lease_until=utcnow()))
 
     async def pending(self, batch_id: str, limit: int) -> list[Line]:
         async with self._db.connect() as conn:

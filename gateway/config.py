@@ -202,6 +202,7 @@ class BatchSettings:
     concurrency: int = 4  # lines of batches in flight at once, per process
     poll_seconds: float = 1.0  # how often the runner looks for batches to run
     window_seconds: float | None = None  # set: every batch's window, whatever completion_window says (tests, demos)
+    lease_seconds: float = 15.0  # a runner's hold on a batch; a restarted or other process takes it over once it lapses
 
 
 @dataclass(frozen=True)
@@ -477,6 +478,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             concurrency=max(1, _env_int(env, "TOLLGATE_BATCH_CONCURRENCY", 4)),
             poll_seconds=_env_float(env, "TOLLGATE_BATCH_POLL_SECONDS", 1.0),
             window_seconds=_env_float(env, "TOLLGATE_BATCH_WINDOW_SECONDS", 0.0) or None,
+            lease_seconds=max(1.0, _env_float(env, "TOLLGATE_BATCH_LEASE_SECONDS", 15.0)),
         ),
         billing=BillingConfig.from_mapping(env),
         dashboards=DashboardSettings(
@@ -517,7 +519,7 @@ TOLLGATE_METRICS_TOKEN TOLLGATE_RESPONSES_RETENTION_DAYS TOLLGATE_WORKERS TOLLGA
 TOLLGATE_CACHE_TTL TOLLGATE_CACHE_HIT_PRICE TOLLGATE_CACHE_MODELS
 TOLLGATE_EMBEDDINGS TOLLGATE_EMBEDDING_MODEL TOLLGATE_EMBEDDING_MODEL_PATH TOLLGATE_EMBEDDING_BATCH TOLLGATE_EMBEDDING_BATCH_WAIT_MS
 TOLLGATE_BATCHES TOLLGATE_FILES_MAX_BYTES TOLLGATE_BATCH_MAX_LINES TOLLGATE_BATCH_CONCURRENCY TOLLGATE_BATCH_POLL_SECONDS
-TOLLGATE_BATCH_WINDOW_SECONDS
+TOLLGATE_BATCH_WINDOW_SECONDS TOLLGATE_BATCH_LEASE_SECONDS
 TOLLGATE_CREDITS_CHECK_SECONDS TOLLGATE_CREDITS_SETTLE_SECONDS TOLLGATE_LOG_FORMAT TOLLGATE_LOG_LEVEL TOLLGATE_GC_GEN0
 TOLLGATE_BILLING_AUTO_CLOSE TOLLGATE_BILLING_CLOSE_DELAY_SECONDS TOLLGATE_BILLING_CHECK_SECONDS TOLLGATE_BILLING_LOOKBACK_MONTHS
 TOLLGATE_BILLING_GRACE_SECONDS TOLLGATE_BILLING_STATE_REFRESH_SECONDS

@@ -3,6 +3,10 @@ batch through the route of their endpoint, as the app's own request: the same au
 result (the batch's key), parsing, admission (gateway/metering.py: Meter.admit), engine and ledger
 row as any request, in the scheduler's lowest class and at the batch price (gateway/batches/line.py).
 
+One runner drives a batch at a time, on a lease in its row that it renews (TOLLGATE_BATCH_LEASE_SECONDS):
+another process (a worker, another instance, the same server restarted) takes it over only once
+the lease has lapsed, so the lines it finds claimed are not running anywhere.
+
 Restart safety: a line is claimed durably before it runs, and its request id (so its ledger row's)
 is `<batch id>-<line index>`. A run that stopped leaves claimed lines; the next one, once the
 ledger has the rows its journal replayed, finds each claimed line's row: a line with a row ran (in
@@ -18,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +30,7 @@ import orjson
 from starlette.requests import Request
 from starlette.routing import Route
 
-from billing.batch_store import BatchStore, Line
+from billing.batch_store import BatchStore, LeaseHeld, Line
 from billing.files import FileStore
 from billing.keys import KeyStore
 from billing.models import utcnow
@@ -57,6 +62,7 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._endpoints: dict[str, Any] = {}
+        self.runner_id = uuid.uuid4().hex  # this process's runner, in the leases it holds
 
     def start(self) -> None:
         self._endpoints = {r.path: r.endpoint for r in self._app.routes
@@ -84,7 +90,11 @@ class BatchRunner:
         while not self._stopping:
             try:
                 for batch_id in await self._store.active():
-                    if batch_id not in self._jobs:
+                    if batch_id not in self._jobs and not self._stopping:
+                        try:
+                            await self._store.lease(batch_id, self.runner_id, self._settings.lease_seconds)
+                        except LeaseHeld:
+                            continue  # another runner drives it
                         self._jobs[batch_id] = asyncio.get_running_loop().create_task(self._job(batch_id), name=f"batch-{batch_id}")
             except Exception as exc:  # the database is out: the next round tries again
                 log.warning("could not list active batches: %s", type(exc).__name__)
@@ -109,12 +119,22 @@ class BatchRunner:
         return float(batch["expires_at"].timestamp())
 
     async def _drive(self, batch_id: str) -> None:
+        """Runs the batch while this runner holds its lease; no line of it is in flight anywhere
+        when this starts (a lapsed lease, or this process's own earlier job, which awaited its lines)."""
         await self._recover(batch_id)
         await self._store.move(batch_id, "in_progress", from_=("validating",))
         running: dict[asyncio.Task[float | None], Line] = {}
         retry_at = 0.0
+        renewed = time.monotonic()
         try:
             while True:
+                if time.monotonic() - renewed > self._settings.lease_seconds / 3:
+                    try:
+                        await self._store.lease(batch_id, self.runner_id, self._settings.lease_seconds)
+                    except LeaseHeld:  # it lapsed (this process stalled) and another runner took it
+                        log.warning("batch %s: lease lost; leaving it to the runner that took it", batch_id)
+                        return
+                    renewed = time.monotonic()
                 batch = await self._store.get(batch_id)
                 if batch is None:
                     return
@@ -127,6 +147,7 @@ class BatchRunner:
                         await asyncio.wait(list(running))
                         running.clear()
                     if self._stopping:
+                        await self._store.unlease(batch_id, self.runner_id)
                         return
                     if ending != "completed":
                         await self._store.end_pending(batch_id, "canceled" if ending == "cancelled" else "expired")
@@ -156,6 +177,8 @@ class BatchRunner:
         finally:
             for task in running:
                 task.cancel()
+            if running:  # their rows are recorded before the next job judges their lines
+                await asyncio.gather(*running, return_exceptions=True)
 
     async def _principal(self, batch: dict[str, Any]) -> Any:
         principal = await self._keys.principal_of_key(batch["key_id"])

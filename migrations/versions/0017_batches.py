@@ -68,6 +68,8 @@ def upgrade() -> None:
         _ts("expired_at"),
         _ts("cancelling_at"),
         _ts("cancelled_at"),
+        sa.Column("runner_id", sa.String(40), nullable=True),
+        _ts("lease_until"),
     )
     op.create_index("ix_batches_account_created", "batches", ["account_id", "created_at"])
     op.create_index("ix_batches_status", "batches", ["status"])
