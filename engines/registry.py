@@ -156,6 +156,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "max_queue": Field(_int(0)),
         "llm_options": Field(_mapping),
         "tool_parser": Field(_one_of("hermes", "llama3_json")),
+        "output_timeout": Field(_number(0.0, above=True)),  # s without output from any request: the executor is gone
     },
     "synthetic": {  # benchmarks only: token ids at a set rate, no model (engines/synthetic.py)
         "step_ms": Field(_number(0.0, above=True)),

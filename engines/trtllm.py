@@ -73,6 +73,10 @@ MAX_CHOICES = 16
 # After a cancel, how long a request that has produced output gets to send its own final
 # `cancelled` output (its exact counts) before the stream ends without it.
 CANCEL_GRACE_S = 1.0
+# Seconds a request may wait for its next output while no request of the engine gets any: then the
+# executor is taken for gone. TensorRT-LLM 1.0-1.2 has no EngineDeadError: a dead worker's results
+# just never answer again.
+DEFAULT_OUTPUT_TIMEOUT_S = 120.0
 
 
 class TensorRTLLMMissing(EngineError):
@@ -100,10 +104,14 @@ def _is_named(exc: BaseException, name: str) -> bool:
     return any(cls.__name__ == name for cls in type(exc).__mro__)
 
 
+class ExecutorStalled(TimeoutError):
+    """No request of the engine got any output for `output_timeout` seconds."""
+
+
 def engine_is_dead(exc: BaseException) -> bool:
-    """TensorRT-LLM's executor is gone: a worker died (EngineDeadError on the result) or the LLM
-    is shutting down (RuntimeError from generate_async)."""
-    if _is_named(exc, "EngineDeadError"):
+    """TensorRT-LLM's executor is gone: a worker died (EngineDeadError on the result), the LLM
+    is shutting down (RuntimeError from generate_async), or nothing answers any more (ExecutorStalled)."""
+    if _is_named(exc, "EngineDeadError") or isinstance(exc, ExecutorStalled):
         return True
     return isinstance(exc, RuntimeError) and "shutting down" in str(exc).lower()
 
@@ -183,11 +191,13 @@ class _Live:
             self.pump.cancel()
 
 
-async def _pump(live: _Live, step: Callable[[Any], Any]) -> None:
+async def _pump(live: _Live, step: Callable[[Any], Any], saw: Callable[[], None]) -> None:
     """Copies each response of the result into the queue, as `step` makes it (the result is one
-    object updated in place); a failure is handed to the stream, which decides."""
+    object updated in place); a failure is handed to the stream, which decides. `saw`: the engine
+    got an output (its stall watch)."""
     try:
         async for out in live.result:
+            saw()
             live.queue.put_nowait(step(out))
             if out.finished:
                 return
@@ -405,6 +415,7 @@ class TRTLLMEngine(Engine):
         max_queue: int = 256,
         llm_options: dict[str, Any] | None = None,
         tool_parser: str | None = None,
+        output_timeout: float = DEFAULT_OUTPUT_TIMEOUT_S,
         api: Any = None,
     ) -> None:
         """`api` is the `tensorrt_llm` module; None imports it at start. `llm_options` go to
@@ -434,6 +445,8 @@ class TRTLLMEngine(Engine):
         self._tokenizer: Any = None
         self._live: dict[str, _Live] = {}  # request id -> what TensorRT-LLM holds for it
         self._ready = False
+        self.output_timeout = output_timeout
+        self._last_output = 0.0  # monotonic time of the engine's latest output (or of going busy)
 
     # lifecycle --------------------------------------------------------------------------------
     @property
@@ -554,6 +567,30 @@ class TRTLLMEngine(Engine):
             live.queue.put_nowait(_CANCELLED)
         elif live.timer is None:
             live.timer = asyncio.get_running_loop().call_later(CANCEL_GRACE_S, live.queue.put_nowait, _CANCELLED)
+
+    def _saw_output(self) -> None:
+        self._last_output = time.monotonic()
+
+    async def _next(self, live: _Live) -> Any:
+        """The next item of a request's queue. While it waits, other requests' outputs show the executor
+        is alive; `output_timeout` seconds without any output from any request mean it is gone (a dead
+        worker on TensorRT-LLM 1.0-1.2 answers nothing, not EngineDeadError): the engine turns not
+        ready and every request it holds ends with the failure."""
+        while True:
+            if not live.queue.empty():
+                return live.queue.get_nowait()
+            try:
+                async with asyncio.timeout(self.output_timeout):
+                    return await live.queue.get()
+            except TimeoutError:
+                stalled = time.monotonic() - self._last_output
+                if stalled < self.output_timeout:
+                    continue  # the engine is busy with others: this one waits its turn
+            failure = _Failure(ExecutorStalled(f"no output from TensorRT-LLM for any request in {stalled:.1f}s"))
+            for other in self._live.values():
+                if other is not live:
+                    other.queue.put_nowait(failure)
+            return failure
 
     @staticmethod
     def _abort(result: Any) -> None:
@@ -702,9 +739,11 @@ class TRTLLMEngine(Engine):
         except Exception as exc:
             raise self._refused(exc, request) from exc
         live = _Live(result)
+        if not self._live:  # idle until now: the stall watch starts here
+            self._last_output = time.monotonic()
         self._live[rid] = live
         if request.sequences > 1:
-            live.pump = asyncio.get_running_loop().create_task(_pump(live, _many_sequences(live)))
+            live.pump = asyncio.get_running_loop().create_task(_pump(live, _many_sequences(live), self._saw_output))
             try:
                 async with aclosing(self._stream_many(request, live, len(prompt))) as outputs:
                     async for out in outputs:
@@ -715,14 +754,15 @@ class TRTLLMEngine(Engine):
                 if not live.done:
                     self._abort(result)  # the consumer left early
             return
-        live.pump = asyncio.get_running_loop().create_task(_pump(live, _one_sequence(live, want_logprobs=shape is not None and shape.logprobs)))
+        live.pump = asyncio.get_running_loop().create_task(
+            _pump(live, _one_sequence(live, want_logprobs=shape is not None and shape.logprobs), self._saw_output))
         stops = StopMatcher(request.sampling.stop)
         prompt_tokens, count, seen_ids = len(prompt), 0, 0
         cached: int | None = None
         finished = False
         try:
             while True:
-                item = await live.queue.get()
+                item = await self._next(live)
                 if item is _CANCELLED:
                     finished = True
                     yield EngineOutput("", [], FINISH_CANCELLED, prompt_tokens, count, cached_tokens=cached)
@@ -772,7 +812,7 @@ class TRTLLMEngine(Engine):
         choices = {i: _Choice(stops) for i in range(request.n)}
         total, cached, seen_ids = 0, None, 0
         while True:
-            item = await live.queue.get()
+            item = await self._next(live)
             if item is _CANCELLED:
                 live.done = True
                 yield EngineOutput("", [], FINISH_CANCELLED, prompt_tokens, total, cached_tokens=cached)
@@ -900,9 +940,11 @@ class TRTLLMEngine(Engine):
         if by_stop_string:
             reason = FINISH_STOP
             # Held-back text is the stop string's head: never flushed. A stop TensorRT-LLM found in
-            # the text ends the result but not the executor's request, and the result does not say
-            # which of its two stop checks fired: abort (a no-op for a request the executor ended).
-            self._abort_after_finish(result)
+            # the text ends the result but not the executor's request, which generates on: that one is
+            # aborted. Its stop on the ids ends the executor's request and trims them (the final response
+            # then brings no ids); an end Tollgate found alone came with the executor's own end.
+            if isinstance(step.stop_reason, str) and step.token_ids:
+                self._abort_after_finish(result)
         else:
             text += stops.flush()
         return EngineOutput(text, step.token_ids, reason, step.prompt_tokens, step.count, recorded_finish=early)

@@ -148,6 +148,7 @@ async def test_timeout_finish_reads_as_length(api: Any, monkeypatch: pytest.Monk
     outs = await collect(engine, request(engine))
     assert last_request(engine).outputs[0].finish_reason == "timeout"
     assert (outs[-1].finish_reason, outs[-1].completion_tokens) == (FINISH_LENGTH, 3)
+    assert outs[-1].recorded_finish == "timeout"  # the client sees length, the ledger row timeout
 
 
 async def test_capacity_is_the_batch_plus_the_queue(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -614,3 +615,54 @@ async def test_gateway_reserves_n_times_max_tokens(trtllm_gateway: Any) -> None:
     assert all(r.body["code"] == "monthly_tokens" for r in results if isinstance(r, Exception))
     await gw.flush_ledger()
     assert await gw.ledger_count(key_id=key["id"]) == k
+
+
+# a request the executor finished is not aborted; a silent dead executor does not hang streams ---------
+async def test_requests_the_executor_ended_are_not_aborted(api: Any) -> None:
+    engine = await started(api)
+    for req in (request(engine), request(engine, max_tokens=5), request(engine, stop=(" Paris.",))):  # end id, length, stop ids
+        await collect(engine, req)
+        assert last_request(engine).finished and last_request(engine).outputs[0].finish_reason in ("stop", "length")
+    assert engine._llm.aborts == []
+    # a stop TensorRT-LLM found in the text only: the executor generates on, so that one is aborted
+    await collect(engine, request(engine, stop=("Paris",)))
+    assert engine._llm.aborts == [last_request(engine).request_id]
+
+
+async def test_a_silently_dead_executor_ends_streams_and_the_engine_turns_not_ready(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "step_delay", 0.02)
+    engine = await started(api, output_timeout=0.3)
+    streams = [engine.stream(request(engine)) for _ in range(2)]
+    firsts = [await anext(s) for s in streams]
+    assert all(f.text for f in firsts)
+    engine._llm.die(silently=True)  # TensorRT-LLM 1.0-1.2: no EngineDeadError, nothing answers
+    started_at = time.monotonic()
+    async def drain(s: Any) -> None:
+        async for _ in s:
+            pass
+
+    for s in streams:
+        with pytest.raises(EngineError, match="not running"):
+            await asyncio.wait_for(drain(s), 5.0)  # a TimeoutError here: the stream hung
+    assert time.monotonic() - started_at < 3.0
+    assert not engine.ready and not engine.has_capacity()
+
+
+async def test_a_request_queued_behind_a_busy_executor_is_not_taken_for_dead(api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(double.LLM, "step_delay", 0.03)
+    engine = await started(api, max_batch_size=1, output_timeout=0.25)
+    first, second = request(engine, max_tokens=20), request(engine, max_tokens=3)
+    began = time.monotonic()
+    outs = await asyncio.gather(collect(engine, first), collect(engine, second))  # the second waits its turn without output
+    assert time.monotonic() - began > 2 * 0.25  # longer than output_timeout, while the first streamed
+    assert outs[0][-1].finish_reason == FINISH_STOP and outs[1][-1].finish_reason == FINISH_LENGTH and engine.ready
+
+
+def test_models_yaml_sets_the_output_timeout(api: Any) -> None:
+    from engines.registry import build_engine
+
+    table = parse_models("models:\n  - id: llama\n    backend: trtllm\n    model_path: /m\n    output_timeout: 45\n", "models.yaml")
+    engine = build_engine(table.specs["llama"], trtllm_api=api)
+    assert engine.output_timeout == 45  # type: ignore[attr-defined]
+    with pytest.raises(ModelsConfigError, match="output_timeout"):
+        parse_models("models:\n  - id: llama\n    backend: trtllm\n    model_path: /m\n    output_timeout: 0\n", "models.yaml")

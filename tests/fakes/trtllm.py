@@ -27,7 +27,8 @@ signatures, fields and defaults here equal that contract's.
   is refused; logprobs=True means 0; at most 100.
 - Failures can be injected: `LLM.fail_next` is raised by the next `generate_async`;
   `llm.die()` puts `EngineDeadError` on every pending result (as the real proxy does when a
-  worker dies) and shuts the executor.
+  worker dies) and shuts the executor; `llm.die(silently=True)` is a dead worker on 1.0-1.2
+  (no EngineDeadError there): no result ever answers again.
 - `cached_tokens` on the result: the prompt tokens served from the KV cache (`LLM.cached_prefix`
   of them, at most the prompt). `logprobs` on outputs: one {token: Logprob} per generated token,
   the top-k alternatives scripted.
@@ -688,8 +689,13 @@ class LLM:
             entry.setdefault(self.tokenizer._id(piece), Logprob(lp, rank))
         return [entry]
 
-    def die(self, message: str = "Executor worker died") -> None:
-        """The executor's worker died: every pending result gets EngineDeadError, new requests are refused."""
+    def die(self, message: str = "Executor worker died", *, silently: bool = False) -> None:
+        """The executor's worker died: every pending result gets EngineDeadError, new requests are refused.
+        `silently`: as on TensorRT-LLM 1.0-1.2, which has no EngineDeadError: nothing reaches any result
+        again (running requests stop stepping), and new requests are taken and never answered."""
+        if silently:
+            self.hold.clear()
+            return
         self.shut_down = True
         for result in self.requests:
             if not result.finished:  # thread-safe: a test may call this from outside the server's loop
