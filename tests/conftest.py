@@ -223,6 +223,18 @@ async def on_server_loop(app: Any, coro: Any) -> Any:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, task.get_loop()))
 
 
+async def price_in_force(gw: "Gateway", model: str, input_per_million: str) -> None:
+    """Waits until the gateway's own price book prices `model` at the version just added (instead
+    of sleeping after POST /admin/prices)."""
+    from decimal import Decimal
+
+    async def current() -> bool:
+        version = await on_server_loop(gw.app, gw.app.state.prices.current(model))
+        return version is not None and version.input_per_million == Decimal(input_per_million)
+
+    await until(current, f"the price of {model} at {input_per_million}/M in force")
+
+
 async def flush_ledger(app: Any, timeout: float = 30.0) -> None:
     """Barrier: returns once every ledger row an in-process gateway recorded before this call is in
     the database (LedgerWriter.flush, run on the server thread's own loop). After it, "no row was

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -11,6 +12,7 @@ import sqlalchemy as sa
 from billing import migrate
 from billing.db import create_engine
 from billing.ledger import LedgerWriter, PgSession, UsageRecord, write_records
+from tests.conftest import until
 
 
 def record(**overrides: Any) -> UsageRecord:
@@ -60,8 +62,8 @@ async def test_writer_keeps_rows_until_the_table_exists(fresh_pg_database: Any) 
         writer = LedgerWriter(db, max_backoff=0.2)
         writer.start()
         writer.record(record())
-        await asyncio.sleep(0.5)
-        assert writer.write_errors >= 1 and writer.backlog == 1  # table missing: kept, retried
+        await until(lambda: writer.write_errors >= 2, "the write failed and was tried again")
+        assert writer.backlog == 1  # table missing: kept, retried
         await asyncio.to_thread(migrate.upgrade, url)
         await writer.flush(timeout=10)
         await writer.close()
@@ -83,19 +85,26 @@ async def test_rows_arriving_within_the_linger_share_one_insert(fresh_pg_databas
 
     monkeypatch.setattr(PgSession, "write", counting)
     try:
-        writer = LedgerWriter(db, linger=0.2)
+        linger = 0.5
+        writer = LedgerWriter(db, linger=linger)
         writer.start()
-        for _ in range(20):  # one row every 5 ms, as a light load sends them
+        arrived: list[float] = []
+        for _ in range(20):  # one row every 5 ms, as a light load sends them (the arrival pattern, not a wait)
             writer.record(record())
+            arrived.append(time.monotonic())
             await asyncio.sleep(0.005)
         await writer.flush(timeout=10)
-        assert sum(inserts) == 20 and len(inserts) == 1  # all inside the first row's 200 ms window
+        # Every row recorded within the linger of the first goes in the first insert; a loaded machine may
+        # spread the 20 past it (then they take two inserts, as they should), so that is what is counted.
+        within = sum(t - arrived[0] < linger for t in arrived)
+        assert sum(inserts) == 20 and inserts[0] >= within > 1, (inserts, within)
+        inserts.clear()
         eager = LedgerWriter(db)  # linger 0: each row that finds the writer idle goes at once
         eager.start()
         for _ in range(5):
             eager.record(record())
             await eager.flush(timeout=10)
-        assert len(inserts) == 6
+        assert inserts == [1] * 5
         await writer.close()
         await eager.close()
         assert await count(db) == 25

@@ -101,6 +101,30 @@ async def probe_each(clients: list[httpx.AsyncClient], key: str, one: Callable[.
     return probes
 
 
+async def refused_once_settled(client: httpx.AsyncClient, key: str, redis_url: str, prefix: str, db_url: str, account_id: int,
+                               one: Callable[..., Awaitable[None]], outcome: Callable[[int, bool], Any]) -> list[Any]:
+    """Requests on one gateway, each once the account holds nothing, until one is refused for the
+    budget: a refusal with no hold outstanding says the budget is spent (what is left is less than one
+    request's worst case), not merely reserved by requests still settling."""
+    probes: list[Any] = []
+    for _ in range(20):
+        deadline = time.monotonic() + 60
+        while (await account_counters(redis_url, prefix, db_url, account_id))["in_flight"]:
+            assert time.monotonic() < deadline, "holds outstanding a minute after the run"
+            await asyncio.sleep(0.1)
+        o = outcome(0, False)
+        await one(client, key, False, o)
+        probes.append(o)
+        if o.status not in (200, 429):  # a 503 while a group recovers: asked again, as probe_each does
+            assert time.monotonic() < deadline, (o.status, o.code)
+            await asyncio.sleep(0.5)
+            continue
+        if o.status == 429:
+            assert o.code == "monthly_tokens", o.code
+            return probes
+    raise AssertionError(f"still served after {len(probes)} requests past the run: the budget was not spent")
+
+
 async def check_the_run(db_url: str, redis_url: str, prefix: str, account_id: int, key_ids: list[int],
                         warm: list[Any], out: list[Any], budget: int) -> str:
     """What every chaos run checks once its requests are done (tests/gateway/test_chaos_cluster.py too);
@@ -132,6 +156,12 @@ async def check_the_run(db_url: str, redis_url: str, prefix: str, account_id: in
     tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows.values())
     allowed = budget + sum(o.usage["total_tokens"] for o in warm)
     assert tokens <= allowed  # the shared budget held
+    # ... and was spent: requests were refused for it, the last with nothing held (refused_once_settled),
+    # so what is left is less than one request's worst case (its prompt and MAX_TOKENS).
+    assert any(o.code == "monthly_tokens" for o in refused), sorted({o.code for o in refused})
+    assert out[-1].code == "monthly_tokens", (out[-1].status, out[-1].code)
+    worst = max(r["prompt_tokens"] for r in rows.values()) + MAX_TOKENS
+    assert allowed - worst < tokens, f"{tokens} tokens spent of {allowed}: more than one request's worst case ({worst}) left unspent"
     assert counters["month_tokens"] == tokens and counters["in_flight"] == 0, (counters, tokens)
     # What `unc` still holds is usage whose row is in the ledger: the live gateways strike theirs off
     # within a second or two; the killed one's strike-offs that never went out stay until the group's
@@ -211,6 +241,7 @@ async def test_three_gateways_sigkill_and_postgres_restart_under_a_shared_budget
         await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
         await asyncio.gather(*tasks)
         out += await probe_each(clients, keys[0]["key"], one, Outcome)
+        out += await refused_once_settled(clients[0], keys[0]["key"], redis.url, prefix, url, account["id"], one, Outcome)
         for c in clients:
             await c.aclose()
 

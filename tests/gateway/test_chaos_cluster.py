@@ -27,7 +27,7 @@ import httpx
 
 from tests.conftest import MODEL
 from tests.billing.test_quota_failover import lag_replica
-from tests.gateway.test_chaos import KEYS, MAX_TOKENS, PROMPT, REQUESTS, check_the_run, probe_each, set_up
+from tests.gateway.test_chaos import KEYS, MAX_TOKENS, PROMPT, REQUESTS, check_the_run, probe_each, refused_once_settled, set_up
 from tests.processes import GatewayProcess, PrivatePostgres
 from tests.redis_topologies import LocalCluster
 
@@ -139,6 +139,7 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
         await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
         await asyncio.gather(*tasks)
         out += await probe_each(clients, keys[0]["key"], one, Outcome)  # the restarted gateway's recovery
+        out += await refused_once_settled(clients[0], keys[0]["key"], cluster.url, prefix, url, account["id"], one, Outcome)
         for c in clients:
             await c.aclose()
 

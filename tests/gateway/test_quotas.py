@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from billing.db import create_engine
 from billing.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
-from tests.conftest import MODEL, Gateway, minute_with_room
+from tests.conftest import MODEL, Gateway, minute_with_room, price_in_force
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
 # A prompt the model answers at length: every admitted request uses all of its max_tokens, so it
@@ -201,7 +201,7 @@ async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_f
         assert r.status_code == 201, r.text
         assert (await admin.post("/admin/prices", json={**model_price, "input_per_million": 0.1})).status_code == 400
         assert (await admin.post("/admin/prices", json={**model_price, "input_per_million": "0.0001"})).status_code == 400
-    await asyncio.sleep(0.1)
+    await price_in_force(gw, MODEL, "1.250")
     key = await gw.new_key()
     client = client_for(key["key"], gw)
     p = await prompt_tokens(client, PROMPT)  # 1 completion token

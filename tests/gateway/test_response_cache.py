@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.response_cache import ResponseCache
-from tests.conftest import MODEL, Gateway, on_server_loop, start_gateway, until
+from tests.conftest import MODEL, Gateway, on_server_loop, price_in_force, start_gateway, until
 
 ON = {"X-Tollgate-Cache": "on"}
 
@@ -78,6 +78,7 @@ async def test_hit_after_miss_is_billed_by_the_rule_and_counted(cache_gw: Gatewa
     async with cache_gw.admin_client() as admin:
         r = await admin.post("/admin/prices", json={"model": MODEL, "input_per_million": "1.000", "output_per_million": "3.000"})
         assert r.status_code == 201, r.text
+    await price_in_force(cache_gw, MODEL, "1.000")
     client = client_for((await cache_gw.new_key())["key"], cache_gw)
     msgs = messages()
     first, h1 = await chat(client, msgs)
