@@ -64,12 +64,15 @@ class WebhookHandler:
             event = _plain(self._stripe.construct_event(payload, signature, self._secret))
         except SignatureVerificationError:
             raise WebhookRejected("Stripe signature verification failed.") from None
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):  # AttributeError: a signed JSON non-object
             raise WebhookRejected("The body is not a Stripe event.") from None
+        if not isinstance(event, dict):
+            raise WebhookRejected("The body is not a Stripe event.")
         event_id, kind = str(event.get("id") or ""), str(event.get("type") or "")
-        obj = (event.get("data") or {}).get("object") or {}
-        if not event_id or not kind:
-            raise WebhookRejected("The event has no id or type.")
+        data = event.get("data")
+        obj = data.get("object") if isinstance(data, dict) else None
+        if not event_id or not kind or not isinstance(obj, dict):
+            raise WebhookRejected("The event has no id, type or data.object.")
         if await self._seen(event_id):
             return {"received": True, "id": event_id, "duplicate": True}
         created = datetime.fromtimestamp(int(event.get("created") or 0), tz=timezone.utc)

@@ -215,7 +215,9 @@ async def test_webhooks_drive_billing_state(db_url: str, db: Any, fake: FakeStri
                 assert r.status_code == 413
             assert await events() == 0 and await state() == "active"
 
-            # payment failed: past_due during the grace period, then suspended
+            # payment failed: past_due during the grace period (from the event's `created`: a fresh one, so
+            # the forged deliveries above do not eat the 3 s on a loaded machine), then suspended
+            failed = fake.fail_payment(remote_id)
             r = await fake.deliver(failed, hook)
             assert r.status_code == 200 and r.json()["state"] == "past_due", r.text
             app.billing.guard(principal)  # still served within the grace period
@@ -263,6 +265,14 @@ async def test_webhooks_drive_billing_state(db_url: str, db: Any, fake: FakeStri
             fake._finalize({}, other["id"])
             r = await fake.deliver(fake.fail_payment(other["id"]), hook)
             assert r.status_code == 200 and r.json()["account_id"] is None
+
+            # signed bodies that are JSON but not an event object: a 400, never a 500
+            before = await events()
+            async with app.as_key(key) as raw:
+                for body in (b"[]", b'["evt_1"]', b"42", b'{"id": "evt_x", "type": "invoice.paid", "data": []}'):
+                    r = await raw.post("/webhooks/stripe", content=body, headers={"Stripe-Signature": fake.sign(body)})
+                    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)
+            assert await events() == before
 
 
 async def _is(state: Any, expected: str) -> bool:
