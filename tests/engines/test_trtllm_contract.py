@@ -59,9 +59,23 @@ def test_the_contract_is_stamped_with_its_commit() -> None:
     source = CONTRACT["source"]
     assert source["repository"] == "NVIDIA/TensorRT-LLM"
     assert len(source["commit"]) == 40 and all(c in "0123456789abcdef" for c in source["commit"])
-    # The newest sources keep sampling params under executor/params (the generator finds either place).
+    # The contract's commit keeps sampling params under executor/params, an unmerged branch; main has
+    # tensorrt_llm/sampling_params.py (the generator finds either place). What Tollgate relies on was
+    # re-read on main's files, each stamped with the commit it was stored at, and vLLM's likewise.
     assert source["files"]["sampling"] == "tensorrt_llm/executor/params/sampling.py"
     assert "ast only" in CONTRACT["generated_by"]
+    checked = CONTRACT["checked_against"]
+    for repo in ("NVIDIA/TensorRT-LLM", "vllm-project/vllm"):
+        assert checked[repo] and all(len(c) == 40 and all(x in "0123456789abcdef" for x in c) for c in checked[repo].values()), repo
+    assert "tensorrt_llm/sampling_params.py" in checked["NVIDIA/TensorRT-LLM"]
+
+
+def test_the_trtllm_extra_is_bounded_to_the_versions_the_contract_and_double_describe() -> None:
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trtllm"]
+    assert extra == [f"tensorrt-llm{double.VERSIONS}"]
+    assert "<" in double.VERSIONS and ">=" in double.VERSIONS  # bounded on both sides
 
 
 # the double equals the contract -----------------------------------------------------------------------

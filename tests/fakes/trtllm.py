@@ -62,6 +62,8 @@ STORY = " Once upon a time a lighthouse keeper watched the sea. The capital of F
 CONTRACT = Path(__file__).resolve().parent.parent / "contracts" / "trtllm_contract.json"
 MAX_TOP_LOGPROBS = 100
 DEFAULT_REQUEST_PRIORITY = 0.5
+# The TensorRT-LLM versions this double and the contract stand for: pyproject.toml's `trtllm` extra.
+VERSIONS = ">=1.0,<1.4"
 
 
 def contract() -> dict[str, Any]:
