@@ -40,6 +40,7 @@ async def test_sixteen_concurrent_streams(gateway: Gateway, client_for: Any) -> 
         assert row["status"] == "completed"
         assert row["key_id"] == key["id"] and row["account_id"] == key["account_id"]
         assert (row["prompt_tokens"], row["completion_tokens"]) == (prompt_tokens, completion_tokens)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(rid)  # each stream's own engine ids
         assert 1 <= completion_tokens <= 16 + i
     for key in keys:
         assert await gateway.ledger_count(key_id=key["id"]) == 4

@@ -16,5 +16,7 @@ async def test_sqlite_gateway_serves_and_meters(sqlite_gateway: Gateway, client_
     row = await sqlite_gateway.ledger_row(resp.id.split("-", 1)[1])
     assert row["status"] == "completed"
     assert (row["prompt_tokens"], row["completion_tokens"]) == (resp.usage.prompt_tokens, resp.usage.completion_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await sqlite_gateway.produced.counts(resp.id.split("-", 1)[1])
     row2 = await sqlite_gateway.ledger_row(chunks[0].id.split("-", 1)[1])
     assert row2["completion_tokens"] == chunks[-1].usage.completion_tokens == 5
+    assert (row2["prompt_tokens"], row2["completion_tokens"]) == await sqlite_gateway.produced.counts(chunks[0].id.split("-", 1)[1])
