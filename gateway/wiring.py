@@ -134,7 +134,8 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
     """The gateway's queue in front of every engine (docs/scheduling.md); off: the engines as they are."""
     names = tuple(c.name for c in settings.scheduler.priority_classes)
     for engine in served.values():  # pools that send the account's class upstream map these
-        for candidate in getattr(engine, "candidates", None) or (engine,):
+        chain = getattr(engine, "candidates", None)  # a FallbackEngine's list (a router's is a method)
+        for candidate in chain if isinstance(chain, list) else (engine,):
             if hasattr(candidate, "use_classes"):
                 candidate.use_classes(names)
     if not settings.scheduler.enabled:
