@@ -666,3 +666,37 @@ def test_models_yaml_sets_the_output_timeout(api: Any) -> None:
     assert engine.output_timeout == 45  # type: ignore[attr-defined]
     with pytest.raises(ModelsConfigError, match="output_timeout"):
         parse_models("models:\n  - id: llama\n    backend: trtllm\n    model_path: /m\n    output_timeout: 0\n", "models.yaml")
+
+
+async def test_an_answer_cut_short_by_a_timeout_is_not_cached(api: Any, tollgate_with: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import on_server_loop
+
+    gw = tollgate_with("""
+    models:
+      - id: llama
+        backend: trtllm
+        model_path: /models/llama
+        context_length: 2048
+        cache: true
+    """)
+    key = await gw.new_key()
+    client = AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0)
+    llm = gw.engines()["llama"].primary._llm
+    cache = gw.app.state.response_cache
+
+    async def ask() -> Any:
+        resp = await client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=50, temperature=0)
+        await on_server_loop(gw.app, cache.flush())  # the store holds whatever this answer left there
+        return resp
+
+    monkeypatch.setattr(double.LLM, "timeout_after", 3)
+    cut = await ask()
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    row = await gw.ledger_row(cut.id.split("-", 1)[1])
+    assert (row["finish_reason"], row["status"]) == ("timeout", "completed")
+    monkeypatch.setattr(double.LLM, "timeout_after", None)
+    before = len(llm.requests)
+    whole = await ask()  # a miss: the engine answers again, in full
+    assert len(llm.requests) == before + 1 and whole.choices[0].message.content == double.STORY
+    again = await ask()  # and that one is cached
+    assert len(llm.requests) == before + 1 and again.choices[0].message.content == double.STORY
