@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import Gateway
+from tests.conftest import Gateway, price_in_force
 from tests.engine_ids import EmbeddedIds
 
 EMB = "all-minilm-l6-v2"
@@ -131,7 +131,7 @@ async def test_priced_like_completions(gateway: Gateway, client_for: Any) -> Non
     async with gateway.admin_client() as admin:
         r = await admin.post("/admin/prices", json={"model": EMB, "input_per_million": "0.020", "output_per_million": "0"})
         assert r.status_code == 201, r.text
-    await asyncio.sleep(0.1)
+    await price_in_force(gateway, EMB, "0.020")
     key = await gateway.new_key()
     resp, rid = await embed_raw(client_for(key["key"]), input="priced input text", encoding_format="float")
     row = await gateway.ledger_row(rid)
