@@ -75,9 +75,12 @@ class EngineIds:
         return produced
 
     async def counts(self, request_id: str, timeout: float = 10.0) -> tuple[int | None, int]:
-        """(prompt ids prefilled, completion ids yielded) for a finished request."""
+        """(prompt ids prefilled, completion ids yielded) for a finished request. With n > 1 the hf
+        engine prefills each choice as its own request (`<id>#<i>`): the prompt is the first one's."""
         produced = await self.finished(request_id, timeout)
-        return produced.prompt, len(produced.ids)
+        first_choice = self.requests.get(f"{request_id}#0")
+        prompt = produced.prompt if produced.prompt is not None or first_choice is None else first_choice.prompt
+        return prompt, len(produced.ids)
 
 
 class EmbeddedIds:

@@ -29,6 +29,7 @@ async def test_n_choices_on_the_hf_engine(gateway: Gateway, client_for: Any) -> 
     row = await gateway.ledger_row(raw.headers["x-request-id"])
     assert body.usage.prompt_tokens == row["prompt_tokens"] == len(engine.encode_chat(QUESTION))  # the prompt once
     assert body.usage.completion_tokens == row["completion_tokens"] <= 3 * 6  # every sequence
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(raw.headers["x-request-id"])  # the engine's ids, all 3
 
     stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, n=3, max_tokens=6, stream=True,
                                                   stream_options={"include_usage": True})
