@@ -171,8 +171,8 @@ def check_params(value: Any) -> str | None:
         return f"upstream must be one of {', '.join(UPSTREAMS)}, got {upstream!r}"
     if policy == "pass" and value.get("accept") is not None:
         return "accept applies only with policy: drop (policy: pass forwards every field)"
-    if policy == "pass" and upstream is not None and value.get("priority") != "by_class":
-        return "upstream applies only with policy: drop or priority: by_class (policy: pass forwards every field)"
+    if policy == "pass" and upstream is not None and value.get("priority") is None:
+        return "upstream applies only with policy: drop or a priority (policy: pass forwards every field)"
     allow = value.get("allow")
     if allow is not None:
         if not isinstance(allow, list) or not all(isinstance(n, str) for n in allow):

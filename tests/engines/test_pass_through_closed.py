@@ -247,3 +247,9 @@ async def test_refusals_keep_the_apis_shape_on_text_completions(upstreams: Any, 
         r = await http.post("/completions", json={"model": "pool", "prompt": "hi", "max_tokens": 3, "kv_transfer_params": {"a": 1}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
     assert up.requests == []
+
+
+def test_an_upstream_with_policy_pass_names_the_priority_scale_only() -> None:
+    assert "upstream applies only" in (check_params({"policy": "pass", "upstream": "vllm"}) or "")
+    assert check_params({"policy": "pass", "upstream": "vllm", "priority": {"batch": 3}}) is None
+    assert "integer" in (check_params({"policy": "pass", "upstream": "vllm", "priority": {"batch": 0.5}}) or "")
