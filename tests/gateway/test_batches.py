@@ -267,3 +267,30 @@ async def test_a_batch_its_quota_stops_expires_with_the_rest_in_the_error_file(s
     rows = await rows_of(gw, batch.id)
     assert len(rows) == ran  # a line refused by the quota has no row; one that ran has one
     assert sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows) <= limit  # its lines counted against the quota
+
+
+def lines_for(endpoint: str, bodies: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps({"custom_id": f"c-{i}", "method": "POST", "url": endpoint, "body": b}).encode() + b"\n"
+                    for i, b in enumerate(bodies))
+
+
+@pytest.mark.parametrize("endpoint, bodies, shape", [
+    ("/v1/completions", [{"model": MODEL, "prompt": "One two", "max_tokens": 2}, {"model": "no-such-model", "prompt": "x", "max_tokens": 2}],
+     "text_completion"),
+    ("/v1/responses", [{"model": MODEL, "input": "Hi", "max_output_tokens": 2}, {"model": "no-such-model", "input": "x"}], "response"),
+    ("/v1/embeddings", [{"model": "all-minilm-l6-v2", "input": "a sentence"}, {"model": "no-such-model", "input": "x"}], "list"),
+])
+async def test_every_endpoint_runs_in_a_batch(batch_gateway: Gateway, endpoint: str, bodies: list[dict[str, Any]], shape: str) -> None:
+    gw = batch_gateway
+    key = (await gw.new_key())["key"]
+    client = openai_client(gw, key)
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(lines_for(endpoint, bodies))), purpose="batch")
+    batch = await ended(client, (await client.batches.create(input_file_id=uploaded.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                                             completion_window="24h")).id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 1), batch
+    [ok] = [json.loads(x) for x in (await client.files.content(batch.output_file_id)).content.splitlines()]
+    [bad] = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).content.splitlines()]
+    assert ok["custom_id"] == "c-0" and ok["response"]["body"]["object"] == shape
+    assert bad["custom_id"] == "c-1" and bad["response"]["status_code"] == 404 and bad["response"]["body"]["error"]["code"]
+    rows = await rows_of(gw, batch.id)  # the refused line has no row: it was never admitted
+    assert [(r["request_id"], r["api"]) for r in rows] == [(ok["response"]["request_id"], "batch")]
