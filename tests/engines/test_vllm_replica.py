@@ -358,7 +358,8 @@ async def test_n_over_one_direct_and_refused_by_the_pool(vllm: VLLMServer, pool:
     async with Meter(vllm) as meter:
         with pytest.raises(openai.BadRequestError) as err:
             await through(pool, tenant_key).chat.completions.create(model=POOL, messages=HI, n=2, max_tokens=4)
-        assert err.value.status_code == 400 and "n" in str(err.value.body)
+        body = err.value.body
+        assert err.value.status_code == 400 and isinstance(body, dict) and (body["param"], body["code"]) == ("n", "unsupported_parameter"), body
         assert (await meter.counted(finished=0)).finished == 0  # refused before anything went upstream
 
 
