@@ -239,11 +239,7 @@ async def flush_ledger(app: Any, timeout: float = 30.0) -> None:
     """Barrier: returns once every ledger row an in-process gateway recorded before this call is in
     the database (LedgerWriter.flush, run on the server thread's own loop). After it, "no row was
     written" is a fact, not a guess after a sleep."""
-    ledger = app.state.ledger
-    task = ledger._task  # the writer's task runs on the server thread's loop
-    assert task is not None and not task.done(), "the ledger writer is not running"
-    future = asyncio.run_coroutine_threadsafe(ledger.flush(timeout=timeout), task.get_loop())
-    await asyncio.wrap_future(future)
+    await on_server_loop(app, app.state.ledger.flush(timeout=timeout))
 
 
 @dataclass
