@@ -302,12 +302,63 @@ def _paths() -> dict[str, Any]:
         "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,
                                                        params=[_path("period", PERIOD)])},
         **_credit_paths(account),  # issue 25
+        **_batch_paths(),  # the Batch API (docs/batches.md)
         **_document_paths(account, invoice),  # issue 22
         "/webhooks/stripe": {"post": {
             **_op("Stripe events (signed)", {"200": _json(_obj({"received": BOOL}))}, 400, 404, 408, 413, 431, 502, public=True),
             "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object"}}}},
             "parameters": [{"name": "Stripe-Signature", "in": "header", "required": False, "schema": STR}],
         }},
+    }
+
+
+OBJECT = {"type": "object"}
+BATCH_REQUEST = _obj({"input_file_id": STR, "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]},
+                      "completion_window": {"const": "24h"}}, {"metadata": {"type": "object", "additionalProperties": STR}})
+MESSAGE_BATCH_REQUEST = _obj({"requests": {"type": "array", "minItems": 1, "items": _obj({
+    "custom_id": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "params": {"type": "object"}})}})
+
+
+def _batch_paths() -> dict[str, Any]:
+    """OpenAI's Files and Batch APIs and Anthropic's Message Batches (gateway/batches/)."""
+    file_id, batch_id = [_path("file_id", STR)], [_path("batch_id", STR)]
+    listed = [_query("limit", {"type": "integer", "minimum": 1, "maximum": 100}), _query("after", STR)]
+    upload = {"required": True, "content": {"multipart/form-data": {"schema": _obj(
+        {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}})}}}
+    results = {"200": {"description": "JSONL: one result a line", "content": {"application/binary": {"schema": STR}}}}
+
+    def anthropic(summary: str, ok: dict[str, Any], body: str | None = None, params: list[Any] | None = None) -> dict[str, Any]:
+        op = _anthropic(summary, ok, body or "")
+        if body is None:
+            op.pop("requestBody", None)
+        if params:
+            op["parameters"] = params
+        return op
+
+    return {
+        "/v1/files": {
+            "post": {**_op("Upload a batch input file (JSONL)", {"200": _json(OBJECT)}, *WITH_BODY), "requestBody": upload},
+            "get": _op("The account's files", {"200": _json(OBJECT)}, *AUTHED, params=[*listed, _query("purpose", STR)]),
+        },
+        "/v1/files/{file_id}": {
+            "get": _op("One of the account's files", {"200": _json(OBJECT)}, *AUTHED, 404, params=file_id),
+            "delete": _op("Delete a file", {"200": _json(OBJECT)}, *AUTHED, 404, params=file_id),
+        },
+        "/v1/files/{file_id}/content": {"get": _op("A file's bytes", {"200": {"description": "The file", "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}, *AUTHED, 404, params=file_id)},
+        "/v1/batches": {
+            "post": _op("Create a batch from an input file", {"200": _json(OBJECT)}, *WITH_BODY, 404, body="BatchRequest"),
+            "get": _op("The account's batches", {"200": _json(OBJECT)}, *AUTHED, params=listed),
+        },
+        "/v1/batches/{batch_id}": {"get": _op("A batch", {"200": _json(OBJECT)}, *AUTHED, 404, params=batch_id)},
+        "/v1/batches/{batch_id}/cancel": {"post": _op("Cancel a batch", {"200": _json(OBJECT)}, *AUTHED, 404, params=batch_id)},
+        "/v1/messages/batches": {
+            "post": anthropic("Create an Anthropic Message Batch", _json(OBJECT), "MessageBatchRequest"),
+            "get": anthropic("The account's Message Batches (`limit`, `after_id`)", _json(OBJECT)),
+        },
+        "/v1/messages/batches/{batch_id}": {"get": anthropic("A Message Batch", _json(OBJECT), params=batch_id)},
+        "/v1/messages/batches/{batch_id}/cancel": {"post": anthropic("Cancel a Message Batch", _json(OBJECT), params=batch_id)},
+        "/v1/messages/batches/{batch_id}/results": {"get": anthropic("A Message Batch's results (JSONL)", results, params=batch_id)},
     }
 
 
@@ -456,6 +507,8 @@ def _request_schemas() -> dict[str, Any]:
             "properties": {"limits": LIMITS, "priority": _nullable({"type": "string", "maxLength": 32, "description": "a scheduling class"})},
         },
         "EmbeddingRequest": EMBEDDING_REQUEST,
+        "BatchRequest": BATCH_REQUEST,
+        "MessageBatchRequest": MESSAGE_BATCH_REQUEST,
         "BillingDetailsBody": BILLING_DETAILS_BODY,
         "TaxRateBody": _obj({"rate": {"type": "string", "description": "percent, e.g. 19.000"}}),
     }
