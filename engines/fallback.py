@@ -111,6 +111,12 @@ class FallbackEngine(Engine):
         # A fallback must be able to serve every choice asked of the primary.
         return min(c.max_choices for c in self.candidates)
 
+    def check_request(self, request: EngineRequest) -> None:
+        super().check_request(request)
+        for candidate in self.candidates:  # what any of them refuses, a fallback must not run there
+            if candidate.passthrough:
+                candidate.check_request(request)
+
     def encoder(self) -> Engine:
         """The engine whose tokenizer counts prompts at admission: the first one loaded."""
         return next((c for c in self.candidates if c.ready), self.primary)

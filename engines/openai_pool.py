@@ -516,6 +516,16 @@ class OpenAIPoolEngine(Engine):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return body
 
+    def check_request(self, request: EngineRequest) -> None:
+        """Refuses a field no tenant may set before admission, so a refusal holds nothing and
+        leaves no row; `_begin` refuses it again for a request built past this check."""
+        if request.extra is None:
+            return
+        try:
+            self.params.refuse(request.extra, self._is_chat(request))
+        except ParamRefused as exc:
+            raise EngineRequestRejected(str(exc), status_code=400, param=exc.name, code="unsupported_parameter") from None
+
     def _prompt_estimate(self, request: EngineRequest, chat: bool) -> int:
         if request.prompt_token_ids is not None:
             return len(request.prompt_token_ids)
