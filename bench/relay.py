@@ -179,7 +179,9 @@ def setup(stack: ExitStack, spec: str, models: Path) -> tuple[str, str, int]:
     db = stack.enter_context(fresh_database())
     prefix = f"tgbench:r:{uuid.uuid4().hex[:6]}:"
     stack.callback(delete_redis_keys, prefix)
-    tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_MODELS": str(models), **env}
+    # A loaded machine's Redis answers late at times: the default deadline would turn those into 503s
+    # (quota_unavailable) and measure them instead of the relay.
+    tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_MODELS": str(models), "TOLLGATE_REDIS_TIMEOUT_MS": "2000", **env}
     if source != "wt":
         tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(source)))
     base, admin = stack.enter_context(gateway(db, None, extra_env=tg_env))
@@ -225,6 +227,7 @@ def main() -> None:
     parser.add_argument("--streams", default="64,256", help="comma-separated stream counts (one cell each)")
     parser.add_argument("--offered", type=float, default=100_000.0, help="tokens/s the engine offers in all, in each cell")
     parser.add_argument("--json", help="also write the per-round figures here")
+    parser.add_argument("--profile", metavar="OUT", help="py-spy (collapsed stacks) on the first variant's serving process over one more drive of each cell: OUT-<streams>.txt")
     args = parser.parse_args()
     cells = [int(c) for c in args.streams.split(",")]
     runs: dict[str, list[dict[str, float]]] = {}
@@ -250,6 +253,14 @@ def main() -> None:
                     runs.setdefault(f"{streams}|{spec}", []).append(result)
                     print(f"round {r + 1} {streams} streams {spec}: {result['tok_s']:.0f} tok/s, {result['cpu_ms_per_1k']:.2f} ms CPU/1k, "
                           f"{result['tokens_per_event']:.2f} tok/event, errors {result['errors']:.0f}", flush=True)
+        if args.profile:
+            base, key, procs = targets[args.variants[0]]
+            pid = listening_pid(urlparse(base).port or 80)
+            for streams in cells:
+                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
+                                        "--duration", str(int(args.seconds)), "--output", f"{args.profile}-{streams}.txt", "--nonblocking"])
+                drive(base, key, procs, streams, args.seconds)
+                spy.wait(timeout=60)
     print(f"\nrelay bench: offered {args.offered:.0f} tok/s per cell (one token per stream per step), max_tokens {MAX_TOKENS}, "
           f"{args.seconds:g} s x {args.rounds} rounds; medians over rounds")
     report(runs, args.variants, workers, cells)

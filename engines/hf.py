@@ -162,20 +162,25 @@ class TokenProgress:
     def advance(self, new_ids: list[int], engine_done: bool, error: str | None, queue_ms: float | None) -> EngineOutput | None:
         """The output for these new ids (None: nothing to say yet). A finished output whose
         `engine_done` was false ended at a stop string: the engine request is still running."""
+        text = self._detok.push(new_ids)
+        if engine_done and not error:
+            text += self._detok.flush()
+        return self.advance_text(new_ids, text, engine_done, error, queue_ms)
+
+    def advance_text(self, new_ids: list[int], text: str, engine_done: bool, error: str | None, queue_ms: float | None) -> EngineOutput | None:
+        """`advance()` for ids already detokenized (`text`: their final text, and at a clean end
+        what was held back too): the engine process's reader decodes a whole step at once."""
         self.seen += len(new_ids)
         if new_ids:
             self._last_id = new_ids[-1]
-        text = self._stops.push(self._detok.push(new_ids))
+        text = self._stops.push(text)
         if self._stops.stopped:
             return self._output(text, new_ids, FINISH_STOP, queue_ms)
         if not engine_done:
             return self._output(text, new_ids, None, queue_ms) if text or new_ids else None
         if error:
             return self._output(text, new_ids, FINISH_ERROR, queue_ms, error=error)
-        tail = self._stops.push(self._detok.flush())
-        if self._stops.stopped:
-            return self._output(text + tail, new_ids, FINISH_STOP, queue_ms)
-        text += tail + self._stops.flush()
+        text += self._stops.flush()
         reason = FINISH_STOP if self.seen and self._last_id in self._eos_ids else FINISH_LENGTH
         if self.seen < self._max_tokens and reason == FINISH_LENGTH:
             reason = FINISH_STOP

@@ -573,3 +573,67 @@ def schedule_engines(
         else:
             out[name] = wrap(engine)
     return out, list(made.values())
+
+
+class _HostSlots:
+    """The engine as an engine host's queue sees it: `slots` requests in its batch at once."""
+
+    healthy = True
+
+    def __init__(self, model_id: str, slots: int) -> None:
+        self.model_id = model_id
+        self._slots = slots
+
+    def slots(self) -> int:
+        return self._slots
+
+    def has_capacity(self) -> bool:
+        return True
+
+
+class HostQueue:
+    """The scheduler of an engine that several gateway workers share (engines/hf_process.py, the engine
+    host): the one place that sees every worker's requests, so the classes, the fair share across
+    accounts and the reserve apply to the engine as a whole. Requests come as commands, not streams:
+    `add` lets one in (`go`, with the ms it waited) when `ScheduledEngine`'s order says so, or turns
+    it away (`refuse`, with the reason and Retry-After); `finish`/`cancel` free its slot."""
+
+    def __init__(self, model_id: str, slots: int, *, reserve: int, classes: tuple[PriorityClass, ...], max_queue: int) -> None:
+        self.scheduler = ScheduledEngine(_HostSlots(model_id, slots), reserve=reserve, classes=classes, max_queue=max_queue)  # type: ignore[arg-type]
+        self._tickets: dict[str, tuple[_Ticket, int]] = {}
+
+    def add(self, key: str, prompt_ids: list[int], max_tokens: int, account: Any, priority: str | None,
+            go: Callable[[float], None], refuse: Callable[[str, int], None]) -> None:
+        request = EngineRequest(request_id=key, max_tokens=max_tokens, prompt_token_ids=prompt_ids, account_id=account, priority=priority)
+        refused = self.scheduler.refusal(request)
+        if refused is not None:
+            refuse(str(refused), refused.retry_after)
+            return
+        ticket = self.scheduler._enqueue(request)
+        self._tickets[key] = (ticket, len(prompt_ids))
+        if ticket.granted is None:
+            go(0.0)
+            return
+
+        def granted(future: asyncio.Future[bool]) -> None:
+            if not future.cancelled() and future.result() and ticket.dispatched is not None:
+                go((ticket.dispatched - ticket.enqueued) * 1000.0)
+
+        ticket.granted.add_done_callback(granted)
+
+    def finish(self, key: str, completion_tokens: int, finish_reason: str) -> None:
+        entry = self._tickets.pop(key, None)
+        if entry is not None:
+            ticket, prompt_tokens = entry
+            self.scheduler._release(ticket, EngineOutput("", [], finish_reason, prompt_tokens, completion_tokens))
+
+    def cancel(self, key: str) -> None:
+        entry = self._tickets.pop(key, None)
+        if entry is not None:
+            self.scheduler._leave(entry[0])
+
+    def running(self) -> int:
+        return self.scheduler._running
+
+    def waiting(self) -> int:
+        return self.scheduler.queue_depth()

@@ -5,17 +5,18 @@ gateway side is `HFProcessEngine` as is, with its real tokenizer (the embedded S
 detokenizing, stop strings, metering and SSE cost what they cost with a model. The child only
 emits token ids: every `step_ms` each running stream gets its next `tokens_per_step` ids (a fixed
 English text's, in a loop), in one message per step, until its max_tokens. At most
-`max_batch_size` streams run at once; the rest wait in order, as in a real engine. Benchmarks
-only (bench/relay.py): what it writes is not a model's answer.
+`max_batch_size` streams run at once; the rest wait in order, as in a real engine. The child is
+engines/hf_process.py's engine process with `SyntheticCore` in place of the model, so the same
+process can be shared by several gateway workers. Benchmarks only (bench/relay.py): what it
+writes is not a model's answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
-from collections import deque
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -68,86 +69,95 @@ def load_tokenizer(cache_dir: Path) -> Any:
     return tokenizer
 
 
-class _Stream:
-    __slots__ = ("rid", "max_tokens", "sent", "pos", "queued_at")
+class _Output:
+    """What the batching manager hands a result handler, as far as engines/hf_process.py reads it."""
 
-    def __init__(self, rid: str, max_tokens: int, pos: int, queued_at: float) -> None:
-        self.rid, self.max_tokens, self.sent, self.pos, self.queued_at = rid, max_tokens, 0, pos, queued_at
+    __slots__ = ("generated_tokens", "created_time", "lifespan", "error", "done")
 
+    def __init__(self, now: float) -> None:
+        self.generated_tokens: list[int] = []
+        self.created_time = now
+        self.lifespan = (-1.0, -1.0)
+        self.error: str | None = None
+        self.done = False
 
-def engine_main(fd: int) -> None:
-    conn = Connection(fd)
-    model_id, params, _gather_ms = conn.recv()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
-    try:
-        tokenizer = load_tokenizer(Path(params["cache_dir"]))
-    except BaseException as exc:
-        conn.send(("failed", f"synthetic engine {model_id!r}: no tokenizer: {type(exc).__name__}: {exc}"))
-        return
-    ids = [int(t) for t in tokenizer(TEXT, add_special_tokens=False)["input_ids"]]
-    eos = tokenizer.eos_token_id
-    info = {"context_length": params["context_length"], "vocab_size": len(tokenizer), "eos_ids": [int(eos)] if eos is not None else [], "guided": False}
-    conn.send(("ready", info, tokenizer))
-    _run(conn, ids, params["step_ms"] / 1000.0, params["tokens_per_step"], params["max_batch_size"])
+    def is_finished(self) -> bool:
+        return self.done
 
 
-def _run(conn: Any, ids: list[int], step_s: float, per_step: int, batch_size: int) -> None:
-    """One thread: commands are read between steps; a step is due every `step_s` (a late one is not made up)."""
-    running: dict[str, _Stream] = {}
-    waiting: deque[_Stream] = deque()
-    cycle = ids * (per_step // len(ids) + 2)  # a slice of per_step ids never wraps
-    size = len(ids)
-    added = 0
-    due = time.monotonic() + step_s
-    while True:
-        timeout = due - time.monotonic()
-        try:
-            while conn.poll(max(0.0, timeout)):
-                message = conn.recv()
-                kind = message[0]
-                if kind == "add":
-                    waiting.append(_Stream(message[1], int(message[3]), (added * 7) % size, time.monotonic()))
-                    added += 1
-                elif kind == "cancel":
-                    rid = message[1]
-                    if running.pop(rid, None) is None:
-                        for s in waiting:
-                            if s.rid == rid:
-                                waiting.remove(s)
-                                break
-                elif kind == "held":
-                    conn.send(("held", message[1], len(running) + len(waiting)))
-                elif kind == "stop":
-                    return
-                timeout = due - time.monotonic()
-                if timeout <= 0:
-                    break
-        except (EOFError, OSError):
-            return  # the gateway closed the pipe or died
-        now = time.monotonic()
-        due = max(due + step_s, now)
-        batch: list[tuple[Any, ...]] = []
-        while waiting and len(running) < batch_size:
-            s = waiting.popleft()
-            running[s.rid] = s
-        finished = []
-        for s in running.values():
-            n = min(per_step, s.max_tokens - s.sent)
-            queue_ms = (now - s.queued_at) * 1000.0 if not s.sent else None
-            s.sent += n
-            done = s.sent >= s.max_tokens
-            batch.append((s.rid, cycle[s.pos:s.pos + n], done, None, queue_ms))
-            s.pos = (s.pos + n) % size
-            if done:
-                finished.append(s.rid)
-        for rid in finished:
-            del running[rid]
-        if batch:
-            try:
-                conn.send(batch)
-            except (EOFError, OSError):
-                return
+class SyntheticCore:
+    """The engine in the engine process: `HFEngine`'s face towards engines/hf_process.py (submit,
+    cancel, one handler call per stream per step) with a timer instead of a model."""
+
+    def __init__(self, *, model_id: str, step_ms: float, tokens_per_step: int, max_batch_size: int, context_length: int, cache_dir: str) -> None:
+        self.model_id = model_id
+        self._step_s = step_ms / 1000.0
+        self._per_step = tokens_per_step
+        self._max_batch_size = max_batch_size
+        self._max_batch_tokens = 0
+        self.context_length = context_length
+        self._cache_dir = Path(cache_dir)
+        self.guided = False
+        self.tokenizer: Any = None
+        self.vocab_size = 0
+        self._eos_ids: set[int] = set()
+        self._running: dict[str, tuple[_Output, Any, int, int]] = {}  # rid -> (output, handler, max_tokens, position)
+        self._waiting: dict[str, tuple[_Output, Any, int]] = {}
+        self._ids: list[int] = []
+        self._timer: Any = None
+        self._added = 0
+
+    async def start(self) -> None:
+        self.tokenizer = load_tokenizer(self._cache_dir)
+        self._ids = [int(t) for t in self.tokenizer(TEXT, add_special_tokens=False)["input_ids"]]
+        self._cycle = self._ids * (self._per_step // len(self._ids) + 2)  # a slice of per_step ids never wraps
+        self.vocab_size = len(self.tokenizer)
+        eos = self.tokenizer.eos_token_id
+        self._eos_ids = {int(eos)} if eos is not None else set()
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def guide_failure(self, rid: str) -> str | None:
+        return None
+
+    def submit(self, rid: str, prompt_ids: list[int], max_tokens: int, sampling: Any, handler: Any, grammar: str | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiting[rid] = (_Output(time.time()), handler, max_tokens)
+        if self._timer is None:
+            self._timer = loop.call_at(loop.time() + self._step_s, self._step)
+
+    def _cancel(self, rid: str) -> None:
+        if self._running.pop(rid, None) is None:
+            self._waiting.pop(rid, None)
+
+    def _step(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = time.time()
+        size = len(self._ids)
+        while self._waiting and len(self._running) < self._max_batch_size:
+            rid = next(iter(self._waiting))
+            out, handler, max_tokens = self._waiting.pop(rid)
+            out.lifespan = (now, -1.0)
+            self._running[rid] = (out, handler, max_tokens, (self._added * 7) % size)
+            self._added += 1
+        ended = []
+        for rid, (out, handler, max_tokens, pos) in self._running.items():
+            n = min(self._per_step, max_tokens - len(out.generated_tokens))
+            out.generated_tokens += self._cycle[pos:pos + n]
+            if len(out.generated_tokens) >= max_tokens:
+                out.done = True
+                ended.append(rid)
+            else:
+                self._running[rid] = (out, handler, max_tokens, (pos + n) % size)
+            handler(out)
+        for rid in ended:
+            self._running.pop(rid, None)
+        self._timer = loop.call_at(loop.time() + self._step_s, self._step) if (self._running or self._waiting) else None
 
 
 if __name__ == "__main__":
-    engine_main(int(sys.argv[1]))
+    from engines.hf_process import engine_main
+
+    engine_main(int(sys.argv[1]), make=SyntheticCore)

@@ -116,10 +116,13 @@ def workers_refused(settings: Settings) -> str | None:
         return "several workers need remote engines (a models file of `openai` backends); the embedded model would load once per worker"
     from engines.registry import load_models
 
+    from gateway.engine_hosts import hosted
+
     table = load_models(settings.engines.models_file, environ=settings.engines.environ)
-    local = sorted(spec.id for spec in table.specs.values() if spec.backend in ("hf", "trtllm"))
+    local = sorted(spec.id for spec in table.specs.values() if spec.backend in ("hf", "trtllm") and not hosted(spec))
     if local:
-        return f"the models {', '.join(local)} run in-process and would load once per worker; serve them with one worker"
+        return (f"the models {', '.join(local)} run in-process and would load once per worker; serve them with one worker, "
+                "or (hf) in an engine process the workers share: `process: true`")
     if not settings.redis.url:
         return "several workers share quotas through Redis: set REDIS_URL"
     if not settings.resolved_database_url.startswith("postgresql"):
@@ -144,12 +147,22 @@ def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -
     )
     # The workers inherit this environment: where the whole Settings is, and prometheus_client's own
     # variable (the library reads it when it is imported).
-    os.environ.update({**for_workers(settings, settings.data_dir / f"worker-settings-{settings.http.port}"),
-                       "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
-    configure_logging(args.log_format, args.log_level)
-    uvicorn.run("gateway.cli:worker_app", factory=True, workers=workers, host=settings.http.host, port=settings.http.port,
-                log_level=args.log_level, loop="auto", http="gateway.hardening:EnvGuardedHttpToolsProtocol",
-                log_config=None, access_log=False, proxy_headers=False)
+    from gateway.engine_hosts import EngineHosts
+
+    hosts = EngineHosts(settings)  # hf (process: true) and synthetic models: one engine process for all workers
+    try:
+        settings = settings.with_overrides(engines={"engine_hosts": hosts.start()})
+        os.environ.update({**for_workers(settings, settings.data_dir / f"worker-settings-{settings.http.port}"),
+                           "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
+        configure_logging(args.log_format, args.log_level)
+        uvicorn.run("gateway.cli:worker_app", factory=True, workers=workers, host=settings.http.host, port=settings.http.port,
+                    log_level=args.log_level, loop="auto", http="gateway.hardening:EnvGuardedHttpToolsProtocol",
+                    log_config=None, access_log=False, proxy_headers=False,
+                    # uvicorn kills a worker that has not answered its ping within this (5 s by default): on a
+                    # loaded host a freshly spawned worker is still importing by then, and is killed every time.
+                    timeout_worker_healthcheck=30)
+    finally:
+        hosts.stop()
 
 
 def worker_app() -> Any:

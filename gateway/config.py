@@ -103,6 +103,8 @@ class EngineSettings:
     # The environment models.yaml's `api_key_env` names are looked up in, as it was at start
     # (load_settings() keeps a copy; made in code: empty unless given). Not shown in repr: it holds keys.
     environ: dict[str, str] = field(default_factory=dict, repr=False, hash=False)
+    # `serve --workers N`: the supervisor's engine hosts, model id -> Unix socket (gateway/engine_hosts.py); set by it, never by hand.
+    engine_hosts: dict[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,10 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
             raise SystemExit(f"error in the models file:\n{exc}") from None
         if settings.http.workers > 1:
             share_replicas(built, settings.http.workers)
+        if config.engine_hosts:
+            from gateway.engine_hosts import connect_hosted
+
+            connect_hosted(built, config.engine_hosts)
         return built
     if config.backend != "hf":
         raise SystemExit(

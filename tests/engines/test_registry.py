@@ -95,7 +95,7 @@ models:
         "models.yaml:4: models[0].replicas: 'gpu-1:8000' is not an http(s) base URL such as http://10.0.0.7:8000/v1",
         "models.yaml:5: models[0].context_length: must be an integer, got 'many'",
         "models.yaml:6: models[0].max_concurency: unknown field (did you mean `max_concurrency`?)",
-        "models.yaml:8: models[1].backend: must be one of hf, trtllm, openai, router, got 'trtlm'",
+        "models.yaml:8: models[1].backend: must be one of hf, trtllm, openai, router, synthetic, got 'trtlm'",
         "models.yaml:11: models[2].fallbacks[0]: no model named 'd' in this file",
         "models.yaml:11: models[2].fallbacks[1]: a model cannot be its own fallback",
         "models.yaml:12: models[2].max_queue: must be at least 0, got -1",
