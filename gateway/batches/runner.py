@@ -69,6 +69,11 @@ class BatchRunner:
                            if isinstance(r, Route) and r.path in results.ENDPOINTS and "POST" in (r.methods or ())}
         self._task = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
 
+    @property
+    def halting(self) -> bool:
+        """Stopping, or the server drains (SIGTERM): no new line is claimed; those in flight finish."""
+        return self._stopping or bool(getattr(self._app, "draining", False))
+
     def wake(self) -> None:
         """A batch was created or cancelled: look now rather than at the next poll."""
         self._wake.set()
@@ -90,7 +95,7 @@ class BatchRunner:
         while not self._stopping:
             try:
                 for batch_id in await self._store.active():
-                    if batch_id not in self._jobs and not self._stopping:
+                    if batch_id not in self._jobs and not self.halting:
                         try:
                             await self._store.lease(batch_id, self.runner_id, self._settings.lease_seconds)
                         except LeaseHeld:
@@ -142,11 +147,11 @@ class BatchRunner:
                 ending = "cancelled" if status == "cancelling" else "expired" if time.time() >= self.window_end(batch) else None
                 if status == "finalizing":
                     ending = "completed"
-                if ending is not None or self._stopping:
+                if ending is not None or self.halting:
                     if running:
                         await asyncio.wait(list(running))
                         running.clear()
-                    if self._stopping:
+                    if self.halting:
                         await self._store.unlease(batch_id, self.runner_id)
                         return
                     if ending != "completed":

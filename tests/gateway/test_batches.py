@@ -4,6 +4,7 @@ price, cancel, expiry, and another account's view (404)."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import time
@@ -294,3 +295,33 @@ async def test_every_endpoint_runs_in_a_batch(batch_gateway: Gateway, endpoint: 
     assert bad["custom_id"] == "c-1" and bad["response"]["status_code"] == 404 and bad["response"]["body"]["error"]["code"]
     rows = await rows_of(gw, batch.id)  # the refused line has no row: it was never admitted
     assert [(r["request_id"], r["api"]) for r in rows] == [(ok["response"]["request_id"], "batch")]
+
+
+async def test_a_draining_server_claims_no_more_lines_and_lets_go_of_the_batch(batch_gateway: Gateway) -> None:
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(20, max_tokens=8))), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    runner = gw.app.state.batch_runner
+    store = gw.app.state.batch_store
+    await until(lambda: batch.id in runner._jobs, "the runner took the batch", timeout=30)
+    gw.app.draining = True  # what SIGTERM sets (gateway/drain.py)
+    try:
+        await until(lambda: batch.id not in runner._jobs, "the runner let the batch go", timeout=120)
+        db = create_engine(gw.db_url)
+        try:
+            async with db.connect() as conn:
+                row = (await conn.execute(sa.text("SELECT lease_until, status FROM batches WHERE id = :b"), {"b": batch.id})).one()
+                states = dict((await conn.execute(sa.text(
+                    "SELECT state, count(*) FROM batch_lines WHERE batch_id = :b GROUP BY state"), {"b": batch.id})).all())
+        finally:
+            await db.dispose()
+        assert states.get("claimed", 0) == 0 and states.get("pending", 0) > 0, states  # in flight finished; the rest wait
+        lease_until = row.lease_until if row.lease_until.tzinfo else row.lease_until.replace(tzinfo=datetime.timezone.utc)
+        assert lease_until <= datetime.datetime.now(datetime.timezone.utc)  # another process may take it at once
+        assert row.status == "in_progress"
+    finally:
+        gw.app.draining = False
+    runner.wake()
+    assert (await ended(client, batch.id)).status == "completed"
+    assert len(await rows_of(gw, batch.id)) == 20
