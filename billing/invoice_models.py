@@ -111,7 +111,7 @@ class InvoiceLine(SQLModel, table=True):
     kind: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # usage | adjustment
     usage_period: str = Field(sa_column=sa.Column(sa.String(7), nullable=False))
     model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
-    direction: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # input | cached | output | batch_input | batch_output
+    direction: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # input | cached | output | batch_input | batch_output | cached_response
     tokens: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
     # USD per million tokens after any override; NULL when no price was in force (amount 0).
     unit_price: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(30, 9), nullable=True))

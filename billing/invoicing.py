@@ -7,7 +7,9 @@
 The ledger is the source of truth: amounts come from tokens x the price version (and account
 override) in force at each row's `admitted_at` (when the request was admitted and priced; a request
 that runs across a price change or a month end belongs to the instant it started), never from the
-rows' `cost_nanos`. Billed rows
+rows' `cost_nanos`; except response-cache hits (`cached` rows): a hit costs the hit price in force
+when it was served times the normal cost, recorded only in its `cost_nanos`, so its line is the sum of
+those (see docs/billing.md). Billed rows
 have status completed or cancelled (tokens really generated); error rows are not billed.
 
 A prepaid account's usage is not invoiced; its month gets a statement instead (billing/statements.py),
@@ -53,8 +55,12 @@ PERIODS = BillingPeriod.__table__
 INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
 BILLABLE_STATUSES = ("completed", "cancelled")
-DIRECTIONS = ("input", "cached", "output", "batch_input", "batch_output")  # cached: prompt tokens at the price's cached-input price
-DIRECTION_NAMES = {"input": "input", "cached": "cached input", "output": "output", "batch_input": "batch input", "batch_output": "batch output"}
+# cached: prompt tokens at the price's cached-input price; cached_response: response-cache hits (prompt + completion)
+DIRECTIONS = ("input", "cached", "output", "batch_input", "batch_output", "cached_response")
+DIRECTION_NAMES = {"input": "input", "cached": "cached input", "output": "output", "batch_input": "batch input",
+                   "batch_output": "batch output", "cached_response": "cached response"}
+HIT = "cached_response"
+NANOS_PER_CENT = Decimal(10_000_000)
 CLOSE_LOCK_KEY = 0x746F6C6C67617465  # "tollgate": one monthly close at a time across instances
 MILLION = Decimal(1_000_000)
 
@@ -73,6 +79,11 @@ def line_amount_cents(tokens: int, unit_price: Decimal | None) -> int:
         return 0
     usd = EXACT.divide(EXACT.multiply(Decimal(tokens), unit_price), MILLION)
     return int(EXACT.multiply(usd, Decimal(100)).quantize(Decimal(1), ROUND_HALF_UP, EXACT))
+
+
+def nanos_cents(nanos: int) -> int:
+    """A cost in nano-USD in cents, rounded half up once (a response-cache hit line)."""
+    return int(EXACT.divide(Decimal(nanos), NANOS_PER_CENT).quantize(Decimal(1), ROUND_HALF_UP, EXACT))
 
 
 def format_cents(cents: int) -> str:
@@ -98,6 +109,9 @@ class PricedTokens:
     key: PriceKey
     tokens: int
     price: EffectivePrice | None
+    nanos: int = 0  # cached_response: the hits' cost_nanos (their hit price applied at admission)
+    prompt: int = 0  # cached_response: the split of `tokens`, for the description
+    completion: int = 0
 
 
 async def priced_usage(
@@ -119,6 +133,9 @@ async def priced_usage(
                     else_=sa.func.coalesce(LEDGER.c.cached_tokens, 0)).label("cached"),
             # Lines of a batch are priced at the batch price and get lines of their own.
             sa.case((LEDGER.c.api == "batch", 1), else_=0).label("batch"),
+            # A response-cache hit costs what its row's cost_nanos says (the hit price then in force).
+            sa.case((LEDGER.c.cached.is_(True), 1), else_=0).label("hit"),
+            sa.case((LEDGER.c.cached.is_(True), sa.func.coalesce(LEDGER.c.cost_nanos, 0)), else_=0).label("nanos"),
         )
         .where(
             LEDGER.c.account_id == account_id,
@@ -133,12 +150,22 @@ async def priced_usage(
     )
     query = sa.select(
         rows.c.model, rows.c.seg, sa.func.sum(rows.c.prompt).label("prompt"), sa.func.sum(rows.c.completion).label("completion"),
-        sa.func.sum(rows.c.cached).label("cached"), rows.c.batch,
-    ).group_by(rows.c.model, rows.c.seg, rows.c.batch)
+        sa.func.sum(rows.c.cached).label("cached"), rows.c.batch, rows.c.hit, sa.func.sum(rows.c.nanos).label("nanos"),
+    ).group_by(rows.c.model, rows.c.seg, rows.c.batch, rows.c.hit)
     out: dict[PriceKey, PricedTokens] = {}
     for row in (await conn.execute(query)).all():
         at = bounds[int(row.seg)]
         price = book.price_for(account_id, row.model, at)
+        if row.hit:  # priced at admission (normal price x hit price, batch or not): its own line
+            prompt, completion = int(row.prompt or 0), int(row.completion or 0)
+            if prompt + completion == 0 and not row.nanos:  # hits not delivered whole: nothing served
+                continue
+            key = _key(str(Period.containing(at)), row.model, HIT, price)
+            slot = out.setdefault(key, PricedTokens(key, 0, price))
+            slot.tokens += prompt + completion
+            slot.prompt, slot.completion = slot.prompt + prompt, slot.completion + completion
+            slot.nanos += int(row.nanos or 0)
+            continue
         if row.batch and price is not None:
             price = price.for_batch()
         # Cached prompt tokens get their own line where the price has a cached-input price.
@@ -158,6 +185,8 @@ async def priced_usage(
 def _key(period: str, model: str, direction: str, price: EffectivePrice | None) -> PriceKey:
     if price is None:
         return PriceKey(period, model, direction, None, None, None)
+    if direction == HIT:  # no one unit price: the amount is the hits' recorded cost
+        return PriceKey(period, model, direction, price.price_version_id, price.override_id, None)
     unit = {"input": price.input_per_million, "cached": price.cached_input_per_million, "output": price.output_per_million,
             "batch_input": price.input_per_million, "batch_output": price.output_per_million}[direction]
     return PriceKey(period, model, direction, price.price_version_id, price.override_id, unit)
@@ -171,14 +200,21 @@ def _month_starts(start: datetime, end: datetime) -> list[datetime]:
     return out
 
 
-async def billed_tokens(conn: AsyncConnection, account_id: int, periods: list[str]) -> dict[PriceKey, int]:
-    """Tokens already on this account's invoice lines, per line key, for the given usage periods."""
+@dataclass
+class Billed:
+    tokens: int = 0
+    cents: int = 0
+
+
+async def billed_tokens(conn: AsyncConnection, account_id: int, periods: list[str]) -> dict[PriceKey, Billed]:
+    """Tokens (and cents) already on this account's invoice lines, per line key, for the given usage periods."""
     if not periods:
         return {}
     query = (
         sa.select(
             LINES.c.usage_period, LINES.c.model, LINES.c.direction, LINES.c.price_version_id,
             LINES.c.override_id, LINES.c.unit_price, sa.func.sum(LINES.c.tokens).label("tokens"),
+            sa.func.sum(LINES.c.amount_cents).label("cents"),
         )
         .join(INVOICES, INVOICES.c.id == LINES.c.invoice_id)
         .where(INVOICES.c.account_id == account_id, LINES.c.usage_period.in_(periods))
@@ -187,12 +223,13 @@ async def billed_tokens(conn: AsyncConnection, account_id: int, periods: list[st
             LINES.c.override_id, LINES.c.unit_price,
         )
     )
-    out: dict[PriceKey, int] = defaultdict(int)
+    out: dict[PriceKey, Billed] = defaultdict(Billed)
     for row in (await conn.execute(query)).all():
         # Decimals equal in value hash alike: NUMERIC(30, 9) read back matches a computed price.
         unit = None if row.unit_price is None else Decimal(row.unit_price)
         key = PriceKey(row.usage_period, row.model, row.direction, row.price_version_id, row.override_id, unit)
-        out[key] += int(row.tokens)
+        out[key].tokens += int(row.tokens)
+        out[key].cents += int(row.cents)
     return out
 
 
@@ -212,9 +249,18 @@ class LineDraft:
     price: EffectivePrice | None = field(default=None, repr=False)
 
 
-def _describe(kind: str, key: PriceKey, tokens: int, price: EffectivePrice | None, period: Period) -> str:
+def _describe(kind: str, key: PriceKey, tokens: int, price: EffectivePrice | None, period: Period,
+              split: tuple[int, int] | None = None, free: bool = False) -> str:
     what = f"{key.model}, {DIRECTION_NAMES[key.direction]} tokens: {tokens:,}"
-    if price is None or key.unit_price is None:
+    if key.direction == HIT:
+        what = f"{key.model}, cached responses (served from the response cache), tokens: {tokens:,}"
+        if split is not None:
+            what += f" ({split[0]:,} prompt + {split[1]:,} completion)"
+    if price is None:
+        text = f"{what}, no price in force (not charged)"
+    elif key.direction == HIT:
+        text = f"{what}, at the cache-hit price in force when each was served" + (" (free)" if free else "")
+    elif key.unit_price is None:
         text = f"{what}, no price in force (not charged)"
     else:
         text = f"{what} x ${format(key.unit_price, 'f')} per 1M tokens"
@@ -245,10 +291,17 @@ def _order(key: PriceKey, price: EffectivePrice | None) -> tuple[Any, ...]:
 
 def usage_lines(usage: dict[PriceKey, PricedTokens], period: Period) -> list[LineDraft]:
     slots = sorted(usage.values(), key=lambda s: _order(s.key, s.price))
-    return [_line("usage", s.key, s.tokens, s.price, period) for s in slots]
+    return [_line("usage", s.key, s.tokens, s.price, period, s) for s in slots]
 
 
-def _line(kind: str, key: PriceKey, tokens: int, price: EffectivePrice | None, period: Period) -> LineDraft:
+def _line(kind: str, key: PriceKey, tokens: int, price: EffectivePrice | None, period: Period,
+          hits: PricedTokens | None = None, billed_cents: int = 0) -> LineDraft:
+    if key.direction == HIT:  # the hits' cost_nanos, less what earlier lines of the key billed, rounded once
+        amount = (nanos_cents(hits.nanos) if hits is not None else 0) - billed_cents
+        split = (hits.prompt, hits.completion) if hits is not None and kind == "usage" else None
+        description = _describe(kind, key, tokens, price, period, split, hits is None or hits.nanos == 0)
+    else:
+        amount, description = line_amount_cents(tokens, key.unit_price), _describe(kind, key, tokens, price, period)
     return LineDraft(
         kind=kind,
         usage_period=key.usage_period,
@@ -256,10 +309,10 @@ def _line(kind: str, key: PriceKey, tokens: int, price: EffectivePrice | None, p
         direction=key.direction,
         tokens=tokens,
         unit_price=key.unit_price,
-        amount_cents=line_amount_cents(tokens, key.unit_price),
+        amount_cents=amount,
         price_version_id=key.price_version_id,
         override_id=key.override_id,
-        description=_describe(kind, key, tokens, price, period),
+        description=description,
         price=price,
     )
 
@@ -276,11 +329,12 @@ async def adjustment_lines(
     billed = await billed_tokens(conn, account_id, [str(p) for p in closed])
     out = []
     for slot in sorted(now_usage.values(), key=lambda s: _order(s.key, s.price)):
-        delta = slot.tokens - billed.get(slot.key, 0)
+        done = billed.get(slot.key, Billed())
+        delta = slot.tokens - done.tokens
         if delta < 0:
             log.warning("account %s: ledger has fewer tokens than billed for %s (%s)", account_id, slot.key, delta)
         if delta > 0:
-            out.append(_line("adjustment", slot.key, delta, slot.price, period))
+            out.append(_line("adjustment", slot.key, delta, slot.price, period, slot, done.cents))
     return out
 
 

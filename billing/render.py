@@ -27,7 +27,8 @@ STATEMENT_NOTICE = (
     "This is a usage statement, not an invoice: no seller identity (legal name, address, tax id) is configured "
     "on this gateway."
 )
-ROUNDING_NOTE = ("Each line is tokens x unit price, rounded half up to the cent once; the subtotal is the sum of the lines; "
+ROUNDING_NOTE = ("Each line is tokens x unit price (cached responses: their recorded cost at the cache-hit price), "
+                 "rounded half up to the cent once; the subtotal is the sum of the lines; "
                  "tax is computed once on the subtotal and rounded half up to the cent.")
 
 
@@ -43,6 +44,8 @@ def money(cents: int) -> str:
 
 def _unit(line: dict[str, Any]) -> str:
     unit = line["unit_price_per_million"]
+    if line.get("direction") == "cached_response":  # its amount is the hits' recorded cost
+        return "cache-hit price"
     return f"${unit} / 1M" if unit is not None else "not priced"
 
 
