@@ -47,7 +47,10 @@ async def test_an_interactive_key_goes_ahead_of_a_running_batch(busy_gateway: Ga
         idle, _, _ = await sequential_ttfts(cy, y, 3, 6)
         uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(10, max_tokens=16))), purpose="batch")
         batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-        await wait_for(lambda: sched.snapshot()["waiting"]["batch"] >= 4, 120, "batch lines waiting in the scheduler")
+        # Steady state, as test_scheduling measures it: a line has finished and the next went in (not the
+        # first wave, when three lines' prefills and the runner's claims share the two cores at once).
+        await wait_for(lambda: sum(e.request_id.startswith(batch.id) for e in events) >= 4 and sched.snapshot()["waiting"]["batch"] >= 3,
+                       120, "batch lines running and waiting in the scheduler")
         loaded, waiting = [], []
         for i in range(3):
             waiting.append(sched.snapshot()["waiting"]["batch"])
