@@ -28,6 +28,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from engines.base import EngineError, EngineOutput, EngineOverloadedError, EngineRequest
@@ -105,7 +106,10 @@ class HFProcessEngine(HFEngine):
         # and unlike multiprocessing's spawn it does not re-run the parent's main module.
         ours, theirs = socket.socketpair()
         try:
-            process = subprocess.Popen([sys.executable, "-m", self.child_module, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+            # Run from this code's own tree: `-m` puts the working directory first on sys.path, so a child
+            # started elsewhere could import another copy of the project than the gateway's (bench/ runs old revisions).
+            process = subprocess.Popen([sys.executable, "-m", self.child_module, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                       cwd=str(Path(__file__).resolve().parent.parent))
         finally:
             theirs.close()
         conn = Connection(ours.detach())
@@ -344,7 +348,8 @@ def engine_main(fd: int, make: Any = HFEngine) -> None:
     """Entry point of the child process: the pipe's end is file descriptor `fd`; `make` builds the
     engine (engines/synthetic.py gives its own)."""
     conn = Connection(fd)
-    model_id, params, gather_ms, host = conn.recv()
+    model_id, params, gather_ms, *rest = conn.recv()
+    host = rest[0] if rest else None  # an engine host's settings (absent from a gateway before engine hosts)
     # The batching thread holds the GIL most of the time; the threads that take requests in and send
     # tokens out wait for it up to the switch interval each time (5 ms by default, a visible share of
     # a decode step). They run rarely and briefly, so a shorter interval costs the batching thread little.
