@@ -15,8 +15,7 @@ from typing import Any
 from billing import migrate as migrations
 from billing.db import create_engine
 from billing.keys import AccountExists, KeyStore, UnknownAccount
-from gateway import cli_billing, cli_ledger, cli_ops
-from gateway import cli_credits  # issue 25
+from gateway import cli_bench, cli_billing, cli_credits, cli_ledger, cli_ops
 from gateway.config import Settings, for_workers, load_settings, worker_settings
 from gateway.logs import configure_logging
 
@@ -319,10 +318,8 @@ def check_models_file(path: str, quiet: bool, environ: Mapping[str, str]) -> int
 
 
 def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
-    from bench import serve_bench
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the report
-    return serve_bench.report(args, serve_bench.run(args))
+    return cli_bench.report(args, cli_bench.run(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,10 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", default="json", choices=["json", "text"], help="log lines as JSON (default) or text")
     serve.set_defaults(func=cmd_serve)
 
-    from bench.serve_bench import add_arguments as bench_arguments
-
     bench = sub.add_parser("bench", help="serving benchmark against OpenAI-compatible base URLs (Tollgate or an engine)")
-    bench_arguments(bench)
+    cli_bench.add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
     mig = sub.add_parser("migrate", help="apply database migrations (DATABASE_URL, else the SQLite file)")
@@ -379,9 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_flags(k_limits)
     k_limits.set_defaults(func=cmd_keys_limits)
     cli_ops.register(sub)
-    cli_billing.register(sub)  # invoices, prices (issue 5)
-    cli_ledger.register(sub)  # the ledger's partitions (issue 24)
-    cli_credits.register(sub)  # prepaid credit (issue 25)
+    cli_billing.register(sub)  # invoices, prices
+    cli_ledger.register(sub)  # the ledger's partitions
+    cli_credits.register(sub)  # prepaid credit
     return parser
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from bench.serve_bench import Pricing, builtin_mix, make_workload, parse_pricing, percentiles
+from gateway.cli_bench import Pricing, builtin_mix, make_workload, parse_pricing, percentiles
 from billing.db import create_engine
 from gateway import cli
 from tests.conftest import run_coro
