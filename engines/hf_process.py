@@ -33,7 +33,6 @@ from typing import Any
 
 from engines.base import EngineError, EngineOutput, EngineOverloadedError, EngineRequest
 from engines.hf import HFEngine, TokenProgress, drain
-from engines.text import IncrementalDetokenizer, decode_windows
 
 log = logging.getLogger("tollgate.engines.hf_process")
 
@@ -66,7 +65,6 @@ class _Dead:
 class _Live:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
-    detok: IncrementalDetokenizer  # the reader thread's alone: it decodes each step for every stream at once
 
 
 class HFProcessEngine(HFEngine):
@@ -203,18 +201,10 @@ class HFProcessEngine(HFEngine):
                 loop.call_soon_threadsafe(lambda a=answer, n=batch[2]: a.done() or a.set_result(n))
                 continue
             by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
-            lives: list[tuple[_Live, Any]] = []
-            windows: list[list[int]] = []
             for item in batch:
                 live = self._live_streams.get(item[0])
                 if live is not None:
-                    lives.append((live, item))
-                    windows += live.detok.windows(item[1])
-            texts = decode_windows(self._tokenizer, windows) if windows else []  # the whole step's text in one call
-            for i, (live, item) in enumerate(lives):
-                final = item[2] and not item[3]  # a clean end: what was held back goes out too
-                text = live.detok.take(texts[2 * i], texts[2 * i + 1], final)
-                by_loop.setdefault(live.loop, []).append((live.queue, (*item, text)))
+                    by_loop.setdefault(live.loop, []).append((live.queue, item))
             for loop, items in by_loop.items():
                 if not loop.is_closed():
                     loop.call_soon_threadsafe(_put_all, items)
@@ -251,7 +241,7 @@ class HFProcessEngine(HFEngine):
             raise EngineOverloadedError("engine queue is full")
         rid = request.request_id
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._live_streams[rid] = _Live(asyncio.get_running_loop(), queue, IncrementalDetokenizer(self._tokenizer))
+        self._live_streams[rid] = _Live(asyncio.get_running_loop(), queue)
         sampling = request.sampling
         engine_done = False
         try:
@@ -265,7 +255,6 @@ class HFProcessEngine(HFEngine):
             while True:
                 batch = await drain(queue)  # what arrived since the last turn leaves as one output
                 new_ids: list[int] = []
-                texts: list[str] = []
                 error: str | None = None
                 for item in batch:
                     if item is _CANCELLED:
@@ -276,16 +265,17 @@ class HFProcessEngine(HFEngine):
                         raise EngineOverloadedError(item.reason, retry_after=item.retry_after)
                     if isinstance(item, _Dead):
                         engine_done = True
-                        yield progress.advance_text(new_ids, "".join(texts), True, item.reason, queue_ms)  # type: ignore[misc]
+                        yield progress.advance(new_ids, True, item.reason, queue_ms)  # type: ignore[misc]
                         return
-                    _rid, ids, done, item_error, item_queue_ms, text = item
+                    _rid, ids, done, item_error, item_queue_ms = item
                     new_ids += ids
-                    texts.append(text)
                     if queue_ms is None:
                         queue_ms = item_queue_ms
                     if done:
                         engine_done, error = True, item_error
-                out = progress.advance_text(new_ids, texts[0] if len(texts) == 1 else "".join(texts), engine_done, error, queue_ms)
+                # Decoded here, once for whatever arrived since the last turn: when the loop falls behind, several
+                # steps cost one decode and one event (decoding each step in the reader thread cost more: docs/performance.md).
+                out = progress.advance(new_ids, engine_done, error, queue_ms)
                 if out is not None:
                     yield out
                     if out.finished:
