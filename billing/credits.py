@@ -27,7 +27,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from billing.credit_models import CREDIT_KINDS, CreditEntry, CreditUsageMark
+from billing.credit_views import NANOS_PER_USD, aware, entry_view, iso, usd
 from billing.models import Account, LedgerEntry, utcnow
+from billing.periods import Period
+from billing.statements import figures
 
 log = logging.getLogger("tollgate.credits")
 CREDITS = CreditEntry.__table__
@@ -35,7 +38,6 @@ ACCOUNTS = Account.__table__
 LEDGER = LedgerEntry.__table__
 MARKS = CreditUsageMark.__table__
 DEFAULT_SETTLE_SECONDS = 120.0  # > any ledger write transaction (statements time out after 60 s)
-NANOS_PER_USD = 10**9
 MAX_NANOS = 2**53 - 1  # exact in the limiter's Lua numbers
 BILLING_MODES = ("postpaid", "prepaid")
 MANUAL_KINDS = ("topup", "grant", "refund", "adjustment")
@@ -69,33 +71,9 @@ def parse_usd(value: Any, field: str = "amount", *, signed: bool = False) -> int
     return nanos
 
 
-def usd(nanos: int) -> str:
-    sign = "-" if nanos < 0 else ""
-    return f"{sign}{abs(nanos) // NANOS_PER_USD}.{abs(nanos) % NANOS_PER_USD:09d}"
-
-
-def _aware(dt: datetime | None) -> datetime | None:
-    return None if dt is None else dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
-
-
-def entry_view(row: Any) -> dict[str, Any]:
-    return {
-        "id": int(row.id), "object": "credit_entry", "account_id": row.account_id, "kind": row.kind,
-        "amount_nanos": int(row.amount_nanos), "amount": usd(int(row.amount_nanos)),
-        "grant_id": row.grant_id, "expires_at": _iso(row.expires_at), "usage_until": _iso(row.usage_until),
-        "reason": row.reason, "admin_key_id": row.admin_key_id, "external_id": row.external_id,
-        "created_at": _iso(row.created_at),
-    }
-
-
-def _iso(dt: datetime | None) -> str | None:
-    value = _aware(dt)
-    return None if value is None else value.isoformat()
-
-
 async def _since(conn: AsyncConnection, account_id: int) -> datetime | None:
     row = (await conn.execute(sa.select(ACCOUNTS.c.billing_mode, ACCOUNTS.c.prepaid_since).where(ACCOUNTS.c.id == account_id))).first()
-    return None if row is None else _aware(row.prepaid_since)
+    return None if row is None else aware(row.prepaid_since)
 
 
 async def _usage_cost(conn: AsyncConnection, account_id: int, since: datetime | None, until: datetime | None = None) -> int:
@@ -176,7 +154,7 @@ class CreditBook:
             raise CreditError(f"a {kind} must be {'positive' if kind in ('topup', 'grant') else 'negative'}", "amount")
         if kind == "adjustment" and not (reason and reason.strip()):
             raise CreditError("a manual adjustment needs a reason", "reason")
-        if expires_at is not None and (kind != "grant" or _aware(expires_at) <= now):  # type: ignore[operator]
+        if expires_at is not None and (kind != "grant" or aware(expires_at) <= now):  # type: ignore[operator]
             raise CreditError("expires_at is for grants, and must be in the future", "expires_at")
         values = dict(account_id=account_id, kind=kind, amount_nanos=amount_nanos, reason=reason, admin_key_id=admin_key_id,
                       expires_at=expires_at, external_id=external_id, created_at=now, grant_id=grant_id)
@@ -212,7 +190,7 @@ class CreditBook:
             account = (await conn.execute(sa.select(ACCOUNTS).where(ACCOUNTS.c.id == account_id))).first()
             if account is None:
                 return None
-            since = _aware(account.prepaid_since)
+            since = aware(account.prepaid_since)
             credits = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
                 CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage"))).scalar_one())
             usage, posted = await _spent(conn, account_id, since)
@@ -221,10 +199,10 @@ class CreditBook:
         balance = credits - usage
         return {
             "object": "credit_balance", "account_id": account_id, "billing_mode": account.billing_mode,
-            "prepaid_since": _iso(since), "balance_nanos": balance, "balance": usd(balance),
+            "prepaid_since": iso(since), "balance_nanos": balance, "balance": usd(balance),
             "ledger_sum_nanos": ledger_sum, "unposted_usage_nanos": ledger_sum - balance,
             "grants": [{"id": g["id"], "remaining_nanos": g["remaining"], "remaining": usd(g["remaining"]),
-                        "expires_at": _iso(g["expires_at"])} for g in grants if g["remaining"] > 0 and not g["expired"]],
+                        "expires_at": iso(g["expires_at"])} for g in grants if g["remaining"] > 0 and not g["expired"]],
         }
 
     async def statement(self, account_id: int, start: datetime, end: datetime) -> dict[str, Any] | None:
@@ -232,9 +210,6 @@ class CreditBook:
         this is the same reading): opening balance, the credit rows (not usage) of the month, its
         usage per model (rows admitted in it), closing balance. Nothing is due: usage was paid from
         the balance. `start` names the month."""
-        from billing.periods import Period
-        from billing.statements import figures
-
         period = Period.containing(start)
         async with self._engine.connect() as conn:
             since = await _since(conn, account_id)
@@ -278,8 +253,8 @@ class CreditBook:
             top = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.max(LEDGER.c.id), 0)))).scalar_one())
             if not self.settle:
                 target, seen_at = top, now  # nothing can commit below an id already seen
-            elif mark.frontier_id is not None and _aware(mark.frontier_at) <= now - self.settle:  # type: ignore[operator]
-                target, seen_at = int(mark.frontier_id), _aware(mark.frontier_at)
+            elif mark.frontier_id is not None and aware(mark.frontier_at) <= now - self.settle:  # type: ignore[operator]
+                target, seen_at = int(mark.frontier_id), aware(mark.frontier_at)
             else:
                 target, seen_at = None, None
             values: dict[str, Any] = {}
@@ -287,7 +262,7 @@ class CreditBook:
                 values.update(frontier_id=top, frontier_at=now)  # the next batch posts up to here
             rows: list[Any] = []
             if target is not None and (mark.posted_id is None or target > mark.posted_id):
-                since = _aware(account.prepaid_since)
+                since = aware(account.prepaid_since)
                 assert since is not None
                 if mark.posted_id is None:  # the first batch through a mark: usage rows posted before marks count
                     legacy = -int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDITS.c.amount_nanos), 0)).where(
@@ -353,7 +328,7 @@ class CreditBook:
             await self.post_usage(int(grant.account_id), now)
             async with self._engine.connect() as conn:
                 posted_at = (await conn.execute(sa.select(MARKS.c.posted_at).where(MARKS.c.account_id == grant.account_id))).scalar()
-                if posted_at is None or _aware(posted_at) < _aware(grant.expires_at):  # type: ignore[operator]
+                if posted_at is None or aware(posted_at) < aware(grant.expires_at):  # type: ignore[operator]
                     continue  # usage recorded before the expiry is not all posted yet: a later round expires it
                 remaining = next((g["remaining"] for g in await _grants(conn, int(grant.account_id)) if g["id"] == grant.id), 0)
             if remaining <= 0:
@@ -371,7 +346,7 @@ async def _grants(conn: AsyncConnection, account_id: int, at: datetime | None = 
     used = dict((await conn.execute(sa.select(CREDITS.c.grant_id, sa.func.sum(CREDITS.c.amount_nanos)).where(
         CREDITS.c.account_id == account_id, CREDITS.c.grant_id.is_not(None)).group_by(CREDITS.c.grant_id))).all())
     rows = (await conn.execute(sa.select(CREDITS).where(CREDITS.c.account_id == account_id, CREDITS.c.kind == "grant"))).all()
-    out = [{"id": int(r.id), "expires_at": _aware(r.expires_at), "remaining": int(r.amount_nanos) + int(used.get(r.id, 0)),
-            "expired": r.expires_at is not None and _aware(r.expires_at) <= at} for r in rows]  # type: ignore[operator]
+    out = [{"id": int(r.id), "expires_at": aware(r.expires_at), "remaining": int(r.amount_nanos) + int(used.get(r.id, 0)),
+            "expired": r.expires_at is not None and aware(r.expires_at) <= at} for r in rows]  # type: ignore[operator]
     far = datetime.max.replace(tzinfo=timezone.utc)
     return sorted(out, key=lambda g: (g["expires_at"] or far, g["id"]))

@@ -37,26 +37,26 @@ import asyncpg
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing import ledger
+from billing.ledger_sql import CONFLICT_KEY, LEDGER, PG_BATCH, PG_COLUMNS
 from billing.partitions import PARENT, SCHEMA
 from billing.usage import deltas, hour_of, latency_bucket, upsert_deltas_pg
 
 log = logging.getLogger("tollgate.ledger")
 
 STAGE = "ledger_stage"
-_NAMES = [name for name, _ in ledger._PG_COLUMNS]
+_NAMES = [name for name, _ in PG_COLUMNS]
 _STAGE_COLUMNS = [*_NAMES, "hour", "total_bucket", "ttft_bucket"]
 _CREATE_STAGE = (
     f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} ("
-    + ", ".join(f"{name} {kind}" for name, kind in ledger._PG_COLUMNS)
+    + ", ".join(f"{name} {kind}" for name, kind in PG_COLUMNS)
     + ", hour timestamptz, total_bucket int2, ttft_bucket int2) ON COMMIT DELETE ROWS"
 )
-# The same aggregate upserts as the one-statement path (ledger._PG_BATCH from its `usage` CTE on),
+# The same aggregate upserts as the one-statement path (PG_BATCH from its `usage` CTE on),
 # fed by the staging table's hours and buckets instead of parameter arrays.
-_AGGREGATES = ledger._PG_BATCH[ledger._PG_BATCH.index("usage AS ("):]
+_AGGREGATES = PG_BATCH[PG_BATCH.index("usage AS ("):]
 _FROM_STAGE = (
-    f"WITH ins AS (INSERT INTO {ledger.LEDGER.name} ({', '.join(_NAMES)}) SELECT {', '.join(_NAMES)} FROM {STAGE} "
-    f"ON CONFLICT ({', '.join(ledger.CONFLICT_KEY)}) DO NOTHING "
+    f"WITH ins AS (INSERT INTO {LEDGER.name} ({', '.join(_NAMES)}) SELECT {', '.join(_NAMES)} FROM {STAGE} "
+    f"ON CONFLICT ({', '.join(CONFLICT_KEY)}) DO NOTHING "
     "RETURNING request_id, account_id, key_id, model, prompt_tokens, completion_tokens, status, total_ms, ttft_ms, cost_nanos, cached_tokens), "
     f"fresh AS (SELECT ins.*, s.hour, s.total_bucket, s.ttft_bucket FROM ins JOIN {STAGE} AS s USING (request_id)), "
     + _AGGREGATES

@@ -1,4 +1,4 @@
-"""Prepaid statements: the monthly close's document for a prepaid account (issue 25).
+"""Prepaid statements: the monthly close's document for a prepaid account.
 
 A prepaid account's usage is paid from its balance, so its month is not an invoice but a statement:
 
@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from billing.billing_details import get_details, next_number
 from billing.config import BillingConfig
 from billing.credit_models import CreditEntry, PrepaidStatement
-from billing.credits import entry_view, usd
+from billing.credit_views import entry_view, usd
 from billing.documents import buyer_snapshot
 from billing.models import Account, LedgerEntry
 from billing.periods import Period

@@ -5,7 +5,7 @@ The route is thin: the key comes from `x-api-key` (or `Authorization: Bearer`), 
 as chat (prepare, admit, metered, one ledger row with `api = "messages"`) and the same
 GenerationResponse (connection watch, disconnects, closing). Only the shapes differ, and they live
 in `MessageRenderer`: Anthropic's SSE events and Message body, and errors as
-`{"type": "error", "error": {"type", "message"}}` with Anthropic's status codes.
+`{"type": "error", "error": {"type", "message"}}` with Anthropic's status codes (gateway/anthropic_errors.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engines.base import FINISH_LENGTH, FINISH_STOP
+from gateway.anthropic_errors import error_response, error_shape
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.batches.line import batch_line
-from gateway.errors import APIError, AuthenticationFailed, EngineOverloaded, ServiceUnavailable
+from gateway.errors import APIError, AuthenticationFailed, ServiceUnavailable
 from gateway.http import authenticate, read_json
 from gateway.logs import request_id_of
 from gateway.protocol import parse
@@ -31,32 +32,6 @@ from gateway.responses import CompletedResponse, GenerationResponse
 from gateway.serving import CompletionService, Generation
 
 log = logging.getLogger("tollgate.anthropic")
-ERROR_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-}
-
-
-def error_shape(err: APIError) -> tuple[int, dict[str, Any]]:
-    """Anthropic's status and body for one of our errors: a full engine is 529 `overloaded_error`
-    (what Anthropic's SDKs retry); other 5xx are `api_error`, 4xx their Anthropic type."""
-    if isinstance(err, EngineOverloaded):
-        status, kind = 529, "overloaded_error"
-    elif err.status_code >= 500:
-        status, kind = err.status_code, "api_error"
-    else:
-        status, kind = err.status_code, ERROR_TYPES.get(err.status_code, "invalid_request_error")
-    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def error_response(err: APIError, request_id: str) -> Response:
-    status, body = error_shape(err)
-    headers = {**err.headers, "request-id": request_id, "x-request-id": request_id}
-    return json_response(body, status, headers)
 
 
 def stop_reason(gen: Generation, called: bool = False) -> str | None:

@@ -50,6 +50,7 @@ from billing.render import render_statement_html, render_statement_pdf
 from billing.statements import get_statement, list_statements
 from gateway.admin import StrictStr, json_response
 from gateway.billing_api import document_response
+from gateway.dashboard_pages import form_with_csrf, refused, session_or_none, to_login
 from gateway.errors import InvalidRequest, NotFound
 from gateway.http import authenticate, authenticate_admin, id_value, path_id, read_json
 from gateway.protocol import StrictInt, _Model, parse
@@ -295,8 +296,6 @@ async def create_checkout(request: Request) -> Response:
 
 async def dashboard_checkout(request: Request) -> Response:
     """The customer dashboard's "Add credit" form: a Checkout Session, then Stripe's hosted page."""
-    from gateway.dashboard import form_with_csrf, refused, session_or_none, to_login
-
     session = await session_or_none(request)
     if session is None:
         return to_login()

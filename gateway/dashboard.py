@@ -3,7 +3,7 @@
     /dashboard/login            log in with an API key -> session cookie (see gateway.sessions)
     /dashboard/admin            usage, spend, top keys, errors, latency, quota use, invoices
     /dashboard/admin/accounts   accounts and their keys: create, show a secret once, revoke,
-                                allowed models, limits
+                                allowed models, limits, billing details
     /dashboard/account          a customer's own usage by model and key, quota left, invoices
 
 Pages are rendered on the server from the hourly aggregates (never raw ledger rows); charts are
@@ -24,90 +24,49 @@ from typing import Any
 
 from starlette.datastructures import FormData
 from starlette.requests import Request
-from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from starlette.responses import FileResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.templating import Jinja2Templates
 
+from billing.billing_details import FIELDS, InvalidBillingDetails, set_details
 from billing.keys import AccountExists, UnknownAccount
 from billing.limits import Limits
 from billing.models import ApiKey
 from billing.quota import Scope
 from billing.cached_costs import cached_input_costs, with_cached_costs
-from billing.usage import Period, latency_percentiles, usage_groups, usd
+from billing.usage import Period, latency_percentiles, usage_groups
 from gateway import dashboard_billing
 from gateway.dashboard_billing import billing_section, invoices_table, statements_table
-from gateway.http import id_value
+from gateway.dashboard_pages import (
+    admin_session,
+    form_with_csrf,
+    message_page,
+    page,
+    path_int,
+    refused,
+    session_or_none,
+    to_login,
+)
 from gateway.sessions import (
     LOGIN_CSRF_COOKIE,
     SESSION_COOKIE,
     SESSION_TTL,
     Session,
     clear_cookie,
-    current_session,
     same_origin,
     set_cookie,
 )
 
 log = logging.getLogger("tollgate.dashboard")
 HERE = Path(__file__).resolve().parent
-templates = Jinja2Templates(directory=str(HERE / "templates"))
 PERIODS = (1, 7, 30, 90, 365)
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "monthly_tokens", "monthly_spend")
-SECURITY_HEADERS = {
-    "content-security-policy": (
-        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
-        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
-    ),
-    "x-frame-options": "DENY",
-    "x-content-type-options": "nosniff",
-    "referrer-policy": "same-origin",  # "no-referrer" would make browsers send Origin: null on POST
-    "cache-control": "no-store",
-}
 
 
 def plotly_js_path() -> Path:
     import plotly
 
     return Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
-
-
-def fmt_int(value: Any) -> str:
-    return f"{int(value or 0):,}"
-
-
-def fmt_ms(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.0f} ms" if value >= 10 else f"{value:.1f} ms"
-
-
-def fmt_pct(value: Any) -> str:
-    return f"{100.0 * (value or 0):.1f}%"
-
-
-def fmt_usd(nanos: Any) -> str:
-    """Exact dollars from nano-USD, without trailing zeros past the cents: $0.00, $1.50, $0.000123."""
-    whole, _, frac = usd(int(nanos or 0)).partition(".")
-    frac = frac.rstrip("0")
-    return f"${int(whole):,}.{frac.ljust(2, '0')}"
-
-
-templates.env.filters.update(int=fmt_int, ms=fmt_ms, pct=fmt_pct, usd=fmt_usd)
-
-
-def page(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> HTMLResponse:
-    response = templates.TemplateResponse(request, name, context, status_code=status_code)
-    response.headers.update(SECURITY_HEADERS)
-    return response
-
-
-def message_page(request: Request, title: str, text: str, status_code: int, session: Session | None = None) -> HTMLResponse:
-    return page(request, "message.html", {"title": title, "text": text, "session": session}, status_code)
-
-
-def to_login() -> RedirectResponse:
-    return RedirectResponse("/dashboard/login", status_code=303)
 
 
 # period ---------------------------------------------------------------------------------------
@@ -124,29 +83,6 @@ def month_period(now: datetime | None = None) -> Period:
     now = now or datetime.now(timezone.utc)
     start = datetime(now.year, now.month, 1, tzinfo=timezone.utc)
     return Period(start, now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1))
-
-
-# session plumbing -----------------------------------------------------------------------------
-async def session_or_none(request: Request) -> Session | None:
-    return await current_session(request)
-
-
-async def form_with_csrf(request: Request, session: Session) -> FormData | None:
-    """The POSTed form when its CSRF token (and Origin, when sent) check out; None otherwise."""
-    form = await request.form()
-    token = form.get("csrf_token")
-    if not same_origin(request) or not session.csrf_ok(token if isinstance(token, str) else None):
-        return None
-    return form
-
-
-async def admin_session(request: Request) -> Session | Response:
-    session = await session_or_none(request)
-    if session is None:
-        return to_login()
-    if not session.principal.is_admin:
-        return message_page(request, "Admins only", "This page needs an admin key. You are logged in with a customer key.", 403, session)
-    return session
 
 
 # login / logout -------------------------------------------------------------------------------
@@ -233,7 +169,7 @@ async def quota_rows(request: Request, account_id: int | None = None) -> list[di
 
 
 async def live_counters(request: Request, kind: str, scope_id: int, limits: dict[str, Any]) -> dict[str, int]:
-    """This minute's requests/tokens and requests in flight, from the quota limiter (issue 3)."""
+    """This minute's requests/tokens and requests in flight, from the quota limiter."""
     limiter = request.app.state.limiter
     if limiter is None or not hasattr(limiter, "counters"):
         return {}
@@ -308,19 +244,11 @@ async def create_account(request: Request) -> Response:
     return RedirectResponse(f"/dashboard/admin/accounts/{account['id']}", status_code=303)
 
 
-def refused(request: Request, session: Session) -> Response:
-    return message_page(request, "Refused", "The form's security token is missing or wrong. Reload the page and try again.", 403, session)
-
-
-def _path_int(request: Request, name: str) -> int | None:
-    return id_value(request.path_params.get(name, ""))
-
-
 async def account_page(request: Request) -> Response:
     session = await admin_session(request)
     if isinstance(session, Response):
         return session
-    account_id = _path_int(request, "account_id")
+    account_id = path_int(request, "account_id")
     return await render_account(request, session, account_id)
 
 
@@ -342,7 +270,7 @@ async def render_account(
         **chart_context(period, account_id),
         "billing": await billing_section(request, account_id) if request.app.state.billing else None,
         "admin_view": True,
-        # issue 25: the prepaid balance, its latest credit rows, and the spend alerts that fired
+        # the prepaid balance, its latest credit rows, and the spend alerts that fired
         "credit": await request.app.state.credits.balance(account_id),
         "credit_entries": await request.app.state.credits.entries(account_id, 20),
         "alerts": await request.app.state.alerts.events(account_id, 20),
@@ -364,7 +292,7 @@ async def create_key(request: Request) -> Response:
     form = await form_with_csrf(request, session)
     if form is None:
         return refused(request, session)
-    account_id = _path_int(request, "account_id")
+    account_id = path_int(request, "account_id")
     name = str(form.get("name") or "").strip()[:200] or None
     try:
         created = await request.app.state.keys.create_key(account_id or 0, name=name, models=_models_field(form))
@@ -376,7 +304,7 @@ async def create_key(request: Request) -> Response:
 
 
 async def _key_in_path(request: Request, session: Session) -> dict[str, Any] | Response:
-    key_id = _path_int(request, "key_id")
+    key_id = path_int(request, "key_id")
     key = await request.app.state.keys.get_key(key_id) if key_id else None
     if key is None:
         return message_page(request, "Not found", "No such key.", 404, session)
@@ -448,7 +376,7 @@ async def set_limits(request: Request) -> Response:
             return key
         kind, scope_id, account_id, apply = "key", key["id"], key["account_id"], getattr(store, "set_key_limits", None)
     else:
-        account_id = _path_int(request, "account_id")
+        account_id = path_int(request, "account_id")
         kind, scope_id, apply = "account", account_id, getattr(store, "set_account_limits", None)
     if apply is None:
         return message_page(request, "Not available", "Limits are not supported by this gateway version.", 501, session)
@@ -465,6 +393,24 @@ async def set_limits(request: Request) -> Response:
 
 
 # customer page ----------------------------------------------------------------------------------
+async def save_billing_details(request: Request) -> Response:
+    session = await admin_session(request)
+    if isinstance(session, Response):
+        return session
+    form = await form_with_csrf(request, session)
+    if form is None:
+        return refused(request, session)
+    account_id = path_int(request, "account_id")
+    if account_id is None or await request.app.state.keys.get_account(account_id=account_id) is None:
+        return message_page(request, "Not found", "No such account.", 404, session)
+    body = {name: str(form.get(name) or "").strip() or None for name in FIELDS}
+    try:
+        await set_details(request.app.state.billing.db, account_id, body, replace=True)
+    except InvalidBillingDetails as exc:
+        return await render_account(request, session, account_id, error=f"Billing details: {exc}", status_code=400)
+    return RedirectResponse(f"/dashboard/admin/accounts/{account_id}#billing", status_code=303)
+
+
 async def customer_view(request: Request) -> Response:
     session = await session_or_none(request)
     if session is None:
@@ -485,7 +431,7 @@ async def customer_view(request: Request) -> Response:
             await cached_input_costs(request.app.state.read_db, request.app.state.prices, period.start, period.end, account_id)),
         "quota": await quota_rows(request, account_id), "invoices": invoices,
         **chart_context(period, account_id),
-        # issue 25: the prepaid balance and the spend alerts that fired
+        # the prepaid balance and the spend alerts that fired
         "credit": await request.app.state.credits.balance(account_id), "alerts": await request.app.state.alerts.events(account_id, 20),
         "statements": await statements_table(request, account_id),
         "checkout_enabled": request.app.state.checkout is not None,
@@ -508,6 +454,7 @@ routes = [
     Route("/dashboard/admin/accounts/{account_id}", account_page, methods=["GET"]),
     Route("/dashboard/admin/accounts/{account_id}/keys", create_key, methods=["POST"]),
     Route("/dashboard/admin/accounts/{account_id}/limits", set_limits, methods=["POST"]),
+    Route("/dashboard/admin/accounts/{account_id}/billing", save_billing_details, methods=["POST"]),
     Route("/dashboard/admin/keys/{key_id}/revoke", revoke_key, methods=["POST"]),
     Route("/dashboard/admin/keys/{key_id}/models", set_key_models, methods=["POST"]),
     Route("/dashboard/admin/keys/{key_id}/limits", set_limits, methods=["POST"]),

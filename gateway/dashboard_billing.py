@@ -1,15 +1,14 @@
-"""The dashboards' billing parts (issue 22): invoices tables as people read them, downloads that
-the logged-in session authorises, and the admin account page's billing section.
+"""The dashboards' billing parts: invoices tables as people read them, downloads that the
+logged-in session authorises, and the admin account page's billing section (its form is saved by
+gateway/dashboard.py, with the account page's other forms).
 
     GET  /dashboard/invoices/{id}/{html|pdf}       an invoice; a customer's session: its own account's only
     GET  /dashboard/credit_notes/{id}/{html|pdf}   the same for credit notes
     GET  /dashboard/statements/{id}/{html|pdf}     the same for prepaid statements
-    POST /dashboard/admin/accounts/{id}/billing    the account's billing details (form, CSRF checked)
 
 A session is the cookie the dashboard login set (gateway.sessions); an invoice of another account
 is a 404 page, never a hint that it exists. Every read here goes to the read database (a replica
-when DATABASE_READ_URL is set, `app.state.read_db`), as the usage dashboards' do; only saving
-billing details writes, to the writer.
+when DATABASE_READ_URL is set, `app.state.read_db`), as the usage dashboards' do.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from billing.account_state import account_standing
-from billing.billing_details import COUNTRIES, FIELDS, InvalidBillingDetails, get_details, set_details
+from billing.billing_details import COUNTRIES, get_details
 from billing.credit_notes import get_credit_note
 from billing.invoices import get_invoice, list_invoices
 from billing.render import (
@@ -29,6 +28,7 @@ from billing.render import (
     render_statement_pdf,
 )
 from billing.statements import get_statement, list_statements
+from gateway.dashboard_pages import SECURITY_HEADERS, message_page, session_or_none, to_login
 from gateway.http import id_value
 
 STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
@@ -94,20 +94,14 @@ async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
 
 
 async def _session(request: Request) -> Any:
-    from gateway.dashboard import session_or_none
-
     return await session_or_none(request)
 
 
 def _not_found(request: Request, session: Any, what: str) -> HTMLResponse:
-    from gateway.dashboard import message_page
-
     return message_page(request, "Not found", f"No such {what}.", 404, session)
 
 
 async def _document(request: Request, kind: str) -> Response:
-    from gateway.dashboard import SECURITY_HEADERS, to_login
-
     session = await _session(request)
     if session is None:
         return to_login()
@@ -120,7 +114,7 @@ async def _document(request: Request, kind: str) -> Response:
     if kind == "invoice":
         doc = await get_invoice(db, doc_id, account_id=own, admin=False)
         renderers = (render_html, render_pdf)
-    elif kind == "statement":  # a prepaid account's monthly statement (issue 25)
+    elif kind == "statement":  # a prepaid account's monthly statement
         doc = await get_statement(db, doc_id, account_id=own)
         renderers = (render_statement_html, render_statement_pdf)
     else:
@@ -147,26 +141,6 @@ async def session_credit_note(request: Request) -> Response:
     return await _document(request, "credit_note")
 
 
-async def save_billing_details(request: Request) -> Response:
-    from gateway.dashboard import _path_int, admin_session, form_with_csrf, refused, render_account
-
-    session = await admin_session(request)
-    if isinstance(session, Response):
-        return session
-    form = await form_with_csrf(request, session)
-    if form is None:
-        return refused(request, session)
-    account_id = _path_int(request, "account_id")
-    if account_id is None or await request.app.state.keys.get_account(account_id=account_id) is None:
-        return _not_found(request, session, "account")
-    body = {name: str(form.get(name) or "").strip() or None for name in FIELDS}
-    try:
-        await set_details(request.app.state.billing.db, account_id, body, replace=True)
-    except InvalidBillingDetails as exc:
-        return await render_account(request, session, account_id, error=f"Billing details: {exc}", status_code=400)
-    return RedirectResponse(f"/dashboard/admin/accounts/{account_id}#billing", status_code=303)
-
-
 async def session_statement(request: Request) -> Response:
     return await _document(request, "statement")
 
@@ -175,5 +149,4 @@ routes = [
     Route("/dashboard/invoices/{doc_id}/{fmt}", session_invoice, methods=["GET"]),
     Route("/dashboard/credit_notes/{doc_id}/{fmt}", session_credit_note, methods=["GET"]),
     Route("/dashboard/statements/{doc_id}/{fmt}", session_statement, methods=["GET"]),
-    Route("/dashboard/admin/accounts/{account_id}/billing", save_billing_details, methods=["POST"]),
 ]

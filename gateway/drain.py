@@ -28,6 +28,7 @@ from typing import Any
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
+from gateway.anthropic_errors import error_response as anthropic_error_response
 from gateway.errors import ServiceUnavailable
 
 log = logging.getLogger("tollgate.drain")
@@ -46,9 +47,7 @@ async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
     """The answer to a request that arrives while draining, in the shape of the API it called."""
     err = draining_error()
     if scope["path"].startswith("/v1/messages"):
-        from gateway.anthropic_api import error_response  # Anthropic's `{"type": "error", ...}` and status
-
-        response = error_response(err, scope.get("state", {}).get("request_id", ""))
+        response = anthropic_error_response(err, scope.get("state", {}).get("request_id", ""))
     else:
         response = err.response()
     await response(scope, receive, send)

@@ -27,7 +27,7 @@ from billing.db import create_engine
 from billing.ledger import UsageRecord, write_records
 from billing.periods import Period
 from billing.prices import PriceBook
-from gateway.dashboard import fmt_int, fmt_usd
+from gateway.dashboard_pages import fmt_int, fmt_usd
 from tests.billing.invoice_helpers import new_account, new_key, serve
 from tests.billing.test_alerts import Receiver
 from tests.gateway.test_dashboard import CHROMIUM, Watched
