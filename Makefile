@@ -44,6 +44,7 @@ services:
 	@bash scripts/services.sh
 
 test: setup vllm browser services
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup

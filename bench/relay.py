@@ -41,7 +41,6 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 import httpx

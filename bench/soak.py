@@ -26,7 +26,6 @@ import re
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile

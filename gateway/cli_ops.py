@@ -18,7 +18,7 @@ from typing import Any
 
 from billing.db import create_engine
 from billing.keys import KeyStore
-from billing.usage import Period, usage_groups, usd
+from billing.usage import Period, usage_groups
 from gateway.config import Settings
 
 MONTH = re.compile(r"(\d{4})-(\d{2})")

@@ -1,4 +1,4 @@
-"""An exact-match response cache for deterministic completions (issue 10).
+"""An exact-match response cache for deterministic completions.
 
 Opt-in: per model (models.yaml `cache: true`, or TOLLGATE_CACHE_MODELS=id,id) or per request
 (header `X-Tollgate-Cache: on`; `off` bypasses a model's default). Only deterministic requests
@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from pypdf import PdfReader
 
 from billing import migrate

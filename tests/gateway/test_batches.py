@@ -303,7 +303,6 @@ async def test_a_draining_server_claims_no_more_lines_and_lets_go_of_the_batch(b
     uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(20, max_tokens=8))), purpose="batch")
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     runner = gw.app.state.batch_runner
-    store = gw.app.state.batch_store
     await until(lambda: batch.id in runner._jobs, "the runner took the batch", timeout=30)
     gw.app.draining = True  # what SIGTERM sets (gateway/drain.py)
     try:

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from billing.db import create_engine
 from billing.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
-from tests.conftest import MODEL, SECRET, Gateway, bootstrap, start_gateway
+from tests.conftest import MODEL, SECRET, bootstrap, start_gateway
 from tests.gateway.test_quota_redis_failures import RedisServer, private_redis  # noqa: F401  (fixture)
 from tests.processes import GatewayProcess, PrivatePostgres
 

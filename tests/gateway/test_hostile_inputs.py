@@ -8,7 +8,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx

@@ -171,7 +171,7 @@ async def test_admin_and_customer_download_invoices_from_the_dashboard(browser: 
                 await row.locator("a.invoice-html").click()
             tab = await tab_info.value
             await expect(tab.locator("h1")).to_have_text(f"Invoice {invoice['number']}")
-            await expect(tab.locator("body")).to_contain_text(f"Tax (19.000%)")
+            await expect(tab.locator("body")).to_contain_text("Tax (19.000%)")
             await shot(tab, "02-invoice-html")
             await tab.close()
 

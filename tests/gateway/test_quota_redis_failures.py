@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL, SECRET, Gateway, missing, start_gateway, stop_server
-from tests.gateway.test_quotas import counters, fire, full, ledger_tokens, prompt_tokens, set_limits, settled
+from tests.gateway.test_quotas import fire, full, ledger_tokens, prompt_tokens, set_limits, settled
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
 
