@@ -1,4 +1,4 @@
-"""What cached prompt tokens cost, per model, for the dashboards (issue 25).
+"""What cached prompt tokens cost, per model, for the dashboards.
 
 A row's cached prompt tokens (the ledger's `cached_tokens`, never more than its prompt) cost the
 cached-input price in force for its account and model when it was admitted, or the input price

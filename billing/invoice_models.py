@@ -43,7 +43,7 @@ class PriceOverride(SQLModel, table=True):
     kind: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))
     input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
     output_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
-    # A custom price's cached-input price (issue 25); NULL: cached prompt tokens cost its input price.
+    # A custom price's cached-input price; NULL: cached prompt tokens cost its input price.
     cached_input_per_million: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(18, 3), nullable=True))
     multiplier: Decimal | None = Field(default=None, sa_column=sa.Column(sa.Numeric(12, 6), nullable=True))
     effective_from: datetime = Field(sa_column=_ts())
@@ -86,7 +86,7 @@ class Invoice(SQLModel, table=True):
     stripe_synced_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     stripe_sent_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     stripe_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
-    # Issue 22: the document. Snapshots (JSON) of the seller and the buyer as they were at issue: a
+    # The document. Snapshots (JSON) of the seller and the buyer as they were at issue: a
     # later change of either never rewrites an issued invoice. NULL seller: a usage statement.
     seller: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
     buyer: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))

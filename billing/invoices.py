@@ -95,7 +95,7 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
         "period_end": _iso(row.period_end),
         "status": row.status,
         "currency": row.currency,
-        # An invoice with a seller identity; without one (or issued before issue 22) a usage statement.
+        # An invoice with a seller identity; without one (or issued before invoices carried one) a usage statement.
         "document": "invoice" if row.seller else "usage_statement",
         "seller": json.loads(row.seller) if row.seller else None,
         "buyer": json.loads(row.buyer) if row.buyer else None,

@@ -107,7 +107,7 @@ class LedgerEntry(SQLModel, table=True):
     # Cost in nano-USD (1e-9) at the price in force when the request ran; NULL when unpriced.
     cost_nanos: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
     queue_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
-    cached: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False, server_default=sa.false()))  # issue 10
+    cached: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False, server_default=sa.false()))  # served from the response cache
     # Prompt tokens the engine served from its prefix (KV) cache, as the engine or the upstream's
     # usage.prompt_tokens_details.cached_tokens said; NULL when it did not say. Informational:
     # prompt_tokens (and the cost) include them.

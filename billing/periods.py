@@ -3,7 +3,7 @@
 A billing period is a calendar month, written "2026-11" (`Period.parse`, `Period.month`,
 `Period.containing`); the aggregates' readers take any span of whole hours (`Period.covering`,
 `Period.last_days`), the hourly tables' resolution. Both are `Period(start, end)`: one type, so a
-month can be handed to a usage query as it is (issue 23).
+month can be handed to a usage query as it is.
 """
 
 from __future__ import annotations

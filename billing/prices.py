@@ -415,7 +415,7 @@ class PriceBook:
             elif self._loading is None or self._loading.done():
                 # Stale: re-read in the background and price with the book in hand meanwhile (as a
                 # failed read does too). Awaiting the read here made a burst that came after a quiet
-                # spell wait for one database round trip behind every request of the burst (issue 26).
+                # spell wait for one database round trip behind every request of the burst.
                 self._loading = asyncio.ensure_future(self._load(force=False))
         now = at or utcnow()
         pair = (account_id, model)

@@ -1,7 +1,7 @@
 """What one admitted request leaves in the ledger: `UsageRecord`, the row the writer queues.
 
 Its own module so that the writer (billing/ledger.py) and the aggregates (billing/usage.py) both
-depend on it and not on each other (issue 23: the ledger <-> usage import cycle).
+depend on it and not on each other (an import cycle otherwise).
 `billing.ledger.UsageRecord` remains the name callers use.
 """
 
@@ -30,7 +30,7 @@ class UsageRecord:
     ttft_ms: float | None = None
     estimated: bool = False
     cost_nanos: int | None = None
-    cached: bool = False  # issue 10: served from the response cache
+    cached: bool = False  # served from the response cache
     cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache, when it said
     api: str | None = None  # chat | completions | embeddings | messages | responses | batch
     batch_id: str | None = None  # the batch it was a line of (api = batch)

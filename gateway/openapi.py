@@ -133,7 +133,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
         "entries": {"type": "array", "items": _obj({"request_id": STR, "account_id": INT, "key_id": INT, "status": STR})},
     }),
     "BillingPeriod": _obj({"object": {"const": "billing_period"}, "period": STR, "status": STR}),
-    # issue 22
+    # documents: billing details, tax rates, credit notes
     "BillingDetails": _obj({"object": {"const": "billing_details"}, "account_id": INT, "legal_name": STR, "country": STR},
                            {"email": _nullable(STR), "tax_id": _nullable(STR), "tax_rate": _nullable(STR)}),
     "TaxRate": _obj({"object": {"const": "tax_rate"}, "country": STR}, {"rate": STR, "deleted": BOOL}),
@@ -141,7 +141,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
                         "tax_cents": INT, "total_cents": INT, "applies_to": {"enum": ["invoice", "balance"]}}),
     "BillingAccount": _obj({"object": {"const": "billing_account"}, "account_id": INT, "state": STR, "unpaid_invoices": {"type": "array"}}),
     "AccountPrices": _obj({"object": {"const": "list"}, "account_id": INT, "data": {"type": "array"}, "effective": {"type": "array"}}),
-    # issue 25
+    # prepaid credit
     "CreditBalance": _obj({"object": {"const": "credit_balance"}, "account_id": INT, "billing_mode": STR, "balance_nanos": INT,
                            "balance": STR, "ledger_sum_nanos": INT}),
     "CreditEntry": _obj({"id": INT, "object": {"const": "credit_entry"}, "account_id": INT, "kind": STR, "amount_nanos": INT, "amount": STR}),
@@ -301,9 +301,9 @@ def _paths() -> dict[str, Any]:
                                                           params=invoice)},
         "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,
                                                        params=[_path("period", PERIOD)])},
-        **_credit_paths(account),  # issue 25
+        **_credit_paths(account),  # prepaid credit
         **_batch_paths(),  # the Batch API (docs/batches.md)
-        **_document_paths(account, invoice),  # issue 22
+        **_document_paths(account, invoice),  # billing details, tax rates, credit notes
         "/webhooks/stripe": {"post": {
             **_op("Stripe events (signed)", {"200": _json(_obj({"received": BOOL}))}, 400, 404, 408, 413, 431, 502, public=True),
             "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object"}}}},
@@ -363,7 +363,7 @@ def _batch_paths() -> dict[str, Any]:
 
 
 def _document_paths(account: list[Any], invoice: list[Any]) -> dict[str, Any]:
-    """Billing details, tax rates and credit notes (gateway/billing_api.py, issue 22)."""
+    """Billing details, tax rates and credit notes (gateway/billing_api.py)."""
     note = [_path("note_id", ID)]
     page = {"200": {"description": "The credit note as an HTML page or a PDF file",
                     "content": {"text/html": {"schema": STR}, "application/pdf": {"schema": {"type": "string", "format": "binary"}}}}}

@@ -12,7 +12,7 @@ from starlette.routing import Route
 from billing.keys import Principal
 from billing.prices import EffectivePrice
 from engines.base import Engine
-from engines.router import route_body  # issue 10
+from engines.router import route_body
 from gateway import admin, anthropic_api, billing_api, credits_api, dashboard, embeddings_api, openai_responses
 from gateway.batches import anthropic_api as batch_anthropic, openai_api as batch_openai
 from gateway.errors import EngineNotReady, NotFound, ServiceUnavailable
@@ -34,7 +34,7 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     principal = await authenticate(request, state.keys)
     state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
     raw = await read_json(request, state.settings.http.max_body_bytes)
-    raw = route_body(state.service.engines, raw, kind)  # issue 10: a virtual model (`auto`) names a real one
+    raw = route_body(state.service.engines, raw, kind)  # a virtual model (`auto`) names a real one
     body = parse(model, raw, passthrough=_passes_through(state.service, raw))
     service: CompletionService = state.service
     if kind == "chat":
@@ -148,10 +148,10 @@ ROUTES = [
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     *dashboard.routes,
     *billing_api.routes,
-    *credits_api.routes,  # issue 25
-    *embeddings_api.routes,  # issue 10
-    *anthropic_api.routes,  # issue 21
-    *openai_responses.routes,  # issue 21
+    *credits_api.routes,
+    *embeddings_api.routes,
+    *anthropic_api.routes,
+    *openai_responses.routes,
     *batch_openai.routes,  # /v1/files, /v1/batches
     *batch_anthropic.routes,  # /v1/messages/batches
 ]

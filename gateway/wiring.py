@@ -251,20 +251,20 @@ def lifespan(
         limiter = build_limiter(settings, db, ledger, process_id)
         releasing = asyncio.create_task(finish_crashed_run(ledger, limiter, recovered, previous_process))
         adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]
-        partitioning = asyncio.create_task(partitions.keep_ahead(db, utcnow), name="ledger-partitions")  # issue 24
+        partitioning = asyncio.create_task(partitions.keep_ahead(db, utcnow), name="ledger-partitions")  # this and next months' partitions
         state.prices = prices
         state.limiter = limiter
         state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
-        # Observability and dashboards (issue 6).
+        # Observability and dashboards.
         state.metrics = Metrics(served, ledger, multiproc_dir=settings.dashboards.prometheus_multiproc_dir)
         state.metrics.watch_queues(schedulers)
         ledger.add_listener(state.metrics.observe_usage)
         state.service.on_quota_rejected.append(state.metrics.quota_rejected)
         state.sessions = SessionStore(db, state.keys)
-        await embeddings_api.start(app)  # issue 10
-        await response_cache.start(app)  # issue 10
-        await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close (issue 5)
-        await credits_api.start(app)  # prepaid credit (issue 25)
+        await embeddings_api.start(app)
+        await response_cache.start(app)
+        await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close
+        await credits_api.start(app)  # prepaid credit
         await batches.start(app)  # the Batch API's stores and runner
         loading: list[asyncio.Task[None]] = []
         state.load_failures = {}
@@ -283,8 +283,8 @@ def lifespan(
             await batches.stop(app)
             await billing_api.stop(app)
             await credits_api.stop(app)
-            await embeddings_api.stop(app)  # issue 10
-            await response_cache.stop(app)  # issue 10
+            await embeddings_api.stop(app)
+            await response_cache.stop(app)
             releasing.cancel()
             partitioning.cancel()
             for task in adopting:

@@ -1,4 +1,4 @@
-"""ledger_entries.cached: the request was answered from the response cache (issue 10)
+"""ledger_entries.cached: the request was answered from the response cache
 
 Revision ID: 0006
 Revises: 0005

@@ -1,4 +1,4 @@
-"""ledger_entries.api: the API a request came through (chat, completions, embeddings, messages; issue 21)
+"""ledger_entries.api: the API a request came through (chat, completions, embeddings, messages)
 
 NULL on rows written before this revision: which surface served them was not recorded.
 

@@ -1,4 +1,4 @@
-"""ledger_entries.cached_tokens and usage_hourly.cached_tokens: prompt tokens served from the engine's prefix cache (issue 20)
+"""ledger_entries.cached_tokens and usage_hourly.cached_tokens: prompt tokens served from the engine's prefix cache
 
 ledger_entries.cached_tokens is NULL where the engine or upstream did not say (and on rows written
 before this revision); usage_hourly.cached_tokens sums it (NULL adds 0), so existing hours start

@@ -1,4 +1,4 @@
-"""stored_responses: responses kept for GET/DELETE /v1/responses/{id}, input_items and previous_response_id (issue 21)
+"""stored_responses: responses kept for GET/DELETE /v1/responses/{id}, input_items and previous_response_id
 
 Revision ID: 0009_stored_responses
 Revises: 0008_cached_tokens

@@ -1,4 +1,4 @@
-"""ledger_entries.admitted_at: when a request was admitted (issue 22)
+"""ledger_entries.admitted_at: when a request was admitted
 
 A row's created_at is when the request finished; its price and the period it belongs to are
 decided at admission. Rows written before this revision get created_at minus total_ms (the

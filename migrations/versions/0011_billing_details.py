@@ -1,5 +1,5 @@
 """billing details per account, tax rates per country, gapless document numbers, credit notes, and
-the invoice as a document: seller and buyer snapshots, issue and due dates, terms, subtotal and tax (issue 22)
+the invoice as a document: seller and buyer snapshots, issue and due dates, terms, subtotal and tax
 
 Invoices issued before this revision keep their numbers and have no snapshots (they render as
 before); their subtotal is their total and their tax 0, which is what they charged.

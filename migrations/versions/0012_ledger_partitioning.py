@@ -1,4 +1,4 @@
-"""ledger_partitioning: ledger_entries range-partitioned by month of admitted_at on Postgres (issue 24)
+"""ledger_partitioning: ledger_entries range-partitioned by month of admitted_at on Postgres
 
 Postgres: today's table is renamed aside, a partitioned `ledger_entries` with the same columns
 (LIKE ... INCLUDING DEFAULTS: the id sequence goes on) is created, with one partition per month from

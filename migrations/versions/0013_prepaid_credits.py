@@ -1,4 +1,4 @@
-"""prepaid_credits: accounts.billing_mode and prepaid_since, and the credit ledger (issue 25)
+"""prepaid_credits: accounts.billing_mode and prepaid_since, and the credit ledger
 
 Every existing account stays postpaid. credit_entries holds every change to a prepaid balance
 (billing/credit_models.py); its external_id is unique (Stripe ids, expiry:<grant>). credit_settings:

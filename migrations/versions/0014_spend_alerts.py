@@ -1,4 +1,4 @@
-"""spend_alerts: alert_rules, alert_events (one per crossing), alert_deliveries (issue 25)
+"""spend_alerts: alert_rules, alert_events (one per crossing), alert_deliveries
 
 Revision ID: 0014_spend_alerts
 Revises: 0013_prepaid_credits

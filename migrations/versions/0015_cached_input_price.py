@@ -1,4 +1,4 @@
-"""cached_input_price: prices.cached_input_per_million (issue 25)
+"""cached_input_price: prices.cached_input_per_million
 
 USD per million prompt tokens that the engine served from its prefix cache (the ledger's
 cached_tokens). NULL (every existing version) bills cached tokens at the input price, as before.

@@ -1,5 +1,5 @@
 """prepaid_close: prepaid statements, incremental usage posting, balance alerts that re-arm on a
-rise, and a custom price's cached-input price (issue 25)
+rise, and a custom price's cached-input price
 
 - prepaid_statements: one numbered statement per prepaid account and closed month.
 - credit_usage_marks: how far each prepaid account's usage is posted (ledger ids), so a posting
