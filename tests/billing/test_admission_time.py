@@ -31,20 +31,6 @@ from tests.fakes.engine import FakeEngine
 OCT, NOV = Period.month(2026, 10), Period.month(2026, 11)
 
 
-@pytest.fixture
-def db_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
-    migrate.upgrade(url)
-    return url
-
-
-@pytest.fixture
-async def db(db_url: str) -> AsyncIterator[Any]:
-    engine = create_engine(db_url)
-    yield engine
-    await engine.dispose()
-
-
 class PriceChangingEngine(FakeEngine):
     """Changes the model's price after the request was admitted and before its first token: the
     request starts under one price and finishes under the next."""

@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import io
 import uuid
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 from pypdf import PdfReader
 
-from billing import migrate
 from billing.credits import CreditBook
-from billing.db import create_engine
 from billing.invoices import list_invoices
 from billing.invoicing import BILLABLE_STATUSES, close_period
 from billing.ledger import UsageRecord, write_records
@@ -46,20 +42,6 @@ from tests.billing.invoice_helpers import at, new_account, price_history
 SEPT = Period.month(2026, 9)
 CENT = 10_000_000
 NANOS_PER_UNIT_PER_MILLION = 1000  # $1 per 1M tokens = 1,000 nano-USD per token
-
-
-@pytest.fixture
-def db_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
-    migrate.upgrade(url)
-    return url
-
-
-@pytest.fixture
-async def db(db_url: str) -> AsyncIterator[Any]:
-    engine = create_engine(db_url)
-    yield engine
-    await engine.dispose()
 
 
 async def priced(db: Any, book: PriceBook, account: int, model: str, prompt: int, completion: int, admitted: datetime,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from pypdf import PdfReader
 
-from billing import migrate
 from billing.billing_details import next_number, split_tax, tax_cents
 from billing.config import BillingConfig, Seller
 from billing.db import create_engine
@@ -44,20 +43,6 @@ def fake() -> Iterator[FakeStripe]:
     server = FakeStripe().start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def db_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
-    migrate.upgrade(url)
-    return url
-
-
-@pytest.fixture
-async def db(db_url: str) -> AsyncIterator[Any]:
-    engine = create_engine(db_url)
-    yield engine
-    await engine.dispose()
 
 
 def stripe_env(fake: FakeStripe, **extra: str) -> dict[str, str]:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from decimal import Decimal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import pytest
 import sqlalchemy as sa
 from pypdf import PdfReader
 
-from billing import migrate
 from billing.db import create_engine
 from billing.invoices import get_invoice, list_invoices
 from billing.ledger import UsageRecord, write_records
@@ -34,20 +32,6 @@ from tests.billing.invoice_helpers import at, new_account, new_key, price_histor
 SEPT, OCT, NOV = Period.month(2026, 9), Period.month(2026, 10), Period.month(2026, 11)
 AFTER_OCT = at(11, 1, 2)  # "now" for closes in these tests
 LATER = at(12, 2, 0)
-
-
-@pytest.fixture
-def db_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
-    migrate.upgrade(url)
-    return url
-
-
-@pytest.fixture
-async def db(db_url: str) -> AsyncIterator[Any]:
-    engine = create_engine(db_url)
-    yield engine
-    await engine.dispose()
 
 
 async def september(db: Any) -> dict[str, int]:

@@ -8,7 +8,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,20 +42,6 @@ def fake() -> Iterator[FakeStripe]:
     server = FakeStripe().start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def db_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
-    migrate.upgrade(url)
-    return url
-
-
-@pytest.fixture
-async def db(db_url: str) -> AsyncIterator[Any]:
-    engine = create_engine(db_url)
-    yield engine
-    await engine.dispose()
 
 
 def config_for(fake: FakeStripe, **overrides: Any) -> BillingConfig:
