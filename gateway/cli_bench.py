@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from gateway.config import client_api_key
 
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
@@ -523,7 +524,7 @@ def targets_from(args: argparse.Namespace) -> list[Target]:
     labels = args.label or default_labels
     if len(labels) != len(urls):
         raise SystemExit("--label must be given once per target")
-    keys = _per_target("--api-key", args.api_key or [os.environ.get("OPENAI_API_KEY", "")], len(urls))
+    keys = _per_target("--api-key", args.api_key or [client_api_key()], len(urls))
     models = _per_target("--model", models, len(urls))
     return [Target(label, url, key, model) for label, url, key, model in zip(labels, urls, keys, models)]
 

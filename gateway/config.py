@@ -390,6 +390,11 @@ def _engine_process(raw: str, device: str) -> bool:
     raise SystemExit(f"TOLLGATE_ENGINE_PROCESS must be auto, 1 or 0, got {raw!r}")
 
 
+def client_api_key() -> str:
+    """The key `tollgate bench` sends when no --api-key is given: $OPENAI_API_KEY, as the SDKs read it."""
+    return os.environ.get("OPENAI_API_KEY", "")
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """The settings from the environment (or `environ`); warns about TOLLGATE_* names nothing reads."""
     env = os.environ if environ is None else environ

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import sqlalchemy as sa
 from starlette.routing import Route
@@ -128,6 +129,7 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
     await models_probe(secure_gw, a)
     checked.add(("GET", "/v1/models/{model_id:path}"))
     checked |= await stored_responses_probe(secure_gw, a, b)
+    checked |= await batches_probe(secure_gw, a, b)
 
     # The dashboards: a customer's session gets no admin page or form, whatever id it names.
     s = browser(secure_gw)
@@ -227,6 +229,38 @@ async def stored_responses_probe(gw: Gateway, a: dict[str, Any], b: dict[str, An
     async with as_key(gw, b["key"]) as c:
         assert (await c.get(f"/v1/responses/{rid}")).status_code == 200
     return {("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items")}
+
+
+async def batches_probe(gw: Gateway, a: dict[str, Any], b: dict[str, Any]) -> set[tuple[str, str]]:
+    """b uploads a batch file and starts an OpenAI batch and an Anthropic message batch; a cannot read,
+    download, delete or cancel any of them by id: each is a 404 that says nothing of b."""
+    line = orjson.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}})
+    async with as_key(gw, b["key"]) as c:
+        uploaded = await c.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", line + b"\n")})
+        assert uploaded.status_code == 200, uploaded.text
+        fid = uploaded.json()["id"]
+        made = await c.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+        assert made.status_code == 200, made.text
+        bid = made.json()["id"]
+        message_batch = await c.post("/v1/messages/batches", json={"requests": [{"custom_id": "m1", "params": {
+            "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}}]})
+        assert message_batch.status_code == 200, message_batch.text
+        mid = message_batch.json()["id"]
+    probes = [("GET", "/v1/files/{file_id}", fid), ("GET", "/v1/files/{file_id}/content", fid), ("DELETE", "/v1/files/{file_id}", fid),
+              ("GET", "/v1/batches/{batch_id}", bid), ("POST", "/v1/batches/{batch_id}/cancel", bid),
+              ("GET", "/v1/messages/batches/{batch_id}", mid), ("POST", "/v1/messages/batches/{batch_id}/cancel", mid),
+              ("GET", "/v1/messages/batches/{batch_id}/results", mid)]
+    async with as_key(gw, a["key"]) as c:
+        for method, path, own_id in probes:
+            r = await c.request(method, re.sub(r"\{\w+\}", own_id, path))
+            assert r.status_code == 404, (method, path, r.status_code, r.text)
+            assert str(b["account_id"]) not in r.text.replace(own_id, "")
+    async with as_key(gw, b["key"]) as c:  # nothing of b's was deleted or cancelled
+        assert (await c.get(f"/v1/files/{fid}")).status_code == 200
+        assert (await c.get(f"/v1/batches/{bid}")).json()["status"] not in ("cancelling", "cancelled")
+        assert (await c.get(f"/v1/messages/batches/{mid}")).json().get("cancel_initiated_at") is None
+    return {(method, path) for method, path, _ in probes}
 
 
 async def models_probe(gw: Gateway, a: dict[str, Any]) -> None:
