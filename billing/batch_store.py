@@ -187,9 +187,10 @@ class BatchStore:
     async def counts_of(self, batch_ids: list[str]) -> dict[str, dict[str, int]]:
         return {b: await self.counts(b) for b in batch_ids}
 
-    async def in_ledger(self, request_ids: list[str]) -> set[str]:
-        """Which of these requests have a ledger row (ran, at least in part)."""
+    async def in_ledger(self, request_ids: list[str]) -> dict[str, str]:
+        """Which of these requests have a ledger row (ran, at least in part), and the row's status."""
         if not request_ids:
-            return set()
+            return {}
         async with self._db.connect() as conn:
-            return set((await conn.execute(sa.select(LEDGER.c.request_id).where(LEDGER.c.request_id.in_(request_ids)))).scalars())
+            rows = await conn.execute(sa.select(LEDGER.c.request_id, LEDGER.c.status).where(LEDGER.c.request_id.in_(request_ids)))
+            return {request_id: status for request_id, status in rows}

@@ -42,6 +42,10 @@ log = logging.getLogger("tollgate.batches")
 RETRIED = (429, 503, 529)  # refused before admission (529: Anthropic's overloaded): no row, may run later
 INTERRUPTED = {"error": {"message": "The gateway restarted while this request ran; it was not run again (its usage is in the ledger).",
                          "type": "server_error", "param": None, "code": "interrupted"}}
+# Killed after the line's row was final but before its answer was stored: billed in full, answer lost.
+ANSWER_LOST = {"error": {"message": "The gateway restarted after this request finished but before its answer was stored; "
+                         "it was not run again (its usage is in the ledger).",
+                         "type": "server_error", "param": None, "code": "answer_lost"}}
 
 
 class BatchRunner:
@@ -200,7 +204,8 @@ class BatchRunner:
         ran = await self._store.in_ledger([line.request_id for line in claimed])
         for line in claimed:
             if line.request_id in ran:
-                await self._store.finish(line, "errored", 500, orjson.dumps(INTERRUPTED).decode())
+                error = INTERRUPTED if ran[line.request_id] == "interrupted" else ANSWER_LOST
+                await self._store.finish(line, "errored", 500, orjson.dumps(error).decode())
             else:
                 await self._store.release(line)
         log.info("batch %s: %d claimed lines had run, %d go back to pending", batch_id, len(ran), len(claimed) - len(ran))

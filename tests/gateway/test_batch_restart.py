@@ -66,11 +66,12 @@ async def test_a_batch_survives_a_sigkill(fresh_pg_database: Any, tmp_path: Path
         lines = [json.loads(x) for f in files if f for x in (await client.files.content(f)).content.splitlines()]
         assert sorted(x["custom_id"] for x in lines) == sorted(f"req-{i}" for i in range(LINES))
         interrupted = [x for x in lines if x["response"]["status_code"] != 200]
-        assert all(x["response"]["body"]["error"]["code"] == "interrupted" for x in interrupted)
+        assert all(x["response"]["body"]["error"]["code"] in ("interrupted", "answer_lost") for x in interrupted)
         assert batch.request_counts.completed + batch.request_counts.failed == LINES
         by_status = {r["request_id"]: r["status"] for r in rows}
-        for x in interrupted:  # a line the kill cut short is not run again: its one row says so
-            assert by_status[x["response"]["request_id"]] == "interrupted"
+        for x in interrupted:  # a line the kill cut short is not run again: its one row says how far it got
+            status = by_status[x["response"]["request_id"]]
+            assert (x["response"]["body"]["error"]["code"], status) in (("interrupted", "interrupted"), ("answer_lost", "completed")), (x, status)
         print(f"restart: {len(before)} rows before the kill, {len(interrupted)} lines interrupted by it")
         await client.close()
     finally:
