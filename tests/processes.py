@@ -3,6 +3,7 @@ shared one on 5432) and `tollgate serve` subprocesses."""
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import shutil
@@ -152,21 +153,30 @@ class GatewayProcess:
         assert self.proc is not None
         return [p for p in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
 
-    async def client_on_worker(self, worker: Any, **kw: Any) -> httpx.AsyncClient:
-        """A client whose one keep-alive connection `worker` accepted. Which worker accepts a fresh
-        connection is the kernel's choice (on a quiet machine one worker's accept loop can take them
-        all), so the other workers, our own children, are stopped (SIGSTOP) for the milliseconds of
-        one /healthz on it. Keep the client busy: uvicorn closes an idle connection after 5 s."""
+    async def client_on_worker(self, worker: Any, ready_within: float = 120.0, **kw: Any) -> httpx.AsyncClient:
+        """A client whose one keep-alive connection `worker` accepted, once that worker says it is
+        ready (/readyz 200: a worker that is still starting answers 503 to every request, and the
+        gateway's own /readyz at start came from whichever worker took that connection). Which
+        worker accepts a fresh connection is the kernel's choice (on a quiet machine one worker's
+        accept loop can take them all), so the other workers, our own children, are stopped
+        (SIGSTOP) for the milliseconds of one /readyz on it; between tries they run. Keep the client
+        busy: uvicorn closes an idle connection after 5 s."""
         others = [p for p in self.workers() if p.pid != worker.pid]
-        client = httpx.AsyncClient(base_url=self.base_url, limits=httpx.Limits(max_connections=1), **kw)
-        for other in others:
-            other.suspend()
-        try:
-            assert (await client.get("/healthz")).status_code == 200
-        finally:
+        deadline = time.monotonic() + ready_within
+        while True:
+            client = httpx.AsyncClient(base_url=self.base_url, limits=httpx.Limits(max_connections=1), **kw)
             for other in others:
-                other.resume()
-        return client
+                other.suspend()
+            try:
+                status = (await client.get("/readyz")).status_code
+            finally:
+                for other in others:
+                    other.resume()
+            if status == 200:
+                return client
+            await client.aclose()
+            assert time.monotonic() < deadline, f"worker {worker.pid}: /readyz still {status} after {ready_within}s"
+            await asyncio.sleep(0.1)  # a poll of the worker's readiness, not a wait standing in for it
 
     async def new_key(self, **fields: Any) -> dict[str, Any]:
         import uuid

@@ -68,6 +68,6 @@ async def test_an_interactive_key_goes_ahead_of_a_running_batch(busy_gateway: Ga
     for run, behind in zip(loaded, waiting):
         assert run.status == 200 and behind >= 1
         assert waits[run.request_id] < 0.01  # into the engine at once, ahead of every waiting line
-    xfail_if_unsteady("batch lines", [r.ttft for r in idle], 0.0)
+    xfail_if_unsteady("batch lines", [[r.ttft for r in idle]], 0.0)
     for behind, delay in zip(waiting, delays):
         assert delay <= behind, f"delayed {delay:.1f} engine steps behind {behind} waiting batch lines"

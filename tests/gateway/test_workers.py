@@ -128,7 +128,7 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
         time.sleep(seconds_to_room_in_minute(40))  # the 61 requests below in one minute's window
         answers = run_coro(fire(60))
         statuses = [status for status, _ in answers]
-        assert statuses.count(200) == 20 and statuses.count(429) == 40  # one limit for the key, across both
+        assert statuses.count(200) == 20 and statuses.count(429) == 40, statuses  # one limit for the key, across both
         # Both workers served: each one's journal holds final rows, together exactly the 20 served.
         served_ids = {rid for status, rid in answers if status == 200}
         per_worker = {name: journal_finals(gw.data_dir / name) for name in ("journal", "journal-1")}
