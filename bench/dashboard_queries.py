@@ -32,8 +32,8 @@ from tqdm import tqdm  # noqa: E402
 
 from billing import migrate  # noqa: E402
 from billing.db import create_engine  # noqa: E402
-from billing.ledger import UsageRecord, insert_ignoring_duplicates, write_records  # noqa: E402
-from billing.usage import Period, latency_percentiles, month_to_date, usage_groups  # noqa: E402
+from billing.ledger.writer import UsageRecord, insert_ignoring_duplicates, write_records  # noqa: E402
+from billing.ledger.aggregates import Period, latency_percentiles, month_to_date, usage_groups  # noqa: E402
 
 END = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
 PERIOD = Period(END - timedelta(days=30), END)

@@ -28,9 +28,9 @@ from openai import AsyncOpenAI
 from bench.harness import ServerThread
 from billing import migrate
 from billing.db import create_engine
-from billing.keys import KeyStore
+from billing.keys.store import KeyStore
 from engines.base import EngineRequest, SamplingParams
-from engines.hf import HFEngine
+from engines.backends.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 from bench.harness import ServerThread  # noqa: E402
 from billing import migrate  # noqa: E402
 from billing.db import create_engine  # noqa: E402
-from billing.keys import KeyStore  # noqa: E402
-from engines.hf import HFEngine  # noqa: E402
+from billing.keys.store import KeyStore  # noqa: E402
+from engines.backends.hf import HFEngine  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir  # noqa: E402
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from gateway.cli_bench import Target, make_workload, run_target, table
+from gateway.cli.bench import Target, make_workload, run_target, table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / "bench" / "results" / "gateway_vs_engine.json"

@@ -143,7 +143,7 @@ def gateway_env(args: argparse.Namespace, model_path: str) -> dict[str, str]:
 async def engine_alone(args: argparse.Namespace) -> dict[str, Any]:
     """Every level of `args.levels` once, in this process; or, with `args.serve`, the levels the
     parent names on stdin (one JSON line each, answered by one cell line) until it says stop."""
-    from engines.hf import HFEngine
+    from engines.backends.hf import HFEngine
 
     engine = HFEngine(model_id="bench", **engine_kwargs(args, args.model_path))
     await engine.start()
@@ -305,7 +305,7 @@ class GatewayRun:
         self.admin = admin
         self.log = open(self.tmp / "serve.log", "wb")
         exe = Path(sys.executable).with_name("tollgate")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())"]
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from gateway.cli.main import main; sys.exit(main())"]
         self.proc = subprocess.Popen([*cmd, "serve", "--log-level", "warning"], env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.runs: list[tuple[int, int, int]] = []  # (level, requests, usage tokens) in the order run, the warm-up first
         self.engine_pids: list[int] = []

@@ -4,7 +4,7 @@ decode roofline (weights + KV bytes per step over the HBM bandwidth). One model,
 
     python bench/gpu_hf_scaling.py --variants baseline,graphs --concurrency 64,256 --generate 64
 
-Every variant is a ContinuousBatchingConfig (the knobs engines/hf.py exposes); EOS is disabled so
+Every variant is a ContinuousBatchingConfig (the knobs engines/backends/hf.py exposes); EOS is disabled so
 each request generates exactly --output tokens.
 """
 

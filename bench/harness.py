@@ -149,7 +149,7 @@ class ServerThread:
     the protocol `tollgate serve` runs (the in-process benches, and the tests through tests/conftest.py)."""
 
     def __init__(self, app: Any, **protocol_limits: Any) -> None:
-        from gateway.hardening import guarded_http_protocol
+        from gateway.http.hardening import guarded_http_protocol
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

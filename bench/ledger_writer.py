@@ -8,7 +8,7 @@ of the rows it inserted, as data-modifying CTEs). rows/s = rows / (first record 
 With --journal, each record() also appends to the local journal as the gateway does by default.
 Each round runs the gateway's insert (one `INSERT ... SELECT FROM unnest(arrays)` per batch) and,
 for comparison in the same run, SQLAlchemy's executemany insert it replaced (`--no-compare` skips it).
-`--copy N` adds, in the same rounds, the binary COPY path (billing/ledger_copy.py: COPY into a staging
+`--copy N` adds, in the same rounds, the binary COPY path (billing/ledger/pg_copy.py: COPY into a staging
 table and one insert + aggregates statement, on N connections at once, batches of --copy-batch-size):
 the ledger is partitioned by month (migration 0012), the journal on as the gateway has it, and after
 the run the hourly aggregates are checked to equal sums over the ledger.
@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import fresh_database  # noqa: E402
 from billing.db import create_engine  # noqa: E402
-from billing import ledger, ledger_copy  # noqa: E402
-from billing.ledger import LedgerWriter, UsageRecord  # noqa: E402
+from billing.ledger import writer as ledger, pg_copy as ledger_copy  # noqa: E402
+from billing.ledger.writer import LedgerWriter, UsageRecord  # noqa: E402
 from billing.migrate import upgrade  # noqa: E402
 
 TARGET = 20_000
@@ -69,7 +69,7 @@ async def one_round(database_url: str, rows: int, batch_size: int, burst: int, j
     engine = create_engine(database_url)
     journal = None
     if journal_dir is not None:
-        from billing.journal import LedgerJournal
+        from billing.ledger.journal import LedgerJournal
 
         journal = LedgerJournal(journal_dir / uuid.uuid4().hex)
     writer = LedgerWriter(engine, batch_size=batch_size, journal=journal, copy_connections=copy_connections)
@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="also time SQLAlchemy's executemany insert in each round (default on)")
     parser.add_argument("--copy", type=int, default=0, metavar="N",
-                        help="also time both binary COPY paths on N connections in each round (billing/ledger_copy.py)")
+                        help="also time both binary COPY paths on N connections in each round (billing/ledger/pg_copy.py)")
     parser.add_argument("--copy-batch-size", type=int, default=5000)
     parser.add_argument("--ceiling", action="store_true", help="also time Postgres alone: COPY of pre-encoded rows (needs --copy)")
     parser.add_argument("--json", default="bench/results/ledger_writer.json")

@@ -3,9 +3,9 @@
 The floor server (`--serve`, started by this script in its own process) does, per request, the work
 a metered non-streaming chat completion cannot do without, with the project's own parts and none of
 the request path's layers: uvicorn (httptools, uvloop), the JSON body parsed, the key's HMAC
-computed (billing.keys.hash_key) and compared, the prompt counted with tiktoken, the quota reserved with the limiter's own Redis script through
-billing.resp (one round trip), the admission journaled, the upstream asked through the lean client
-(engines.upstream_http: streamed, 16 chunks and usage, every event parsed), the body rendered and
+computed (billing.keys.store.hash_key) and compared, the prompt counted with tiktoken, the quota reserved with the limiter's own Redis script through
+billing.quota.resp (one round trip), the admission journaled, the upstream asked through the lean client
+(engines.backends.upstream_http: streamed, 16 chunks and usage, every event parsed), the body rendered and
 sent, the final row journaled and queued to the real LedgerWriter (Postgres batches), the quota
 settled (lingering, as the gateway does). No Starlette, no request objects, no engine chain, no
 scheduler, no metrics, no logs.
@@ -48,15 +48,15 @@ def floor_app(upstream: str, database_url: str, key: str, data_dir: Path) -> Any
     import orjson
     from sqlalchemy import text
 
-    from billing import resp
+    from billing.quota import resp
     from billing.db import create_engine
-    from billing.journal import LedgerJournal
-    from billing.keys import hash_key
-    from billing.limits import Limits
-    from billing.ledger import LedgerWriter, UsageRecord
+    from billing.ledger.journal import LedgerJournal
+    from billing.keys.store import hash_key
+    from billing.quota.limits import Limits
+    from billing.ledger.writer import LedgerWriter, UsageRecord
     from billing.quota import RESERVE_LUA, SETTLE_LUA, Hold, RedisLimiter, LedgerTotals, Scope, minute_of, month_of
-    from engines.openai_stream import TokenCounter
-    from engines.upstream_http import UpstreamPool
+    from engines.backends.openai_stream import TokenCounter
+    from engines.backends.upstream_http import UpstreamPool
 
     state: dict[str, Any] = {}
     settling: set[asyncio.Task[Any]] = set()  # settlements in flight, held until done (as the gateway holds them)

@@ -1,5 +1,5 @@
 """What the quota store's client costs: reserve+settle pairs per second through RedisLimiter, with the
-scripts run by billing/resp.py (lean) and by redis-py's Script objects, same Redis, same process.
+scripts run by billing/quota/resp.py (lean) and by redis-py's Script objects, same Redis, same process.
 
 Each pair is one reserve (RESERVE_LUA) and one settle (SETTLE_LUA) on two scopes (a key and its
 account, limits high enough never to refuse), as an admitted request does, and the ledger writer's
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from billing.limits import Limits  # noqa: E402
+from billing.quota.limits import Limits  # noqa: E402
 from billing.quota import RedisLimiter, Scope, ScopeTotals  # noqa: E402
 
 HIGH = Limits(rpm=10**9, tpm=10**12, max_concurrent=10**6, monthly_tokens=10**14, monthly_spend=Decimal("1000000"))

@@ -1,5 +1,5 @@
 """What Redis Cluster costs the quota client: reserve+settle pairs through RedisLimiter on one
-Redis (lean scripts, billing/resp.py), on one Redis through redis-py, and on a private local Redis
+Redis (lean scripts, billing/quota/resp.py), on one Redis through redis-py, and on a private local Redis
 Cluster (3 masters + 3 replicas started here, tests/redis_topologies.py) through redis-py, same
 process, same run. Reported: pairs/s and this process's CPU time per pair (Redis' own work is not
 in it). Keys live under a fresh prefix, deleted after.

@@ -2,7 +2,7 @@
 
 Each variant is a `tollgate serve` as bench/overhead.py sets one up (API key auth, Redis quotas with
 limits, a priced model, Postgres ledger with its journal) in front of the `synthetic` engine
-(engines/synthetic.py): an engine process with no model that gives every running stream one token
+(engines/backends/synthetic.py): an engine process with no model that gives every running stream one token
 id per step at a set rate, through the `hf` engine process's pipe. So what is measured is the
 gateway's own work per token (detokenizing, stop strings, metering, SSE), far past what the CPU
 model could generate. Each cell (64 or 256 streams) has its own model (`synth-64`, `synth-256`)
@@ -53,7 +53,7 @@ from bench.overhead import LIMITS, listening_pid, snapshot  # noqa: E402
 from bench.overhead_ab import parse_variant  # noqa: E402
 
 MAX_TOKENS = 256
-ENGINE_MARK = "engines.synthetic"
+ENGINE_MARK = "engines.backends.synthetic"
 
 
 def models_yaml(cells: list[int], offered: float) -> str:

@@ -18,14 +18,14 @@ class Account(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(sa_column=sa.Column(sa.String(200), nullable=False, unique=True))
-    # JSON object of limits (billing.limits.Limits); NULL means none.
+    # JSON object of limits (billing.quota.limits.Limits); NULL means none.
     limits: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )
-    # The plan's scheduling class (engines/scheduler.py), e.g. "batch"; NULL means the top class.
+    # The plan's scheduling class (engines/wrappers/scheduler.py), e.g. "batch"; NULL means the top class.
     priority: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
-    # postpaid (monthly invoice) | prepaid (spends a balance of credit; billing/credits.py)
+    # postpaid (monthly invoice) | prepaid (spends a balance of credit; billing/credits/balance.py)
     billing_mode: str = Field(default="postpaid", sa_column=sa.Column(sa.String(16), nullable=False, server_default="postpaid"))
     # When it became prepaid: its usage from then on is debited from its balance.
     prepaid_since: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
@@ -85,7 +85,7 @@ class LedgerEntry(SQLModel, table=True):
     __table_args__ = (
         sa.Index("ix_ledger_account_created", "account_id", "created_at"),
         sa.Index("ix_ledger_account_admitted", "account_id", "admitted_at"),
-        # One row per request: the key holds admitted_at, Postgres' partition key (billing/partitions.py).
+        # One row per request: the key holds admitted_at, Postgres' partition key (billing/ledger/partitions.py).
         sa.UniqueConstraint("request_id", "admitted_at", name="uq_ledger_request_admitted"),
     )
 
@@ -116,7 +116,7 @@ class LedgerEntry(SQLModel, table=True):
     api: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
     ttft_ms: float | None = Field(default=None, sa_column=sa.Column(sa.Float, nullable=True))
     total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
-    # The batch the request was a line of (api = batch; billing/batch_models.py); NULL otherwise.
+    # The batch the request was a line of (api = batch; billing/batches/models.py); NULL otherwise.
     batch_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
@@ -130,9 +130,9 @@ class LedgerEntry(SQLModel, table=True):
 
 LEDGER_STATUSES = ("completed", "cancelled", "error", "interrupted")  # interrupted: in flight when the gateway died
 
-from billing.usage_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
-from billing import invoice_models  # noqa: E402,F401  (registers the invoice and billing tables)
-from billing import response_models  # noqa: E402,F401  (registers stored_responses, the Responses API's store)
-from billing import credit_models  # noqa: E402,F401  (registers credit_entries, the prepaid credit ledger)
-from billing import alert_models  # noqa: E402,F401  (registers the spend alert tables)
-from billing import batch_models  # noqa: E402,F401  (registers the Batch API's files, batches and lines)
+from billing.ledger.aggregate_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
+from billing.invoices import models as invoice_models  # noqa: E402,F401  (registers the invoice and billing tables)
+from billing import stored_responses as response_models  # noqa: E402,F401  (registers stored_responses, the Responses API's store)
+from billing.credits import models as credit_models  # noqa: E402,F401  (registers credit_entries, the prepaid credit ledger)
+from billing.alerts import models as alert_models  # noqa: E402,F401  (registers the spend alert tables)
+from billing.batches import models as batch_models  # noqa: E402,F401  (registers the Batch API's files, batches and lines)

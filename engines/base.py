@@ -80,7 +80,7 @@ class EngineRequest:
     prompt: str | None = None
     # The client's JSON body: engines that pass fields through (`Engine.passthrough`) forward it.
     extra: dict[str, Any] | None = None
-    # Who asks, for the gateway's scheduler (engines/scheduler.py): fair share is per account,
+    # Who asks, for the gateway's scheduler (engines/wrappers/scheduler.py): fair share is per account,
     # order is by priority class (the account's plan); None: no account / the default class.
     account_id: int | None = None
     priority: str | None = None

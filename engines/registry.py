@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from engines.base import Engine
-from engines.fallback import FallbackEngine, SharedLifecycle
+from engines.wrappers.fallback import FallbackEngine, SharedLifecycle
 
 BACKENDS = ("hf", "trtllm", "openai", "router", "synthetic")
 Check = Callable[[Any], str | None]  # returns a problem, or None
@@ -92,7 +92,7 @@ def _urls(v: Any) -> str | None:
 
 
 def _routes(v: Any) -> str | None:
-    from engines.router import check_rule
+    from engines.wrappers.router import check_rule
 
     if not isinstance(v, list) or not v:
         return f"must be a non-empty list of routes, got {_show(v)}"
@@ -104,7 +104,7 @@ def _routes(v: Any) -> str | None:
 
 
 def _params(v: Any) -> str | None:
-    from engines.upstream_params import check_params
+    from engines.backends.upstream_params import check_params
 
     return check_params(v)
 
@@ -143,8 +143,8 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "cuda_graphs": Field(_bool),
         "warmup": Field(_bool),
         "process": Field(_bool),  # the model in a process of its own (default: on for cuda devices)
-        "gather_ms": Field(_int(0)),  # the engine process: how long a burst after idle is gathered (engines/hf_process.py)
-        "tool_parser": Field(_one_of("hermes", "llama3_json")),  # default hermes (engines/structured.py)
+        "gather_ms": Field(_int(0)),  # the engine process: how long a burst after idle is gathered (engines/backends/hf_process.py)
+        "tool_parser": Field(_one_of("hermes", "llama3_json")),  # default hermes (engines/decoding/structured.py)
     },
     "trtllm": {
         "model_path": Field(_str, required=True),
@@ -158,7 +158,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "tool_parser": Field(_one_of("hermes", "llama3_json")),
         "output_timeout": Field(_number(0.0, above=True)),  # s without output from any request: the executor is gone
     },
-    "synthetic": {  # benchmarks only: token ids at a set rate, no model (engines/synthetic.py)
+    "synthetic": {  # benchmarks only: token ids at a set rate, no model (engines/backends/synthetic.py)
         "step_ms": Field(_number(0.0, above=True)),
         "tokens_per_step": Field(_int(1)),
         "max_batch_size": Field(_int(1)),
@@ -185,7 +185,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "eject_after": Field(_int(1)),
         "cooldown": Field(_number(0.0)),
         "max_connections": Field(_int(1)),
-        "params": Field(_params),  # which client fields go upstream: engines/upstream_params.py
+        "params": Field(_params),  # which client fields go upstream: engines/backends/upstream_params.py
     },
 }
 
@@ -269,7 +269,7 @@ class ModelTable:
                 served[mid] = chains[mid]
         for mid, spec in self.specs.items():
             if spec.backend == "router" and spec.public:
-                from engines.router import Rule, RouterEngine
+                from engines.wrappers.router import Rule, RouterEngine
 
                 rules = [Rule(**{**r, "model": self.aliases.get(r["model"], r["model"])}) for r in spec.params["routes"]]
                 default = self.aliases.get(spec.params["default"], spec.params["default"])
@@ -348,7 +348,7 @@ def _parse_entry(
                 problem(path + (name,), f"unknown field{hint}", key=True)
                 ok = False
     if backend == "trtllm" and trtllm_check:
-        from engines.trtllm import TensorRTLLMMissing, require_tensorrt_llm
+        from engines.backends.trtllm import TensorRTLLMMissing, require_tensorrt_llm
 
         try:
             require_tensorrt_llm()
@@ -452,8 +452,8 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None, cache_dir: Path | N
     converted checkpoints (None: its default)."""
     params = dict(spec.params)
     if spec.backend == "hf":
-        from engines.hf import HFEngine
-        from engines.hf_process import HFProcessEngine
+        from engines.backends.hf import HFEngine
+        from engines.backends.hf_process import HFProcessEngine
 
         separate = params.pop("process", None)
         if separate is None:  # like TOLLGATE_ENGINE_PROCESS=auto: its own process on a GPU
@@ -464,14 +464,14 @@ def build_engine(spec: ModelSpec, *, trtllm_api: Any = None, cache_dir: Path | N
             return HFEngine(model_id=spec.id, **params)
         return HFProcessEngine(model_id=spec.id, **params)
     if spec.backend == "synthetic":
-        from engines.synthetic import SyntheticEngine
+        from engines.backends.synthetic import SyntheticEngine
 
         return SyntheticEngine(model_id=spec.id, cache_dir=cache_dir, **({"context_length": spec.context_length} if spec.context_length else {}), **params)
     if spec.backend == "trtllm":
-        from engines.trtllm import TRTLLMEngine
+        from engines.backends.trtllm import TRTLLMEngine
 
         return TRTLLMEngine(model_id=spec.id, context_length=spec.context_length, api=trtllm_api, **params)
-    from engines.openai_pool import OpenAIPoolEngine
+    from engines.backends.openai_pool import OpenAIPoolEngine
 
     return OpenAIPoolEngine(model_id=spec.id, **params)
 

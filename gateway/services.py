@@ -14,24 +14,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from billing.alerts import AlertService
-    from billing.batch_store import BatchStore
-    from billing.files import FileStore
+    from billing.alerts.spend import AlertService
+    from billing.batches.store import BatchStore
+    from billing.batches.files import FileStore
     from gateway.batches.runner import BatchRunner
-    from billing.checkout import CheckoutService
-    from billing.credits import CreditBook
-    from billing.keys import KeyStore
-    from billing.ledger import LedgerWriter
-    from billing.prices import PriceBook
+    from billing.stripe.checkout import CheckoutService
+    from billing.credits.balance import CreditBook
+    from billing.keys.store import KeyStore
+    from billing.ledger.writer import LedgerWriter
+    from billing.prices.book import PriceBook
     from billing.quota import Limiter
-    from gateway.billing_api import Billing
+    from gateway.api.account.invoices import Billing
     from gateway.config import Settings
-    from gateway.embeddings_api import EmbeddingService
-    from gateway.metrics import Metrics
-    from gateway.openai_responses import ResponseStore
-    from gateway.response_cache import CacheConfig, ResponseCache
-    from gateway.serving import CompletionService
-    from gateway.sessions import SessionStore
+    from gateway.api.openai.embeddings import EmbeddingService
+    from gateway.http.metrics import Metrics
+    from gateway.api.openai.responses import ResponseStore
+    from gateway.serving.cache import CacheConfig, ResponseCache
+    from gateway.serving.completions import CompletionService
+    from gateway.dashboard.sessions import SessionStore
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 

@@ -13,23 +13,25 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from billing import partitions
+from billing.ledger import partitions
 from billing.db import create_engine
-from billing.journal import JournalLocked, LedgerJournal, Recovered
-from billing.keys import KeyStore
-from billing.ledger import LedgerWriter, adopt_journal, release_interrupted
+from billing.ledger.journal import JournalLocked, LedgerJournal, Recovered
+from billing.keys.store import KeyStore
+from billing.ledger.writer import LedgerWriter, adopt_journal, release_interrupted
 from billing.models import utcnow
-from billing.prices import PriceBook
+from billing.prices.book import PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine, EngineError
-from engines.scheduler import ScheduledEngine, schedule_engines
-from gateway import billing_api, credits_api, embeddings_api, response_cache
+from engines.wrappers.scheduler import ScheduledEngine, schedule_engines
+from gateway.api.account import invoices as billing_api, credits as credits_api
+from gateway.api.openai import embeddings as embeddings_api
+from gateway.serving import cache as response_cache
 from gateway.batches import service as batches
 from gateway.config import Settings
-from gateway.metrics import Metrics
-from gateway.serving import CompletionService
+from gateway.http.metrics import Metrics
+from gateway.serving.completions import CompletionService
 from gateway.services import Services
-from gateway.sessions import SessionStore
+from gateway.dashboard.sessions import SessionStore
 
 log = logging.getLogger("tollgate")
 
@@ -49,7 +51,7 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
         if settings.http.workers > 1:
             share_replicas(built, settings.http.workers)
         if config.engine_hosts:
-            from gateway.engine_hosts import connect_hosted
+            from gateway.serving.engine_hosts import connect_hosted
 
             connect_hosted(built, config.engine_hosts)
         return built
@@ -58,8 +60,8 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
             f"TOLLGATE_ENGINE={config.backend!r}: without a models file only the hf backend is served; "
             "describe trtllm and openai models in a models.yaml (TOLLGATE_MODELS or --models)"
         )
-    from engines.hf import HFEngine
-    from engines.hf_process import HFProcessEngine
+    from engines.backends.hf import HFEngine
+    from engines.backends.hf_process import HFProcessEngine
 
     params: dict[str, Any] = dict(
         model_path=config.model_path,
@@ -82,7 +84,7 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
 def share_replicas(engines: dict[str, Engine], workers: int) -> None:
     """Each of `workers` processes sends a replica its share of the requests the replica takes at
     once (`max_concurrency`, rounded up), so that together they do not overload it."""
-    from engines.openai_pool import OpenAIPoolEngine
+    from engines.backends.openai_pool import OpenAIPoolEngine
 
     seen: set[int] = set()
     for chain in engines.values():
@@ -115,7 +117,7 @@ def open_ledger(db: Any, settings: Settings) -> tuple[LedgerWriter, Recovered]:
 
 def _ingest(settings: Settings) -> dict[str, int]:
     """The ledger writer's Postgres path: binary COPY on several connections with larger batches
-    (billing/ledger_copy.py; bench/ledger_writer.py compares), or the one-statement insert."""
+    (billing/ledger/pg_copy.py; bench/ledger_writer.py compares), or the one-statement insert."""
     if settings.ledger.copy_connections:
         return {"copy_connections": settings.ledger.copy_connections, "batch_size": 2500 * settings.ledger.copy_connections}
     return {}
@@ -123,7 +125,7 @@ def _ingest(settings: Settings) -> dict[str, int]:
 
 def orphan_journals(settings: Settings) -> list[Path]:
     """Journal directories of workers beyond the current count (the server ran with more before):
-    no worker claims them now, so their rows are finished here (billing.ledger.adopt_journal)."""
+    no worker claims them now, so their rows are finished here (billing.ledger.writer.adopt_journal)."""
     if not settings.ledger.journal:
         return []
     found = []

@@ -23,8 +23,8 @@ import sqlalchemy as sa
 from bench.harness import ServerThread  # noqa: F401  (one server thread for benches and tests; re-exported)
 from billing import migrate
 from billing.db import create_engine
-from billing.keys import KeyStore
-from engines.hf import HFEngine
+from billing.keys.store import KeyStore
+from engines.backends.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir
 from tests.engine_ids import EngineIds

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from billing.db import create_engine
-from billing.ledger import UsageRecord, write_records
+from billing.ledger.writer import UsageRecord, write_records
 from gateway.config import DEFAULT_MODEL_ID
 from tests.conftest import run_coro
 from tests.test_cli import tollgate

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from engines.registry import parse_models
-from gateway.drain import CUT_WAIT_SECONDS
+from gateway.http.drain import CUT_WAIT_SECONDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -90,7 +90,7 @@ def test_probes_drain_and_grace_period() -> None:
     docs = render()
     gw = container(docs)
     pod = one(docs, "StatefulSet")["spec"]["template"]["spec"]
-    assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz"  # 503 from the SIGTERM on (gateway/drain.py)
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/readyz"  # 503 from the SIGTERM on (gateway/http/drain.py)
     assert gw["livenessProbe"]["httpGet"]["path"] == "/healthz"  # 200 while draining
     from gateway.app import create_app
     from gateway.config import Settings

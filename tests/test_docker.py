@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 import yaml
 
 from engines.registry import parse_models
-from gateway.cli import build_parser
+from gateway.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

@@ -133,8 +133,8 @@ def _describe(cycle: list[str]) -> str:
 def test_the_graph_is_read():
     # A parser that found nothing would pass every test below.
     assert len(MODULES) > 80
-    assert "billing.ledger" in GRAPH["gateway.metering"]
-    assert "engines.base" in GRAPH["engines.hf"]
+    assert "billing.ledger.writer" in GRAPH["gateway.serving.admission"]
+    assert "engines.base" in GRAPH["engines.backends.hf"]
 
 
 def test_no_import_cycles():
@@ -159,7 +159,7 @@ def test_engines_and_billing_import_nothing_of_gateway():
 
 def test_the_cli_imports_nothing_of_bench():
     offending = []
-    for path in sorted((ROOT / "gateway").glob("cli*.py")):
+    for path in sorted((ROOT / "gateway" / "cli").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = []
             if isinstance(node, ast.Import):
@@ -167,4 +167,4 @@ def test_the_cli_imports_nothing_of_bench():
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 names = [node.module]
             offending += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "bench"]
-    assert not offending, "gateway/cli*.py imports bench/:\n" + "\n".join(offending)
+    assert not offending, "gateway/cli/ imports bench/:\n" + "\n".join(offending)

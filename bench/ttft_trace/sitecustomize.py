@@ -29,10 +29,10 @@ if os.environ.get("TOLLGATE_TTFT_TRACE"):
         from multiprocessing.connection import Connection
 
 
-        from engines import hf_process
-        from gateway import http
+        from engines.backends import hf_process
+        from gateway.http import requests as http
 
-        # The handler's body read (gateway/http.py read_json): when the route starts on the request,
+        # The handler's body read (gateway/http/requests.py read_json): when the route starts on the request,
         # after HTTP parsing, routing and middleware; keyed by the prompt's first ids, since the engine
         # may run the request on another task. Patched before any gateway module imports it by name.
         read_json = http.read_json
@@ -72,7 +72,7 @@ if os.environ.get("TOLLGATE_TTFT_TRACE"):
 
         hf_process._put_all = traced_put_all
 
-        # The engine process runs `python -m engines.hf_process`: its module is __main__, not the one
+        # The engine process runs `python -m engines.backends.hf_process`: its module is __main__, not the one
         # patched above, so its side is traced through what both share (HFEngine.submit, Connection.send).
         submit = hf_process.HFEngine.submit
         pending: set[str] = set()

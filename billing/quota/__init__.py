@@ -13,7 +13,7 @@ Modules:
   redis_limiter.py  RedisLimiter: Lua scripts on Redis, shared by every gateway process
   scripts.py        the scripts (lua/*.lua, read at import) and the one client that runs them
 
-The x-ratelimit-* headers a hold or a refusal implies are built in gateway/ratelimit.py.
+The x-ratelimit-* headers a hold or a refusal implies are built in gateway/serving/ratelimit.py.
 """
 
 from billing.quota.base import (

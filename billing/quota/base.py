@@ -5,7 +5,7 @@ implement it).
 The guarantees (one atomic reservation over every scope, idempotent settlement, holds that
 expire, counters rebuilt from the ledger) are in billing/quota/__init__.py's docstring.
 
-A prepaid account's scope also holds its balance (billing/credits.py): credits (each credit-ledger
+A prepaid account's scope also holds its balance (billing/credits/balance.py): credits (each credit-ledger
 row applied once, by id) minus usage settled since it became prepaid. Admission reserves the worst
 case against credits - spent - held in the same atomic step; settlement adds the actual cost to
 spent and releases the rest.
@@ -29,8 +29,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.credits import prepaid_totals
-from billing.limits import Limits
+from billing.credits.balance import prepaid_totals
+from billing.quota.limits import Limits
 from billing.models import ApiKey, LedgerEntry
 
 log = logging.getLogger("tollgate.quota")
@@ -90,7 +90,7 @@ class Hold:
     month: str
     degraded: bool = False  # admitted without a reservation (fail-open while the store was down)
     tag: str = ""  # the account group every scope's counters live in (Scope.tag), "" when nothing is limited
-    # (requests, tokens) left this minute on each scope, after this reservation; gateway/ratelimit.py
+    # (requests, tokens) left this minute on each scope, after this reservation; gateway/serving/ratelimit.py
     # turns them into x-ratelimit-* headers.
     remaining: tuple[tuple[int, int], ...] = ()
     at: float = 0.0  # when it was reserved
@@ -226,7 +226,7 @@ class LedgerTotals:
         pending: Callable[[], list[Any]] | None = None,
     ) -> None:
         """`flush`: this process's ledger rows to the database; `pending`: its rows not known to be
-        there yet (the ledger writer's UsageRecords; billing.ledger.LedgerWriter.unconfirmed)."""
+        there yet (the ledger writer's UsageRecords; billing.ledger.writer.LedgerWriter.unconfirmed)."""
         self._engine = engine
         self._flush = flush
         self._pending = pending

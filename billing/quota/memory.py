@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from billing.limits import Limits
+from billing.quota.limits import Limits
 from billing.quota.base import BALANCE, Hold, LedgerTotals, Limiter, Scope, ScopeTotals, minute_of, month_of
 
 

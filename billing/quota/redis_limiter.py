@@ -28,8 +28,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from billing import resp
-from billing.limits import Limits
+from billing.quota import resp
+from billing.quota.limits import Limits
 from billing.quota.base import Hold, LedgerTotals, group_tag, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
 from billing.quota.scripts import CREDIT_LUA, RECOVER_LUA, REHOLD_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
 
@@ -88,7 +88,7 @@ class RedisLimiter(Limiter):
         lean: bool = True,
         process_id: str | None = None,
     ) -> None:
-        """`lean`: run the Lua scripts through billing.resp (one pipelined connection, a fraction of
+        """`lean`: run the Lua scripts through billing.quota.resp (one pipelined connection, a fraction of
         redis-py's CPU per call) where the URL is redis://; redis-py's scripts otherwise (rediss://,
         unix://, or lean=False). Everything else goes through redis-py either way."""
         super().__init__(totals, hold_seconds=hold_seconds)
@@ -130,7 +130,7 @@ class RedisLimiter(Limiter):
 
     @property
     def lean(self) -> bool:
-        """Whether the scripts run through billing.resp rather than redis-py."""
+        """Whether the scripts run through billing.quota.resp rather than redis-py."""
         return self._client.lean
 
     def group(self, tag: str) -> str:

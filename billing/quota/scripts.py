@@ -2,7 +2,7 @@
 
 The Lua sources live in billing/quota/lua/ (each script is `common.lua` followed by its own file)
 and are read once, when this module is imported. `ScriptClient` is the limiter's only way to
-Redis: scripts go through billing/resp.py's pipelined connection where the URL allows it (the
+Redis: scripts go through billing/quota/resp.py's pipelined connection where the URL allows it (the
 lean path: a fraction of redis-py's CPU per call), through redis-py otherwise; the few plain
 commands (epoch bumps, SCAN, counters) always go through redis-py.
 """
@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
-from billing import redis_url, resp
+from billing.quota import redis_url, resp
 
 LUA_DIR = Path(__file__).with_name("lua")
 
@@ -31,8 +31,8 @@ RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA = (
 class ScriptClient:
     """Runs the quota scripts (EVALSHA, EVAL when Redis does not have one yet) and plain commands.
 
-    `url`: any form billing/redis_url.py reads (one Redis, Redis Cluster, Sentinel). `lean`: scripts
-    through billing.resp where the URL is redis://; redis-py's Script objects otherwise (rediss://,
+    `url`: any form billing/quota/redis_url.py reads (one Redis, Redis Cluster, Sentinel). `lean`: scripts
+    through billing.quota.resp where the URL is redis://; redis-py's Script objects otherwise (rediss://,
     unix://, Cluster, Sentinel, or lean=False). `redis` is the redis-py client for the rest.
     """
 
@@ -84,7 +84,7 @@ class ScriptClient:
             return await script(keys=[key], args=list(args))
 
     def _run_lean(self, script: Any, key: str, args: Sequence[Any], linger: float = 0.0) -> Awaitable[Any]:
-        """`run` on the lean path: billing.resp's EVALSHA coroutine itself (`key` routes nothing on one Redis)."""
+        """`run` on the lean path: billing.quota.resp's EVALSHA coroutine itself (`key` routes nothing on one Redis)."""
         return self._runner.evalsha(script, args, linger)  # type: ignore[union-attr]
 
     async def _start(self) -> None:

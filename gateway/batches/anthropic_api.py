@@ -13,13 +13,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from billing.batch_store import new_batch_id
+from billing.batches.store import new_batch_id
 from billing.models import utcnow
-from gateway.anthropic_api import _answered, api_key
+from gateway.api.anthropic.messages import _answered, api_key
 from gateway.batches.results import WINDOWS, anthropic_line, anthropic_view
-from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
-from gateway.http import authenticate, read_json
-from gateway.json_response import json_response
+from gateway.http.errors import InvalidRequest, NotFound, ServiceUnavailable
+from gateway.http.requests import authenticate, read_json
+from gateway.http.json_response import json_response
 
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 

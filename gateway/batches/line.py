@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from billing.keys import Principal
+from billing.keys.store import Principal
 
 SCOPE_KEY = "tollgate.batch_line"
 

@@ -11,12 +11,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from billing.batch_store import new_batch_id
+from billing.batches.store import new_batch_id
 from billing.models import utcnow
 from gateway.batches.results import OPENAI_ENDPOINTS, WINDOWS, BadInput, openai_view, parse_input
-from gateway.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
-from gateway.http import authenticate, header, read_json
-from gateway.json_response import json_response
+from gateway.http.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from gateway.http.requests import authenticate, header, read_json
+from gateway.http.json_response import json_response
 
 UPLOAD_PURPOSES = ("batch",)
 

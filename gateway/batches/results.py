@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from billing.batch_store import Line, line_request_id
+from billing.batches.store import Line, line_request_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
 OPENAI_ENDPOINTS = ENDPOINTS[:4]

@@ -1,6 +1,6 @@
 """The batch runner: a background loop in the gateway process that runs the lines of every active
 batch through the route of their endpoint, as the app's own request: the same authentication
-result (the batch's key), parsing, admission (gateway/metering.py: Meter.admit), engine and ledger
+result (the batch's key), parsing, admission (gateway/serving/admission.py: Meter.admit), engine and ledger
 row as any request, in the scheduler's lowest class and at the batch price (gateway/batches/line.py).
 
 One runner drives a batch at a time, on a lease in its row that it renews (TOLLGATE_BATCH_LEASE_SECONDS):
@@ -30,9 +30,9 @@ import orjson
 from starlette.requests import Request
 from starlette.routing import Route
 
-from billing.batch_store import BatchStore, LeaseHeld, Line
-from billing.files import FileStore
-from billing.keys import KeyStore
+from billing.batches.store import BatchStore, LeaseHeld, Line
+from billing.batches.files import FileStore
+from billing.keys.store import KeyStore
 from billing.models import utcnow
 from gateway.batches import results
 from gateway.batches.line import SCOPE_KEY, BatchLine
@@ -258,7 +258,7 @@ class BatchRunner:
                 if not message.get("more_body"):
                     finished.set()
 
-        from gateway.error_handlers import error_response  # the app's one answer to a route's exception
+        from gateway.http.error_handlers import error_response  # the app's one answer to a route's exception
 
         endpoint = self._endpoints[path]
         try:

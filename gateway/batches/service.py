@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from billing.batch_store import BatchStore
-from billing.files import SqlFileStore
-from engines.scheduler import parse_classes
+from billing.batches.store import BatchStore
+from billing.batches.files import SqlFileStore
+from engines.wrappers.scheduler import parse_classes
 from gateway.batches.runner import BatchRunner
 
 

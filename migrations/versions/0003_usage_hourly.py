@@ -62,7 +62,7 @@ def upgrade() -> None:
 
 
 def _bucket(ms: float) -> int:
-    # Frozen copy of billing.usage.latency_bucket as of this revision.
+    # Frozen copy of billing.ledger.aggregates.latency_bucket as of this revision.
     return 0 if ms < 1.0 else min(int(math.log2(ms) * 4), 32767)
 
 

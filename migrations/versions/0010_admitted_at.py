@@ -66,7 +66,7 @@ LATENCY = sa.table("latency_hourly", sa.column("hour", WHEN), *(sa.column(c) for
 
 
 def _bucket(ms: float) -> int:
-    # Frozen copy of billing.usage.latency_bucket as of this revision.
+    # Frozen copy of billing.ledger.aggregates.latency_bucket as of this revision.
     return 0 if not ms or ms < 1.0 or math.isnan(ms) else min(int(math.log2(ms) * 4), 32767)
 
 

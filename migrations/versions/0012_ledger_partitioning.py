@@ -5,7 +5,7 @@ Postgres: today's table is renamed aside, a partitioned `ledger_entries` with th
 the oldest row's month to three months ahead in the `ledger_partitions` schema and a DEFAULT
 partition, the rows are copied over (one INSERT ... SELECT) and the old table is dropped. A unique
 key on a partitioned table must hold the partition key: `(request_id, admitted_at)`, and the
-primary key is `(id, admitted_at)` (billing/partitions.py says why that is still one row per request).
+primary key is `(id, admitted_at)` (billing/ledger/partitions.py says why that is still one row per request).
 
 SQLite stays one table; its unique key becomes the same `(request_id, admitted_at)` so that every
 writer has one conflict target.
@@ -25,7 +25,7 @@ down_revision = "0011_billing_details"
 branch_labels = None
 depends_on = None
 
-SCHEMA = "ledger_partitions"  # frozen copies of billing/partitions.py's names as of this revision
+SCHEMA = "ledger_partitions"  # frozen copies of billing/ledger/partitions.py's names as of this revision
 OLD = "ledger_entries_unpartitioned"
 INDEXES = (
     ("ix_ledger_account_created", "account_id, created_at"),

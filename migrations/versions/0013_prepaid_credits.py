@@ -1,7 +1,7 @@
 """prepaid_credits: accounts.billing_mode and prepaid_since, and the credit ledger
 
 Every existing account stays postpaid. credit_entries holds every change to a prepaid balance
-(billing/credit_models.py); its external_id is unique (Stripe ids, expiry:<grant>). credit_settings:
+(billing/credits/models.py); its external_id is unique (Stripe ids, expiry:<grant>). credit_settings:
 an account's saved Stripe payment method and auto-recharge state.
 
 Revision ID: 0013_prepaid_credits

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from gateway.cli_bench import Pricing, builtin_mix, make_workload, parse_pricing, percentiles
+from gateway.cli.bench import Pricing, builtin_mix, make_workload, parse_pricing, percentiles
 from billing.db import create_engine
-from gateway import cli
+from gateway.cli import main as cli
 from tests.conftest import run_coro
 from tests.engines.conftest import models_db, tollgate_with, upstreams  # noqa: F401  (fixtures)
 from tests.fakes.upstream import Behaviour

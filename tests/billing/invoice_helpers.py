@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 
 from billing.db import create_engine
-from billing.keys import KeyStore
-from billing.ledger import UsageRecord, write_records
-from billing.prices import PriceBook
+from billing.keys.store import KeyStore
+from billing.ledger.writer import UsageRecord, write_records
+from billing.prices.book import PriceBook
 from gateway.app import create_app
 from gateway.config import Settings
 from tests.conftest import SECRET, ServerThread, bootstrap

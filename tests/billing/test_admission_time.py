@@ -16,13 +16,13 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.invoices import get_invoice
-from billing.invoicing import close_period, priced_usage
-from billing.ledger import UsageRecord, write_records
-from billing.periods import Period
-from billing.prices import PriceBook
+from billing.invoices.views import get_invoice
+from billing.invoices.close import close_period, priced_usage
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
 from billing.quota import LedgerTotals, Scope
-from billing.usage import Period as Hours, add_to_aggregates, deltas, usage_groups
+from billing.ledger.aggregates import Period as Hours, add_to_aggregates, deltas, usage_groups
 from engines.base import EngineOutput, EngineRequest
 from tests.billing.invoice_helpers import at, new_account, new_key, serve
 from tests.conftest import flush_ledger, run_coro
@@ -203,7 +203,7 @@ def test_the_journal_keeps_the_admission_instant(tmp_path: Path) -> None:
     """A crash between admission and the row: the replayed row keeps the instant that prices it."""
     import os
 
-    from billing.journal import LedgerJournal, record_fields, row_of
+    from billing.ledger.journal import LedgerJournal, record_fields, row_of
 
     journal = LedgerJournal(tmp_path)
     journal.open()

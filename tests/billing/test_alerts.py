@@ -17,11 +17,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from billing import migrate
-from billing.alerts import SIGNATURE_HEADER, AlertService, verify
-from billing.credits import CreditBook, CreditError
+from billing.alerts.spend import SIGNATURE_HEADER, AlertService, verify
+from billing.credits.balance import CreditBook, CreditError
 from billing.db import create_engine
-from billing.keys import KeyStore
-from billing.ledger import UsageRecord, write_records
+from billing.keys.store import KeyStore
+from billing.ledger.writer import UsageRecord, write_records
 from billing.models import utcnow
 from tests.conftest import SECRET, ServerThread
 

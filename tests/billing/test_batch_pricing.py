@@ -15,11 +15,11 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.invoice_models import InvoiceLine
-from billing.invoicing import close_period
-from billing.ledger import UsageRecord, write_records
-from billing.periods import Period
-from billing.prices import PriceBook
+from billing.invoices.models import InvoiceLine
+from billing.invoices.close import close_period
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
 from tests.billing.invoice_helpers import at, new_account
 
 SEPT = Period.parse("2026-09")

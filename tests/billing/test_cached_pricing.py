@@ -16,11 +16,11 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.invoice_models import InvoiceLine
-from billing.invoicing import close_period
-from billing.ledger import UsageRecord, write_records
-from billing.periods import Period
-from billing.prices import InvalidPrice, PriceBook
+from billing.invoices.models import InvoiceLine
+from billing.invoices.close import close_period
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.periods import Period
+from billing.prices.book import InvalidPrice, PriceBook
 from tests.billing.invoice_helpers import at, new_account
 
 SEPT = Period.parse("2026-09")
@@ -28,7 +28,7 @@ SEPT = Period.parse("2026-09")
 
 async def test_cost_nanos_exact() -> None:
     book_price = dict(model="m", input_per_million=Decimal("1.250"), output_per_million=Decimal("2.500"), currency="USD")
-    from billing.prices import EffectivePrice, PriceVersion
+    from billing.prices.book import EffectivePrice, PriceVersion
 
     version = PriceVersion(id=1, effective_from=at(9, 1), cached_input_per_million=Decimal("0.125"), **book_price)  # type: ignore[arg-type]
     # 400 uncached x 1,250 + 600 cached x 125 + 50 out x 2,500 nano-USD

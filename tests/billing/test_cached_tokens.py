@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from billing import ledger as ledger_module
+from billing.ledger import writer as ledger_module
 from billing import migrate
 from billing.db import create_engine
-from billing.journal import LedgerJournal, row_of
-from billing.ledger import LedgerWriter, UsageRecord, usage_rows, usage_totals, write_records
-from billing.usage import Period, usage_groups
+from billing.ledger.journal import LedgerJournal, row_of
+from billing.ledger.writer import LedgerWriter, UsageRecord, usage_rows, usage_totals, write_records
+from billing.ledger.aggregates import Period, usage_groups
 from billing.models import utcnow
 
 

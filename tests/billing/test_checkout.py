@@ -20,7 +20,7 @@ import pytest
 
 from billing import migrate
 from billing.db import create_engine
-from billing.keys import KeyStore
+from billing.keys.store import KeyStore
 from tests.billing.invoice_helpers import serve
 from tests.conftest import SECRET, run_coro
 from tests.fakes.stripe_checkout import FakeStripePayments

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import migrate
-from billing.credits import CreditBook, CreditError, parse_usd
+from billing.credits.balance import CreditBook, CreditError, parse_usd
 from billing.db import create_engine
-from billing.ledger import UsageRecord, write_records
-from billing.limits import Limits
+from billing.ledger.writer import UsageRecord, write_records
+from billing.quota.limits import Limits
 from billing.models import utcnow
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, QuotaExceeded, RedisLimiter, Scope
 from tests.billing.invoice_helpers import new_account
@@ -276,9 +276,9 @@ def pg_url_once(fresh_pg_database: Any) -> str:
 
 
 async def test_prepaid_usage_is_never_invoiced_and_the_month_is_a_statement(db_url: str) -> None:
-    from billing.invoicing import close_period
-    from billing.periods import Period
-    from billing.prices import PriceBook
+    from billing.invoices.close import close_period
+    from billing.invoices.periods import Period
+    from billing.prices.book import PriceBook
     from tests.billing.invoice_helpers import at
 
     db = create_engine(db_url)

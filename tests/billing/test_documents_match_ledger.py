@@ -8,7 +8,7 @@ the documents the monthly close issues, exactly (integers and Decimal):
   with a multiplier each row's cost is rounded half up to the nano, so within half a nano a row);
   each line is its exact cost rounded half up to the cent once (docs/invoices.md), and the subtotal
   is their sum, so within half a cent a line of the ledger's sum; response-cache hits (cached rows,
-  costed at a hit price times the normal cost, as gateway/serving.py does) are on cached_response
+  costed at a hit price times the normal cost, as gateway/serving/completions.py does) are on cached_response
   lines of their own, each exactly its rows' cost_nanos rounded half up to the cent once, also when
   the hit price differed from hit to hit (the setting changed), and a late hit is billed once as the
   rest of that rounding;
@@ -28,15 +28,15 @@ from typing import Any
 import sqlalchemy as sa
 from pypdf import PdfReader
 
-from billing.credits import CreditBook
-from billing.invoices import list_invoices
-from billing.invoicing import BILLABLE_STATUSES, close_period
-from billing.ledger import UsageRecord, write_records
-from billing.periods import Period
-from billing.prices import PriceBook
-from billing.render import render_html, render_pdf
-from billing.statements import list_statements
-from gateway.metering import share_of
+from billing.credits.balance import CreditBook
+from billing.invoices.views import list_invoices
+from billing.invoices.close import BILLABLE_STATUSES, close_period
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
+from billing.invoices.render import render_html, render_pdf
+from billing.invoices.statements import list_statements
+from gateway.serving.admission import share_of
 from tests.billing.invoice_helpers import at, new_account, price_history
 
 SEPT = Period.month(2026, 9)

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 from pypdf import PdfReader
 
-from billing.billing_details import next_number, split_tax, tax_cents
+from billing.invoices.billing_details import next_number, split_tax, tax_cents
 from billing.config import BillingConfig, Seller
 from billing.db import create_engine
-from billing.invoices import get_invoice, list_invoices
-from billing.invoicing import close_account, close_period
-from billing.periods import Period
-from billing.prices import PriceBook
-from billing.render import render_html, render_pdf
+from billing.invoices.views import get_invoice, list_invoices
+from billing.invoices.close import close_account, close_period
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
+from billing.invoices.render import render_html, render_pdf
 from tests.billing.invoice_helpers import at, new_account, serve, usage
 from tests.billing.test_invoices import SEPT, september
 from tests.fakes.stripe_server import FakeStripe
@@ -347,7 +347,7 @@ async def test_a_credit_note_issued_before_the_invoice_reached_stripe_follows_it
 
 
 async def test_two_credit_notes_at_once_never_credit_more_than_the_invoice(db: Any) -> None:
-    from billing.credit_notes import CreditNoteRefused, CreditRequest, issue_credit_note
+    from billing.invoices.credit_notes import CreditNoteRefused, CreditRequest, issue_credit_note
 
     ids = await september(db)
     await close_period(db, PriceBook(db), SEPT, now=at(10, 1, 2))

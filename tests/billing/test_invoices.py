@@ -20,13 +20,13 @@ import sqlalchemy as sa
 from pypdf import PdfReader
 
 from billing.db import create_engine
-from billing.invoices import get_invoice, list_invoices
-from billing.ledger import UsageRecord, write_records
-from billing.invoicing import CloseInProgress, PeriodNotEnded, close_lock, close_period, line_amount_cents, period_status
-from billing.periods import InvalidPeriod, Period
-from billing.prices import EffectivePrice, InvalidPrice, PriceBook
+from billing.invoices.views import get_invoice, list_invoices
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.close import CloseInProgress, PeriodNotEnded, close_lock, close_period, line_amount_cents, period_status
+from billing.invoices.periods import InvalidPeriod, Period
+from billing.prices.book import EffectivePrice, InvalidPrice, PriceBook
 from billing.config import BillingConfig
-from billing.scheduler import MonthlyClose, due_period
+from billing.invoices.scheduler import MonthlyClose, due_period
 from tests.billing.invoice_helpers import at, new_account, new_key, price_history, serve, usage
 
 SEPT, OCT, NOV = Period.month(2026, 9), Period.month(2026, 10), Period.month(2026, 11)

@@ -15,10 +15,10 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.journal import JournalLocked, LedgerJournal
-from billing.journal import row_of
-from billing.ledger import LedgerWriter, UsageRecord, release_interrupted, write_records
-from billing.limits import Limits
+from billing.ledger.journal import JournalLocked, LedgerJournal
+from billing.ledger.journal import row_of
+from billing.ledger.writer import LedgerWriter, UsageRecord, release_interrupted, write_records
+from billing.quota.limits import Limits
 from billing.quota import Hold, Scope
 
 
@@ -197,8 +197,8 @@ async def test_backlog_policy_refuses_only_when_set(tmp_path: Path) -> None:
 
 async def test_a_journal_no_worker_claims_is_finished_and_removed(fresh_pg_database: Any, tmp_path: Path) -> None:
     """A server that ran with more workers left `journal-3`: a worker of the smaller server writes its
-    rows, releases its interrupted holds, and removes it (billing.ledger.adopt_journal)."""
-    from billing.ledger import adopt_journal
+    rows, releases its interrupted holds, and removes it (billing.ledger.writer.adopt_journal)."""
+    from billing.ledger.writer import adopt_journal
     from gateway.app import orphan_journals
     from gateway.config import HttpSettings, Settings
 

@@ -13,7 +13,7 @@ import pytest
 
 from billing import migrate
 from billing.db import create_engine
-from billing.keys import KeyStore
+from billing.keys.store import KeyStore
 
 SECRET = b"key-cache-test-secret"
 
@@ -89,7 +89,7 @@ async def test_a_change_here_is_not_overwritten_by_a_read_in_flight(db: Any) -> 
 
 
 async def test_requests_that_find_the_price_book_stale_share_one_read(db: Any) -> None:
-    from billing.prices import PriceBook
+    from billing.prices.book import PriceBook
 
     class CountingBook(PriceBook):
         reads = 0
@@ -113,9 +113,9 @@ async def test_a_price_read_per_request_changes_at_the_instant_a_scheduled_versi
     the next instant a base price, the account's override or its "*" multiplier takes effect."""
     from datetime import timedelta
 
-    from billing.keys import KeyStore
+    from billing.keys.store import KeyStore
     from billing.models import utcnow
-    from billing.prices import PriceBook
+    from billing.prices.book import PriceBook
 
     store = KeyStore(db, SECRET)
     account = (await store.create_account("scheduled-prices"))["id"]
@@ -149,7 +149,7 @@ async def test_a_stale_price_book_prices_with_what_it_has_while_it_rereads(db: A
     """A burst that finds the book stale is priced at once with the book in hand; the re-read runs
     beside it (issue 26: awaiting it held every request of a burst behind one database round trip).
     A book that never loaded still waits for its first read."""
-    from billing.prices import PriceBook
+    from billing.prices.book import PriceBook
 
     gate = asyncio.Event()
 

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import LedgerWriter, PgSession, UsageRecord, write_records
+from billing.ledger.writer import LedgerWriter, PgSession, UsageRecord, write_records
 from tests.conftest import until
 
 

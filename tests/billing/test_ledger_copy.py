@@ -1,4 +1,4 @@
-"""The binary COPY ingest path (billing/ledger_copy.py) into the partitioned ledger on Postgres: every
+"""The binary COPY ingest path (billing/ledger/pg_copy.py) into the partitioned ledger on Postgres: every
 row once, the hourly aggregates exactly the sums over the ledger, through duplicates in a batch,
 replays, a batch retried after part of it committed, and a database restart under the writer."""
 
@@ -13,8 +13,8 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import LedgerWriter, UsageRecord
-from billing.ledger_copy import CopySession
+from billing.ledger.writer import LedgerWriter, UsageRecord
+from billing.ledger.pg_copy import CopySession
 from tests.processes import PrivatePostgres
 
 START = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from billing import migrate
 from billing.db import create_engine
-from billing.invoices import get_invoice, list_invoices
-from billing.invoicing import close_period, line_amount_cents
-from billing.limits import Limits
-from billing.periods import Period
-from billing.prices import PriceBook
+from billing.invoices.views import get_invoice, list_invoices
+from billing.invoices.close import close_period, line_amount_cents
+from billing.quota.limits import Limits
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
 from billing.quota import Limiter, MemoryLimiter, RedisLimiter, Scope, ScopeTotals
 from tests.billing.invoice_helpers import new_account, usage
 from tests.conftest import REDIS_URL, run_coro
@@ -186,7 +186,7 @@ def test_settling_twice_counts_once_in_redis(holds: list[tuple[int, int, int]], 
 )
 def test_a_requests_cost_is_exact_nanos_half_up(inp: Decimal, out: Decimal, prompt: int, completion: int) -> None:
     # Whole nano-units per token (integer arithmetic) or not (exact decimals): the documented rounding either way.
-    from billing.prices import EffectivePrice
+    from billing.prices.book import EffectivePrice
 
     for a, b in ((inp, out), (inp.quantize(Decimal("0.001")), out.quantize(Decimal("0.001")))):
         price = EffectivePrice("m", a, b, "usd", None, None)

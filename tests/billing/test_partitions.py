@@ -1,4 +1,4 @@
-"""The ledger partitioned by month on Postgres (migration 0012, billing/partitions.py, `tollgate ledger`):
+"""The ledger partitioned by month on Postgres (migration 0012, billing/ledger/partitions.py, `tollgate ledger`):
 today's rows move into their months' partitions; a replayed batch is still one row per request with
 the aggregates counted once; the server's job creates the months ahead; closed months are archived to
 files and detached by the CLI without touching issued invoices, and open months are refused."""
@@ -18,12 +18,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from billing import migrate, partitions
+from billing import migrate
+from billing.ledger import partitions
 from billing.db import create_engine
-from billing.invoicing import close_period
-from billing.ledger import UsageRecord, write_records
-from billing.periods import Period
-from billing.prices import PriceBook
+from billing.invoices.close import close_period
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
 from tests.billing.invoice_helpers import at, new_account, price_history
 
 BEFORE = "0011_billing_details"  # the revision before partitioning

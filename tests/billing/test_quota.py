@@ -12,8 +12,8 @@ import pytest
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import UsageRecord, write_records
-from billing.limits import InvalidLimits, Limits
+from billing.ledger.writer import UsageRecord, write_records
+from billing.quota.limits import InvalidLimits, Limits
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, QuotaExceeded, RedisLimiter, Scope, month_start
 from tests.conftest import REDIS_URL, require_redis
 
@@ -225,7 +225,7 @@ async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:
 
 
 async def test_ratelimit_headers(limiter: Limiter) -> None:
-    from gateway.ratelimit import hold_headers, refusal_headers
+    from gateway.serving.ratelimit import hold_headers, refusal_headers
 
     key = scope(rpm=10, tpm=1000)
     account = scope("account", rpm=1)
@@ -263,7 +263,7 @@ def test_limits_patch_semantics() -> None:
 def test_limits_are_empty_only_with_no_limit_set() -> None:
     from dataclasses import fields
 
-    from billing.limits import Limits
+    from billing.quota.limits import Limits
 
     assert Limits().empty
     for f in fields(Limits):  # a limit added later must make `empty` false too

@@ -24,8 +24,8 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import UsageRecord, write_records
-from billing.limits import Limits
+from billing.ledger.writer import UsageRecord, write_records
+from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, QuotaExceeded, QuotaUnavailable, RedisLimiter, Scope, ScopeTotals
 from tests.billing.invoice_helpers import new_account
 from tests.redis_topologies import LocalCluster, LocalSentinel

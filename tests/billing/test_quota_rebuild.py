@@ -31,8 +31,8 @@ import pytest
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import UsageRecord, write_records
-from billing.limits import Limits
+from billing.ledger.writer import UsageRecord, write_records
+from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
 from tests.conftest import REDIS_URL, require_redis
 

@@ -1,11 +1,11 @@
-"""REDIS_URL forms (billing/redis_url.py): one Redis, Redis Cluster seed nodes, a Sentinel service;
+"""REDIS_URL forms (billing/quota/redis_url.py): one Redis, Redis Cluster seed nodes, a Sentinel service;
 a malformed one stops the start with its reason, never repeating the password."""
 
 from __future__ import annotations
 
 import pytest
 
-from billing.redis_url import InvalidRedisUrl, parse
+from billing.quota.redis_url import InvalidRedisUrl, parse
 
 
 def test_the_three_forms() -> None:

@@ -1,4 +1,4 @@
-"""billing/resp.py: the pipelined script client, against the real Redis and against small local
+"""billing/quota/resp.py: the pipelined script client, against the real Redis and against small local
 servers that misbehave on purpose (never answer, answer late, drop the connection)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from billing.quota import LedgerTotals, RedisLimiter
-from billing.resp import ResponseError, RespConnectionError, RespTimeoutError, Script, ScriptRunner, command
+from billing.quota.resp import ResponseError, RespConnectionError, RespTimeoutError, Script, ScriptRunner, command
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ECHO = Script("return ARGV")
@@ -413,7 +413,7 @@ async def _accept_only(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 
 async def test_limiter_lean_and_redis_py_paths_agree() -> None:
-    from billing.limits import Limits
+    from billing.quota.limits import Limits
     from billing.quota import Scope, ScopeTotals
 
     class NoLedger:

@@ -16,14 +16,14 @@ import sqlalchemy as sa
 from pypdf import PdfReader
 
 from billing import migrate
-from billing.credits import CreditBook
+from billing.credits.balance import CreditBook
 from billing.db import create_engine
-from billing.invoicing import close_period
-from billing.ledger import UsageRecord, write_records
-from billing.periods import Period
-from billing.prices import PriceBook
-from billing.render import render_statement_html, render_statement_pdf
-from billing.statements import list_statements
+from billing.invoices.close import close_period
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
+from billing.invoices.render import render_statement_html, render_statement_pdf
+from billing.invoices.statements import list_statements
 from tests.billing.invoice_helpers import at, new_account, new_key, serve
 from tests.conftest import run_coro
 

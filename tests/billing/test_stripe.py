@@ -20,16 +20,16 @@ from stripe import APIConnectionError, APIError, AuthenticationError, Idempotenc
 from billing import migrate
 from billing.config import BillingConfig
 from billing.db import create_engine
-from billing.invoices import get_invoice, list_invoices
-from billing.invoicing import close_period
-from billing.keys import KeyStore
-from billing.prices import PriceBook
-from billing.scheduler import MonthlyClose
-from billing.stripe_sync import StripeSync, StripeTotalMismatch, stripe_client
-from billing.webhooks import WebhookHandler, WebhookRejected
+from billing.invoices.views import get_invoice, list_invoices
+from billing.invoices.close import close_period
+from billing.keys.store import KeyStore
+from billing.prices.book import PriceBook
+from billing.invoices.scheduler import MonthlyClose
+from billing.stripe.sync import StripeSync, StripeTotalMismatch, stripe_client
+from billing.stripe.webhooks import WebhookHandler, WebhookRejected
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.errors import PermissionDenied
+from gateway.http.errors import PermissionDenied
 from tests.billing.invoice_helpers import App, at, new_account, new_key, price_history, serve, usage
 from tests.billing.test_invoices import AFTER_OCT, SEPT, september
 from tests.conftest import SECRET, ServerThread, bootstrap, flush_ledger, stop_server

@@ -137,7 +137,7 @@ def run_flows(fake: FakeStripePayments) -> None:
             assert exc.http_status == 402 and (exc.json_body or {})["error"]["payment_intent"]["status"] == "requires_payment_method"
         else:
             raise AssertionError("the declined charge succeeded")
-    # invoices (billing/stripe_sync.py, billing/credit_notes.py) and the events billing/webhooks.py reads
+    # invoices (billing/stripe/sync.py, billing/invoices/credit_notes.py) and the events billing/stripe/webhooks.py reads
     customer = client.v1.customers.create({"name": "A", "email": "a@x.test", "address": {"country": "DE", "line1": "1 Road"}})
     client.v1.customers.tax_ids.create(customer.id, {"type": "eu_vat", "value": "DE123456789"})
     invoice = client.v1.invoices.create({"customer": customer.id, "collection_method": "send_invoice", "days_until_due": 30,

@@ -15,8 +15,8 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import LedgerWriter, UsageRecord, write_records
-from billing.usage import Period, bucket_value, deltas, latency_bucket, latency_percentiles, month_to_date, usage_groups, usd
+from billing.ledger.writer import LedgerWriter, UsageRecord, write_records
+from billing.ledger.aggregates import Period, bucket_value, deltas, latency_bucket, latency_percentiles, month_to_date, usage_groups, usd
 
 T0 = datetime(2026, 11, 3, 10, 15, tzinfo=timezone.utc)
 
@@ -94,8 +94,8 @@ async def test_aggregates_equal_ledger_sums_with_repeats(db_url: str) -> None:
 
 
 async def test_aggregate_tables_hold_exactly_what_deltas_computes(db_url: str) -> None:
-    # Postgres sums in SQL (one statement per batch, billing/ledger.py); SQLite through deltas():
-    # either way the tables hold what billing.usage.deltas() says the new rows add, bucket by bucket.
+    # Postgres sums in SQL (one statement per batch, billing/ledger/writer.py); SQLite through deltas():
+    # either way the tables hold what billing.ledger.aggregates.deltas() says the new rows add, bucket by bucket.
     db = create_engine(db_url)
     try:
         rng = random.Random(11)

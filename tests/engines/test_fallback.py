@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from engines.base import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, Engine, EngineError, EngineOutput, EngineOverloadedError, EngineRequest, SamplingParams
-from engines.fallback import FallbackEngine, PromptIds, SharedLifecycle
-from engines.hf import HFEngine
-from engines.openai_pool import OpenAIPoolEngine
-from engines.trtllm import TRTLLMEngine
+from engines.wrappers.fallback import FallbackEngine, PromptIds, SharedLifecycle
+from engines.backends.hf import HFEngine
+from engines.backends.openai_pool import OpenAIPoolEngine
+from engines.backends.trtllm import TRTLLMEngine
 from tests.engines.conftest import closed_port
 from tests.fakes import trtllm as double
 

@@ -1,5 +1,5 @@
-"""Guided decoding and tool-call shaping below the gateway: the grammar builders (engines/structured.py,
-engines/guided.py), the streamed hermes parser against every way the text may be cut, and the hf
+"""Guided decoding and tool-call shaping below the gateway: the grammar builders (engines/decoding/structured.py,
+engines/decoding/guided.py), the streamed hermes parser against every way the text may be cut, and the hf
 engine in a process of its own following a schema (the grammar travels through its pipe)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from engines.base import FINISH_STOP, EngineOutput, EngineRequest, EngineRequestRejected, SamplingParams
-from engines.structured import AnswerShape, HermesDeltas, Llama3Deltas, plan
+from engines.decoding.structured import AnswerShape, HermesDeltas, Llama3Deltas, plan
 from tests.engines.test_hf_process import EngineLoop
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from engines.base import EngineRequest, SamplingParams
-from engines.hf import HFEngine
+from engines.backends.hf import HFEngine
 
 
 def test_two_event_loops_stream_from_one_engine_at_once(engine: HFEngine) -> None:
@@ -49,7 +49,7 @@ def test_two_event_loops_stream_from_one_engine_at_once(engine: HFEngine) -> Non
 def test_a_result_delivered_from_another_loop_wakes_the_requests_loop() -> None:
     """transformers runs a batch's result handlers on one loop (the last one it looked up); the
     handler Tollgate registers hands each result to the loop its request waits on, at once."""
-    from engines.hf import _deliver_on
+    from engines.backends.hf import _deliver_on
 
     async def owner() -> float:
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""The hf engine in a process of its own (engines/hf_process.py), with the real embedded model:
+"""The hf engine in a process of its own (engines/backends/hf_process.py), with the real embedded model:
 the same outputs as the in-process engine, stop strings and cancels that end the request in the
 engine process too, a dead engine process that fails its streams and stops being ready, and a
 failed load that says why."""
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from engines.base import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineError, EngineOutput, EngineRequest, SamplingParams
-from engines.hf import HFEngine, drain
-from engines.hf_process import HFProcessEngine
+from engines.backends.hf import HFEngine, drain
+from engines.backends.hf_process import HFProcessEngine
 from tests.conftest import MODEL, run_coro
 
 PROMPT = [{"role": "user", "content": "Tell me about Paris."}]
@@ -186,7 +186,7 @@ class Submissions:
 
 
 def relay_with(gather_s: float, expect: int, **step: int) -> tuple[Any, Submissions]:
-    from engines.hf_process import _StepRelay
+    from engines.backends.hf_process import _StepRelay
 
     loop = asyncio.get_running_loop()
     engine = Submissions(loop, expect)
@@ -221,7 +221,7 @@ def test_a_burst_after_idle_is_submitted_together_once_it_stops_coming() -> None
 
 
 def test_a_burst_that_keeps_coming_is_released_by_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engines.hf_process as hf_process
+    import engines.backends.hf_process as hf_process
 
     monkeypatch.setattr(hf_process, "GATHER_QUIET_S", 60.0)  # the quiet gap never ends it here: only the deadline can
 

@@ -1,5 +1,5 @@
 """What the hf engine needs of transformers: the floor pyproject.toml sets is one that takes every
-argument engines/hf.py passes to ContinuousBatchingConfig (transformers 5.17 has no `page_size`:
+argument engines/backends/hf.py passes to ContinuousBatchingConfig (transformers 5.17 has no `page_size`:
 the GPU host that had it failed at start)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engines.hf import HFEngine
+from engines.backends.hf import HFEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 # ContinuousBatchingConfig's dataclass fields as released (read with `ast` from each wheel's
@@ -55,9 +55,9 @@ def passed_kwargs(engine: HFEngine, monkeypatch: pytest.MonkeyPatch) -> dict[str
             return None
 
     monkeypatch.setattr(cu, "ContinuousBatchingConfig", Recorder)
-    import engines.guided
+    import engines.decoding.guided
 
-    monkeypatch.setattr(engines.guided, "install", lambda *args, **kwargs: False)  # no manager is built here to install on
+    monkeypatch.setattr(engines.decoding.guided, "install", lambda *args, **kwargs: False)  # no manager is built here to install on
     engine._model, engine._tokenizer = Model(), type("T", (), {"eos_token_id": 2, "pad_token_id": 2})()
     engine._make_manager()
     return seen

@@ -15,7 +15,7 @@ import pytest
 import tiktoken
 from openai import AsyncOpenAI
 
-from engines.openai_pool import ReplicaPool
+from engines.backends.openai_pool import ReplicaPool
 from tests.conftest import MODEL, Gateway
 from tests.engines.conftest import closed_port
 from tests.fakes.upstream import WORDS, Behaviour

@@ -1,5 +1,5 @@
 """What an `openai` pool forwards is bounded by what the gateway counted, reserved and billed
-(engines/upstream_params.py INTERNAL, MULTIPLIERS, priority), and what trtllm-serve's and vLLM's
+(engines/backends/upstream_params.py INTERNAL, MULTIPLIERS, priority), and what trtllm-serve's and vLLM's
 answers mean (a dead engine's 400, early finish reasons).
 
 The end-to-end tests run a Tollgate on Postgres in front of a scripted upstream
@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from billing.db import create_engine
-from engines.upstream_params import ParamPolicy, ParamRefused, check_params
+from engines.backends.upstream_params import ParamPolicy, ParamRefused, check_params
 from tests.engines.test_openai_pool import QUESTION, client_of, pool_yaml, request_id_of
 from tests.fakes.upstream import Behaviour
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from engines.fallback import FallbackEngine
-from engines.hf import HFEngine
-from engines.openai_pool import OpenAIPoolEngine
+from engines.wrappers.fallback import FallbackEngine
+from engines.backends.hf import HFEngine
+from engines.backends.openai_pool import OpenAIPoolEngine
 from engines.registry import ModelsConfigError, load_models, parse_models
-from engines.trtllm import TRTLLMEngine
+from engines.backends.trtllm import TRTLLMEngine
 from tests.fakes import trtllm as double
 
 GOOD = """\
@@ -164,7 +164,7 @@ def test_the_server_builds_its_engines_from_its_settings_not_the_environment(tmp
     """gateway/wiring.py:build_engines: models.yaml's api_key_env names are looked up in the
     environment load_settings() captured (settings.engines.environ), and the hf engines cache a
     converted checkpoint in settings.engines.cache_dir; os.environ as it is now plays no part."""
-    from engines.hf_process import HFProcessEngine
+    from engines.backends.hf_process import HFProcessEngine
     from gateway.config import EngineSettings, Settings
     from gateway.wiring import build_engines
 

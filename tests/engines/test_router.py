@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from engines.fallback import FallbackEngine
+from engines.wrappers.fallback import FallbackEngine
 from engines.registry import ModelsConfigError, parse_models
-from engines.router import RouterEngine, route_body
+from engines.wrappers.router import RouterEngine, route_body
 from tests.conftest import SECRET, Gateway, ServerThread, bootstrap
 from gateway.app import create_app
 from gateway.config import Settings
@@ -109,7 +109,7 @@ def test_models_yaml_problems_name_the_line() -> None:
 @pytest.fixture(scope="module")
 def routed_gw(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """`small` and `large` are the real model under two ids, `auto` routes between them."""
-    from engines.router import Rule
+    from engines.wrappers.router import Rule
 
     small, large = FallbackEngine("small", [engine]), FallbackEngine("large", [engine])
     auto = RouterEngine("auto", [Rule("small", max_prompt_tokens=60, max_output_tokens=16)], "large", {"small": small, "large": large})

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from engines.base import FINISH_CANCELLED, FINISH_STOP, Engine, EngineOutput, EngineOverloadedError, EngineRequest
-from engines.fallback import FallbackEngine
-from engines.openai_pool import OpenAIPoolEngine
-from engines.router import RouterEngine
-from engines.scheduler import PriorityClass, QueueEvent, ScheduledEngine, parse_classes, schedule_engines
+from engines.wrappers.fallback import FallbackEngine
+from engines.backends.openai_pool import OpenAIPoolEngine
+from engines.wrappers.router import RouterEngine
+from engines.wrappers.scheduler import PriorityClass, QueueEvent, ScheduledEngine, parse_classes, schedule_engines
 
 
 class GatedEngine(Engine):

@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 
 from engines.base import EngineOutput, EngineRequest, FINISH_STOP
-from engines.openai_pool import OpenAIPoolEngine
-from gateway.responses import GenerationResponse
-from gateway.serving import Generation
+from engines.backends.openai_pool import OpenAIPoolEngine
+from gateway.serving.generation_response import GenerationResponse
+from gateway.serving.completions import Generation
 
 PAUSE = 0.4
 
@@ -153,9 +153,9 @@ async def test_the_sse_response_relays_each_part_and_writes_an_output_in_one_sen
 
 
 def test_text_pieces_taken_directly_merge_as_add_merges_them() -> None:
-    # engines/openai_pool.py takes a chunk that is only a piece of text with `add_piece`; the merged
+    # engines/backends/openai_pool.py takes a chunk that is only a piece of text with `add_piece`; the merged
     # choice must be the one `add` makes of the same chunks, whatever comes around those pieces.
-    from engines.openai_stream import ChoiceAccumulator
+    from engines.backends.openai_stream import ChoiceAccumulator
 
     chat = [
         {"delta": {"role": "assistant", "content": ""}}, {"delta": {"content": "Hel"}}, {"delta": {"content": "lo"}},

@@ -1,4 +1,4 @@
-"""The `synthetic` benchmark engine (engines/synthetic.py): an engine process without a model
+"""The `synthetic` benchmark engine (engines/backends/synthetic.py): an engine process without a model
 that streams, through the hf engine process's pipe, exactly max_tokens ids per request, which the
 gateway side detokenizes with the embedded model's real tokenizer."""
 
@@ -9,7 +9,7 @@ import uuid
 
 from engines.base import FINISH_LENGTH, FINISH_STOP, EngineRequest, SamplingParams
 from engines.registry import parse_models
-from engines.synthetic import TEXT, SyntheticEngine
+from engines.backends.synthetic import TEXT, SyntheticEngine
 
 
 def test_every_stream_gets_max_tokens_ids_detokenized_and_a_stop_string_ends_it() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engines.hf import HFEngine
-from engines.text import IncrementalDetokenizer, StopMatcher
+from engines.backends.hf import HFEngine
+from engines.decoding.text import IncrementalDetokenizer, StopMatcher
 
 
 def feed(matcher: StopMatcher, pieces: list[str]) -> str:
@@ -44,7 +44,7 @@ def test_detokenizer_matches_full_decode(engine: HFEngine) -> None:
 def test_a_step_decoded_in_one_batch_gives_each_stream_what_decoding_it_alone_gives(engine: HFEngine) -> None:
     # The engine process's reader decodes every stream's windows of a step in one call (fast_decoder's
     # decode_batch); each stream's text must be what transformers' own decode gives it, token by token.
-    from engines.text import decode_windows, fast_decoder
+    from engines.decoding.text import decode_windows, fast_decoder
 
     tok = engine.tokenizer
     assert fast_decoder(tok) is not None  # the embedded model's tokenizer takes the fast path

@@ -15,8 +15,8 @@ from openai import AsyncOpenAI, BadRequestError, RateLimitError
 
 from engines.base import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, EngineError, EngineRequest, EngineRequestRejected, SamplingParams
 from engines.registry import ModelsConfigError, parse_models
-from engines.trtllm import MISSING, TensorRTLLMMissing, TRTLLMEngine, require_tensorrt_llm
-from gateway import cli
+from engines.backends.trtllm import MISSING, TensorRTLLMMissing, TRTLLMEngine, require_tensorrt_llm
+from gateway.cli import main as cli
 from tests.fakes import trtllm as double
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -502,7 +502,7 @@ async def test_tools_render_through_the_template_and_calls_come_back(api: Any, t
 
 
 def test_tool_call_parsers_hold_back_markup_split_anywhere() -> None:
-    from engines.tool_calls import parser_for
+    from engines.decoding.tool_calls import parser_for
 
     text = 'Sure. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "b", "arguments": "{}"}</tool_call>'
     for cut in range(1, len(text)):

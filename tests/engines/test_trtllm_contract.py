@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from engines.base import EngineRequest, SamplingParams as TollgateSampling
-from engines.trtllm import TRTLLMEngine
+from engines.backends.trtllm import TRTLLMEngine
 from tests.fakes import trtllm as double
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,9 +207,9 @@ class Recorder:
 
 
 def tollgate_reads_from_modules() -> set[str]:
-    """Names engines/trtllm.py takes from the tensorrt_llm / tensorrt_llm.llmapi modules (`api.X`,
+    """Names engines/backends/trtllm.py takes from the tensorrt_llm / tensorrt_llm.llmapi modules (`api.X`,
     `self._api.X`, `llmapi.X`), found in its source."""
-    tree = ast.parse((ROOT / "engines/trtllm.py").read_text())
+    tree = ast.parse((ROOT / "engines/backends/trtllm.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -226,7 +226,7 @@ def test_every_module_name_tollgate_uses_is_exported() -> None:
     top = set(exports["tensorrt_llm"]["bound"])
     llmapi = set(exports["tensorrt_llm.llmapi"]["all"])
     assert used <= top | llmapi
-    source = (ROOT / "engines/trtllm.py").read_text()
+    source = (ROOT / "engines/backends/trtllm.py").read_text()
     for name in used - top:  # taken from llmapi, never from the top-level package
         assert f"llmapi.{name}" in source and f"api.{name}" not in source.replace(f"llmapi.{name}", ""), name
 

@@ -1,4 +1,4 @@
-"""The lean upstream client (engines/upstream_http.py) against a real HTTP server: the scripted
+"""The lean upstream client (engines/backends/upstream_http.py) against a real HTTP server: the scripted
 OpenAI-compatible upstream under uvicorn."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from engines.upstream_http import UpstreamPool
+from engines.backends.upstream_http import UpstreamPool
 from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
 from tests.fakes.upstream import Behaviour
 
@@ -142,7 +142,7 @@ async def test_events_come_out_whole_however_the_body_is_cut_and_framed() -> Non
 
 
 def test_events_read_together_decode_as_each_alone_would() -> None:
-    from engines.openai_pool import _json_object, _json_objects
+    from engines.backends.openai_pool import _json_object, _json_objects
 
     cases: list[list[Any]] = [
         [b'{"a":1}', b'{"b":[2]}', b'{"c":"x,y]"}'],  # the usual burst: one parser call
@@ -163,7 +163,7 @@ def test_events_read_together_decode_as_each_alone_would() -> None:
 
 
 async def test_the_inbox_hands_items_over_in_order_and_times_out() -> None:
-    from engines.upstream_http import Inbox
+    from engines.backends.upstream_http import Inbox
 
     inbox = Inbox()
     assert inbox.empty()

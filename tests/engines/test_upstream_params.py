@@ -1,4 +1,4 @@
-"""An `openai` pool's parameter policy (models.yaml `params:`, engines/upstream_params.py; issue 20).
+"""An `openai` pool's parameter policy (models.yaml `params:`, engines/backends/upstream_params.py; issue 20).
 
 The end-to-end tests run a Tollgate configured by models.yaml in front of a scripted upstream that,
 like trtllm-serve (pydantic extra="forbid"), answers 400 to a body with a field it does not know."""
@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engines.registry import ModelsConfigError, parse_models
-from engines.upstream_params import (
+from engines.backends.upstream_params import (
     BILLING,
     NEEDED,
     TRTLLM_SERVE,

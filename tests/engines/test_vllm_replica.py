@@ -51,7 +51,7 @@ LONG = "word " * 600  # ~600 tokens: over 512, under POOL_CONTEXT
 
 def model_dir() -> Path:
     """The embedded GGUF as the HF checkpoint the hf engine caches (converted here once if missing)."""
-    from engines.hf import bundled_gguf_path, converted_dir, load_model_and_tokenizer
+    from engines.backends.hf import bundled_gguf_path, converted_dir, load_model_and_tokenizer
 
     cache = default_cache_dir(os.environ)
     target = converted_dir(bundled_gguf_path(), cache)

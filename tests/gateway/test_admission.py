@@ -1,4 +1,4 @@
-"""One Admission per request (gateway/metering.py): what a request holds (its place in the engine's
+"""One Admission per request (gateway/serving/admission.py): what a request holds (its place in the engine's
 queue, its quota hold, its journal entry) is let go by one `settle()`, exactly once, whatever
 happens between admission and the end of the stream. Real scheduler, limiter, ledger writer and
 journal on SQLite; the engine is tests/fakes/engine.py (the tests are about metering)."""
@@ -15,18 +15,18 @@ from starlette.requests import Request
 
 from billing import migrate
 from billing.db import create_engine
-from billing.journal import LedgerJournal
-from billing.keys import Principal
-from billing.ledger import LedgerWriter, UsageRecord
-from billing.limits import Limits
+from billing.ledger.journal import LedgerJournal
+from billing.keys.store import Principal
+from billing.ledger.writer import LedgerWriter, UsageRecord
+from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, MemoryLimiter
 from engines.base import EngineOverloadedError, EngineRequest
-from engines.scheduler import ScheduledEngine
-from gateway.errors import RateLimited
-from gateway.generate import answer
-from gateway.protocol import ChatCompletionRequest, parse
-from gateway.responses import GenerationResponse
-from gateway.serving import CompletionService
+from engines.wrappers.scheduler import ScheduledEngine
+from gateway.http.errors import RateLimited
+from gateway.serving.generate import answer
+from gateway.api.openai.protocol import ChatCompletionRequest, parse
+from gateway.serving.generation_response import GenerationResponse
+from gateway.serving.completions import CompletionService
 from tests.fakes.engine import FakeEngine
 
 MODEL = "fake"

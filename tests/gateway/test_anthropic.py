@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.anthropic_api import error_shape
-from gateway.errors import EngineNotReady, EngineOverloaded, InvalidRequest, RateLimited
+from gateway.api.anthropic.messages import error_shape
+from gateway.http.errors import EngineNotReady, EngineOverloaded, InvalidRequest, RateLimited
 from tests.conftest import MODEL, Gateway
 from tests.gateway.test_disconnect import wait_engine_idle
 from tests.gateway.test_quotas import set_limits

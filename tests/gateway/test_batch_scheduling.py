@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engines.scheduler import QueueEvent
+from engines.wrappers.scheduler import QueueEvent
 from tests.conftest import Gateway, run_coro, start_gateway, stop_server
 from tests.gateway.test_batches import chat_lines, ended, openai_client
 from tests.gateway.test_scheduling import (

@@ -304,7 +304,7 @@ async def test_a_draining_server_claims_no_more_lines_and_lets_go_of_the_batch(b
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     runner = gw.app.state.batch_runner
     await until(lambda: batch.id in runner._jobs, "the runner took the batch", timeout=30)
-    gw.app.draining = True  # what SIGTERM sets (gateway/drain.py)
+    gw.app.draining = True  # what SIGTERM sets (gateway/http/drain.py)
     try:
         await until(lambda: batch.id not in runner._jobs, "the runner let the batch go", timeout=120)
         db = create_engine(gw.db_url)

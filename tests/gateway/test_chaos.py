@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from billing.db import create_engine
-from billing.limits import Limits
+from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
 from tests.conftest import MODEL, SECRET, bootstrap
 from tests.gateway.test_durable_metering import ledger_ids

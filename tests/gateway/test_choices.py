@@ -1,4 +1,4 @@
-"""n > 1 on the hf engine (engines/hf_choices.py): n sequences of one request, streamed and not, chat
+"""n > 1 on the hf engine (engines/backends/hf_choices.py): n sequences of one request, streamed and not, chat
 and text, also with a response format; the prompt billed once and every sequence's tokens billed;
 what it cannot do (n above its limit, best_of > n) refused with a 400 naming the field, before any
 quota is held or any row written. The trtllm engine's n / best_of: tests/engines/test_trtllm.py."""

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from gateway.hardening import ConnectionWatch
+from gateway.http.hardening import ConnectionWatch
 
 
 def test_callbacks_run_once_when_the_connection_is_lost() -> None:

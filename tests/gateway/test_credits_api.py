@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from billing.alerts import verify
+from billing.alerts.spend import verify
 from tests.billing.invoice_helpers import new_account, new_key, serve
 from tests.billing.test_alerts import Receiver
 from tests.conftest import run_coro

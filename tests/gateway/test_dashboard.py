@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from playwright.async_api import Browser, BrowserContext, Page, async_playwright, expect
 
-from engines.hf import HFEngine
+from engines.backends.hf import HFEngine
 from tests.conftest import MODEL, Gateway, start_gateway, stop_server
 
 CHROMIUM = "/usr/bin/chromium"

@@ -13,8 +13,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.app import Gateway, api_error, http_error, unexpected_error
-from gateway.errors import APIError, InvalidRequest
-from gateway.logs import RequestContext
+from gateway.http.errors import APIError, InvalidRequest
+from gateway.http.logs import RequestContext
 
 
 async def _ok(request: Request) -> Response:

@@ -1,4 +1,4 @@
-"""Graceful drain (gateway/drain.py) on a real `tollgate serve` process: on SIGTERM /readyz turns 503
+"""Graceful drain (gateway/http/drain.py) on a real `tollgate serve` process: on SIGTERM /readyz turns 503
 at once, new requests get 503 with Retry-After in their API's error shape (OpenAI and Anthropic, seen
 through the official SDKs), a stream that ends within TOLLGATE_DRAIN_SECONDS completes, streams still
 running then are cut with an error event, their rows written (`interrupted`) and their holds settled;

@@ -23,7 +23,7 @@ import pytest
 import sqlalchemy as sa
 
 from billing.db import create_engine
-from billing.limits import Limits
+from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
 from tests.conftest import MODEL, SECRET, bootstrap, start_gateway
 from tests.gateway.test_quota_redis_failures import RedisServer, private_redis  # noqa: F401  (fixture)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from engines.hf import HFEngine
+from engines.backends.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import Settings
 from tests.conftest import MODEL, SECRET, Gateway, ServerThread, bootstrap

@@ -1,4 +1,4 @@
-"""gateway.hardening.HeadWithBody: a response head leaves in one send with the body's first bytes.
+"""gateway.http.hardening.HeadWithBody: a response head leaves in one send with the body's first bytes.
 
 The transport under it here records writes (the end-to-end behaviour runs under every gateway test:
 each response crosses it)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.hardening import HeadWithBody
+from gateway.http.hardening import HeadWithBody
 
 
 class Recorder:

@@ -25,8 +25,8 @@ from pypdf import PdfReader
 
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger import UsageRecord, write_records
-from billing.prices import PriceBook
+from billing.ledger.writer import UsageRecord, write_records
+from billing.prices.book import PriceBook
 from tests.billing.invoice_helpers import at, new_account, new_key, serve
 from tests.gateway.test_dashboard import CHROMIUM, Watched
 

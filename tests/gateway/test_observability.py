@@ -13,7 +13,7 @@ import httpx
 from openai import RateLimitError
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.logs import (
+from gateway.http.logs import (
     JsonFormatter,
     access_log,
     client_request_id,

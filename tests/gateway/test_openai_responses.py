@@ -298,9 +298,9 @@ def test_every_event_validates_against_the_sdk_models_and_a_failure_is_error_the
     from openai.types.responses import Response as SDKResponse, ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    from gateway.errors import ServiceUnavailable
-    from gateway.openai_responses import ResponseRenderer
-    from gateway.openai_responses_protocol import ResponsesRequest
+    from gateway.http.errors import ServiceUnavailable
+    from gateway.api.openai.responses import ResponseRenderer
+    from gateway.api.openai.responses_protocol import ResponsesRequest
 
     events = TypeAdapter(ResponseStreamEvent)
 

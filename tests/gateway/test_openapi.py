@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from starlette.routing import Route
 
-from gateway.openapi import document, route_path
+from gateway.api.openapi import document, route_path
 from tests.conftest import MODEL, Gateway, run_coro, start_gateway
 from tests.fakes.engine import FakeEngine
 
@@ -63,7 +63,7 @@ def test_every_route_is_documented(api: tuple[Gateway, dict[int, int]]) -> None:
         for method in route.methods or ():
             if method != "HEAD":
                 assert (route_path(route.path), method.lower()) in documented, (
-                    f"{method} {route.path} is served but not described in gateway/openapi.py"
+                    f"{method} {route.path} is served but not described in gateway/api/openapi.py"
                 )
 
 

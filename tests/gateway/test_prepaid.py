@@ -21,10 +21,10 @@ import pytest
 import sqlalchemy as sa
 
 from billing import migrate
-from billing.credits import CreditBook
+from billing.credits.balance import CreditBook
 from billing.db import create_engine
-from billing.keys import KeyStore
-from billing.prices import PriceBook
+from billing.keys.store import KeyStore
+from billing.prices.book import PriceBook
 from tests.conftest import REDIS_URL, SECRET, require_redis, run_coro
 from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
 from tests.processes import GatewayProcess

@@ -22,12 +22,12 @@ from playwright.async_api import Browser, expect
 from pypdf import PdfReader
 
 from billing import migrate
-from billing.credits import CreditBook
+from billing.credits.balance import CreditBook
 from billing.db import create_engine
-from billing.ledger import UsageRecord, write_records
-from billing.periods import Period
-from billing.prices import PriceBook
-from gateway.dashboard_pages import fmt_int, fmt_usd
+from billing.ledger.writer import UsageRecord, write_records
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
+from gateway.dashboard.pages import fmt_int, fmt_usd
 from tests.billing.invoice_helpers import new_account, new_key, serve
 from tests.billing.test_alerts import Receiver
 from tests.gateway.test_dashboard import CHROMIUM, Watched

@@ -4,7 +4,7 @@ without its fix:
 - a client that leaves a non-streamed completion is logged and counted as 499, never 500;
 - a key sent as `x-request-id` is masked in the log, the echoed header and everywhere else;
 - a `TOLLGATE_ADMIN_KEY` that authentication would never accept is refused at start, by the one
-  rule both use (billing/keyformat.py);
+  rule both use (billing/keys/format.py);
 - rendering an invoice PDF writes no fontTools INFO lines.
 """
 
@@ -30,12 +30,12 @@ import pytest
 
 from billing import migrate
 from billing.db import create_engine
-from billing.keyformat import MASK, MAX_LENGTH, MIN_LENGTH, key_problem, looks_like_key, mask_keys
-from billing.keys import KeyStore, generate_key
+from billing.keys.format import MASK, MAX_LENGTH, MIN_LENGTH, key_problem, looks_like_key, mask_keys
+from billing.keys.store import KeyStore, generate_key
 from engines.base import FINISH_CANCELLED, EngineOutput, EngineRequest
-from gateway.errors import APIError
-from gateway.hardening import WATCH_KEY, ConnectionWatch
-from gateway.logs import JsonFormatter, RequestContext, client_request_id
+from gateway.http.errors import APIError
+from gateway.http.hardening import WATCH_KEY, ConnectionWatch
+from gateway.http.logs import JsonFormatter, RequestContext, client_request_id
 from tests.conftest import MODEL, Gateway, start_gateway
 from tests.fakes.engine import FakeEngine
 
@@ -290,7 +290,7 @@ def test_tollgate_serve_refuses_a_short_admin_key_with_a_clear_message(tmp_path:
     # A models file that does not exist: without the refusal, serve would stop there (quickly) instead.
     env = {**os.environ, "TOLLGATE_ADMIN_KEY": short, "TOLLGATE_DATA_DIR": str(tmp_path), "DATABASE_URL": "",
            "TOLLGATE_MODELS": str(tmp_path / "no-such-models.yaml")}
-    run = subprocess.run([sys.executable, "-m", "gateway.cli", "serve"], env=env, cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "gateway.cli.main", "serve"], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode != 0
     assert "TOLLGATE_ADMIN_KEY is 11 characters long; a key has at least 20" in run.stderr, run.stderr
@@ -338,7 +338,7 @@ def _invoice() -> dict[str, Any]:
 
 
 def test_rendering_an_invoice_pdf_logs_no_fonttools_info(caplog: pytest.LogCaptureFixture) -> None:
-    from billing import render
+    from billing.invoices import render
 
     if not any((d / "DejaVuSans.ttf").exists() for d in render.FONT_DIRS):
         pytest.skip("no DejaVu TrueType font here: fpdf2 uses its core font and fontTools never runs")
@@ -354,8 +354,8 @@ def test_rendering_an_invoice_pdf_logs_no_fonttools_info(caplog: pytest.LogCaptu
 def test_the_cli_renders_a_pdf_without_fonttools_lines_on_stderr(tmp_path: Path) -> None:
     script = (
         "import logging, sys\n"
-        "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"  # as gateway.cli.main
-        "from billing.render import render_pdf\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"  # as gateway.cli.main.main
+        "from billing.invoices.render import render_pdf\n"
         f"sys.stdout.buffer.write(render_pdf({_invoice()!r})[:4])\n"
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, timeout=120)

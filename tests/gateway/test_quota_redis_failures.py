@@ -129,7 +129,7 @@ async def test_redis_killed_fail_closed_and_fail_open_then_rebuilt(
 
 async def settled_at(gw: Gateway, redis: RedisServer, prefix: str, key_id: int) -> dict[str, int]:
     from billing.db import create_engine
-    from billing.limits import Limits
+    from billing.quota.limits import Limits
     from billing.quota import LedgerTotals, RedisLimiter, Scope
 
     db = create_engine(gw.db_url)

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from billing.db import create_engine
-from billing.limits import Limits
+from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
 from tests.conftest import MODEL, Gateway, minute_with_room, price_in_force
 

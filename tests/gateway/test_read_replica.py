@@ -17,11 +17,11 @@ import asyncpg
 import httpx
 
 from billing.db import create_engine
-from billing.invoices import list_invoices
-from billing.invoicing import close_period
-from billing.keys import KeyStore
-from billing.periods import Period
-from billing.prices import PriceBook
+from billing.invoices.views import list_invoices
+from billing.invoices.close import close_period
+from billing.keys.store import KeyStore
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
 from gateway.app import create_app
 from gateway.config import Settings
 from tests.billing.invoice_helpers import usage
@@ -109,7 +109,7 @@ def _logged_in(session: httpx.Client, key: str) -> httpx.Client:
 
 
 async def test_dashboard_invoices_come_from_the_replica(fresh_pg_database: Any, tmp_path: Path) -> None:
-    """The dashboards' billing parts (gateway/dashboard_billing.py) read from DATABASE_READ_URL: the
+    """The dashboards' billing parts (gateway/dashboard/billing.py) read from DATABASE_READ_URL: the
     customer's and the admin's invoice tables, the invoice download and the admin's billing details
     show what only the replica holds (an invoice renumbered there, details written there)."""
     writer_url = fresh_pg_database()

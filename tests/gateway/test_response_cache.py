@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.response_cache import ResponseCache
+from gateway.serving.cache import ResponseCache
 from tests.conftest import MODEL, Gateway, on_server_loop, price_in_force, start_gateway, until
 
 ON = {"X-Tollgate-Cache": "on"}

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from billing.db import create_engine
 from engines.base import Engine, EngineOutput, EngineRequest
-from engines.scheduler import ScheduledEngine
+from engines.wrappers.scheduler import ScheduledEngine
 from tests.conftest import MODEL, Gateway, run_coro, start_gateway
 
 

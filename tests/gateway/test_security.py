@@ -24,8 +24,8 @@ import sqlalchemy as sa
 from starlette.routing import Route
 
 from billing.db import create_engine
-from billing.prices import PriceBook
-from gateway.logs import JsonFormatter
+from billing.prices.book import PriceBook
+from gateway.http.logs import JsonFormatter
 from tests.billing.invoice_helpers import usage
 from tests.conftest import MODEL, Gateway, minute_with_room, run_coro, start_gateway
 from tests.fakes.engine import FakeEngine
@@ -181,8 +181,8 @@ async def documents_probe(gw: Gateway, session: httpx.Client, accounts: dict[str
 async def statements_probe(gw: Gateway, session: httpx.Client, accounts: dict[str, Any]) -> set[tuple[str, str]]:
     """A prepaid statement for each account (issue 25). a's key reads its own, JSON, HTML and PDF, and
     lists only its own; b's is a 404 naming nothing of b; a's dashboard session likewise."""
-    from billing.periods import Period
-    from billing.statements import close_statement
+    from billing.invoices.periods import Period
+    from billing.invoices.statements import close_statement
 
     a, b = accounts["a"], accounts["b"]
     db = create_engine(gw.db_url)
@@ -403,9 +403,9 @@ def blackhole() -> tuple[socket.socket, int]:
 
 async def test_every_outbound_call_has_a_deadline() -> None:
     from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope
-    from billing.limits import Limits
+    from billing.quota.limits import Limits
     from billing.config import BillingConfig
-    from billing.stripe_sync import stripe_client
+    from billing.stripe.sync import stripe_client
 
     srv, port = blackhole()
     try:

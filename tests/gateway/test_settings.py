@@ -27,8 +27,8 @@ from gateway.config import (
 ROOT = Path(__file__).resolve().parents[2]
 # Writes to the environment allowed outside gateway/config.py, and why; no read is allowed there.
 ALLOWED_WRITES = {
-    "gateway/cli.py": "`serve --workers N` hands its workers the settings file's path and prometheus_client's directory",
-    "engines/embeddings.py": "the HF offline flags (setdefault) before the embedding model loads",
+    "gateway/cli/main.py": "`serve --workers N` hands its workers the settings file's path and prometheus_client's directory",
+    "engines/backends/embeddings.py": "the HF offline flags (setdefault) before the embedding model loads",
 }
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engines.base import FINISH_ERROR
-from gateway.responses import GenerationResponse
+from gateway.serving.generation_response import GenerationResponse
 from tests.conftest import MODEL, Gateway
 
 LONG = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and the sea."}]

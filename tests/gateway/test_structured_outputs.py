@@ -1,7 +1,7 @@
 """Structured outputs and tool calls on the embedded hf engine (issue 21), through the real gateway with
 the openai SDK and LangChain as clients: `response_format` json_object / json_schema enforced by guided
-decoding (engines/guided.py), tools rendered into the prompt and parsed into `tool_calls`
-(engines/structured.py), streamed as argument deltas; every answer metered like chat."""
+decoding (engines/decoding/guided.py), tools rendered into the prompt and parsed into `tool_calls`
+(engines/decoding/structured.py), streamed as argument deltas; every answer metered like chat."""
 
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ async def test_a_grammar_that_fails_mid_answer_is_an_error_not_an_answer(gw: Gat
     """llguidance can give up on a grammar mid-answer (its resource limits): the request then ends
     (only the end of sequence is allowed) and must say it failed, not pass the cut text off as the
     schema's JSON."""
-    from engines import guided
+    from engines.decoding import guided
 
     real = guided.Guide.catch_up
 

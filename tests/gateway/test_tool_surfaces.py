@@ -201,8 +201,8 @@ def test_streamed_call_pieces_from_an_openai_pool_become_one_function_call_item(
 
     from openai.types.responses import Response, ResponseStreamEvent
 
-    from gateway.openai_responses import ResponseRenderer
-    from gateway.openai_responses_protocol import ResponsesRequest
+    from gateway.api.openai.responses import ResponseRenderer
+    from gateway.api.openai.responses_protocol import ResponsesRequest
 
     gen = SimpleNamespace(request_id="abc", created=1, model="m", prompt_tokens=7, completion_tokens=5, cached_tokens=None, finish_reason="stop")
     request = ResponsesRequest(model="m", input="hi", tools=RESPONSES_TOOLS)
@@ -459,8 +459,8 @@ async def test_a_pool_gets_the_chat_completion_and_its_tool_call_pieces_come_bac
 
 # the translations alone ---------------------------------------------------------------------------------------
 def test_tool_choices_and_formats_translate_to_chats() -> None:
-    from gateway.anthropic_protocol import MessagesRequest
-    from gateway.openai_responses_protocol import ResponsesRequest
+    from gateway.api.anthropic.protocol import MessagesRequest
+    from gateway.api.openai.responses_protocol import ResponsesRequest
 
     def responses(**fields: Any) -> dict[str, Any]:
         return ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": RESPONSES_TOOLS, **fields}).chat_body()

@@ -1,4 +1,4 @@
-"""gateway/hardening.py subclasses uvicorn's httptools protocol and gateway/drain.py its Server:
+"""gateway/http/hardening.py subclasses uvicorn's httptools protocol and gateway/http/drain.py its Server:
 internals, not API. This fails on a uvicorn outside the range pyproject.toml pins, or on one whose
 internals that code relies on have moved (a callback renamed, an attribute gone)."""
 
@@ -16,8 +16,8 @@ from packaging.requirements import Requirement
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from gateway.drain import DrainingServer
-from gateway.hardening import GuardedHttpToolsProtocol
+from gateway.http.drain import DrainingServer
+from gateway.http.hardening import GuardedHttpToolsProtocol
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import pytest
 import openai
 from openai import AsyncOpenAI
 
-from gateway.cli import workers_refused
+from gateway.cli.main import workers_refused
 from gateway.config import EngineSettings, RedisSettings, Settings
 from tests.conftest import REDIS_URL, require_redis, run_coro, seconds_to_room_in_minute
 from tests.engines.conftest import upstreams  # noqa: F401  (fixture)

@@ -1,7 +1,7 @@
-"""`tollgate serve --workers 2` over one engine process (gateway/engine_hosts.py): the engine loads
+"""`tollgate serve --workers 2` over one engine process (gateway/serving/engine_hosts.py): the engine loads
 once and its batch is one, each worker streams its own requests, the shared quota and the ledger stay
 exact, and the scheduler's reserve applies to the engine as a whole (its queue is in the engine host).
-The engine is the `synthetic` one (engines/synthetic.py: the hf engine process's pipe, no model)."""
+The engine is the `synthetic` one (engines/backends/synthetic.py: the hf engine process's pipe, no model)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import httpx
 import psutil
 from openai import AsyncOpenAI
 
-from engines.synthetic import TEXT
+from engines.backends.synthetic import TEXT
 from tests.conftest import REDIS_URL, require_redis, run_coro, seconds_to_room_in_minute
 from tests.gateway.test_workers import journal_finals
 from tests.processes import GatewayProcess
@@ -66,7 +66,7 @@ def test_two_workers_share_one_engine_process_with_exact_quota_and_ledger(fresh_
         assert gw.proc is not None
         workers = gw.workers()
         assert len(workers) == 2
-        engines = [p for p in psutil.Process(gw.proc.pid).children(recursive=True) if "engines.synthetic" in " ".join(p.cmdline())]
+        engines = [p for p in psutil.Process(gw.proc.pid).children(recursive=True) if "engines.backends.synthetic" in " ".join(p.cmdline())]
         assert len(engines) == 1 and engines[0].ppid() == gw.proc.pid  # one engine, the supervisor's, none per worker
 
         made = run_coro(gw.new_key())

@@ -1,0 +1,1 @@
+"""Spend alerts: rules, crossings and webhook deliveries."""

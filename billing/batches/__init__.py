@@ -1,0 +1,1 @@
+"""The Batch API's storage: files, batches and their lines."""

@@ -1,0 +1,101 @@
+"""Uploaded and generated files, per account, behind one interface (`FileStore`).
+
+`SqlFileStore` keeps a file's bytes in its row (Postgres bytea, SQLite blob) in the database the
+ledger uses: durable with it, on either database, with nothing else to run. Files are bounded by
+TOLLGATE_FILES_MAX_BYTES, so a row stays a reasonable size; a directory or object store would
+implement the same five methods.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from billing.batches.models import StoredFile
+from billing.models import utcnow
+
+FILES = StoredFile.__table__
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    id: str
+    account_id: int
+    purpose: str
+    filename: str
+    size_bytes: int
+    created_at: datetime
+
+    def view(self) -> dict[str, Any]:
+        """OpenAI's File object."""
+        return {
+            "id": self.id, "object": "file", "bytes": self.size_bytes, "created_at": int(self.created_at.timestamp()),
+            "filename": self.filename, "purpose": self.purpose, "status": "processed", "status_details": None,
+        }
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+class FileStore(Protocol):
+    async def put(self, account_id: int, purpose: str, filename: str, content: bytes) -> FileInfo: ...
+    async def get(self, account_id: int, file_id: str) -> FileInfo | None: ...
+    async def content(self, account_id: int, file_id: str) -> bytes | None: ...
+    async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None) -> list[FileInfo]: ...
+    async def delete(self, account_id: int, file_id: str) -> bool: ...
+
+
+def _info(row: Any) -> FileInfo:
+    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=utcnow().tzinfo)
+    return FileInfo(row.id, row.account_id, row.purpose, row.filename, row.size_bytes, created)
+
+
+_META = [FILES.c.id, FILES.c.account_id, FILES.c.purpose, FILES.c.filename, FILES.c.size_bytes, FILES.c.created_at]
+
+
+class SqlFileStore:
+    """Every read names the account: another account's file is not found."""
+
+    def __init__(self, db: AsyncEngine) -> None:
+        self._db = db
+
+    async def put(self, account_id: int, purpose: str, filename: str, content: bytes) -> FileInfo:
+        info = FileInfo(new_file_id(), account_id, purpose, filename, len(content), utcnow())
+        async with self._db.begin() as conn:
+            await conn.execute(FILES.insert().values(
+                id=info.id, account_id=account_id, purpose=purpose, filename=filename, size_bytes=len(content),
+                content=content, created_at=info.created_at))
+        return info
+
+    async def get(self, account_id: int, file_id: str) -> FileInfo | None:
+        async with self._db.connect() as conn:
+            row = (await conn.execute(sa.select(*_META).where(FILES.c.id == file_id, FILES.c.account_id == account_id))).first()
+        return None if row is None else _info(row)
+
+    async def content(self, account_id: int, file_id: str) -> bytes | None:
+        async with self._db.connect() as conn:
+            value = (await conn.execute(
+                sa.select(FILES.c.content).where(FILES.c.id == file_id, FILES.c.account_id == account_id))).scalar()
+        return None if value is None else bytes(value)
+
+    async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None) -> list[FileInfo]:
+        query = sa.select(*_META).where(FILES.c.account_id == account_id)
+        if purpose:
+            query = query.where(FILES.c.purpose == purpose)
+        if after:  # the files older than that one (ids are random: order by creation)
+            since = sa.select(FILES.c.created_at).where(FILES.c.id == after, FILES.c.account_id == account_id).scalar_subquery()
+            query = query.where(FILES.c.created_at < since)
+        query = query.order_by(FILES.c.created_at.desc(), FILES.c.id.desc()).limit(limit)
+        async with self._db.connect() as conn:
+            return [_info(r) for r in (await conn.execute(query)).all()]
+
+    async def delete(self, account_id: int, file_id: str) -> bool:
+        async with self._db.begin() as conn:
+            done = await conn.execute(FILES.delete().where(FILES.c.id == file_id, FILES.c.account_id == account_id))
+        return bool(done.rowcount)

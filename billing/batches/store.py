@@ -1,0 +1,196 @@
+"""Batches and their lines in the database: what the Batch API's routes and its runner read and write.
+
+A line goes pending -> claimed -> done. `claim()` is a conditional update (one winner per line on
+any number of runners); `finish()` stores its answer; `release()` puts back a line that was
+refused before admission (it has no ledger row, so it may run later).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from billing.batches.models import Batch, BatchLine
+from billing.models import LedgerEntry, utcnow
+
+BATCHES = Batch.__table__
+LINES = BatchLine.__table__
+LEDGER = LedgerEntry.__table__
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+class LeaseHeld(RuntimeError):
+    """Another runner drives this batch now."""
+
+
+def new_batch_id(prefix: str = "batch_") -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def line_request_id(batch_id: str, line: int) -> str:
+    """A line's request id, and so its ledger row's: one per line, whatever runs it."""
+    return f"{batch_id}-{line}"
+
+
+@dataclass(frozen=True)
+class Line:
+    batch_id: str
+    line: int
+    custom_id: str
+    body: str
+    state: str
+    outcome: str | None
+    status_code: int | None
+    result: str | None
+
+    @property
+    def request_id(self) -> str:
+        return line_request_id(self.batch_id, self.line)
+
+
+def _line(row: Any) -> Line:
+    return Line(row.batch_id, row.line, row.custom_id, row.body, row.state, row.outcome, row.status_code, row.result)
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    return value if value is None or value.tzinfo else value.replace(tzinfo=utcnow().tzinfo)
+
+
+class BatchStore:
+    def __init__(self, db: AsyncEngine) -> None:
+        self._db = db
+
+    async def create(self, values: dict[str, Any], lines: list[tuple[str, str]]) -> dict[str, Any]:
+        """A batch and its lines (custom_id, body JSON), in one transaction."""
+        async with self._db.begin() as conn:
+            await conn.execute(BATCHES.insert().values(**values, total=len(lines)))
+            if lines:
+                await conn.execute(LINES.insert(), [
+                    {"batch_id": values["id"], "line": i, "custom_id": cid, "body": body, "state": "pending"}
+                    for i, (cid, body) in enumerate(lines)])
+        found = await self.get(values["id"])
+        assert found is not None
+        return found
+
+    async def get(self, batch_id: str, account_id: int | None = None) -> dict[str, Any] | None:
+        query = sa.select(BATCHES).where(BATCHES.c.id == batch_id)
+        if account_id is not None:
+            query = query.where(BATCHES.c.account_id == account_id)
+        async with self._db.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        return None if row is None else {k: _aware(v) if isinstance(v, datetime) else v for k, v in row.items()}
+
+    async def list(self, account_id: int, api: str, *, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+        query = sa.select(BATCHES.c.id).where(BATCHES.c.account_id == account_id, BATCHES.c.api == api)
+        if after:
+            since = sa.select(BATCHES.c.created_at).where(BATCHES.c.id == after).scalar_subquery()
+            query = query.where(BATCHES.c.created_at < since)
+        query = query.order_by(BATCHES.c.created_at.desc(), BATCHES.c.id.desc()).limit(limit)
+        async with self._db.connect() as conn:
+            ids = list((await conn.execute(query)).scalars())
+        return [b for b in [await self.get(i) for i in ids] if b is not None]
+
+    async def active(self) -> list[str]:
+        async with self._db.connect() as conn:
+            return list((await conn.execute(
+                sa.select(BATCHES.c.id).where(BATCHES.c.status.in_(ACTIVE)).order_by(BATCHES.c.created_at))).scalars())
+
+    async def move(self, batch_id: str, status: str, *, from_: tuple[str, ...], **values: Any) -> bool:
+        """Sets the status (and `<status>_at`) when the batch is in one of `from_`; whether it was."""
+        stamp = {f"{status}_at": utcnow()} if f"{status}_at" in BATCHES.c else {}
+        async with self._db.begin() as conn:
+            done = await conn.execute(BATCHES.update().where(BATCHES.c.id == batch_id, BATCHES.c.status.in_(from_))
+                                      .values(status=status, **stamp, **values))
+        return bool(done.rowcount)
+
+    async def lease(self, batch_id: str, runner_id: str, seconds: float) -> str | None:
+        """Takes or renews the batch for `runner_id` for `seconds`, unless another runner's lease
+        still holds. Returns the runner that held it before (None: nobody, or this one), or raises
+        LeaseHeld."""
+        now = utcnow()
+        async with self._db.begin() as conn:
+            before = (await conn.execute(sa.select(BATCHES.c.runner_id).where(BATCHES.c.id == batch_id))).scalar()
+            done = await conn.execute(BATCHES.update().where(
+                BATCHES.c.id == batch_id,
+                sa.or_(BATCHES.c.runner_id.is_(None), BATCHES.c.runner_id == runner_id, BATCHES.c.lease_until < now),
+            ).values(runner_id=runner_id, lease_until=now + timedelta(seconds=seconds)))
+        if not done.rowcount:
+            raise LeaseHeld(batch_id)
+        return None if before == runner_id else before
+
+    async def unlease(self, batch_id: str, runner_id: str) -> None:
+        """Lets go of the batch at once (a clean shutdown): the next runner need not wait for the lease."""
+        async with self._db.begin() as conn:
+            await conn.execute(BATCHES.update().where(BATCHES.c.id == batch_id, BATCHES.c.runner_id == runner_id)
+                               .values(lease_until=utcnow()))
+
+    async def pending(self, batch_id: str, limit: int) -> list[Line]:
+        async with self._db.connect() as conn:
+            rows = (await conn.execute(sa.select(LINES).where(LINES.c.batch_id == batch_id, LINES.c.state == "pending")
+                                       .order_by(LINES.c.line).limit(limit))).all()
+        return [_line(r) for r in rows]
+
+    async def claim(self, line: Line) -> bool:
+        """Takes a pending line for this runner, durably, before it runs; False: another took it."""
+        async with self._db.begin() as conn:
+            done = await conn.execute(LINES.update().where(
+                LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "pending",
+            ).values(state="claimed", claimed_at=utcnow()))
+        return bool(done.rowcount)
+
+    async def release(self, line: Line) -> None:
+        async with self._db.begin() as conn:
+            await conn.execute(LINES.update().where(
+                LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed",
+            ).values(state="pending", claimed_at=None))
+
+    async def finish(self, line: Line, outcome: str, status_code: int | None, result: str | None) -> None:
+        async with self._db.begin() as conn:
+            await conn.execute(LINES.update().where(LINES.c.batch_id == line.batch_id, LINES.c.line == line.line).values(
+                state="done", outcome=outcome, status_code=status_code, result=result, done_at=utcnow()))
+
+    async def end_pending(self, batch_id: str, outcome: str) -> int:
+        """Every line not yet claimed ends with `outcome` (expired, canceled); how many."""
+        async with self._db.begin() as conn:
+            done = await conn.execute(LINES.update().where(LINES.c.batch_id == batch_id, LINES.c.state == "pending")
+                                      .values(state="done", outcome=outcome, done_at=utcnow()))
+        return int(done.rowcount or 0)
+
+    async def claimed(self, batch_id: str) -> list[Line]:
+        async with self._db.connect() as conn:
+            rows = (await conn.execute(sa.select(LINES).where(LINES.c.batch_id == batch_id, LINES.c.state == "claimed"))).all()
+        return [_line(r) for r in rows]
+
+    async def lines(self, batch_id: str) -> list[Line]:
+        async with self._db.connect() as conn:
+            rows = (await conn.execute(sa.select(LINES).where(LINES.c.batch_id == batch_id).order_by(LINES.c.line))).all()
+        return [_line(r) for r in rows]
+
+    async def counts(self, batch_id: str) -> dict[str, int]:
+        """Lines per state, and done lines per outcome (`done:<outcome>`)."""
+        query = sa.select(LINES.c.state, LINES.c.outcome, sa.func.count()).where(LINES.c.batch_id == batch_id).group_by(
+            LINES.c.state, LINES.c.outcome)
+        out: dict[str, int] = {}
+        async with self._db.connect() as conn:
+            for state, outcome, n in (await conn.execute(query)).all():
+                out[state] = out.get(state, 0) + int(n)
+                if state == "done":
+                    out[f"done:{outcome}"] = int(n)
+        return out
+
+    async def counts_of(self, batch_ids: list[str]) -> dict[str, dict[str, int]]:
+        return {b: await self.counts(b) for b in batch_ids}
+
+    async def in_ledger(self, request_ids: list[str]) -> dict[str, str]:
+        """Which of these requests have a ledger row (ran, at least in part), and the row's status."""
+        if not request_ids:
+            return {}
+        async with self._db.connect() as conn:
+            rows = await conn.execute(sa.select(LEDGER.c.request_id, LEDGER.c.status).where(LEDGER.c.request_id.in_(request_ids)))
+            return {request_id: status for request_id, status in rows}

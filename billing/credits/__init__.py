@@ -1,0 +1,1 @@
+"""Prepaid credit: balances and the credit ledger."""

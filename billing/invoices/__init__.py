@@ -1,0 +1,1 @@
+"""The monthly close: invoices, documents, statements, credit notes, and their rendering."""

@@ -1,0 +1,183 @@
+"""An account's billing state, derived from facts rather than from the order events came in:
+
+    delinquent_since = earliest of: a failed payment on an invoice still open, a subscription
+                       past_due/unpaid (NULL when neither)
+    state            = active     when delinquent_since is NULL
+                       past_due   while now < delinquent_since + grace (keys keep working)
+                       suspended  afterwards (keys get 403 naming the unpaid invoices)
+
+Paying (invoice.paid) clears the invoice's failure, so the state returns to active by itself.
+`AccountStates` keeps the delinquent accounts in memory (refreshed every second or so), so the
+request path checks a key without any I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from billing.invoices.models import BillingAccount, Invoice
+from billing.invoices.close import format_cents
+from billing.keys.store import Principal
+from billing.models import utcnow
+from billing.stripe.sync import upsert
+
+log = logging.getLogger("tollgate.billing_state")
+
+INVOICES = Invoice.__table__
+BILLING = BillingAccount.__table__
+ACTIVE, PAST_DUE, SUSPENDED = "active", "past_due", "suspended"
+DELINQUENT_SUBSCRIPTION = ("past_due", "unpaid")
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def derive_state(delinquent_since: datetime | None, now: datetime, grace_seconds: float) -> str:
+    if delinquent_since is None:
+        return ACTIVE
+    if now < _aware(delinquent_since) + timedelta(seconds=grace_seconds):  # type: ignore[operator]
+        return PAST_DUE
+    return SUSPENDED
+
+
+async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, grace_seconds: float) -> str:
+    """Re-derives and stores one account's state from its invoices and subscription."""
+    failed = (
+        await conn.execute(
+            sa.select(sa.func.min(INVOICES.c.payment_failed_at)).where(
+                INVOICES.c.account_id == account_id, INVOICES.c.status == "open", INVOICES.c.payment_failed_at.is_not(None)
+            )
+        )
+    ).scalar_one_or_none()
+    subscription = (
+        await conn.execute(sa.select(BILLING.c.subscription_delinquent_since).where(BILLING.c.account_id == account_id))
+    ).scalar_one_or_none()
+    candidates = [t for t in (_aware(failed), _aware(subscription)) if t is not None]
+    since = min(candidates) if candidates else None
+    state = derive_state(since, now, grace_seconds)
+    values = dict(state=state, delinquent_since=since, updated_at=now)
+    stmt = upsert(conn.engine, BILLING).values(account_id=account_id, **values)
+    await conn.execute(stmt.on_conflict_do_update(index_elements=["account_id"], set_=values))
+    return state
+
+
+async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: float, now: datetime | None = None) -> dict[str, Any]:
+    now = now or utcnow()
+    async with db.connect() as conn:
+        row = (await conn.execute(sa.select(BILLING).where(BILLING.c.account_id == account_id))).first()
+        unpaid = (
+            await conn.execute(
+                sa.select(INVOICES.c.id, INVOICES.c.number, INVOICES.c.total_cents, INVOICES.c.payment_failed_at)
+                .where(INVOICES.c.account_id == account_id, INVOICES.c.status == "open")
+                .order_by(INVOICES.c.period)
+            )
+        ).all()
+    since = _aware(row.delinquent_since) if row else None
+    return {
+        "object": "billing_account",
+        "account_id": account_id,
+        "state": derive_state(since, now, grace_seconds),
+        "delinquent_since": since.isoformat() if since else None,
+        "suspends_at": (since + timedelta(seconds=grace_seconds)).isoformat() if since else None,
+        "stripe_customer_id": row.stripe_customer_id if row else None,
+        "subscription_status": row.subscription_status if row else None,
+        "unpaid_invoices": [
+            {"id": u.id, "number": u.number, "total_cents": int(u.total_cents), "total": format_cents(int(u.total_cents)),
+             "payment_failed": u.payment_failed_at is not None}
+            for u in unpaid
+        ],
+    }
+
+
+@dataclass(frozen=True)
+class Delinquency:
+    since: datetime
+    unpaid: tuple[tuple[str, int], ...]  # (invoice number, total cents), oldest first
+
+
+class AccountStates:
+    """The delinquent accounts, in memory; `suspension` answers without any I/O."""
+
+    def __init__(self, db: AsyncEngine, *, grace_seconds: float, refresh_seconds: float = 1.0) -> None:
+        self._db = db
+        self._grace = timedelta(seconds=grace_seconds)
+        self._refresh_seconds = refresh_seconds
+        self._delinquent: dict[int, Delinquency] = {}
+        self._task: asyncio.Task[None] | None = None
+        # One refresh at a time: a periodic read that began before a webhook's change committed
+        # must not finish after the webhook's own refresh and put the old list back.
+        self._refreshing = asyncio.Lock()
+
+    def suspension(self, principal: Principal, now: datetime | None = None) -> str | None:
+        """Why this key's account is suspended (naming its unpaid invoices), or None."""
+        found = self._delinquent.get(principal.account_id)
+        if found is None or principal.is_admin or (now or utcnow()) < found.since + self._grace:
+            return None
+        owed = ", ".join(f"{number} ({format_cents(cents)} USD)" for number, cents in found.unpaid) or "see your invoices"
+        return (
+            f"This account is suspended for unpaid invoices: {owed}. Pay them to restore access; "
+            "GET /v1/invoices lists them."
+        )
+
+    async def refresh(self) -> None:
+        async with self._refreshing:
+            await self._load()
+
+    async def _load(self) -> None:
+        async with self._db.connect() as conn:
+            rows = (
+                await conn.execute(
+                    sa.select(BILLING.c.account_id, BILLING.c.delinquent_since).where(BILLING.c.delinquent_since.is_not(None))
+                )
+            ).all()
+            ids = [r.account_id for r in rows]
+            unpaid = (
+                await conn.execute(
+                    sa.select(INVOICES.c.account_id, INVOICES.c.number, INVOICES.c.total_cents)
+                    .where(INVOICES.c.account_id.in_(ids), INVOICES.c.status == "open")
+                    .order_by(INVOICES.c.period)
+                )
+            ).all() if ids else []
+        owed: dict[int, list[tuple[str, int]]] = {}
+        for u in unpaid:
+            owed.setdefault(u.account_id, []).append((u.number, int(u.total_cents)))
+        self._delinquent = {
+            r.account_id: Delinquency(_aware(r.delinquent_since), tuple(owed.get(r.account_id, [])))  # type: ignore[arg-type]
+            for r in rows
+        }
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="billing-states")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            try:
+                await self.refresh()
+                if failing:
+                    log.info("billing states refresh works again")
+                failing = False
+            except Exception as exc:  # keep serving with the last known list; say so once
+                if not failing:
+                    log.error("billing states refresh failed (keeping the last list): %s", type(exc).__name__)
+                failing = True
+            await asyncio.sleep(self._refresh_seconds)

@@ -1,0 +1,101 @@
+"""The server's monthly job: after a month ends (plus a delay for late ledger batches), close it,
+push unfinished invoices to Stripe, and store time-driven state changes (past_due -> suspended).
+
+Safe on several instances: each tick takes the close lock without waiting (a Postgres advisory
+lock); whoever gets it does the work, the others skip this tick. The unique (account, period)
+and the `billing_periods` row make any overlap harmless anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from billing.invoices.account_state import recompute
+from billing.config import BillingConfig
+from billing.invoices.models import BillingAccount
+from billing.invoices.close import CloseInProgress, CloseResult, close_lock, close_period_locked, period_status
+from billing.models import utcnow
+from billing.invoices.periods import Period
+from billing.prices.book import PriceBook
+from billing.stripe.sync import StripeSync
+
+log = logging.getLogger("tollgate.billing_scheduler")
+BILLING = BillingAccount.__table__
+
+
+def due_period(now: datetime, close_delay_seconds: float) -> Period:
+    """The latest month that has ended at least `close_delay_seconds` ago."""
+    return Period.containing(now - timedelta(seconds=close_delay_seconds)).prev()
+
+
+async def store_states(db: AsyncEngine, *, now: datetime, grace_seconds: float) -> None:
+    async with db.connect() as conn:
+        ids = [int(i) for i in (await conn.execute(sa.select(BILLING.c.account_id).where(BILLING.c.delinquent_since.is_not(None)))).scalars()]
+    for account_id in ids:
+        async with db.begin() as conn:
+            await recompute(conn, account_id, now=now, grace_seconds=grace_seconds)
+
+
+class MonthlyClose:
+    def __init__(
+        self,
+        db: AsyncEngine,
+        book: PriceBook,
+        config: BillingConfig,
+        *,
+        stripe: StripeSync | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self._db = db
+        self._book = book
+        self._config = config
+        self._stripe = stripe
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    async def tick(self) -> CloseResult | None:
+        """One round of work; returns the close result when this instance closed a period."""
+        now = self._clock()
+        period = due_period(now, self._config.close_delay_seconds)
+        result = None
+        try:
+            async with close_lock(self._db, wait=False):
+                status = await period_status(self._db, period)
+                if status is None or status["status"] != "closed":
+                    result = await close_period_locked(
+                        self._db, self._book, period, now=now, lookback_months=self._config.lookback_months, config=self._config
+                    )
+                if self._stripe is not None and self._config.sync_after_close:
+                    await self._stripe.push_pending()
+        except CloseInProgress:
+            log.debug("another instance holds the close lock; skipping this tick")
+        await store_states(self._db, now=now, grace_seconds=self._config.grace_seconds)
+        return result
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="billing-monthly-close")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.check_seconds)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # logged loudly; the next tick retries (every step is idempotent)
+                log.exception("monthly billing job failed")

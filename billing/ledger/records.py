@@ -1,0 +1,44 @@
+"""What one admitted request leaves in the ledger: `UsageRecord`, the row the writer queues.
+
+Its own module so that the writer (billing/ledger/writer.py) and the aggregates (billing/ledger/aggregates.py) both
+depend on it and not on each other (an import cycle otherwise).
+`billing.ledger.writer.UsageRecord` remains the name callers use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from billing.models import utcnow
+
+__all__ = ["UsageRecord"]
+
+
+@dataclass
+class UsageRecord:
+    request_id: str
+    account_id: int
+    key_id: int
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    status: str
+    finish_reason: str | None
+    total_ms: float
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    estimated: bool = False
+    cost_nanos: int | None = None
+    cached: bool = False  # served from the response cache
+    cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache, when it said
+    api: str | None = None  # chat | completions | embeddings | messages | responses | batch
+    batch_id: str | None = None  # the batch it was a line of (api = batch)
+    created_at: datetime = field(default_factory=utcnow)  # when it finished
+    # When it was admitted (its price looked up): prices it and decides its hour, day and month.
+    # None: derived as created_at minus total_ms (what migration 0010 backfilled).
+    admitted_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.admitted_at is None:
+            self.admitted_at = self.created_at - timedelta(milliseconds=self.total_ms or 0.0)

@@ -1,0 +1,1 @@
+"""The price book and what cached tokens cost."""

@@ -1,0 +1,1 @@
+"""Stripe: checkout top-ups, invoice sync and webhooks."""

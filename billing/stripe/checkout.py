@@ -1,0 +1,237 @@
+"""Stripe top-ups of prepaid credit: Checkout Sessions, their webhooks, refunds and auto-recharge.
+
+    create_session(account, cents)   a Checkout Session (mode=payment) for that amount; the hosted page's URL
+    checkout.session.completed       paid -> one `topup` credit row, external_id = the session id
+    refund.created/updated           -> one `refund` row (negative), external_id = the refund id
+    refund.failed (or canceled)      -> that row, and one that gives it back (external_id `<refund id>:failed`)
+    recharge_due()                   balance below the account's threshold -> one off-session PaymentIntent
+                                     (at most one in flight: a conditional update claims it), credited by its
+                                     id; a decline leaves recharge_state `failed` with Stripe's message
+    payment_intent.succeeded/failed  the same outcome for a recharge, when it arrives by webhook
+
+Webhooks are hints (billing/stripe/webhooks.py): each object is re-read from Stripe, and the credit row
+is written in the same transaction that records the event id, so a repeat of the event, or
+another event about the same session, credits nothing more (the unique external_id).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from stripe import CardError, StripeClient
+
+from billing.credits.models import CreditEntry, CreditSettings
+from billing.credits.balance import CreditBook, CreditError
+from billing.models import utcnow
+from billing.stripe.sync import _plain, upsert
+
+log = logging.getLogger("tollgate.checkout")
+CREDITS = CreditEntry.__table__
+SETTINGS = CreditSettings.__table__
+NANOS_PER_CENT = 10_000_000
+MIN_CENTS = 50  # Stripe's minimum charge in USD
+MAX_CENTS = 99_999_999  # Stripe's maximum amount for USD
+
+Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
+
+
+async def insert_credit(conn: AsyncConnection, engine: AsyncEngine, account_id: int, kind: str, nanos: int, external_id: str,
+                        reason: str) -> bool:
+    """One credit row inside the caller's transaction; False when `external_id` is already there."""
+    done = await conn.execute(upsert(engine, CREDITS).values(
+        account_id=account_id, kind=kind, amount_nanos=nanos, external_id=external_id, reason=reason, created_at=utcnow(),
+    ).on_conflict_do_nothing(index_elements=["external_id"]))
+    return bool(done.rowcount)
+
+
+def _account_of(obj: dict[str, Any]) -> int | None:
+    raw = (obj.get("metadata") or {}).get("tollgate_account")
+    return int(raw) if isinstance(raw, str) and raw.isdigit() else None
+
+
+class CheckoutService:
+    def __init__(self, db: AsyncEngine, client: StripeClient, credits: CreditBook) -> None:
+        self._db = db
+        self._stripe = client
+        self._credits = credits
+
+    # sessions ----------------------------------------------------------------------------------
+    async def create_session(self, account_id: int, cents: int, *, success_url: str, cancel_url: str) -> dict[str, Any]:
+        if not MIN_CENTS <= cents <= MAX_CENTS:
+            raise CreditError(f"amount must be between $0.50 and ${MAX_CENTS // 100:,}.99", "amount")
+        settings = await self.settings(account_id)
+        params: dict[str, Any] = {
+            "mode": "payment",
+            "line_items": [{"quantity": 1, "price_data": {"currency": "usd", "unit_amount": cents,
+                                                          "product_data": {"name": "Tollgate prepaid credit"}}}],
+            "metadata": {"tollgate_account": str(account_id)},
+            # the card is saved for auto-recharge; the PaymentIntent carries the account for refunds
+            "payment_intent_data": {"metadata": {"tollgate_account": str(account_id)}, "setup_future_usage": "off_session"},
+            "client_reference_id": str(account_id),
+            "success_url": success_url,
+            "cancel_url": cancel_url,
+        }
+        if settings.get("stripe_customer_id"):
+            params["customer"] = settings["stripe_customer_id"]
+        else:
+            params["customer_creation"] = "always"
+        session = _plain(await self._stripe.v1.checkout.sessions.create_async(
+            params, {"idempotency_key": f"tollgate-checkout-{account_id}-{uuid.uuid4().hex}"}))  # type: ignore[arg-type]
+        return {"object": "checkout_session", "id": session["id"], "url": session["url"], "amount_cents": cents,
+                "status": session["status"]}
+
+    async def settings(self, account_id: int) -> dict[str, Any]:
+        async with self._db.connect() as conn:
+            row = (await conn.execute(sa.select(SETTINGS).where(SETTINGS.c.account_id == account_id))).first()
+        if row is None:
+            return {"account_id": account_id, "recharge_state": "idle"}
+        return {k: v for k, v in row._mapping.items() if k != "updated_at"}
+
+    async def set_recharge(self, account_id: int, below_nanos: int | None, amount_cents: int | None) -> dict[str, Any]:
+        """Sets (or with None, turns off) auto-recharge; also clears a failed state."""
+        if (below_nanos is None) != (amount_cents is None):
+            raise CreditError("give both recharge_below and recharge_amount, or neither", "recharge_amount")
+        if amount_cents is not None and not MIN_CENTS <= amount_cents <= MAX_CENTS:
+            raise CreditError("recharge_amount must be between $0.50 and $999,999.99", "recharge_amount")
+        async with self._db.begin() as conn:
+            await self._upsert(conn, account_id, recharge_below_nanos=below_nanos, recharge_amount_cents=amount_cents,
+                               recharge_state="idle", recharge_error=None)
+        return await self.settings(account_id)
+
+    async def _upsert(self, conn: AsyncConnection, account_id: int, **values: Any) -> None:
+        values["updated_at"] = utcnow()
+        await conn.execute(upsert(self._db, SETTINGS).values(account_id=account_id, **values)
+                           .on_conflict_do_update(index_elements=["account_id"], set_=values))
+
+    # webhooks ----------------------------------------------------------------------------------
+    def webhook_handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Apply | None]]]:
+        return {
+            "checkout.session.completed": self._session_completed,
+            "checkout.session.async_payment_succeeded": self._session_completed,
+            "refund.created": self._refund,
+            "refund.updated": self._refund,
+            "refund.failed": self._refund,
+            "payment_intent.succeeded": self._intent_event,
+            "payment_intent.payment_failed": self._intent_event,
+        }
+
+    async def _session_completed(self, obj: dict[str, Any]) -> Apply | None:
+        session = _plain(await self._stripe.v1.checkout.sessions.retrieve_async(obj["id"]))
+        account_id = _account_of(session)
+        if account_id is None or session.get("mode") != "payment" or session.get("payment_status") != "paid":
+            return None  # not ours, or not paid yet (async payment methods complete later)
+        intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(session["payment_intent"]))
+
+        async def apply(conn: AsyncConnection) -> int | None:
+            await insert_credit(conn, self._db, account_id, "topup", int(session["amount_total"]) * NANOS_PER_CENT, session["id"],
+                                "Stripe Checkout")
+            await self._upsert(conn, account_id, stripe_customer_id=session.get("customer"),
+                               payment_method_id=intent.get("payment_method") if intent.get("setup_future_usage") else None)
+            return account_id
+
+        return apply
+
+    async def _refund(self, obj: dict[str, Any]) -> Apply | None:
+        refund = _plain(await self._stripe.v1.refunds.retrieve_async(obj["id"]))
+        status = refund.get("status")
+        if status not in ("succeeded", "pending", "failed", "canceled") or not refund.get("payment_intent"):
+            return None  # requires_action: no money has moved yet
+        intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(refund["payment_intent"]))
+        account_id = _account_of(intent)
+        if account_id is None:
+            return None
+
+        async def apply(conn: AsyncConnection) -> int | None:
+            nanos = int(refund["amount"]) * NANOS_PER_CENT
+            await insert_credit(conn, self._db, account_id, "refund", -nanos, refund["id"], "Stripe refund")
+            if status in ("failed", "canceled"):  # the money stayed with us: the debit is given back, whichever event came first
+                await insert_credit(conn, self._db, account_id, "refund", nanos, f"{refund['id']}:failed",
+                                    f"Stripe refund {status}: {refund.get('failure_reason') or 'no reason given'}")
+            return account_id
+
+        return apply
+
+    async def _intent_event(self, obj: dict[str, Any]) -> Apply | None:
+        intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(obj["id"]))
+        account_id = _account_of(intent)
+        if account_id is None or not (intent.get("metadata") or {}).get("tollgate_recharge"):
+            return None  # a Checkout payment: credited by its session
+
+        async def apply(conn: AsyncConnection) -> int | None:
+            await self._recharge_outcome(conn, account_id, intent)
+            return account_id
+
+        return apply
+
+    async def _recharge_outcome(self, conn: AsyncConnection, account_id: int, intent: dict[str, Any]) -> None:
+        # The account's pending charge is this intent, also when Stripe's answer to the charge was lost
+        # (its id never stored): the attempt number in its metadata names the claim it was made for.
+        attempt = str((intent.get("metadata") or {}).get("tollgate_recharge") or "")
+        claim = sa.and_(SETTINGS.c.recharge_state == "pending", SETTINGS.c.recharge_count == int(attempt)) if attempt.isdigit() else sa.false()
+        mine = sa.and_(SETTINGS.c.account_id == account_id, sa.or_(SETTINGS.c.recharge_payment_intent == intent["id"], claim))
+        if intent.get("status") == "succeeded":
+            await insert_credit(conn, self._db, account_id, "topup", int(intent["amount_received"]) * NANOS_PER_CENT, intent["id"],
+                                "auto-recharge")
+            await conn.execute(SETTINGS.update().where(mine).values(
+                recharge_state="idle", recharge_error=None, recharge_payment_intent=intent["id"], updated_at=utcnow()))
+        elif intent.get("status") in ("requires_payment_method", "canceled"):
+            error = (intent.get("last_payment_error") or {}).get("message") or intent.get("status")
+            await conn.execute(SETTINGS.update().where(mine, SETTINGS.c.recharge_state == "pending").values(  # not after a reset
+                recharge_state="failed", recharge_error=f"auto-recharge declined: {error}", recharge_payment_intent=intent["id"],
+                updated_at=utcnow()))
+
+    # auto-recharge -----------------------------------------------------------------------------
+    async def recharge_due(self) -> list[int]:
+        """Charges, off-session, every account below its threshold that has no charge in flight."""
+        async with self._db.connect() as conn:
+            rows = (await conn.execute(sa.select(SETTINGS).where(
+                SETTINGS.c.recharge_below_nanos.is_not(None), SETTINGS.c.payment_method_id.is_not(None),
+                SETTINGS.c.recharge_state == "idle"))).all()
+        charged = []
+        for row in rows:
+            balance = await self._credits.balance(row.account_id)
+            if balance is None or balance["billing_mode"] != "prepaid" or balance["balance_nanos"] >= row.recharge_below_nanos:
+                continue
+            if await self._charge(row):
+                charged.append(int(row.account_id))
+        return charged
+
+    async def _charge(self, row: Any) -> bool:
+        attempt = int(row.recharge_count) + 1
+        async with self._db.begin() as conn:  # the claim: one instance, one charge in flight
+            claimed = await conn.execute(SETTINGS.update().where(
+                SETTINGS.c.account_id == row.account_id, SETTINGS.c.recharge_state == "idle",
+                SETTINGS.c.recharge_count == row.recharge_count,
+            ).values(recharge_state="pending", recharge_count=attempt, recharge_error=None, updated_at=utcnow()))
+            if claimed.rowcount != 1:
+                return False
+        params = {"amount": row.recharge_amount_cents, "currency": "usd", "customer": row.stripe_customer_id,
+                  "payment_method": row.payment_method_id, "off_session": True, "confirm": True,
+                  "metadata": {"tollgate_account": str(row.account_id), "tollgate_recharge": str(attempt)}}
+        try:
+            intent = _plain(await self._stripe.v1.payment_intents.create_async(
+                params, {"idempotency_key": f"tollgate-recharge-{row.account_id}-{attempt}"}))  # type: ignore[arg-type]
+        except CardError as exc:
+            intent = dict((exc.json_body or {}).get("error", {}).get("payment_intent") or {})
+            message = exc.user_message or str(exc)
+            async with self._db.begin() as conn:
+                await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == row.account_id).values(
+                    recharge_state="failed", recharge_payment_intent=intent.get("id"),
+                    recharge_error=f"auto-recharge declined: {message}", updated_at=utcnow()))
+            log.warning("auto-recharge of account %s declined", row.account_id)
+            return False
+        except Exception:
+            # Unknown outcome (network): stays pending; the PaymentIntent's webhook settles it.
+            log.warning("auto-recharge of account %s: no answer from Stripe; waiting for its webhook", row.account_id)
+            return False
+        async with self._db.begin() as conn:
+            await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == row.account_id)
+                               .values(recharge_payment_intent=intent["id"]))
+            await self._recharge_outcome(conn, int(row.account_id), intent)
+        await self._credits.sync_recent()
+        return intent.get("status") == "succeeded"

@@ -1,0 +1,391 @@
+"""Pushing closed invoices to Stripe with the official SDK (`StripeClient`).
+
+    account  -> Stripe customer (created on demand; id stored) with the billing details' name,
+                email, address and tax id, brought up to date on every push
+    invoice  -> draft Stripe invoice (id stored) -> one invoice item per line (ids stored)
+             -> the tax line as manual tax amounts on the lines (our tax, computed once on the
+                subtotal, shared over the lines so they sum to it exactly)
+             -> total compared with ours -> finalized -> sent (per config) -> total compared again
+    credit note -> a Stripe credit note on the invoice: pre-payment while it is open, else to the
+                customer's balance (which Stripe applies to the next invoice)
+
+Every create carries a deterministic idempotency key, and every Stripe id is stored as soon as it
+is known. Stripe keeps idempotency keys for about 24 hours only, so a re-run also looks for what
+an interrupted run made before creating anything: the customer by metadata (search), the invoice
+among the customer's invoices, the items among the invoice's items (both by metadata). A total
+that differs from ours is an error (recorded on the invoice and raised), never silent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
+from stripe import StripeClient, StripeError
+
+from billing.invoices.billing_details import get_details, split_tax
+from billing.config import BillingConfig
+from billing.invoices.models import BillingAccount, CreditNote, Invoice, InvoiceLine
+from billing.invoices.close import format_cents
+from billing.models import Account, utcnow
+
+log = logging.getLogger("tollgate.stripe")
+
+INVOICES = Invoice.__table__
+LINES = InvoiceLine.__table__
+ACCOUNTS = Account.__table__
+BILLING = BillingAccount.__table__
+CREDIT_NOTES = CreditNote.__table__
+MAX_ITEMS = 250  # Stripe's limit per invoice
+FINAL_STATUSES = ("open", "paid", "void", "uncollectible")
+
+
+class StripeSyncError(RuntimeError):
+    pass
+
+
+class StripeTotalMismatch(StripeSyncError):
+    pass
+
+
+def stripe_client(config: BillingConfig) -> StripeClient:
+    if not config.stripe_api_key:
+        raise StripeSyncError("Stripe is not configured (TOLLGATE_STRIPE_API_KEY)")
+    base = {"api": config.stripe_api_base} if config.stripe_api_base else None
+    return StripeClient(config.stripe_api_key, base_addresses=base, max_network_retries=config.stripe_max_retries)  # type: ignore[arg-type]
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
+
+
+def _micros(value: datetime) -> int:
+    value = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return int(value.timestamp() * 1_000_000)
+
+
+def account_ref(account_id: int, created_at: datetime) -> str:
+    """Names one account across databases: its id plus its creation instant."""
+    return f"{account_id}-{_micros(created_at)}"
+
+
+def _customer_fields(name: str, details: dict[str, Any] | None) -> dict[str, Any]:
+    """What a Stripe customer says of the buyer: the billing details, else the account's name."""
+    if details is None:
+        return {"name": name}
+    address = {"line1": details.get("address_line1") or "", "line2": details.get("address_line2") or "",
+               "city": details.get("city") or "", "postal_code": details.get("postal_code") or "",
+               "state": details.get("region") or "", "country": details["country"]}
+    return {"name": details["legal_name"], "email": details.get("email") or "", "address": address}
+
+
+def _differs(want: dict[str, Any], have: dict[str, Any]) -> bool:
+    for key, value in want.items():
+        if isinstance(value, dict):
+            current = have.get(key) or {}
+            if any((v or None) != (current.get(k) or None) for k, v in value.items()):
+                return True
+        elif (value or None) != (have.get(key) or None):
+            return True
+    return False
+
+
+def upsert(db: AsyncEngine, table: Any) -> Any:
+    return postgresql.insert(table) if db.dialect.name == "postgresql" else sqlite.insert(table)
+
+
+class StripeSync:
+    def __init__(self, db: AsyncEngine, client: StripeClient, config: BillingConfig) -> None:
+        self._db = db
+        self._stripe = client
+        self._config = config
+
+    # customers ---------------------------------------------------------------------------------
+    async def ensure_customer(self, account_id: int) -> str:
+        async with self._db.connect() as conn:
+            stored = (
+                await conn.execute(sa.select(BILLING.c.stripe_customer_id).where(BILLING.c.account_id == account_id))
+            ).scalar_one_or_none()
+            account = (await conn.execute(sa.select(ACCOUNTS).where(ACCOUNTS.c.id == account_id))).one()
+        details = await get_details(self._db, account_id)
+        if stored:
+            await self._update_customer(str(stored), account.name, details)
+            return str(stored)
+        ref = account_ref(account_id, account.created_at)
+        found = await self._stripe.v1.customers.search_async({"query": f"metadata['tollgate_account']:'{ref}'"})
+        matches = [c for c in found.data if _plain(c).get("metadata", {}).get("tollgate_account") == ref]
+        if matches:
+            customer_id = str(matches[0].id)
+        else:
+            customer = await self._stripe.v1.customers.create_async(
+                {**_customer_fields(account.name, details), "metadata": {"tollgate_account": ref, "tollgate_account_id": str(account_id)}},
+                {"idempotency_key": f"tollgate-customer-{ref}"},
+            )
+            customer_id = str(customer.id)
+        await self._update_customer(customer_id, account.name, details, fields=bool(matches))
+        stmt = upsert(self._db, BILLING).values(
+            account_id=account_id, stripe_customer_id=customer_id, state="active", updated_at=utcnow()
+        )
+        async with self._db.begin() as conn:
+            await conn.execute(
+                stmt.on_conflict_do_update(index_elements=["account_id"], set_={"stripe_customer_id": customer_id})
+            )
+        return customer_id
+
+    async def _update_customer(self, customer_id: str, name: str, details: dict[str, Any] | None, *, fields: bool = True) -> None:
+        """The customer as the billing details say now (name, email, address), and their tax id."""
+        if fields:
+            want = _customer_fields(name, details)
+            have = _plain(await self._stripe.v1.customers.retrieve_async(customer_id))
+            if _differs(want, have):  # a re-run reads only
+                await self._stripe.v1.customers.update_async(customer_id, want)  # type: ignore[arg-type]
+        if details is None or not details.get("tax_id") or not details.get("tax_id_type"):
+            return
+        page = await self._stripe.v1.customers.tax_ids.list_async(customer_id, {"limit": 100})
+        async for tax_id in page.auto_paging_iter():
+            if tax_id.type == details["tax_id_type"] and tax_id.value == details["tax_id"]:
+                return
+        await self._stripe.v1.customers.tax_ids.create_async(
+            customer_id, {"type": details["tax_id_type"], "value": details["tax_id"]},
+            {"idempotency_key": f"tollgate-taxid-{customer_id}-{details['tax_id_type']}-{details['tax_id']}"},
+        )
+
+    # invoices ----------------------------------------------------------------------------------
+    async def push(self, invoice_id: int) -> dict[str, Any]:
+        """Makes the Stripe side of one invoice complete. Safe to repeat at any point."""
+        try:
+            return await self._push(invoice_id)
+        except StripeError as exc:
+            await self._record(invoice_id, stripe_error=f"{type(exc).__name__}: {exc.user_message or exc}")
+            raise
+        except StripeSyncError as exc:
+            await self._record(invoice_id, stripe_error=str(exc))
+            raise
+
+    async def _push(self, invoice_id: int) -> dict[str, Any]:
+        invoice, lines = await self._load(invoice_id)
+        if invoice.status != "open" or invoice.total_cents <= 0:
+            return self._result(invoice, "skipped: nothing to collect")
+        if len(lines) > MAX_ITEMS:
+            raise StripeSyncError(f"invoice {invoice.number} has {len(lines)} lines; a Stripe invoice holds at most {MAX_ITEMS}")
+        customer = await self.ensure_customer(invoice.account_id)
+        remote = await self._stripe_invoice(invoice, customer)
+        if remote["status"] == "draft":
+            await self._push_items(invoice, lines, remote["id"], customer)
+            await self._push_tax(invoice, remote["id"])
+            remote = _plain(await self._stripe.v1.invoices.retrieve_async(remote["id"]))
+            self._compare(invoice, remote, "draft")
+            remote = _plain(
+                await self._stripe.v1.invoices.finalize_invoice_async(
+                    remote["id"], {"auto_advance": True}, {"idempotency_key": f"tollgate-finalize-{remote['id']}"}
+                )
+            )
+            await self._record(invoice_id, stripe_status=remote["status"])
+        if self._should_send(invoice, remote):
+            remote = _plain(
+                await self._stripe.v1.invoices.send_invoice_async(
+                    remote["id"], None, {"idempotency_key": f"tollgate-send-{remote['id']}"}
+                )
+            )
+            await self._record(invoice_id, stripe_sent_at=utcnow())
+        self._compare(invoice, remote, remote["status"])
+        await self._record(
+            invoice_id,
+            stripe_status=remote["status"],
+            stripe_total_cents=int(remote["total"]),
+            stripe_synced_at=utcnow(),
+            stripe_error=None,
+        )
+        await self._push_waiting_credit_notes(invoice_id)  # issued before the invoice reached Stripe
+        invoice, _ = await self._load(invoice_id)
+        return self._result(invoice, "synced")
+
+    async def _push_waiting_credit_notes(self, invoice_id: int) -> None:
+        async with self._db.connect() as conn:
+            ids = [int(i) for i in (await conn.execute(sa.select(CREDIT_NOTES.c.id).where(
+                CREDIT_NOTES.c.invoice_id == invoice_id, CREDIT_NOTES.c.stripe_credit_note_id.is_(None)).order_by(CREDIT_NOTES.c.id))).scalars()]
+        for note_id in ids:
+            await self.push_credit_note(note_id)
+
+    def _should_send(self, invoice: Any, remote: dict[str, Any]) -> bool:
+        return (
+            self._config.send_invoices
+            and self._config.collection_method == "send_invoice"
+            and remote["status"] == "open"
+            and invoice.stripe_sent_at is None
+        )
+
+    async def _stripe_invoice(self, invoice: Any, customer: str) -> dict[str, Any]:
+        if invoice.stripe_invoice_id:
+            return _plain(await self._stripe.v1.invoices.retrieve_async(invoice.stripe_invoice_id))
+        remote = await self._find_invoice(invoice, customer)
+        if remote is None:
+            params: dict[str, Any] = {
+                "customer": customer,
+                "collection_method": self._config.collection_method,
+                "auto_advance": False,
+                "pending_invoice_items_behavior": "exclude",
+                "currency": invoice.currency,
+                "description": f"Tollgate usage {invoice.period} (invoice {invoice.number})",
+                "metadata": {"tollgate_invoice": invoice.number, "tollgate_period": invoice.period},
+            }
+            if self._config.collection_method == "send_invoice":
+                params["days_until_due"] = self._config.days_until_due
+            created = await self._stripe.v1.invoices.create_async(
+                params, {"idempotency_key": f"tollgate-invoice-{customer}-{invoice.number}"}
+            )
+            remote = _plain(created)
+        await self._record(invoice.id, stripe_invoice_id=remote["id"], stripe_status=remote["status"])
+        return remote
+
+    async def _find_invoice(self, invoice: Any, customer: str) -> dict[str, Any] | None:
+        """An invoice an interrupted run created but did not store (listing is strongly consistent)."""
+        page = await self._stripe.v1.invoices.list_async({"customer": customer, "limit": 100})
+        async for remote in page.auto_paging_iter():
+            data = _plain(remote)
+            if (data.get("metadata") or {}).get("tollgate_invoice") == invoice.number and data["status"] != "void":
+                return data
+        return None
+
+    async def _push_items(self, invoice: Any, lines: list[Any], stripe_invoice: str, customer: str) -> None:
+        missing = [line for line in lines if not line.stripe_item_id]
+        if not missing:
+            return
+        made: dict[str, str] = {}
+        page = await self._stripe.v1.invoice_items.list_async({"invoice": stripe_invoice, "limit": 100})
+        async for item in page.auto_paging_iter():
+            ref = (_plain(item).get("metadata") or {}).get("tollgate_line")
+            if ref:
+                made[ref] = str(item.id)
+        for line in missing:
+            ref = f"{invoice.number}/{line.position}"
+            item_id = made.get(ref)
+            if item_id is None:
+                item = await self._stripe.v1.invoice_items.create_async(
+                    {
+                        "customer": customer,
+                        "invoice": stripe_invoice,
+                        "amount": int(line.amount_cents),
+                        "currency": invoice.currency,
+                        "description": line.description,
+                        "discountable": False,
+                        "metadata": {"tollgate_line": ref, "tollgate_invoice": invoice.number},
+                    },
+                    {"idempotency_key": f"tollgate-item-{stripe_invoice}-{line.position}"},
+                )
+                item_id = str(item.id)
+            async with self._db.begin() as conn:
+                await conn.execute(LINES.update().where(LINES.c.id == line.id).values(stripe_item_id=item_id))
+
+    async def _push_tax(self, invoice: Any, stripe_invoice: str) -> None:
+        """Our tax line as Stripe manual tax amounts: shared over the lines in proportion, summing to
+        our tax (computed once on the subtotal), so Stripe's total is ours. Stripe takes the amounts
+        as given; its tax rate (made from tax_rate_data) is what the document shows."""
+        tax = int(invoice.tax_cents or 0)
+        if invoice.tax_rate is None:
+            return
+        remote_lines = []
+        page = await self._stripe.v1.invoices.line_items.list_async(stripe_invoice, {"limit": 100})
+        async for line in page.auto_paging_iter():
+            remote_lines.append(_plain(line))
+        shares = split_tax([int(line["amount"]) for line in remote_lines], tax)
+        rate = format(invoice.tax_rate, "f")
+        buyer = json.loads(invoice.buyer) if invoice.buyer else {}
+        for line, share in zip(remote_lines, shares):
+            if [(t["amount"], t["taxable_amount"]) for t in line.get("taxes") or []] == [(share, int(line["amount"]))]:
+                continue  # already there (a re-run)
+            data: dict[str, Any] = {"display_name": "Tax", "inclusive": False, "percentage": rate}
+            if buyer.get("country"):
+                data["country"] = buyer["country"]
+            await self._stripe.v1.invoices.line_items.update_async(
+                stripe_invoice, line["id"],
+                {"tax_amounts": [{"amount": share, "taxable_amount": int(line["amount"]), "tax_rate_data": data}]},  # type: ignore[typeddict-item]
+            )
+
+    def _compare(self, invoice: Any, remote: dict[str, Any], stage: str) -> None:
+        if int(remote["total"]) != int(invoice.total_cents):
+            raise StripeTotalMismatch(
+                f"total mismatch on {invoice.number} ({stage}): Stripe {format_cents(int(remote['total']))}, "
+                f"Tollgate {format_cents(int(invoice.total_cents))} {invoice.currency.upper()}"
+            )
+
+    async def push_pending(self) -> list[dict[str, Any]]:
+        """Pushes every open invoice whose Stripe side is unfinished; a mismatch waits for a person."""
+        query = sa.select(INVOICES.c.id).where(
+            INVOICES.c.status == "open",
+            INVOICES.c.total_cents > 0,
+            sa.or_(INVOICES.c.stripe_status.is_(None), INVOICES.c.stripe_status == "draft", INVOICES.c.stripe_total_cents.is_(None)),
+            sa.or_(INVOICES.c.stripe_error.is_(None), ~INVOICES.c.stripe_error.startswith("total mismatch")),
+        ).order_by(INVOICES.c.id)
+        async with self._db.connect() as conn:
+            ids = [int(i) for i in (await conn.execute(query)).scalars()]
+        results = []
+        for invoice_id in ids:
+            try:
+                results.append(await self.push(invoice_id))
+            except (StripeError, StripeSyncError) as exc:
+                log.error("Stripe sync of invoice %s failed: %s", invoice_id, exc)
+                results.append({"id": invoice_id, "result": f"error: {exc}"})
+        return results
+
+    # credit notes --------------------------------------------------------------------------------
+    async def push_credit_note(self, note_id: int) -> dict[str, Any]:
+        """The Stripe credit note of one of ours; skipped while its invoice has no Stripe invoice."""
+        async with self._db.connect() as conn:
+            note = (await conn.execute(sa.select(CREDIT_NOTES).where(CREDIT_NOTES.c.id == note_id))).one()
+            invoice = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.id == note.invoice_id))).one()
+        if note.stripe_credit_note_id:
+            return {"id": note.id, "result": "synced", "stripe_credit_note_id": note.stripe_credit_note_id}
+        if not invoice.stripe_invoice_id:
+            return {"id": note.id, "result": "skipped: the invoice is not on Stripe", "stripe_credit_note_id": None}
+        try:
+            remote = _plain(await self._stripe.v1.invoices.retrieve_async(invoice.stripe_invoice_id))
+            params: dict[str, Any] = {
+                "invoice": invoice.stripe_invoice_id, "amount": int(note.total_cents),
+                "memo": note.memo or f"Credit note {note.number} for invoice {invoice.number}",
+                "metadata": {"tollgate_credit_note": note.number, "tollgate_invoice": invoice.number},
+            }
+            if note.reason:
+                params["reason"] = note.reason
+            post = int(note.total_cents) - (min(int(note.total_cents), int(remote["amount_remaining"])) if remote["status"] == "open" else 0)
+            if post:
+                params["credit_amount"] = post  # to the customer's balance: Stripe applies it to the next invoice
+            created = await self._stripe.v1.credit_notes.create_async(params, {"idempotency_key": f"tollgate-credit-note-{note.number}"})
+        except StripeError as exc:
+            async with self._db.begin() as conn:
+                await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
+                    stripe_error=f"{type(exc).__name__}: {exc.user_message or exc}"))
+            raise
+        async with self._db.begin() as conn:
+            await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
+                stripe_credit_note_id=str(created.id), stripe_error=None))
+        return {"id": note.id, "result": "synced", "stripe_credit_note_id": str(created.id)}
+
+    # storage -----------------------------------------------------------------------------------
+    async def _load(self, invoice_id: int) -> tuple[Any, list[Any]]:
+        async with self._db.connect() as conn:
+            invoice = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.id == invoice_id))).first()
+            if invoice is None:
+                raise StripeSyncError(f"no invoice with id {invoice_id}")
+            lines = (await conn.execute(sa.select(LINES).where(LINES.c.invoice_id == invoice_id).order_by(LINES.c.position))).all()
+        return invoice, list(lines)
+
+    async def _record(self, invoice_id: int, **values: Any) -> None:
+        async with self._db.begin() as conn:
+            await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice_id).values(**values))
+
+    def _result(self, invoice: Any, result: str) -> dict[str, Any]:
+        return {
+            "id": invoice.id,
+            "number": invoice.number,
+            "result": result,
+            "stripe_invoice_id": invoice.stripe_invoice_id,
+            "stripe_status": invoice.stripe_status,
+            "total_cents": int(invoice.total_cents),
+            "stripe_total_cents": invoice.stripe_total_cents,
+        }

@@ -1,0 +1,158 @@
+"""Stripe webhooks: verified on the raw body, deduplicated by event id, order-independent.
+
+Stripe delivers at least once and in any order, so an event is only a hint: the handler re-reads
+the invoice or subscription from Stripe and stores what Stripe says now, then re-derives the
+account's state (billing.invoices.account_state). The event id is recorded in the same transaction as
+the change, so a replay has no second effect and a failure leaves nothing half done (Stripe
+retries it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from stripe import InvalidRequestError, SignatureVerificationError, StripeClient
+
+from billing.invoices.account_state import DELINQUENT_SUBSCRIPTION, recompute
+from billing.invoices.models import BillingAccount, Invoice, StripeEvent
+from billing.models import utcnow
+from billing.stripe.sync import _plain, upsert
+
+log = logging.getLogger("tollgate.webhooks")
+
+INVOICES = Invoice.__table__
+BILLING = BillingAccount.__table__
+EVENTS = StripeEvent.__table__
+INVOICE_EVENTS = ("invoice.paid", "invoice.payment_failed", "invoice.payment_succeeded", "invoice.voided",
+                  "invoice.marked_uncollectible", "invoice.finalized", "invoice.updated")
+SUBSCRIPTION_EVENTS = ("customer.subscription.updated", "customer.subscription.deleted", "customer.subscription.created")
+
+
+class WebhookRejected(ValueError):
+    """The delivery is not a genuine Stripe event (bad signature or body): answer 400."""
+
+
+Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
+
+
+class WebhookHandler:
+    def __init__(
+        self,
+        db: AsyncEngine,
+        client: StripeClient,
+        secret: str,
+        *,
+        grace_seconds: float,
+        on_change: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self._db = db
+        self._stripe = client
+        self._secret = secret
+        self._grace = grace_seconds
+        self._on_change = on_change
+        # Other event kinds (prepaid top-ups, billing/stripe/checkout.py): kind -> re-read -> apply in the event's transaction
+        self.extra: dict[str, Callable[[dict[str, Any]], Awaitable[Apply | None]]] = {}
+        self.after: list[Callable[[int], Awaitable[None]]] = []  # after the commit of a change to an account
+
+    async def handle(self, payload: bytes, signature: str | None) -> dict[str, Any]:
+        try:
+            event = _plain(self._stripe.construct_event(payload, signature, self._secret))
+        except SignatureVerificationError:
+            raise WebhookRejected("Stripe signature verification failed.") from None
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):  # AttributeError: a signed JSON non-object
+            raise WebhookRejected("The body is not a Stripe event.") from None
+        if not isinstance(event, dict):
+            raise WebhookRejected("The body is not a Stripe event.")
+        event_id, kind = str(event.get("id") or ""), str(event.get("type") or "")
+        data = event.get("data")
+        obj = data.get("object") if isinstance(data, dict) else None
+        if not event_id or not kind or not isinstance(obj, dict):
+            raise WebhookRejected("The event has no id, type or data.object.")
+        if await self._seen(event_id):
+            return {"received": True, "id": event_id, "duplicate": True}
+        created = datetime.fromtimestamp(int(event.get("created") or 0), tz=timezone.utc)
+        apply = await self._reread(kind, obj, created)
+        async with self._db.begin() as conn:
+            row = dict(id=event_id, type=kind, created=created, processed_at=utcnow())
+            inserted = await conn.execute(upsert(self._db, EVENTS).values(**row).on_conflict_do_nothing(index_elements=["id"]))
+            if inserted.rowcount == 0:  # a concurrent delivery of the same event won
+                return {"received": True, "id": event_id, "duplicate": True}
+            account_id = await apply(conn) if apply is not None else None
+            if account_id is not None:
+                state = await recompute(conn, account_id, now=utcnow(), grace_seconds=self._grace)
+        if account_id is not None and self._on_change is not None:
+            await self._on_change(account_id)
+        for hook in self.after if account_id is not None else []:
+            await hook(account_id)
+        result: dict[str, Any] = {"received": True, "id": event_id, "type": kind, "account_id": account_id}
+        if account_id is not None:
+            result["state"] = state
+        return result
+
+    async def _seen(self, event_id: str) -> bool:
+        async with self._db.connect() as conn:
+            return (await conn.execute(sa.select(EVENTS.c.id).where(EVENTS.c.id == event_id))).first() is not None
+
+    async def _reread(self, kind: str, obj: dict[str, Any], created: datetime) -> Apply | None:
+        """Fetches the object's current state from Stripe (network, before the transaction)."""
+        object_id = obj.get("id")
+        if not isinstance(object_id, str):
+            return None
+        try:
+            if kind in INVOICE_EVENTS:
+                invoice = _plain(await self._stripe.v1.invoices.retrieve_async(object_id))
+                return lambda conn: self._apply_invoice(conn, invoice, kind, created)
+            if kind in SUBSCRIPTION_EVENTS:
+                subscription = _plain(await self._stripe.v1.subscriptions.retrieve_async(object_id))
+                return lambda conn: self._apply_subscription(conn, subscription, created)
+            if kind in self.extra:
+                return await self.extra[kind](obj)
+        except InvalidRequestError as exc:
+            if exc.http_status == 404:  # deleted on Stripe's side (e.g. a draft): nothing of ours to change
+                return None
+            raise
+        return None
+
+    async def _apply_invoice(self, conn: AsyncConnection, remote: dict[str, Any], kind: str, created: datetime) -> int | None:
+        number = (remote.get("metadata") or {}).get("tollgate_invoice")
+        match = INVOICES.c.stripe_invoice_id == remote["id"]
+        if isinstance(number, str) and number:
+            match = sa.or_(match, INVOICES.c.number == number)
+        ours = (await conn.execute(sa.select(INVOICES).where(match))).first()
+        if ours is None:
+            log.info("webhook for Stripe invoice %s, which is none of ours", remote["id"])
+            return None
+        status = remote.get("status")
+        values: dict[str, Any] = {"stripe_status": status, "stripe_invoice_id": remote["id"]}
+        if status == "paid":
+            paid = (remote.get("status_transitions") or {}).get("paid_at")
+            values.update(status="paid", paid_at=ours.paid_at or (datetime.fromtimestamp(paid, tz=timezone.utc) if paid else created))
+        elif status == "void":
+            values.update(status="void")
+        elif status in ("open", "uncollectible") and (
+            remote.get("attempted") or int(remote.get("attempt_count") or 0) > 0 or status == "uncollectible"
+        ):
+            values.update(payment_failed_at=ours.payment_failed_at or created)
+        await conn.execute(INVOICES.update().where(INVOICES.c.id == ours.id).values(**values))
+        return int(ours.account_id)
+
+    async def _apply_subscription(self, conn: AsyncConnection, remote: dict[str, Any], created: datetime) -> int | None:
+        customer = remote.get("customer")
+        row = (await conn.execute(sa.select(BILLING).where(BILLING.c.stripe_customer_id == customer))).first()
+        if row is None:
+            return None
+        status = remote.get("status")
+        since = None
+        if status in DELINQUENT_SUBSCRIPTION:
+            since = row.subscription_delinquent_since or created
+        await conn.execute(
+            BILLING.update()
+            .where(BILLING.c.account_id == row.account_id)
+            .values(subscription_id=remote["id"], subscription_status=status, subscription_delinquent_since=since)
+        )
+        return int(row.account_id)

@@ -1,0 +1,1 @@
+"""The engines themselves: hf (in process or its own), trtllm, openai pools, synthetic, embeddings."""

@@ -1,0 +1,1 @@
+"""Engines around engines: the fair scheduler, fallbacks, the cost-aware router."""

@@ -1,0 +1,1 @@
+"""The admin API under /admin/, authorised by the admin key."""

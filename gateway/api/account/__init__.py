@@ -1,0 +1,1 @@
+"""A customer's own account over HTTP: usage, invoices, balance and statements."""

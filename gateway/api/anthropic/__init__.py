@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: its request models, its route, its error shape."""

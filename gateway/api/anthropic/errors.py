@@ -1,0 +1,40 @@
+"""Anthropic's error shape for the gateway's errors: `{"type": "error", "error": {"type", "message"}}`
+with Anthropic's status codes. Apart from the Messages routes (gateway/api/anthropic/messages.py) so that
+what answers before a route runs (the drain's refusal, gateway/http/drain.py) can speak it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import Response
+
+from gateway.http.errors import APIError, EngineOverloaded
+from gateway.http.json_response import json_response
+
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def error_shape(err: APIError) -> tuple[int, dict[str, Any]]:
+    """Anthropic's status and body for one of our errors: a full engine is 529 `overloaded_error`
+    (what Anthropic's SDKs retry); other 5xx are `api_error`, 4xx their Anthropic type."""
+    if isinstance(err, EngineOverloaded):
+        status, kind = 529, "overloaded_error"
+    elif err.status_code >= 500:
+        status, kind = err.status_code, "api_error"
+    else:
+        status, kind = err.status_code, ERROR_TYPES.get(err.status_code, "invalid_request_error")
+    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(err: APIError, request_id: str) -> Response:
+    status, body = error_shape(err)
+    headers = {**err.headers, "request-id": request_id, "x-request-id": request_id}
+    return json_response(body, status, headers)

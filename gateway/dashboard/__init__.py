@@ -1,0 +1,1 @@
+"""The dashboards served by the gateway: pages, sessions, templates and static files."""

@@ -1,0 +1,100 @@
+"""What every dashboard page stands on: the templates and their filters, the security headers
+of every page, the login redirect and message pages, the session and CSRF checks of the forms.
+
+Apart from the pages themselves (gateway/dashboard/views.py, gateway/dashboard/billing.py) so that
+both can use it without importing each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.templating import Jinja2Templates
+
+from billing.ledger.aggregates import usd
+from gateway.http.requests import id_value
+from gateway.dashboard.sessions import Session, current_session, same_origin
+
+templates = Jinja2Templates(directory=str(Path(__file__).resolve().parent / "templates"))
+SECURITY_HEADERS = {
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+    ),
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",  # "no-referrer" would make browsers send Origin: null on POST
+    "cache-control": "no-store",
+}
+
+
+def fmt_int(value: Any) -> str:
+    return f"{int(value or 0):,}"
+
+
+def fmt_ms(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f} ms" if value >= 10 else f"{value:.1f} ms"
+
+
+def fmt_pct(value: Any) -> str:
+    return f"{100.0 * (value or 0):.1f}%"
+
+
+def fmt_usd(nanos: Any) -> str:
+    """Exact dollars from nano-USD, without trailing zeros past the cents: $0.00, $1.50, $0.000123."""
+    whole, _, frac = usd(int(nanos or 0)).partition(".")
+    frac = frac.rstrip("0")
+    return f"${int(whole):,}.{frac.ljust(2, '0')}"
+
+
+templates.env.filters.update(int=fmt_int, ms=fmt_ms, pct=fmt_pct, usd=fmt_usd)
+
+
+def page(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> HTMLResponse:
+    response = templates.TemplateResponse(request, name, context, status_code=status_code)
+    response.headers.update(SECURITY_HEADERS)
+    return response
+
+
+def message_page(request: Request, title: str, text: str, status_code: int, session: Session | None = None) -> HTMLResponse:
+    return page(request, "message.html", {"title": title, "text": text, "session": session}, status_code)
+
+
+def to_login() -> RedirectResponse:
+    return RedirectResponse("/dashboard/login", status_code=303)
+
+
+async def session_or_none(request: Request) -> Session | None:
+    return await current_session(request)
+
+
+async def form_with_csrf(request: Request, session: Session) -> FormData | None:
+    """The POSTed form when its CSRF token (and Origin, when sent) check out; None otherwise."""
+    form = await request.form()
+    token = form.get("csrf_token")
+    if not same_origin(request) or not session.csrf_ok(token if isinstance(token, str) else None):
+        return None
+    return form
+
+
+async def admin_session(request: Request) -> Session | Response:
+    session = await session_or_none(request)
+    if session is None:
+        return to_login()
+    if not session.principal.is_admin:
+        return message_page(request, "Admins only", "This page needs an admin key. You are logged in with a customer key.", 403, session)
+    return session
+
+
+def refused(request: Request, session: Session) -> Response:
+    return message_page(request, "Refused", "The form's security token is missing or wrong. Reload the page and try again.", 403, session)
+
+
+def path_int(request: Request, name: str) -> int | None:
+    return id_value(request.path_params.get(name, ""))

@@ -1,0 +1,127 @@
+"""Request plumbing shared by the routes: bounded JSON bodies and bearer-key authentication."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+
+from billing.keys.store import KeyStore, KeyStoreUnavailable, Principal, looks_like_key
+from gateway.batches.line import batch_line
+from gateway.http.errors import AuthenticationFailed, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied, RequestTimeout, ServiceUnavailable
+
+
+MAX_ID = 2**31 - 1  # ids are 32-bit integers in the database: anything larger is no id at all
+
+
+def id_value(raw: str) -> int | None:
+    """A path or query id: a positive 32-bit integer written in ASCII digits, else None."""
+    if not re.fullmatch(r"[0-9]{1,10}", raw):
+        return None
+    value = int(raw)
+    return value if 1 <= value <= MAX_ID else None
+
+
+def path_id(request: Request, name: str, what: str, param: str = "id") -> int:
+    """The id in the path parameter `name`, or a 404 naming the kind of thing (`what`) not found."""
+    value = id_value(request.path_params[name])
+    if value is None:
+        raise NotFound(f"No such {what}.", param=param)
+    return value
+
+
+def header(request: Request, name: bytes) -> str | None:
+    """A request header's first value by its lower-case `name`, read off the ASGI scope's raw list
+    (ASGI servers give names lower-cased). `request.headers.get` does the same through a KeyError
+    for every absent header, which costs more than the rest of the lookup on the request path."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = header(request, b"content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise PayloadTooLarge(f"request body is larger than the {limit}-byte limit")
+        except ValueError:
+            raise InvalidRequest("invalid Content-Length header") from None
+    chunks = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is larger than the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left (or the read deadline closed it): nobody reads the answer
+        raise RequestTimeout("the request body did not arrive") from None
+    body = b"".join(chunks)
+    if not body:
+        raise InvalidRequest("request body is empty; send a JSON object")
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc.args[0] if exc.args else 'parse error'}") from None
+    if b"\\u0000" in body and _has_nul(value):  # no database text column can hold one
+        raise InvalidRequest("strings must not contain NUL characters (\\u0000)")
+    return value
+
+
+def _has_nul(value: Any) -> bool:
+    stack = [value]  # iterative: JSON may nest deeper than Python's recursion limit
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def bearer_key(request: Request) -> str:
+    given = header(request, b"authorization")
+    if not given:
+        raise AuthenticationFailed(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer sk-...'.", code="missing_api_key"
+        )
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        raise AuthenticationFailed("Authorization header must be 'Bearer <API key>'.")
+    return value.strip()
+
+
+async def authenticate(request: Request, keys: KeyStore, key: str | None = None) -> Principal:
+    """The caller's principal; 401 for a missing or unknown key, 403 for a revoked or expired one.
+    `key`: found elsewhere than in `Authorization: Bearer` (Anthropic's `x-api-key`). A line of a
+    batch (gateway/batches/runner.py) is its batch's principal."""
+    line = batch_line(request.scope)
+    if line is not None:
+        return line.principal
+    key = bearer_key(request) if key is None else key
+    try:
+        principal = await keys.authenticate(key) if looks_like_key(key) else None
+    except KeyStoreUnavailable:
+        raise ServiceUnavailable("The key store is unavailable; retry shortly.", code="database_unavailable", headers={"Retry-After": "1"}) from None
+    if principal is None:
+        raise AuthenticationFailed("Incorrect API key provided.")
+    if principal.revoked:
+        raise PermissionDenied("This API key has been revoked.", code="key_revoked")
+    if principal.expired():
+        raise PermissionDenied("This API key has expired.", code="key_expired")
+    return principal
+
+
+async def authenticate_admin(request: Request, keys: KeyStore) -> Principal:
+    principal = await authenticate(request, keys)
+    if not principal.is_admin:
+        raise PermissionDenied("This endpoint needs an admin key.", code="admin_required")
+    return principal

@@ -1,0 +1,459 @@
+"""Turns a protocol request into one engine stream and meters it.
+
+    prepare()  -> model, key permissions, prompt tokens, context checks (questions only)
+    admit()    -> an Admission (gateway/serving/admission.py): the engine's place (its one capacity check), the worst case reserved, the journal entry
+    metered()  -> the engine stream; its `finally` settles the admission (the one ledger row)
+    complete() -> the same for a one-body answer from an engine that completes natively (one coroutine)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from billing.keys.store import Principal
+from billing.ledger.writer import LedgerWriter, UsageRecord
+from billing.models import utcnow
+from billing.prices.book import EffectivePrice, PriceBook
+from billing.quota import Hold, Limiter
+from engines.base import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_UPSTREAM_CANCELLED,
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    EngineRequestRejected,
+    SamplingParams,
+)
+from gateway.serving.admission import Admission, Meter, share_of
+from gateway.http.errors import (
+    APIError,
+    ContextLengthExceeded,
+    EngineNotReady,
+    InvalidRequest,
+    ModelNotFound,
+    PermissionDenied,
+)
+from gateway.api.anthropic.protocol import MessagesRequest
+from gateway.api.openai.responses_protocol import ResponsesRequest
+from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest, parse
+
+
+log = logging.getLogger("tollgate.serving")
+
+
+@dataclass
+class Generation:
+    """One admitted request on its way through an engine."""
+
+    request_id: str
+    principal: Principal
+    engine: Engine
+    engine_request: EngineRequest
+    kind: str  # "chat" | "text"
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.perf_counter)
+    admitted_at: datetime = field(default_factory=utcnow)  # reset at admission: prices it, names its period
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+    queue_ms: float | None = None
+    estimated: bool = False
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, when it says
+    error: str | None = None
+    cancel_requested: bool = False
+    cut: bool = False  # the server ended it (drain deadline): its row says `interrupted`
+    hold: Hold | None = None  # the admission's, for the row and the headers (Admission owns it)
+    price: EffectivePrice | None = None
+    hit: bool = False  # answered from the response cache
+    hit_nanos: int = 0  # what a cache hit costs, delivered whole
+    api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages | responses | batch
+    batch_id: str | None = None  # the batch it is a line of (api = batch): priced at the batch price
+    stop_sequence: str | None = None  # the stop string that ended it, when the engine says
+    recorded_finish: str | None = None  # the row's finish_reason when the engine's source ended it early (timeout, cancelled)
+
+    @property
+    def model(self) -> str:
+        return self.engine.model_id
+
+    def cancel(self) -> None:
+        """The client left: stop the engine request; the stream ends with `cancelled`."""
+        self.cancel_requested = True
+        cancel = getattr(self.engine, "cancel", None)
+        if cancel is not None:
+            cancel(self.request_id)
+
+    def cut_short(self) -> None:
+        """The server is shutting down: stop the engine request; the stream ends with an error
+        event and the row says `interrupted`."""
+        self.cut = True
+        self.cancel()
+
+
+class CompletionService:
+    def __init__(
+        self,
+        engines: dict[str, Engine],
+        ledger: LedgerWriter,
+        *,
+        limiter: Limiter | None = None,
+        prices: PriceBook | None = None,
+        meter: Meter | None = None,
+    ) -> None:
+        self.engines = engines
+        self.meter = meter or Meter(ledger, limiter=limiter, prices=prices)
+        self.ledger = self.meter.ledger
+        self.limiter = self.meter.limiter
+        self.prices = self.meter.prices
+
+    @property
+    def on_quota_rejected(self) -> list[Any]:
+        return self.meter.on_quota_rejected
+
+    async def admit(self, gen: Generation) -> Admission:
+        """Takes the engine's place, reserves the worst case and journals the admission (Meter.admit);
+        the Admission's `settle()` ends it."""
+        request = gen.engine_request
+        worst_completion = request.max_tokens * request.sequences  # every sequence may run to max_tokens
+        return await self.meter.admit(
+            gen.request_id, gen.principal, gen.model,
+            tokens=gen.prompt_tokens + worst_completion,
+            cost=lambda price: price.cost_nanos(gen.prompt_tokens, worst_completion),
+            row=lambda admission, status: self.row_of(gen, admission, status),
+            slot=(gen.engine, request),
+            cut=gen.cut_short,
+            batch=gen.batch_id is not None,
+        )
+
+    async def admit_hit(self, gen: Generation, prompt: int, completion: int, hit_price: Decimal) -> Admission:
+        """A response-cache hit: no engine place; its tokens count against token limits like the
+        original's, and it costs `hit_price` times what the request would cost (billing/prices/book)."""
+        gen.hit = True
+        admission = await self.meter.admit(
+            gen.request_id, gen.principal, gen.model,
+            tokens=prompt + completion,
+            cost=lambda price: share_of(price.cost_nanos(prompt, completion), hit_price),
+            row=lambda admission, status: self.row_of(gen, admission, status),
+        )
+        gen.prompt_tokens = prompt
+        gen.hit_nanos = share_of(gen.price.cost_nanos(prompt, completion), hit_price) if gen.price else 0
+        return admission
+
+    def row_of(self, gen: Generation, admission: Admission, status: str | None) -> UsageRecord:
+        """The generation's ledger row: `interrupted` while it runs (the journal's), then with its
+        final status (None: the one its state says). A cache hit that was not delivered whole is
+        billed nothing."""
+        gen.admitted_at, gen.price, gen.hold = admission.admitted_at, admission.price, admission.hold
+        if not gen.hit:
+            return self.usage_record(gen, status or final_status(gen))
+        if status is None and gen.finish_reason is not None:
+            record = self.usage_record(gen, "completed")
+            return dataclasses.replace(record, cached=True, cost_nanos=gen.hit_nanos if gen.price else None)
+        gen.completion_tokens = 0
+        record = self.usage_record(gen, status if status == "interrupted" else "cancelled")
+        return dataclasses.replace(record, prompt_tokens=0, completion_tokens=0, cached=True, cost_nanos=0 if gen.price else None)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Waits for background settlements (shutdown and tests)."""
+        await self.meter.drain(timeout)
+
+    def engine_for(self, model: str, principal: Principal) -> Engine:
+        engine = self.engines.get(model)
+        if engine is None:
+            raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
+        if not (principal.may_use(model) or principal.may_use(engine.model_id)):  # an alias or its model
+            raise PermissionDenied(f"This API key may not use the model {model!r}.", param="model", code="model_not_allowed")
+        if not engine.ready:
+            raise EngineNotReady(f"The model {model!r} is still loading; retry shortly.", headers={"Retry-After": "5"})
+        return engine
+
+    def prepare_chat(self, principal: Principal, request: ChatCompletionRequest, request_id: str) -> Generation:
+        engine = self.engine_for(request.model, principal)
+        # An engine that renders tools itself (hf: it has a tool parser) gets the messages as sent and the
+        # tools shown to the model: the prompt counted here is the one it prefills.
+        renders_tools = not engine.passthrough and request.uses_tools() and getattr(engine, "tool_parser", None) is not None
+        messages = request.raw_messages() if engine.passthrough or renders_tools else request.chat_messages()
+        try:
+            prompt_ids = engine.encode_chat(messages, request.prompt_tools()) if renders_tools else engine.encode_chat(messages)
+        except Exception as exc:  # a template may reject a role order
+            raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
+        return self._prepare(engine, principal, request, request_id, prompt_ids, request.requested_max_tokens(), "chat")
+
+    def prepare_text(self, principal: Principal, request: CompletionRequest, request_id: str) -> Generation:
+        engine = self.engine_for(request.model, principal)
+        prompt = request.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = engine.encode_text(prompt)
+            if not prompt_ids:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+        else:
+            vocab = getattr(engine, "vocab_size", None)
+            if any(t < 0 or (vocab is not None and t >= vocab) for t in prompt):
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            prompt_ids = prompt
+        return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "text", api="completions")
+
+    def prepare_messages(self, principal: Principal, request: MessagesRequest, request_id: str) -> Generation:
+        """An Anthropic Messages request, as the chat completion it translates to (`chat_body`)."""
+        engine = self.engine_for(request.model, principal)
+        prompt_ids = self.prompt_of(engine, request.chat_body(), "messages", {})
+        return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "chat", api="messages")
+
+    def prepare_responses(self, principal: Principal, request: ResponsesRequest, request_id: str, history: list[dict[str, Any]]) -> Generation:
+        """An OpenAI Responses request (its instructions, earlier turns from previous_response_id and
+        input), as the chat completion it translates to (`chat_body`)."""
+        engine = self.engine_for(request.model, principal)
+        prompt_ids = self.prompt_of(engine, request.chat_body(history), "input", RESPONSES_PARAMS)
+        try:
+            return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_output_tokens, "chat", api="responses")
+        except InvalidRequest as err:  # the engine's refusal of a chat field: named as the Responses API names it
+            raise renamed(err, RESPONSES_PARAMS) from None
+
+    def prompt_of(self, engine: Engine, body: dict[str, Any], param: str, renames: dict[str, str], *, tools: bool = False) -> list[int]:
+        """The prompt ids of another API's request translated to a chat completion `body`, which
+        this engine must take as it takes a chat completion (the same checks, the same messages);
+        a refusal names the field of the API the client spoke (`renames`). Counted as prepare_chat
+        counts; `tools`: with the tools also where the engine renders them itself (a pass-through
+        one: what it will bill), as count_tokens wants."""
+        chat = chat_equivalent(body, engine.passthrough, renames)
+        renders_tools = not engine.passthrough and chat.uses_tools() and getattr(engine, "tool_parser", None) is not None  # as prepare_chat
+        messages = chat.raw_messages() if engine.passthrough or renders_tools else chat.chat_messages()
+        bills_tools = tool_encoder(engine) if tools and engine.passthrough and chat.prompt_tools() else None
+        try:
+            if renders_tools:
+                return engine.encode_chat(messages, chat.prompt_tools())  # type: ignore[call-arg]
+            return bills_tools(messages, chat.prompt_tools()) if bills_tools is not None else engine.encode_chat(messages)
+        except Exception as exc:  # a template may reject a role order
+            raise InvalidRequest(f"{param} could not be rendered with the model's chat template: {exc}", param=param) from None
+
+    def _prepare(
+        self,
+        engine: Engine,
+        principal: Principal,
+        request: ChatCompletionRequest | CompletionRequest | MessagesRequest | ResponsesRequest,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        kind: str,
+        *,
+        api: str = "chat",
+    ) -> Generation:
+        room = engine.context_length - len(prompt_ids)
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {engine.context_length} tokens; "
+                f"the prompt has {len(prompt_ids)} tokens.",
+                param="messages" if kind == "chat" else "prompt",
+            )
+        choices = getattr(request, "choices", None)  # n (and best_of): OpenAI's generation requests only
+        n, best_of = choices(engine.max_choices) if choices is not None else (1, 1)
+        temperature = 1.0 if request.temperature is None else request.temperature
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            stop=request.stop_sequences(),
+        )
+        engine_request = EngineRequest(
+            request_id=request_id,
+            max_tokens=min(max_tokens, room) if max_tokens is not None else room,
+            sampling=sampling,
+            prompt_token_ids=prompt_ids,
+            extra=request.raw_body or None,
+            account_id=principal.account_id,
+            priority=principal.priority,
+            n=n,
+            best_of=best_of,
+        )
+        try:
+            engine.check_request(engine_request)  # tools, response_format: what this engine honours
+        except EngineRequestRejected as exc:
+            raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from None
+        # The engine's refusal is not asked here: admission asks it once as its first step (Meter.admit:
+        # engine.admit, before any quota is held); answer() asks it for a cache hit, which takes no place.
+        return Generation(
+            request_id=request_id,
+            principal=principal,
+            engine=engine,
+            engine_request=engine_request,
+            kind=kind,
+            stream=bool(request.stream),
+            include_usage=request.include_usage(),
+            prompt_tokens=len(prompt_ids),
+            api=api,
+        )
+
+    async def metered(self, gen: Generation, admission: Admission) -> AsyncIterator[EngineOutput]:
+        """The engine's outputs; whatever happens, the admission is settled (its one ledger row)."""
+        status: str | None = None
+        last: EngineOutput | None = None
+        try:
+            async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
+                async for out in outputs:
+                    if last is not None:
+                        break  # an engine that goes on after its final output: nothing after it counts
+                    self._observe(gen, out)
+                    if gen.cancel_requested and not out.finished:
+                        # The client left before the engine saw the request: closing the stream cancels it.
+                        break
+                    if out.finished:
+                        # Held back until the row is journaled: a client that saw the end has its row. The
+                        # stream is read on to its end (right after this): every layer finishes by itself
+                        # instead of being closed while suspended.
+                        last = out
+                        continue
+                    yield out
+        except Exception as exc:
+            status = "error"
+            gen.error = failure_text(exc)
+            raise
+        finally:
+            admission.settle(status)  # on completion, on engine failure, and when the consumer closes us early
+        if last is not None:
+            yield last
+
+    async def complete(self, gen: Generation, admission: Admission) -> EngineOutput:
+        """`metered()` for a client that wants one body, through the engine's native `complete()`:
+        the final output (earlier ones in its `before`); whatever happens, the admission is settled
+        before the caller sees the result."""
+        failed = False
+        try:
+            out = await gen.engine.complete(gen.engine_request)
+            self._observe(gen, out)
+            return out
+        except Exception as exc:
+            failed, gen.error = True, failure_text(exc)
+            raise
+        finally:
+            admission.settle("error" if failed else None)
+
+    def live_count(self) -> int:
+        return self.meter.live_count()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Whether every admitted request has been settled within `timeout` seconds."""
+        return await self.meter.wait_idle(timeout)
+
+    def cut_live(self) -> int:
+        """Ends every running generation (graceful drain's deadline); returns how many."""
+        return self.meter.cut_live()
+
+    def _observe(self, gen: Generation, out: EngineOutput) -> None:
+        if gen.ttft_ms is None:
+            if out.first_token_at is not None:  # an engine that yields only at the end says when it began
+                gen.ttft_ms = (out.first_token_at - gen.started) * 1000.0
+            elif out.token_ids or out.text or out.raw_choice or out.before:
+                gen.ttft_ms = (time.perf_counter() - gen.started) * 1000.0
+        gen.prompt_tokens = out.prompt_tokens or gen.prompt_tokens
+        gen.completion_tokens = out.completion_tokens
+        gen.estimated = out.estimated  # the latest counts say whether they are estimates
+        if out.queue_ms is not None:
+            gen.queue_ms = out.queue_ms
+        if out.cached_tokens is not None:
+            gen.cached_tokens = out.cached_tokens
+        if out.finished:
+            gen.finish_reason = out.finish_reason
+            gen.error = out.error
+            gen.stop_sequence = out.stop_sequence
+            gen.recorded_finish = out.recorded_finish
+
+    def usage_record(self, gen: Generation, status: str) -> UsageRecord:
+        finish = gen.recorded_finish or gen.finish_reason
+        if status == "cancelled":
+            finish = FINISH_CANCELLED
+        return UsageRecord(
+            request_id=gen.request_id,
+            account_id=gen.principal.account_id,
+            key_id=gen.principal.key_id,
+            model=gen.model,
+            prompt_tokens=gen.prompt_tokens,
+            completion_tokens=gen.completion_tokens,
+            status=status,
+            finish_reason=finish,
+            total_ms=(time.perf_counter() - gen.started) * 1000.0,
+            queue_ms=gen.queue_ms,
+            ttft_ms=gen.ttft_ms,
+            estimated=gen.estimated,
+            cached_tokens=gen.cached_tokens,
+            cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen.price else None,
+            api=gen.api,
+            batch_id=gen.batch_id,
+            admitted_at=gen.admitted_at,
+        )
+
+
+RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input"}  # chat's field -> the Responses API's
+
+
+def renamed(err: APIError, renames: dict[str, str]) -> APIError:
+    """An error about a translated chat completion, naming the field of the API the client spoke."""
+    param = err.param or ""
+    for chat_name, own in renames.items():
+        if param == chat_name or param.startswith(chat_name + ".") or param.startswith(chat_name + "["):
+            err.param = own + param[len(chat_name):] if chat_name != "messages" else own
+            err.message = err.message.replace(chat_name, own)
+            break
+    return err
+
+
+def tool_encoder(engine: Engine) -> Any:
+    """The encode_chat(messages, tools) of the engine that renders tools into its prompts (behind
+    the scheduler and a fallback chain's encoder), or None when it renders none."""
+    while True:
+        if hasattr(engine, "inner"):  # the scheduler's wrapper
+            engine = engine.inner
+        elif hasattr(engine, "encoder"):  # a fallback chain: the engine that counts its prompts
+            engine = engine.encoder()
+        else:
+            break
+    encode = engine.encode_chat
+    return encode if "tools" in inspect.signature(encode).parameters else None
+
+
+def chat_equivalent(body: dict[str, Any], passthrough: bool, renames: dict[str, str]) -> ChatCompletionRequest:
+    """`body` as a chat completion request, refused where a chat completion with it would be for
+    this engine. `stop` is left out of the check: other APIs allow more stop sequences than chat's 4,
+    and the sampling fields come from their own request."""
+    try:
+        return parse(ChatCompletionRequest, {k: v for k, v in body.items() if k != "stop"}, passthrough=passthrough)  # type: ignore[no-any-return]
+    except InvalidRequest as err:
+        raise renamed(err, renames) from None
+
+
+def failure_text(exc: Exception) -> str:
+    """What the ledger row says of a failed generation: an engine's own message, else only the
+    exception's type (its text may hold anything)."""
+    if isinstance(exc, EngineError):
+        return str(exc) or type(exc).__name__
+    return type(exc).__name__
+
+
+def final_status(gen: Generation) -> str:
+    if gen.finish_reason == FINISH_ERROR:
+        return "error"
+    if gen.finish_reason in (None, FINISH_CANCELLED):
+        return "interrupted" if gen.cut else "cancelled"  # cut: the server ended it (drain), not the client
+    if gen.recorded_finish == FINISH_UPSTREAM_CANCELLED:
+        return "interrupted"  # the upstream ended it while the client was there
+    return "completed"
+
+
+def usage_body(gen: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+    }

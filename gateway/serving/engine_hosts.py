@@ -1,0 +1,80 @@
+"""One engine process shared by the workers of `tollgate serve --workers N`.
+
+The supervisor (the process that starts the workers) starts each `hf` model's engine process
+(`process: true`) and each `synthetic` one before the workers, as an engine host: it listens on a
+Unix socket under the data directory and every worker's `HFProcessEngine` connects to it instead of
+starting a child of its own (`connect_to`). The model loads once, the engine's batch is one, and
+each worker admits, meters and streams its own requests (detokenizing too: that is the work that
+more processes share). The scheduler's queue for such an engine lives in the host
+(engines/wrappers/scheduler.py:HostQueue), the one place that sees every worker's requests; each worker's
+own scheduler passes them on. Quotas (Redis) and the ledger (Postgres) were shared already.
+
+    supervisor:  EngineHosts.start()  --spawns-->  engine host (engines/backends/hf_process.py, _host)
+    worker 1..N: HFProcessEngine.connect_to = socket  <--one connection each-->  the host's one batch
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from engines.base import Engine
+from gateway.config import Settings
+
+HOSTED_BACKENDS = ("hf", "synthetic")
+
+
+def hosted(spec: Any) -> bool:
+    """Whether a models-file entry runs in an engine process that workers can share."""
+    if spec.backend == "synthetic":
+        return True
+    if spec.backend != "hf":
+        return False
+    separate = spec.params.get("process")
+    return bool(separate) if separate is not None else str(spec.params.get("device", "cpu")).startswith("cuda")
+
+
+class EngineHosts:
+    """The supervisor's engine hosts: started before the workers, stopped after them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engines: list[Any] = []
+        self.sockets: dict[str, str] = {}  # model id -> the host's socket
+
+    def start(self) -> dict[str, str]:
+        from engines.backends.hf_process import HFProcessEngine
+        from engines.registry import build_engine, load_models
+
+        settings = self.settings
+        table = load_models(settings.engines.models_file, environ=settings.engines.environ)  # type: ignore[arg-type]
+        sched = settings.scheduler
+        queue = {"classes": [(c.name, c.max_wait) for c in sched.priority_classes], "reserve": sched.reserve,
+                 "max_queue": sched.max_queue} if sched.enabled else None
+        for i, spec in enumerate(s for s in table.specs.values() if hosted(s)):
+            engine = build_engine(spec, cache_dir=settings.engines.cache_dir)
+            assert isinstance(engine, HFProcessEngine)
+            path = Path(settings.data_dir).resolve() / f"engine-{settings.http.port}-{i}.sock"
+            path.unlink(missing_ok=True)
+            engine.host = {"listen": str(path), "scheduler": queue}
+            asyncio.run(engine.start())  # loads the model once, here, before any worker asks for it
+            self.engines.append(engine)
+            self.sockets[spec.id] = str(path)
+        return self.sockets
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            asyncio.run(engine.stop())
+        for path in self.sockets.values():
+            Path(path).unlink(missing_ok=True)
+
+
+def connect_hosted(engines: dict[str, Engine], sockets: dict[str, str]) -> None:
+    """In a worker: each engine the supervisor hosts connects to its host instead of starting its own."""
+    from engines.backends.hf_process import HFProcessEngine
+
+    for chain in engines.values():
+        for engine in getattr(chain, "candidates", None) or [chain]:
+            if isinstance(engine, HFProcessEngine) and engine.model_id in sockets:
+                engine.connect_to = sockets[engine.model_id]
