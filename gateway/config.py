@@ -158,7 +158,7 @@ class LedgerSettings:
 
 @dataclass(frozen=True)
 class CreditSettings:
-    """Prepaid credit (gateway/api/account/credits.py)."""
+    """Prepaid credit (gateway/billing.py runs its housekeeping loop; billing/credits/ holds the rules)."""
 
     check_seconds: float = 30.0  # prepaid balances and alerts are checked this often (0: never)
     settle_seconds: float | None = None  # None: 120 s on Postgres, 0 on SQLite

@@ -14,7 +14,9 @@ from billing.prices.book import EffectivePrice
 from engines.base import Engine
 from engines.wrappers.router import route_body
 from gateway.admin import accounts as admin
-from gateway.api.account import invoices as billing_api, credits as credits_api
+from gateway.admin import alerts as admin_alerts, credits as admin_credits, invoices as admin_invoices
+from gateway.api.account import alerts as account_alerts, credits as account_credits, invoices as account_invoices
+from gateway.webhooks import stripe as stripe_webhooks
 from gateway.api.anthropic import messages as anthropic_api
 from gateway.api.openai import embeddings as embeddings_api, responses as openai_responses
 from gateway.dashboard import views as dashboard
@@ -151,8 +153,13 @@ ROUTES = [
     Route("/v1/usage", get_usage, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     *dashboard.routes,
-    *billing_api.routes,
-    *credits_api.routes,
+    *account_invoices.routes,
+    *admin_invoices.routes,
+    *stripe_webhooks.routes,
+    *account_credits.routes,
+    *admin_credits.routes,
+    *account_alerts.routes,
+    *admin_alerts.routes,
     *embeddings_api.routes,
     *anthropic_api.routes,
     *openai_responses.routes,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from billing.ledger.writer import LedgerWriter
     from billing.prices.book import PriceBook
     from billing.quota import Limiter
-    from gateway.api.account.invoices import Billing
+    from gateway.billing import Billing
     from gateway.config import Settings
     from gateway.api.openai.embeddings import EmbeddingService
     from gateway.http.metrics import Metrics

@@ -23,7 +23,7 @@ from billing.prices.book import PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
 from engines.base import Engine, EngineError
 from engines.wrappers.scheduler import ScheduledEngine, schedule_engines
-from gateway.api.account import invoices as billing_api, credits as credits_api
+from gateway import billing
 from gateway.api.openai import embeddings as embeddings_api
 from gateway.serving import cache as response_cache
 from gateway.batches import service as batches
@@ -265,8 +265,8 @@ def lifespan(
         state.sessions = SessionStore(db, state.keys)
         await embeddings_api.start(app)
         await response_cache.start(app)
-        await billing_api.start(app)  # invoices, price overrides, Stripe, monthly close
-        await credits_api.start(app)  # prepaid credit
+        await billing.start(app)  # invoices, price overrides, Stripe, monthly close
+        await billing.start_credits(app)  # prepaid credit
         await batches.start(app)  # the Batch API's stores and runner
         loading: list[asyncio.Task[None]] = []
         state.load_failures = {}
@@ -283,8 +283,8 @@ def lifespan(
             yield
         finally:
             await batches.stop(app)
-            await billing_api.stop(app)
-            await credits_api.stop(app)
+            await billing.stop(app)
+            await billing.stop_credits(app)
             await embeddings_api.stop(app)
             await response_cache.stop(app)
             releasing.cancel()

@@ -19,7 +19,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.admin import accounts as admin
-from gateway.api.account import invoices as billing_api, credits as credits_api
+from gateway.admin import alerts as admin_alerts, credits as admin_credits, invoices as admin_invoices
+from gateway.api.account import credits as account_credits
 from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.api.openai.responses_protocol import ResponsesRequest
 from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -364,7 +365,7 @@ def _batch_paths() -> dict[str, Any]:
 
 
 def _document_paths(account: list[Any], invoice: list[Any]) -> dict[str, Any]:
-    """Billing details, tax rates and credit notes (gateway/api/account/invoices.py)."""
+    """Billing details, tax rates and credit notes (gateway/admin/invoices.py)."""
     note = [_path("note_id", ID)]
     page = {"200": {"description": "The credit note as an HTML page or a PDF file",
                     "content": {"text/html": {"schema": STR}, "application/pdf": {"schema": {"type": "string", "format": "binary"}}}}}
@@ -406,7 +407,7 @@ BILLING_DETAILS_BODY = {
 
 
 def _credit_paths(account: list[Any]) -> dict[str, Any]:
-    """Prepaid credit, Stripe top-ups and spend alerts (gateway/api/account/credits.py)."""
+    """Prepaid credit, Stripe top-ups and spend alerts (gateway/api/account/credits.py, gateway/admin/credits.py, gateway/admin/alerts.py)."""
     balance, alerts = _json(_ref("CreditBalance")), _json(_ref("AlertList"))
     statement, stmt = _json(_ref("PrepaidStatement")), [_path("statement_id", ID)]
     doc_page = {"200": {"description": "The statement as an HTML page or a PDF file", "content": {
@@ -478,14 +479,14 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "CreateAccount": admin.CreateAccount,
     "CreateKey": admin.CreateKey,
     "AddPrice": admin.AddPrice,
-    "CloseRequest": billing_api.CloseRequest,
-    "CreditNoteBody": billing_api.CreditNoteBody,
-    "AddOverride": billing_api.AddOverride,
-    "AddCredit": credits_api.AddCredit,
-    "BillingMode": credits_api.BillingMode,
-    "CheckoutBody": credits_api.Checkout,
-    "Recharge": credits_api.Recharge,
-    "AddAlert": credits_api.AddAlert,
+    "CloseRequest": admin_invoices.CloseRequest,
+    "CreditNoteBody": admin_invoices.CreditNoteBody,
+    "AddOverride": admin_invoices.AddOverride,
+    "AddCredit": admin_credits.AddCredit,
+    "BillingMode": admin_credits.BillingMode,
+    "CheckoutBody": account_credits.Checkout,
+    "Recharge": admin_credits.Recharge,
+    "AddAlert": admin_alerts.AddAlert,
 }
 
 

@@ -18,7 +18,7 @@ from billing.credits.balance import CreditBook, CreditError, parse_usd
 from billing.quota import LedgerTotals, RedisLimiter
 from gateway.cli.billing import CommandError, _account_id, _guarded, _print, _run, _time
 from gateway.config import Settings
-from gateway.api.account.credits import housekeeping
+from billing.credits.housekeeping import housekeeping
 
 
 def _book(settings: Settings, db: Any) -> tuple[CreditBook, Any]:

@@ -5,6 +5,7 @@ gateway/dashboard/views.py, with the account page's other forms).
     GET  /dashboard/invoices/{id}/{html|pdf}       an invoice; a customer's session: its own account's only
     GET  /dashboard/credit_notes/{id}/{html|pdf}   the same for credit notes
     GET  /dashboard/statements/{id}/{html|pdf}     the same for prepaid statements
+    POST /dashboard/checkout                        "Add credit": a Stripe Checkout Session, then its hosted page
 
 A session is the cookie the dashboard login set (gateway.dashboard.sessions); an invoice of another account
 is a 404 page, never a hint that it exists. Every read here goes to the read database (a replica
@@ -16,7 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+from billing.credits.balance import CreditError
+from billing.stripe.checkout import CheckoutService
+from gateway.api.account.credits import cents, credit_book
 from starlette.routing import Route
 
 from billing.invoices.account_state import account_standing
@@ -28,7 +33,7 @@ from billing.invoices.render import (
     render_statement_pdf,
 )
 from billing.invoices.statements import get_statement, list_statements
-from gateway.dashboard.pages import SECURITY_HEADERS, message_page, session_or_none, to_login
+from gateway.dashboard.pages import SECURITY_HEADERS, form_with_csrf, message_page, refused, session_or_none, to_login
 from gateway.http.requests import id_value
 
 STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
@@ -145,8 +150,31 @@ async def session_statement(request: Request) -> Response:
     return await _document(request, "statement")
 
 
+async def dashboard_checkout(request: Request) -> Response:
+    """The customer dashboard's "Add credit" form: a Checkout Session, then Stripe's hosted page."""
+    session = await session_or_none(request)
+    if session is None:
+        return to_login()
+    form = await form_with_csrf(request, session)
+    if form is None:
+        return refused(request, session)
+    checkout: CheckoutService | None = request.app.state.checkout
+    balance = await credit_book(request).balance(session.principal.account_id)  # a session's principal does not carry the mode
+    if checkout is None or balance is None or balance["billing_mode"] != "prepaid":
+        return RedirectResponse("/dashboard/account?checkout=unavailable", status_code=303)
+    base = str(request.base_url).rstrip("/")
+    try:
+        created = await checkout.create_session(
+            session.principal.account_id, cents(str(form.get("amount") or ""), "amount"),
+            success_url=f"{base}/dashboard/account?checkout=done", cancel_url=f"{base}/dashboard/account?checkout=cancelled")
+    except CreditError:
+        return RedirectResponse("/dashboard/account?checkout=invalid", status_code=303)
+    return RedirectResponse(created["url"], status_code=303)
+
+
 routes = [
     Route("/dashboard/invoices/{doc_id}/{fmt}", session_invoice, methods=["GET"]),
     Route("/dashboard/credit_notes/{doc_id}/{fmt}", session_credit_note, methods=["GET"]),
     Route("/dashboard/statements/{doc_id}/{fmt}", session_statement, methods=["GET"]),
+    Route("/dashboard/checkout", dashboard_checkout, methods=["POST"]),
 ]

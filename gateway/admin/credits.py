@@ -1,0 +1,169 @@
+"""Prepaid credit for the admin: an account's credit ledger and billing mode, its statements,
+its auto-recharge, and the periodic credit work run now.
+
+    GET  /admin/accounts/{id}/credits             balance and the latest credit-ledger rows
+    POST /admin/accounts/{id}/credits             {"kind": topup|grant|refund|adjustment, "amount": "10.00",
+                                                   "reason": ..., "expires_at": ...}  (the admin key is recorded)
+    PUT  /admin/accounts/{id}/billing_mode        {"billing_mode": "prepaid" | "postpaid"}
+    GET  /admin/accounts/{id}/statement?period=   a prepaid month, as the customer's /v1/billing/statement
+    GET  /admin/statements                        ?account_id=&period=
+    GET  /admin/statements/{id}[/html|/pdf]
+    POST /admin/credits/housekeeping              billing/credits/housekeeping.py now
+    PUT  /admin/accounts/{id}/recharge            {"recharge_below": "5.00", "recharge_amount": "20.00"} (or nulls: off)
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from billing.credits.balance import CreditError, parse_usd
+from billing.credits.housekeeping import housekeeping
+from billing.invoices.periods import InvalidPeriod, Period
+from billing.invoices.statements import get_statement, list_statements
+from billing.quota import Scope
+from billing.stripe.checkout import CheckoutService
+from gateway.admin.accounts import StrictStr
+from gateway.api.account.credits import cents, checkout_service, credit_book, statement_for, statement_id, statement_response
+from gateway.api.openai.protocol import StrictInt, _Model, parse
+from gateway.http.errors import InvalidRequest, NotFound
+from gateway.http.json_response import json_response
+from gateway.http.requests import authenticate_admin, id_value, path_id, read_json
+
+
+class AddCredit(_Model):
+    kind: str = Field(min_length=1, max_length=16)
+    amount: StrictStr | StrictInt  # USD; a refund may be given positive (it is debited)
+    reason: str | None = Field(default=None, max_length=2000)
+    expires_at: datetime | None = None
+
+    def check_supported(self, passthrough: bool = False) -> None:
+        if self.expires_at is not None and self.expires_at.tzinfo is None:
+            self.expires_at = self.expires_at.replace(tzinfo=timezone.utc)
+
+
+class BillingMode(_Model):
+    billing_mode: str = Field(min_length=1, max_length=16)
+
+    def check_supported(self, passthrough: bool = False) -> None:
+        return None
+
+
+def account_id_param(request: Request) -> int:
+    return path_id(request, "account_id", "account", param="account_id")
+
+
+async def admin_statement(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    return await statement_for(request, account_id_param(request))
+
+
+async def admin_statements(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    raw_account, raw_period = request.query_params.get("account_id"), request.query_params.get("period")
+    account_id = id_value(raw_account) if raw_account else None
+    if raw_account and account_id is None:
+        raise InvalidRequest("account_id must be a positive integer", param="account_id", code="invalid_value")
+    try:
+        period = str(Period.parse(raw_period)) if raw_period else None
+    except InvalidPeriod as exc:
+        raise InvalidRequest(str(exc), param="period", code="invalid_value") from None
+    data = await list_statements(request.app.state.db, account_id=account_id, period=period)
+    return json_response({"object": "list", "data": data})
+
+
+async def admin_statement_document(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    return statement_response(await get_statement(request.app.state.db, statement_id(request)), request)
+
+
+async def admin_credits(request: Request) -> Response:
+    await authenticate_admin(request, request.app.state.keys)
+    account_id = account_id_param(request)
+    balance = await credit_book(request).balance(account_id)
+    if balance is None:
+        raise NotFound(f"No account with id {account_id}.", param="account_id")
+    checkout: CheckoutService | None = request.app.state.checkout
+    recharge = await checkout.settings(account_id) if checkout is not None else None
+    return json_response({**balance, "recharge": recharge, "entries": await credit_book(request).entries(account_id)})
+
+
+async def admin_add_credit(request: Request) -> Response:
+    state = request.app.state
+    principal = await authenticate_admin(request, state.keys)
+    account_id = account_id_param(request)
+    body = parse(AddCredit, await read_json(request, state.settings.http.max_body_bytes))
+    try:
+        nanos = parse_usd(body.amount, "amount", signed=body.kind == "adjustment")
+        if body.kind == "refund":
+            nanos = -abs(nanos)
+        row = await credit_book(request).add(account_id, body.kind, nanos, reason=body.reason, admin_key_id=principal.key_id,
+                                       expires_at=body.expires_at)
+    except CreditError as exc:
+        if exc.param == "account_id":
+            raise NotFound(str(exc), param="account_id") from None
+        raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
+    return json_response(row, 201)
+
+
+async def admin_billing_mode(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    account_id = account_id_param(request)
+    body = parse(BillingMode, await read_json(request, state.settings.http.max_body_bytes))
+    try:
+        result = await credit_book(request).set_mode(account_id, body.billing_mode)
+    except CreditError as exc:
+        raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
+    if result is None:
+        raise NotFound(f"No account with id {account_id}.", param="account_id")
+    state.keys.invalidate()  # the next request of its keys sees the new mode
+    await state.limiter.invalidate(Scope("account", account_id, None))  # type: ignore[arg-type]
+    return json_response(result)
+
+
+class Recharge(_Model):
+    recharge_below: StrictStr | StrictInt | None = None
+    recharge_amount: StrictStr | StrictInt | None = None
+
+    def check_supported(self, passthrough: bool = False) -> None:
+        return None
+
+
+async def admin_recharge(request: Request) -> Response:
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    account_id = account_id_param(request)
+    body = parse(Recharge, await read_json(request, state.settings.http.max_body_bytes))
+    if await state.keys.get_account(account_id=account_id) is None:
+        raise NotFound(f"No account with id {account_id}.", param="account_id")
+    try:
+        below = None if body.recharge_below is None else parse_usd(body.recharge_below, "recharge_below")
+        amount = None if body.recharge_amount is None else cents(body.recharge_amount, "recharge_amount")
+        return json_response(await checkout_service(request).set_recharge(account_id, below, amount))
+    except CreditError as exc:
+        raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
+
+
+async def admin_housekeeping(request: Request) -> Response:
+    """Runs the periodic credit work now (operators, tests)."""
+    state = request.app.state
+    await authenticate_admin(request, state.keys)
+    return json_response(await housekeeping(state.credits, state.db, state.alerts, state.checkout))
+
+
+routes = [
+    Route("/admin/accounts/{account_id}/credits", admin_credits, methods=["GET"]),
+    Route("/admin/accounts/{account_id}/credits", admin_add_credit, methods=["POST"]),
+    Route("/admin/accounts/{account_id}/billing_mode", admin_billing_mode, methods=["PUT"]),
+    Route("/admin/accounts/{account_id}/statement", admin_statement, methods=["GET"]),
+    Route("/admin/statements", admin_statements, methods=["GET"]),
+    Route("/admin/statements/{statement_id}", admin_statement_document, methods=["GET"]),
+    Route("/admin/statements/{statement_id}/{fmt:str}", admin_statement_document, methods=["GET"]),
+    Route("/admin/credits/housekeeping", admin_housekeeping, methods=["POST"]),
+    Route("/admin/accounts/{account_id}/recharge", admin_recharge, methods=["PUT"]),
+]

@@ -1,0 +1,1 @@
+"""Webhooks the gateway receives from the services it bills through."""
