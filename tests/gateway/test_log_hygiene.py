@@ -1,4 +1,4 @@
-"""The defects found by probing the running gateway (issue 19), each pinned by a test that fails
+"""What the logs, metrics and start-up checks must get right, each pinned by a test that fails
 without its fix:
 
 - a client that leaves a non-streamed completion is logged and counted as 499, never 500;
