@@ -31,6 +31,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# `tollgate` run from whichever tree PYTHONPATH names first (`-P`: not this checkout ahead of it), so
+# that bench/overhead.py --rev and bench/overhead_ab.py can serve any revision's code; revisions from
+# before gateway/cli/ was a folder have their entry point at gateway.cli:main.
+TOLLGATE = """import sys
+try:
+    from gateway.cli.main import main
+except ModuleNotFoundError:
+    from gateway.cli import main
+sys.argv[0] = "tollgate"
+sys.exit(main())
+"""
+
+
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -128,8 +141,7 @@ def gateway(database_url: str, upstream: str | None, *, extra_env: dict[str, str
         )
         env["TOLLGATE_MODELS"] = str(models)
     env.update(extra_env or {})
-    exe = Path(sys.executable).with_name("tollgate")
-    with process([str(exe), "serve", "--log-level", "warning"], env, tmp / "serve.log") as proc:
+    with process([sys.executable, "-P", "-c", TOLLGATE, "serve", "--log-level", "warning"], env, tmp / "serve.log") as proc:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc)
         yield f"http://127.0.0.1:{port}", admin
 
