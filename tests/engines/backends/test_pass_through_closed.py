@@ -1,0 +1,253 @@
+"""What an `openai` pool forwards is bounded by what the gateway counted, reserved and billed
+(engines/backends/upstream_params.py INTERNAL, MULTIPLIERS, priority), and what trtllm-serve's and vLLM's
+answers mean (a dead engine's 400, early finish reasons).
+
+The end-to-end tests run a Tollgate on Postgres in front of a scripted upstream
+(tests/fakes/upstream.py) that honours the engine-level fields as the real servers do: a
+`prompt_token_ids` prompt is billed at its length, `best_of` sequences each generate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import sqlalchemy as sa
+
+from billing.db import create_engine
+from engines.backends.upstream_params import ParamPolicy, ParamRefused, check_params
+from tests.engines.backends.test_openai_pool import QUESTION, client_of, pool_yaml, request_id_of
+from tests.fakes.upstream import Behaviour
+
+# Facts read from the upstreams' sources (not from the code under test): the fields no tenant may
+# set, each with a value that would be honoured.
+ENGINE_INTERNAL = {
+    "prompt_token_ids": [1] * 5000,  # trtllm-serve chat: replaces the rendered messages
+    "prompt_token_ids_b64": "AQAAAA==",  # trtllm-serve chat: the same, base64 int32
+    "prompt_embeds": "AAAA",  # vLLM completions: embeddings as the prompt (torch.load on the server)
+    "disaggregated_params": {"request_type": "generation_only", "ctx_request_id": 7,
+                             "ctx_usage": {"prompt_tokens": 0, "total_tokens": 0}},  # trtllm-serve
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1]},  # vLLM
+    "ec_transfer_params": {"do_remote_encode": True},  # vLLM
+    "lora_request": {"lora_name": "x", "lora_int_id": 1, "lora_path": "/etc"},  # trtllm-serve
+    "logits_processors": ["os.system"],  # vLLM (older servers): classes loaded by name
+    "vllm_xargs": {"k": 1},  # vLLM
+    "request_id": "someone-elses",  # vLLM
+    "agent_hierarchy": {"x": 1},  # trtllm-serve SchedulingParams
+    "injected_chat_template_kwargs": ["enable_thinking"],  # trtllm-serve, server-populated
+    "chat_template": "{% for i in range(100000) %}x{% endfor %}",  # a prompt the gateway did not count
+    "documents": [{"title": "t", "text": "long " * 1000}],  # added to the prompt by the template
+}
+TRTLLM_ERROR = {"object": "error", "message": "LLM is shutting down", "type": "BadRequestError", "param": None, "code": 400}
+
+
+async def rows_of(gw: Any, key_id: int) -> list[dict[str, Any]]:
+    """The ledger rows of a key, oldest first."""
+    await gw.flush_ledger()
+    db = create_engine(gw.db_url)
+    try:
+        async with db.connect() as conn:
+            rows = await conn.execute(sa.text(
+                "SELECT status, prompt_tokens, completion_tokens FROM ledger_entries WHERE key_id = :k ORDER BY created_at"), {"k": key_id})
+            return [dict(r._mapping) for r in rows]
+    finally:
+        await db.dispose()
+
+
+# the policy on its own ---------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [None, {"policy": "pass"}, {"policy": "drop", "upstream": "trtllm-serve"},
+                                    {"policy": "drop", "upstream": "vllm"}, {"policy": "pass", "drop": ["user"]}])
+@pytest.mark.parametrize("name", sorted(ENGINE_INTERNAL))
+def test_every_engine_internal_field_is_refused_by_name_whatever_the_policy(config: dict[str, Any] | None, name: str) -> None:
+    policy = ParamPolicy.from_config(config)
+    for chat in (True, False):
+        body = {"model": "m", "messages" if chat else "prompt": QUESTION if chat else "hi", name: ENGINE_INTERNAL[name]}
+        with pytest.raises(ParamRefused) as refused:
+            policy.apply(body, chat=chat)
+        assert refused.value.name == name and f"`{name}`" in str(refused.value)
+
+
+def test_a_model_may_allow_an_internal_field_and_only_those_listed() -> None:
+    policy = ParamPolicy.from_config({"policy": "pass", "allow": ["prompt_token_ids"]})
+    body = {"model": "m", "messages": QUESTION, "prompt_token_ids": [1, 2, 3]}
+    assert policy.apply(body, chat=True) == [] and body["prompt_token_ids"] == [1, 2, 3]
+    with pytest.raises(ParamRefused, match="disaggregated_params"):
+        policy.apply({"model": "m", "messages": QUESTION, "disaggregated_params": {"request_type": "generation_only"}}, chat=True)
+    # with policy: drop the allowed field must also be one the upstream takes, or it is dropped
+    policy = ParamPolicy.from_config({"policy": "drop", "upstream": "vllm", "allow": ["prompt_token_ids"]})
+    body = {"model": "m", "messages": QUESTION, "prompt_token_ids": [1]}
+    assert policy.apply(body, chat=True) == ["prompt_token_ids"]
+    assert "allow lists 'temperature'" in (check_params({"allow": ["temperature"]}) or "")
+    assert check_params({"allow": "prompt_token_ids"}) == "allow must be a list of field names"
+
+
+def test_chat_best_of_beyond_n_is_refused_and_text_best_of_is_the_gateways() -> None:
+    policy = ParamPolicy.from_config(None)
+    with pytest.raises(ParamRefused) as refused:
+        policy.apply({"model": "m", "messages": QUESTION, "best_of": 8}, chat=True)
+    assert refused.value.name == "best_of"
+    assert policy.apply({"model": "m", "messages": QUESTION, "best_of": 1}, chat=True) == []
+    assert policy.apply({"model": "m", "prompt": "hi", "best_of": 2}, chat=False) == []  # parsed and reserved by the gateway
+
+
+def test_a_tenants_priority_is_never_forwarded_and_classes_map_per_upstream() -> None:
+    for config in (None, {"policy": "pass"}, {"policy": "drop", "upstream": "vllm"}, {"policy": "drop", "upstream": "trtllm-serve"}):
+        body = {"model": "m", "messages": QUESTION, "priority": -1000}
+        assert "priority" in ParamPolicy.from_config(config).apply(body, chat=True) and "priority" not in body
+    classes = ("interactive", "standard", "batch")
+    vllm = ParamPolicy.from_config({"policy": "drop", "upstream": "vllm", "priority": "by_class"})
+    trt = ParamPolicy.from_config({"policy": "pass", "upstream": "trtllm-serve", "priority": "by_class"})
+    for p in (vllm, trt):
+        p.use_classes(classes)
+    # vLLM: an integer, lower first (0 is its default); trtllm-serve: a float in [0, 1], higher first
+    assert [vllm.upstream_priority(c) for c in (None, *classes, "unknown")] == [0, 0, 1, 2, 2]
+    assert [trt.upstream_priority(c) for c in (None, *classes, "unknown")] == [1.0, 1.0, 0.5, 0.0, 0.0]
+    explicit = ParamPolicy.from_config({"priority": {"interactive": 0.9, "batch": 0.1}})
+    explicit.use_classes(classes)
+    assert (explicit.upstream_priority(None), explicit.upstream_priority("batch"), explicit.upstream_priority("standard")) == (0.9, 0.1, None)
+    none = ParamPolicy.from_config(None)
+    none.use_classes(classes)
+    assert none.upstream_priority("batch") is None  # nothing configured: nothing sent
+    assert "needs upstream" in (check_params({"priority": "by_class"}) or "")
+    assert "0.0 to 1.0" in (check_params({"policy": "drop", "upstream": "trtllm-serve", "priority": {"batch": 5}}) or "")
+    assert "integer" in (check_params({"policy": "drop", "upstream": "vllm", "priority": {"batch": 0.5}}) or "")
+
+
+# end to end ------------------------------------------------------------------------------------------
+async def test_a_tenant_cannot_spend_past_its_reservation_through_engine_fields(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null") + f"""
+      - id: trusted
+        backend: openai
+        context_length: 8192
+        replicas: [{url}]
+        health_path: null
+        params: {{allow: [prompt_token_ids]}}
+    """)
+    account = await gw.new_account()
+    key = await gw.new_key(account["id"], limits={"monthly_tokens": 1000})
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+    for name, value in [*ENGINE_INTERNAL.items(), ("best_of", 8)]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=5, extra_body={name: value})
+        error = refused.value.body
+        assert refused.value.status_code == 400 and error["param"] == name, (name, error)
+        assert error["type"] == "invalid_request_error" and name in error["message"]
+    assert up.requests == []  # none reached the upstream
+    # refused before admission: nothing held, no row, nothing billed
+    assert await rows_of(gw, key["id"]) == []
+
+    # the same tenant's plain request is within its reservation (prompt + max_tokens) and billed as usual
+    resp = await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=5)
+    assert resp.usage is not None and resp.usage.total_tokens <= 1000
+    # what the refusal prevents: where a model allows prompt_token_ids, the upstream bills that prompt,
+    # far past what the gateway counted and reserved (and past the key's 1,000 tokens)
+    trusted = await client.chat.completions.create(model="trusted", messages=QUESTION, max_tokens=5,
+                                                   extra_body={"prompt_token_ids": ENGINE_INTERNAL["prompt_token_ids"]})
+    assert up.requests[-1].body["prompt_token_ids"] == ENGINE_INTERNAL["prompt_token_ids"]
+    row = await gw.ledger_row(request_id_of(trusted.id))
+    assert row["prompt_tokens"] == 5000 > 1000
+
+
+async def test_the_account_class_goes_upstream_as_each_server_ranks_it(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, model="on-vllm", extra="health_path: null\nparams: {policy: drop, upstream: vllm, priority: by_class}") + f"""
+      - id: on-trtllm
+        backend: openai
+        context_length: 8192
+        replicas: [{url}]
+        health_path: null
+        params: {{policy: pass, upstream: trtllm-serve, priority: by_class}}
+      - id: plain
+        backend: openai
+        context_length: 8192
+        replicas: [{url}]
+        health_path: null
+    """)
+    top = await client_of(gw)
+    batch_account = await gw.new_account()
+    async with gw.admin_client() as admin:
+        r = await admin.patch(f"/admin/accounts/{batch_account['id']}", json={"priority": "batch"})
+        assert r.status_code == 200, r.text
+    batch_key = await gw.new_key(batch_account["id"])
+    batch = openai.AsyncOpenAI(base_url=gw.v1, api_key=batch_key["key"], max_retries=0, timeout=30)
+    sent = {}
+    for who, client in (("top", top), ("batch", batch)):
+        for model in ("on-vllm", "on-trtllm", "plain"):
+            await client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, extra_body={"priority": -7})
+            sent[who, model] = up.requests[-1].body.get("priority", "absent")
+    # default classes: interactive (top), batch
+    assert sent == {("top", "on-vllm"): 0, ("top", "on-trtllm"): 1.0, ("top", "plain"): "absent",
+                    ("batch", "on-vllm"): 1, ("batch", "on-trtllm"): 0.0, ("batch", "plain"): "absent"}
+
+
+async def test_trtllm_serves_dead_engine_400_fails_over_and_ejects(upstreams: Any, tollgate_with: Any) -> None:
+    dead, dead_url = upstreams("dead")
+    alive, alive_url = upstreams("alive")
+    lone, lone_url = upstreams("lone")
+    dead.default = Behaviour(status=400, error_body=TRTLLM_ERROR)
+    gw = tollgate_with(pool_yaml(dead_url, alive_url, extra="health_path: null\neject_after: 3\ncooldown: 600") + f"""
+      - id: lone
+        backend: openai
+        context_length: 8192
+        replicas: [{lone_url}]
+        health_path: null
+    """)
+    client = await client_of(gw)
+    answered = [await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=3) for _ in range(3)]
+    assert all(a.choices[0].message.content for a in answered)
+    replica = gw.pool("pool").replicas[0]
+    assert replica.ejected and replica.ejections == 1
+    assert len(dead.requests) == 1 and len(alive.requests) == 3  # out of rotation after its one 400
+    stream = await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=3, stream=True)
+    assert [c async for c in stream]
+
+    # the same 400 with the words only inside a validation message (a client's text echoed) stays the client's
+    echoed = {**TRTLLM_ERROR, "message": "1 validation error for ChatCompletionRequest\nuser: LLM is shutting down"}
+    lone.script.append(Behaviour(status=400, error_body=echoed))
+    with pytest.raises(openai.BadRequestError, match="validation error"):
+        await client.chat.completions.create(model="lone", messages=QUESTION, max_tokens=3)
+    replica = gw.pool("lone").replicas[0]
+    assert not replica.ejected and replica.failures == 0 and len(lone.requests) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_upstream_timeout_and_cancelled_are_recorded_as_such(upstreams: Any, tollgate_with: Any, stream: bool) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null"))
+    client = await client_of(gw)
+    for upstream_reason, recorded, status in (("timeout", "timeout", "completed"), ("cancelled", "cancelled", "interrupted"),
+                                              ("abort", "cancelled", "interrupted"), ("stop", "stop", "completed")):
+        up.script.append(Behaviour(finish_reason=upstream_reason))
+        if stream:
+            chunks = [c async for c in await client.chat.completions.create(
+                model="pool", messages=QUESTION, max_tokens=20, stream=True, stream_options={"include_usage": True})]
+            finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+            rid = request_id_of(chunks[0].id)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The capital of France is Paris."
+        else:
+            resp = await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=20)
+            finish, rid = resp.choices[0].finish_reason, request_id_of(resp.id)
+        assert finish == ("stop" if upstream_reason == "stop" else "length")  # what OpenAI clients know: cut short
+        row = await gw.ledger_row(rid)
+        assert (row["finish_reason"], row["status"]) == (recorded, status), upstream_reason
+        assert row["completion_tokens"] == 7 and row["estimated"] is False
+
+
+async def test_refusals_keep_the_apis_shape_on_text_completions(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null"))
+    key = await gw.new_key()
+    async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key['key']}"}, timeout=30) as http:
+        r = await http.post("/completions", json={"model": "pool", "prompt": "hi", "max_tokens": 3, "prompt_embeds": "AAAA"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_embeds", r.text
+        r = await http.post("/completions", json={"model": "pool", "prompt": "hi", "max_tokens": 3, "kv_transfer_params": {"a": 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    assert up.requests == []
+
+
+def test_an_upstream_with_policy_pass_names_the_priority_scale_only() -> None:
+    assert "upstream applies only" in (check_params({"policy": "pass", "upstream": "vllm"}) or "")
+    assert check_params({"policy": "pass", "upstream": "vllm", "priority": {"batch": 3}}) is None
+    assert "integer" in (check_params({"policy": "pass", "upstream": "vllm", "priority": {"batch": 0.5}}) or "")

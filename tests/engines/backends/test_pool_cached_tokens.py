@@ -1,0 +1,49 @@
+"""The upstream's cached prompt tokens (usage.prompt_tokens_details.cached_tokens) reach the ledger
+row, /v1/usage and /admin/usage (issue 20), through an `openai` pool configured by models.yaml."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+import openai
+
+from tests.engines.backends.test_openai_pool import QUESTION, pool_yaml, request_id_of
+from tests.fakes.upstream import Behaviour
+
+
+async def test_upstream_cached_tokens_reach_the_ledger_and_the_usage_api(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url))
+    key = await gw.new_key()
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+    up.script.append(Behaviour(usage={"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 96}}))  # type: ignore[dict-item]
+    streamed = [c async for c in await client.chat.completions.create(model="pool", messages=QUESTION, stream=True)]
+    up.script.append(Behaviour(usage={"prompt_tokens": 30, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 16}}))  # type: ignore[dict-item]
+    whole = await client.chat.completions.create(model="pool", messages=QUESTION)
+    up.script.append(Behaviour(usage={"prompt_tokens": 30, "completion_tokens": 7}))  # says nothing of its cache
+    silent = await client.chat.completions.create(model="pool", messages=QUESTION)
+
+    rows = [await gw.ledger_row(request_id_of(i)) for i in (streamed[0].id, whole.id, silent.id)]
+    assert [(r["prompt_tokens"], r["cached_tokens"]) for r in rows] == [(120, 96), (30, 16), (30, None)]
+    await gw.flush_ledger()
+    async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key['key']}"}, timeout=30) as http:
+        usage = (await http.get("/v1/usage", params={"group_by": "model"})).json()
+    assert usage["totals"]["cached_tokens"] == 112 and usage["totals"]["prompt_tokens"] == 180
+    async with gw.admin_client() as admin:
+        body = (await admin.get("/admin/usage", params={"account_id": key["account_id"]})).json()
+    assert body["totals"][0]["cached_tokens"] == 112
+    assert sorted(e["cached_tokens"] or 0 for e in body["entries"]) == [0, 16, 96]
+
+    # the customer dashboard's by-model table shows them in their own column
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=30, headers={"origin": gw.base_url}) as browser:
+        form = (await browser.get("/dashboard/login")).text
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)  # type: ignore[union-attr]
+        assert (await browser.post("/dashboard/login", data={"csrf_token": csrf, "api_key": key["key"]})).status_code == 303
+        html = (await browser.get("/dashboard/account")).text
+    header = re.search(r'id="models-table">\s*<thead><tr>(.*?)</tr>', html).group(1)  # type: ignore[union-attr]
+    row = re.search(r'<tr data-model="pool">(.*?)</tr>', html, re.S).group(1)  # type: ignore[union-attr]
+    columns = re.findall(r"<th>(.*?)</th>", header)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    assert cells[columns.index("cached prompt tokens")] == "112" and cells[columns.index("prompt tokens")] == "180"

@@ -1,0 +1,258 @@
+"""Anthropic's Messages API through the official anthropic SDK against the real model and real
+Postgres: metered exactly like chat (one row per admitted request, `api = "messages"`), Anthropic's
+events, stop reasons and error shapes. Also: the embedding model in /v1/models, and each API's row
+says which API it came through."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway.api.anthropic.messages import error_shape
+from gateway.http.errors import EngineNotReady, EngineOverloaded, InvalidRequest, RateLimited
+from tests.conftest import MODEL, Gateway
+from tests.gateway.serving.test_disconnect import wait_engine_idle
+from tests.gateway.serving.test_quotas import set_limits
+
+SYSTEM = "You are a helpful assistant."
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = [{"role": "user", "content": "Write a very long story about a lighthouse keeper and the sea."}]
+EVENTS = ["message_start", "content_block_start", "ping"]
+ENDING = ["content_block_stop", "message_delta", "message_stop"]
+# The SDK no longer has sampling arguments (newer Claude models take none); the API still does.
+GREEDY = {"temperature": 0}
+
+
+def request_id_of(message_id: str) -> str:
+    return message_id.removeprefix("msg_")
+
+
+@pytest.fixture
+async def claude(gateway: Gateway, customer: dict[str, Any]) -> Any:
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=customer["key"], max_retries=0, timeout=120) as client:
+        yield client
+
+
+async def test_message_answers_like_chat_and_usage_equals_ledger_row(
+    gateway: Gateway, customer: dict[str, Any], claude: Any, client_for: Any
+) -> None:
+    msg = await claude.messages.create(model=MODEL, system=SYSTEM, messages=QUESTION, max_tokens=30, extra_body=GREEDY)
+    assert (msg.type, msg.role, msg.model) == ("message", "assistant", MODEL)
+    assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
+    [block] = msg.content
+    assert block.type == "text" and "Paris" in block.text
+    # The same conversation through chat completions: the same prompt, the same greedy answer.
+    chat = await client_for(customer["key"]).chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=30, temperature=0)
+    assert chat.choices[0].message.content == block.text
+    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+    row = await gateway.only_row(request_id_of(msg.id))
+    assert (row["status"], row["finish_reason"], row["api"]) == ("completed", "stop", "messages")
+    assert (row["account_id"], row["key_id"], row["model"]) == (customer["account_id"], customer["id"], MODEL)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (msg.usage.input_tokens, msg.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(msg.id))  # the engine's own ids
+    assert row["ttft_ms"] is not None and row["total_ms"] >= row["ttft_ms"] > 0
+    assert (await gateway.ledger_row(chat.id.split("-", 1)[1]))["api"] == "chat"
+
+
+async def test_stream_events_in_order_and_usage_equals_ledger_row(gateway: Gateway, claude: Any) -> None:
+    plain = await claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=30, extra_body=GREEDY)
+    async with claude.messages.with_streaming_response.create(
+        model=MODEL, messages=QUESTION, max_tokens=30, extra_body=GREEDY, stream=True
+    ) as raw:
+        names = [line.removeprefix("event: ") async for line in raw.iter_lines() if line.startswith("event: ")]
+    assert names == EVENTS + ["content_block_delta"] * (len(names) - 6) + ENDING  # the SDK's stream hides `ping`
+    stream = await claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=30, extra_body=GREEDY, stream=True)
+    events = [e async for e in stream]
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "content_block_delta"]
+    assert kinds == ["message_start", "content_block_start"] + ["content_block_delta"] * len(deltas) + ENDING
+    assert len(deltas) == len(names) - 6
+    assert len(deltas) > 1 and all(d.delta.type == "text_delta" and d.index == 0 for d in deltas)
+    start, delta = events[0].message, events[-2]
+    assert start.content == [] and start.stop_reason is None and start.usage.output_tokens == 0
+    assert "".join(d.delta.text for d in deltas) == plain.content[0].text
+    assert delta.delta.stop_reason == "end_turn"
+
+    row = await gateway.only_row(request_id_of(start.id))
+    assert (row["status"], row["api"]) == ("completed", "messages")
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (start.usage.input_tokens, delta.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(start.id))
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (plain.usage.input_tokens, plain.usage.output_tokens)
+
+
+async def test_stream_helper_final_message(gateway: Gateway, claude: Any) -> None:
+    async with claude.messages.stream(model=MODEL, messages=LONG, max_tokens=12, extra_body=GREEDY) as stream:
+        text = "".join([t async for t in stream.text_stream])
+        final = await stream.get_final_message()
+    assert final.content[0].text == text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 12
+    row = await gateway.only_row(request_id_of(final.id))
+    assert (row["prompt_tokens"], row["completion_tokens"], row["finish_reason"]) == (final.usage.input_tokens, 12, "length")
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(final.id))
+
+
+async def test_max_tokens_and_stop_sequences(gateway: Gateway, claude: Any) -> None:
+    cut_short = await claude.messages.create(model=MODEL, messages=LONG, max_tokens=5, extra_body=GREEDY)
+    assert (cut_short.stop_reason, cut_short.usage.output_tokens) == ("max_tokens", 5)
+
+    plain = await claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=30, extra_body=GREEDY)
+    assert " is " in plain.content[0].text
+    cut = await claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=30, extra_body=GREEDY, stop_sequences=["zebra", " is"])
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", " is")
+    assert cut.content[0].text == plain.content[0].text.split(" is")[0]
+    assert cut.usage.output_tokens < plain.usage.output_tokens
+    row = await gateway.only_row(request_id_of(cut.id))
+    assert (row["status"], row["finish_reason"], row["completion_tokens"]) == ("completed", "stop", cut.usage.output_tokens)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(cut.id))
+
+    stream = await claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=30, extra_body=GREEDY, stop_sequences=[" is"], stream=True)
+    events = [e async for e in stream]
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == cut.content[0].text
+    assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", " is")
+    assert events[-2].usage.output_tokens == cut.usage.output_tokens
+
+
+async def test_bad_input_is_an_anthropic_400_and_nothing_is_metered(gateway: Gateway, customer: dict[str, Any], claude: Any) -> None:
+    headers = {"x-api-key": customer["key"], "anthropic-version": "2023-06-01"}
+    bad_bodies = {
+        "max_tokens": {"model": MODEL, "messages": QUESTION},
+        "messages[0].role": {"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]},
+        "messages": {"model": MODEL, "max_tokens": 5, "messages": []},
+        "messages[0].content[0].type": {"model": MODEL, "max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        "stop_sequences": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "stop_sequences": "no"},
+        "temperature": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "temperature": 1.5},
+        "tools[0].type": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        "tools[0].input_schema": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tools": [{"name": "f"}]},
+        "tool_choice.type": {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tool_choice": {"type": "sometimes"}},
+        "messages[0].content": {"model": MODEL, "max_tokens": 5, "messages": [  # a result for no tool_use
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "18C"}]}]},
+    }
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=60) as c:
+        for field, body in bad_bodies.items():
+            r = await c.post("/v1/messages", json=body)
+            assert r.status_code == 400, (field, r.text)
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+            assert field in r.json()["error"]["message"], (field, r.text)
+        r = await c.post("/v1/messages", content=b"{not json")
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "invalid_request_error")
+    # The same through the SDK: a typed BadRequestError with Anthropic's body.
+    for messages in ([], [{"role": "system", "content": "hi"}]):
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await claude.messages.create(model=MODEL, messages=messages, max_tokens=5)
+        assert caught.value.status_code == 400
+        assert caught.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as missing_model:
+        await claude.messages.create(model="no-such-model", messages=QUESTION, max_tokens=5)
+    assert missing_model.value.body["error"]["type"] == "not_found_error"
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 0
+    # The server keeps serving.
+    ok = await claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=3, extra_body=GREEDY)
+    assert ok.usage.output_tokens == 3
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 1
+
+
+async def test_keys_x_api_key_and_bearer(gateway: Gateway, customer: dict[str, Any]) -> None:
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key="sk-wrong-" + "x" * 40, max_retries=0) as wrong:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            await wrong.messages.create(model=MODEL, messages=QUESTION, max_tokens=5)
+    assert caught.value.status_code == 401
+    assert caught.value.body == {"type": "error", "error": {"type": "authentication_error", "message": "Incorrect API key provided."}}
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as c:
+        r = await c.post("/v1/messages", json={"model": MODEL, "messages": QUESTION, "max_tokens": 5})
+        assert (r.status_code, r.json()["error"]["type"]) == (401, "authentication_error")
+        assert "x-api-key" in r.json()["error"]["message"]
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, auth_token=customer["key"], max_retries=0) as bearer:
+        msg = await bearer.messages.create(model=MODEL, messages=QUESTION, max_tokens=2, extra_body=GREEDY)
+    assert (await gateway.ledger_row(request_id_of(msg.id)))["key_id"] == customer["id"]
+
+
+async def test_over_quota_is_a_429_rate_limit_error_without_a_row(gateway: Gateway) -> None:
+    key = await gateway.new_key()
+    await set_limits(gateway, f"/admin/keys/{key['id']}", {"monthly_tokens": 40})
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key["key"], max_retries=0) as client:
+        with pytest.raises(anthropic.RateLimitError) as caught:
+            await client.messages.create(model=MODEL, messages=QUESTION, max_tokens=100)
+    assert caught.value.status_code == 429
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "rate_limit_error"
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=key["id"]) == 0
+
+
+async def test_disconnect_mid_stream_leaves_one_cancelled_row(gateway: Gateway, customer: dict[str, Any]) -> None:
+    received = ""
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=customer["key"], max_retries=0) as client:
+        async with client.messages.with_streaming_response.create(
+            model=MODEL, messages=LONG, max_tokens=200, extra_body=GREEDY, stream=True
+        ) as response:
+            request_id = response.headers["request-id"]
+            deltas = 0
+            async for line in response.iter_lines():
+                if line.startswith("data: ") and '"text_delta"' in line:
+                    received += anthropic_text(line)
+                    deltas += 1
+                    if deltas == 3:
+                        break
+        # leaving the block closes the connection mid-generation
+    await wait_engine_idle(gateway, within=2.0)
+    row = await gateway.ledger_row(request_id)
+    assert (row["status"], row["finish_reason"], row["api"]) == ("cancelled", "cancelled", "messages")
+    assert row["prompt_tokens"] == len(gateway.engine.encode_chat(LONG))
+    seen = len(gateway.engine.encode_text(received))
+    assert seen <= row["completion_tokens"] <= seen + 1 < 200
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(request_id=request_id) == 1
+
+
+def anthropic_text(line: str) -> str:
+    return str(json.loads(line[len("data: "):])["delta"]["text"])
+
+
+async def test_count_tokens_equals_the_billed_prompt(gateway: Gateway, claude: Any) -> None:
+    counted = await claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=QUESTION)
+    msg = await claude.messages.create(model=MODEL, system=SYSTEM, messages=QUESTION, max_tokens=2, extra_body=GREEDY)
+    assert counted.input_tokens == msg.usage.input_tokens
+    without_system = await claude.messages.count_tokens(model=MODEL, messages=QUESTION)
+    assert without_system.input_tokens == len(gateway.engine.encode_chat(QUESTION)) != counted.input_tokens
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=(await gateway.ledger_row(request_id_of(msg.id)))["key_id"]) == 1
+
+
+def test_error_shapes_and_statuses() -> None:
+    assert error_shape(EngineOverloaded("full")) == (529, {"type": "error", "error": {"type": "overloaded_error", "message": "full"}})
+    assert error_shape(EngineNotReady("loading"))[0:1] == (503,) and error_shape(EngineNotReady("x"))[1]["error"]["type"] == "api_error"
+    assert error_shape(RateLimited("slow down"))[1]["error"]["type"] == "rate_limit_error"
+    assert error_shape(InvalidRequest("bad"))[0] == 400
+
+
+async def test_embedding_model_is_listed_and_retrievable(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    embedded = await client.embeddings.create(model="all-minilm-l6-v2", input="hello")  # also: it has loaded
+    listed = {m.id: m for m in (await client.models.list()).data}
+    assert set(listed) == {MODEL, "all-minilm-l6-v2"}
+    card = await client.models.retrieve("all-minilm-l6-v2")
+    assert (card.id, card.object, card.type, card.dimensions) == ("all-minilm-l6-v2", "model", "embedding", len(embedded.data[0].embedding))
+    assert listed["all-minilm-l6-v2"].dimensions == 384
+    narrow = await gateway.new_key(customer["account_id"], models=[MODEL])
+    narrow_client = client_for(narrow["key"])
+    assert [m.id for m in (await narrow_client.models.list()).data] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        await narrow_client.models.retrieve("all-minilm-l6-v2")
+
+
+async def test_each_row_says_which_api(gateway: Gateway, customer: dict[str, Any], client_for: Any) -> None:
+    client = client_for(customer["key"])
+    raw = await client.embeddings.with_raw_response.create(model="all-minilm-l6-v2", input="hello")
+    text = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
+    assert (await gateway.ledger_row(raw.headers["x-request-id"]))["api"] == "embeddings"
+    assert (await gateway.ledger_row(text.id.split("-", 1)[1]))["api"] == "completions"

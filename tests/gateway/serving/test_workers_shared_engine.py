@@ -1,0 +1,155 @@
+"""`tollgate serve --workers 2` over one engine process (gateway/serving/engine_hosts.py): the engine loads
+once and its batch is one, each worker streams its own requests, the shared quota and the ledger stay
+exact, and the scheduler's reserve applies to the engine as a whole (its queue is in the engine host).
+The engine is the `synthetic` one (engines/backends/synthetic.py: the hf engine process's pipe, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from openai import AsyncOpenAI
+
+from engines.backends.synthetic import TEXT
+from tests.conftest import REDIS_URL, require_redis, run_coro, seconds_to_room_in_minute
+from tests.gateway.serving.test_workers import journal_finals
+from tests.processes import GatewayProcess
+
+MODELS = """models:
+  - id: synth
+    backend: synthetic
+    step_ms: {step_ms}
+    max_batch_size: 4
+    max_queue: 64
+"""
+
+
+def start(fresh_pg_database: Any, tmp_path: Path, step_ms: float, **env: str) -> GatewayProcess:
+    require_redis(REDIS_URL)
+    models = tmp_path / "models.yaml"
+    models.write_text(MODELS.format(step_ms=step_ms))
+    return GatewayProcess(
+        fresh_pg_database(), tmp_path / "data", "sk-admin-" + uuid.uuid4().hex, REDIS_URL=REDIS_URL,
+        TOLLGATE_REDIS_PREFIX=f"tgtest:se:{uuid.uuid4().hex[:8]}:", TOLLGATE_WORKERS="2", TOLLGATE_MODELS=str(models),
+        TOLLGATE_EMBEDDINGS="off", TOLLGATE_REDIS_TIMEOUT_MS="1000", **env,
+    ).start()
+
+
+async def stream(client: httpx.AsyncClient, key: str, max_tokens: int, on_first: Any = None) -> tuple[str, int, float]:
+    """One streamed completion through the openai SDK on this client's connections: (text, usage's
+    completion tokens, seconds to the first content); `on_first` is told when the first content comes."""
+    sdk = AsyncOpenAI(base_url=str(client.base_url) + "/v1", api_key=key, max_retries=0, http_client=client)
+    started = time.perf_counter()
+    first: float | None = None
+    text, tokens = "", -1
+    async for chunk in await sdk.chat.completions.create(model="synth", messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens,
+                                                         stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - started
+                if on_first is not None:
+                    on_first(first)
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return text, tokens, first if first is not None else float("inf")
+
+
+def test_two_workers_share_one_engine_process_with_exact_quota_and_ledger(fresh_pg_database: Any, tmp_path: Path) -> None:
+    gw = start(fresh_pg_database, tmp_path, step_ms=2)
+    try:
+        assert gw.proc is not None
+        workers = gw.workers()
+        assert len(workers) == 2
+        engines = [p for p in psutil.Process(gw.proc.pid).children(recursive=True) if "engines.backends.synthetic" in " ".join(p.cmdline())]
+        assert len(engines) == 1 and engines[0].ppid() == gw.proc.pid  # one engine, the supervisor's, none per worker
+
+        made = run_coro(gw.new_key())
+        key = made["key"]
+        with httpx.Client(base_url=gw.base_url, headers={"Authorization": f"Bearer {gw.admin_key}"}, timeout=30) as admin:
+            assert admin.patch(f"/admin/keys/{made['id']}", json={"limits": {"rpm": 12}}).status_code == 200
+
+        async def fire() -> list[Any]:
+            clients = [await gw.client_on_worker(w, timeout=60) for w in workers]
+            try:
+                answers: list[Any] = []
+                for _ in range(8):  # one stream on each worker at once, 16 in all against rpm 12
+                    answers += await asyncio.gather(*(stream(c, key, 24) for c in clients), return_exceptions=True)
+                return answers
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        time.sleep(seconds_to_room_in_minute(30))  # the 16 requests in one minute's window
+        answers = run_coro(fire())
+        served = [a for a in answers if not isinstance(a, BaseException)]
+        refused = [a for a in answers if isinstance(a, BaseException)]
+        assert len(served) == 12 and all(getattr(e, "status_code", None) == 429 for e in refused), refused  # one limit across both
+        for text, tokens, _first in served:
+            assert tokens == 24 and text and text in TEXT * 3  # the engine's ids, detokenized in the worker
+
+        per_worker = [journal_finals(gw.data_dir / name) for name in ("journal", "journal-1")]
+        assert all(per_worker) and per_worker[0].isdisjoint(per_worker[1])  # both workers served
+        assert len(per_worker[0] | per_worker[1]) == 12
+
+        async def usage() -> dict[str, Any]:
+            async with gw.admin() as admin:
+                deadline = time.monotonic() + 30
+                while True:  # rows reach the database within the writers' linger
+                    accounts = (await admin.get("/admin/accounts")).json()
+                    totals: dict[str, Any] = {}
+                    for account in accounts if isinstance(accounts, list) else accounts.get("data", []):
+                        got = (await admin.get("/v1/usage", params={"account_id": account["id"]})).json().get("totals", {})
+                        if got.get("requests"):
+                            totals = got
+                    if totals.get("requests") == 12 or time.monotonic() > deadline:
+                        return totals
+                    await asyncio.sleep(0.2)
+
+        totals = run_coro(usage())
+        assert totals["requests"] == 12 and totals["completion_tokens"] == 12 * 24, totals
+    finally:
+        gw.stop()
+
+
+def test_the_reserve_holds_for_the_engine_as_a_whole_across_workers(fresh_pg_database: Any, tmp_path: Path) -> None:
+    # A heavy account fills the engine's regular slots (3 of 4, reserve 1) through both workers; a light
+    # account's request then takes the reserved slot at once. With a queue per worker each would let 3 in,
+    # the batch would fill with heavy streams and the light one would wait inside the engine behind them.
+    gw = start(fresh_pg_database, tmp_path, step_ms=5, TOLLGATE_SCHEDULER_RESERVE="1")
+    try:
+        workers = gw.workers()
+        heavy, light = run_coro(gw.new_key())["key"], run_coro(gw.new_key())["key"]
+
+        async def scenario() -> tuple[list[Any], Any]:
+            started: list[float] = []
+            # Four connections on each worker: both workers send the heavy account's requests.
+            conns = [await gw.client_on_worker(workers[i % 2], timeout=60) for i in range(8)]
+            try:
+                heavy_runs = [asyncio.create_task(stream(c, heavy, 300, started.append)) for c in conns]
+                deadline = time.monotonic() + 30
+                while len(started) < 3:  # the regular slots are all taken by the heavy account
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                b = await gw.client_on_worker(workers[1], timeout=60)
+                try:
+                    light_run = await stream(b, light, 8)
+                finally:
+                    await b.aclose()
+                return await asyncio.gather(*heavy_runs), light_run
+            finally:
+                for c in conns:
+                    await c.aclose()
+
+        heavy_runs, (text, tokens, first) = run_coro(scenario())
+        assert tokens == 8 and text
+        assert all(t == 300 for _, t, _ in heavy_runs)
+        # Each heavy stream runs 300 steps of 5 ms (1.5 s or more); the light one waits for none of them.
+        assert first < 1.0, first
+    finally:
+        gw.stop()
