@@ -10,7 +10,7 @@ not expired when each row finished first (earliest expiry first), then purchased
 usage is posted the balance equals the sum of the credit ledger. An expired grant's unused rest is
 removed by an `expiry` row (unique per grant), never by editing.
 
-Admission does not read this module: the quota limiter (billing/quota.py) holds each prepaid
+Admission does not read this module: the quota limiter (billing/quota/) holds each prepaid
 account's credits and spent usage, seeded from `prepaid_totals` and told of every new credit row
 by `CreditBook` (and by `sync_recent` for rows written elsewhere: the CLI, another instance).
 """
