@@ -260,28 +260,21 @@ def _read_commands(conn: Any, loop: asyncio.AbstractEventLoop, handlers: dict[st
     loop.call_soon_threadsafe(end)
 
 
-async def _serve(owner: Connection) -> None:
+def listen(engine: Any, address: str, scheduler: dict[str, Any] | None) -> tuple[Any, tuple[Any, ...]]:
+    """Serves a started TRTLLMEngine's LLM to the workers that connect to `address` (this process's
+    event loop runs their requests); returns the listener (close it to stop accepting) and the hello."""
     from multiprocessing.connection import Listener
 
     from engines.scheduler import HostQueue, PriorityClass
-    from engines.trtllm import TRTLLMEngine
 
-    model_id, params, host = owner.recv()
-    engine = TRTLLMEngine(model_id=model_id, **params)
-    try:
-        await engine.start()
-    except BaseException as exc:  # the supervisor reports it; nothing else would
-        owner.send(("failed", f"model {model_id!r} failed to load: {type(exc).__name__}: {exc}"))
-        return
     loop = asyncio.get_running_loop()
-    sched = host.get("scheduler")
-    queue = HostQueue(model_id, engine.max_batch_size, reserve=sched["reserve"], max_queue=sched["max_queue"],
-                      classes=tuple(PriorityClass(n, w) for n, w in sched["classes"])) if sched else None
+    queue = HostQueue(engine.model_id, engine.max_batch_size, reserve=scheduler["reserve"], max_queue=scheduler["max_queue"],
+                      classes=tuple(PriorityClass(n, w) for n, w in scheduler["classes"])) if scheduler else None
     state = _Host(engine, loop, queue)
     args = {name: getattr(engine._llm.args, name, None) for name in ARGS}
     tokenizer = engine._llm.tokenizer
     hello = ("ready", args, getattr(tokenizer, "tokenizer", tokenizer))
-    listener = Listener(host["listen"], "AF_UNIX")
+    listener = Listener(address, "AF_UNIX")
 
     def accept() -> None:
         worker = 0
@@ -296,7 +289,22 @@ async def _serve(owner: Connection) -> None:
             threading.Thread(target=_read_commands, args=(conn, loop, handlers, lambda k=worker: state.drop(k)), daemon=True).start()
 
     threading.Thread(target=accept, name="tollgate-trtllm-accept", daemon=True).start()
+    return listener, hello
+
+
+async def _serve(owner: Connection) -> None:
+    from engines.trtllm import TRTLLMEngine
+
+    model_id, params, host = owner.recv()
+    engine = TRTLLMEngine(model_id=model_id, **params)
+    try:
+        await engine.start()
+    except BaseException as exc:  # the supervisor reports it; nothing else would
+        owner.send(("failed", f"model {model_id!r} failed to load: {type(exc).__name__}: {exc}"))
+        return
+    listener, hello = listen(engine, host["listen"], host.get("scheduler"))
     owner.send(hello[:2] + (None,))
+    loop = asyncio.get_running_loop()
     stopped = loop.create_future()
     threading.Thread(target=_read_commands, args=(owner, loop, {}, lambda: stopped.done() or stopped.set_result(None)), daemon=True).start()
     await stopped
