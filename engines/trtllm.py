@@ -454,7 +454,8 @@ class TRTLLMEngine(Engine):
     # lifecycle --------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self._ready
+        # A shared engine host that is gone (SharedLLM.dead) is not ready before any request finds out.
+        return self._ready and getattr(self._llm, "dead", None) is None
 
     def _checkpoint_context(self) -> int | None:
         config = Path(self.model_path) / "config.json"

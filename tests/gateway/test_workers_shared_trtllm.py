@@ -236,3 +236,43 @@ def test_a_worker_killed_mid_stream_leaves_the_trtllm_engine_serving(fresh_pg_da
         assert records(record)[-1]["pid"] == host.pid
     finally:
         gw.stop()
+
+
+def test_the_engine_host_killed_turns_every_worker_not_ready(fresh_pg_database: Any, tmp_path: Path) -> None:
+    gw, _record = start(fresh_pg_database, tmp_path)
+    try:
+        workers = gw.workers()
+        key = run_coro(gw.new_key())["key"]
+        engine_host(gw).kill()  # SIGKILL: the LLM is gone, and every worker's connection to it with it
+
+        async def after() -> list[Any]:
+            answers = []
+            for worker in workers:
+                client = httpx.AsyncClient(base_url=gw.base_url, limits=httpx.Limits(max_connections=1))
+                others = [w for w in workers if w.pid != worker.pid]
+                try:
+                    deadline = time.monotonic() + 30
+                    while True:  # this worker's /readyz (the others stopped for the one request, as client_on_worker does)
+                        for other in others:
+                            other.suspend()
+                        try:
+                            status = (await client.get("/readyz")).status_code
+                        finally:
+                            for other in others:
+                                other.resume()
+                        if status == 503:
+                            break
+                        assert time.monotonic() < deadline, "a worker still ready with its engine host gone"
+                        await asyncio.sleep(0.05)
+                    sdk = AsyncOpenAI(base_url=gw.base_url + "/v1", api_key=key, max_retries=0, http_client=client)
+                    try:
+                        await sdk.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], stream=True)
+                    except Exception as exc:  # noqa: BLE001 - the answer is what is checked
+                        answers.append(getattr(exc, "status_code", exc))
+                finally:
+                    await client.aclose()
+            return answers
+
+        assert run_coro(after()) == [503, 503]
+    finally:
+        gw.stop()
