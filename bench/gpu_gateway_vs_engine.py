@@ -134,6 +134,47 @@ def engine_kwargs(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
                 cache_dir=default_cache_dir(os.environ))
 
 
+def models_file(args: argparse.Namespace, model_path: str) -> str:
+    """The models-file entry for what `gateway_env` sets: the form `tollgate serve --workers N` needs."""
+    return ("models:\n  - id: bench\n    backend: hf\n    process: true\n"
+            f"    model_path: {json.dumps(model_path)}\n    device: {json.dumps(args.device)}\n    max_batch_size: {args.batch_size}\n"
+            f"    max_queue: {args.max_queue}\n    kv_cache_tokens: {args.kv_cache_tokens}\n    max_batch_tokens: {args.max_batch_tokens}\n")
+
+
+def fresh_postgres(server: str) -> str:
+    """A new database on the Postgres server at `server` (postgresql://user@host:port) for one gateway's ledger."""
+    import asyncpg
+
+    name = f"tollgate_gpu_{uuid.uuid4().hex[:10]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(server + "/postgres")
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    return f"{server}/{name}"
+
+
+def ledger_query(database: str | Path, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of `sql` from the gateway's ledger: a SQLite file, or a Postgres URL."""
+    if isinstance(database, Path):
+        with sqlite3.connect(database) as conn:
+            return conn.execute(sql).fetchall()
+    import asyncpg
+
+    async def fetch() -> list[tuple[Any, ...]]:
+        conn = await asyncpg.connect(database)
+        try:
+            return [tuple(r) for r in await conn.fetch(sql)]
+        finally:
+            await conn.close()
+
+    return asyncio.run(fetch())
+
+
 def gateway_env(args: argparse.Namespace, model_path: str) -> dict[str, str]:
     return {"TOLLGATE_MODEL_PATH": model_path, "TOLLGATE_MODEL_ID": "bench", "TOLLGATE_DEVICE": args.device,
             "TOLLGATE_MAX_BATCH_SIZE": str(args.batch_size), "TOLLGATE_MAX_QUEUE": str(args.max_queue),
@@ -290,17 +331,42 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
+def split_processes(pid: int) -> tuple[list[int], list[int]]:
+    """(the engine process, every gateway process) under `tollgate serve` at `pid`: with `--workers N`
+    the supervisor's children are the engine host and the workers."""
+    engine, gateway, todo = [], [pid], child_pids(pid)
+    while todo:
+        child = todo.pop()
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"engines.backends.hf_process" in cmdline:
+            engine.append(child)
+        else:
+            gateway.append(child)
+            todo.extend(child_pids(child))
+    return engine, gateway
+
+
 class GatewayRun:
     """`tollgate serve` in its own process with full metering; `run(level, seed)` measures one level
     through it; `finish()` checks the ledger of every request sent."""
 
-    def __init__(self, args: argparse.Namespace, model_path: str, label: str, extra_env: dict[str, str]) -> None:
-        self.args, self.label = args, label
+    def __init__(self, args: argparse.Namespace, model_path: str, label: str, extra_env: dict[str, str], workers: int = 1) -> None:
+        self.args, self.label, self.workers = args, label, workers
         self.tmp = Path(tempfile.mkdtemp(prefix="tollgate-gpu-bench-"))
         self.port, admin = free_port(), "sk-bench-admin-" + uuid.uuid4().hex
+        self.database = fresh_postgres(args.postgres) if args.postgres else None
         env = dict(os.environ, TOLLGATE_PORT=str(self.port), TOLLGATE_DATA_DIR=str(self.tmp), TOLLGATE_ADMIN_KEY=admin,
-                   DATABASE_URL=f"sqlite:///{self.tmp}/ledger.db", TOLLGATE_SECRET="bench-" + uuid.uuid4().hex)
-        env.update(gateway_env(args, model_path))
+                   DATABASE_URL=self.database or f"sqlite:///{self.tmp}/ledger.db", TOLLGATE_SECRET="bench-" + uuid.uuid4().hex)
+        if args.postgres:  # as `--workers N` runs: a models file (the hf engine process the workers share), Redis quotas
+            models = self.tmp / "models.yaml"
+            models.write_text(models_file(args, model_path))
+            env.update(TOLLGATE_MODELS=str(models), REDIS_URL=args.redis, TOLLGATE_REDIS_PREFIX=f"tgbench:g:{uuid.uuid4().hex[:6]}:",
+                       TOLLGATE_WORKERS=str(workers))
+        else:
+            env.update(gateway_env(args, model_path))
         env.update(extra_env)
         self.admin = admin
         self.log = open(self.tmp / "serve.log", "wb")
@@ -319,23 +385,32 @@ class GatewayRun:
         self.key = httpx.post(f"{base}/admin/keys", json={"account_id": account["id"]}, headers=h).json()
         httpx.patch(f"{base}/admin/keys/{self.key['id']}", json={"limits": {"rpm": 1_000_000, "tpm": 1_000_000_000, "monthly_tokens": 10_000_000_000}},
                     headers=h).raise_for_status()
-        self.engine_pids = child_pids(self.proc.pid)
+        self.engine_pids, self.gateway_pids = split_processes(self.proc.pid)
         self.vocab = vocab
         # One request first, as the engine alone has its warm-up: the gateway's first request reads
         # the key, the prices and the quota counters from the database (once per process).
-        warm = asyncio.run(self._one(-1, prompts(1, self.args.isl, vocab, seed=0)[0]))
-        if warm.error:
-            raise RuntimeError(f"the warm-up request failed: {warm.error}")
-        self.runs.append((0, 1, warm.tokens))
+        # With --workers N, /readyz answered by one worker says nothing of the others' engine
+        # connections: each warm-up is retried while a worker answers 503 (still loading), and
+        # 2N - 1 of them go through so that every worker has served one, most likely.
+        ok, tokens, deadline = 0, 0, time.monotonic() + 300
+        while ok < 2 * self.workers - 1:
+            warm = asyncio.run(self._one(-1, prompts(1, self.args.isl, vocab, seed=ok)[0]))
+            if warm.error and " 503 " in warm.error and time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            if warm.error:
+                raise RuntimeError(f"the warm-up request failed: {warm.error}")
+            ok, tokens = ok + 1, tokens + warm.tokens
+        self.runs.append((0, ok, tokens))
 
     async def _one(self, i: int, ids: list[int]) -> Timing:
         return await sse_request(self.port, self.key["key"], ids, self.args.osl)
 
     def run(self, level: int, seed: int) -> dict[str, Any]:
         batch = prompts(requests_at(level), self.args.isl, self.vocab, seed=seed)
-        before = {"gateway": cpu_seconds(self.proc.pid), "engine_process": sum(cpu_seconds(p) for p in self.engine_pids)}
+        before = {"gateway": sum(cpu_seconds(p) for p in self.gateway_pids), "engine_process": sum(cpu_seconds(p) for p in self.engine_pids)}
         results, wall = asyncio.run(run_level(level, batch, self._one))
-        cpu = {"gateway": cpu_seconds(self.proc.pid) - before["gateway"]}
+        cpu = {"gateway": sum(cpu_seconds(p) for p in self.gateway_pids) - before["gateway"]}
         if self.engine_pids:
             cpu["engine_process"] = sum(cpu_seconds(p) for p in self.engine_pids) - before["engine_process"]
         cell = summarize(results, wall, cpu)
@@ -347,8 +422,9 @@ class GatewayRun:
     def finish(self, cells: list[dict[str, Any]]) -> dict[str, Any]:
         """The ledger's verdict over every request sent; each cell (in the order run, without the
         warm-up) gets the gateway's own TTFT and queue p50 from its rows."""
-        ledger = ledger_check(self.tmp / "ledger.db", sum(n for _, n, _ in self.runs), sum(t for _, _, t in self.runs))
-        for cell, (ttft, queue) in zip(cells, ledger_timings(self.tmp / "ledger.db", [n for _, n, _ in self.runs[1:]], skip=1)):
+        db = self.database or self.tmp / "ledger.db"
+        ledger = ledger_check(db, sum(n for _, n, _ in self.runs), sum(t for _, _, t in self.runs))
+        for cell, (ttft, queue) in zip(cells, ledger_timings(db, [n for _, n, _ in self.runs[1:]], skip=self.runs[0][1])):
             cell["ledger_ttft_p50_ms"], cell["ledger_queue_p50_ms"] = ttft, queue
         return ledger
 
@@ -377,12 +453,11 @@ def through_gateway(args: argparse.Namespace, model_path: str, vocab: int, label
         gw.close()
 
 
-def ledger_timings(db: Path, counts: list[int], skip: int = 0) -> list[tuple[float | None, float | None]]:
+def ledger_timings(db: Path | str, counts: list[int], skip: int = 0) -> list[tuple[float | None, float | None]]:
     """Per level (rows in insertion order after `skip` warm-up rows, levels one after another): the
     gateway's own view of the first token (ttft_ms, from the parsed request) and of the time queued
     (queue_ms), p50."""
-    with sqlite3.connect(db) as conn:
-        rows = conn.execute("SELECT ttft_ms, queue_ms FROM ledger_entries ORDER BY id").fetchall()
+    rows = ledger_query(db, "SELECT ttft_ms, queue_ms FROM ledger_entries ORDER BY id")
     out, start = [], skip
     for n in counts:
         part = rows[start : start + n]
@@ -391,17 +466,16 @@ def ledger_timings(db: Path, counts: list[int], skip: int = 0) -> list[tuple[flo
     return out
 
 
-def ledger_check(db: Path, requests: int, usage_tokens: int) -> dict[str, Any]:
+def ledger_check(db: Path | str, requests: int, usage_tokens: int) -> dict[str, Any]:
     """The ledger's rows once the writer has caught up (bounded wait: it flushes every few ms)."""
     deadline = time.monotonic() + 30
     while True:
-        with sqlite3.connect(db) as conn:
-            rows = conn.execute("SELECT status, count(*), coalesce(sum(completion_tokens), 0) FROM ledger_entries GROUP BY status").fetchall()
+        rows = ledger_query(db, "SELECT status, count(*), coalesce(sum(completion_tokens), 0) FROM ledger_entries GROUP BY status")
         total = sum(r[1] for r in rows)
         if total >= requests or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    by_status = {r[0]: {"rows": r[1], "completion_tokens": r[2]} for r in rows}
+    by_status = {r[0]: {"rows": int(r[1]), "completion_tokens": int(r[2])} for r in rows}
     completed = by_status.get("completed", {"rows": 0, "completion_tokens": 0})
     return {"rows": by_status, "exact": total == requests and completed["rows"] == requests and completed["completion_tokens"] == usage_tokens}
 
@@ -454,7 +528,8 @@ def table(name: str, result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [f"\n## {name}  (ISL {args.isl}, OSL {args.osl}, batch {args.batch_size}, {args.device})",
              "| variant | streams | tok/s | x engine | TTFT p50 ms | +ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ITL p99 x | gw CPU s/1k tok | engine proc CPU s/1k tok | errors | ledger TTFT p50 | ledger queue p50 | client send p50 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for variant in ["engine", *[v for v in ("gateway", "inproc", "nosched") if v in result]]:
+    gateways = [v for v in result if v.startswith("gateway")]
+    for variant in ["engine", *gateways, *[v for v in ("inproc", "nosched") if v in result]]:
         for level, cell in result[variant]["cells"].items():
             base = eng.get(level, {})
             ratio = cell["tok_s"] / base["tok_s"] if variant != "engine" and base.get("tok_s") else None
@@ -465,7 +540,7 @@ def table(name: str, result: dict[str, Any], args: argparse.Namespace) -> str:
                          f"{fmt(cell['ttft_p99_ms'])} | {fmt(cell['itl_p50_ms'], 2)} | {fmt(cell['itl_p99_ms'], 2)} | {fmt(itl, 2)} | "
                          f"{fmt(cpu, 3)} | {fmt(cell.get('engine_process_cpu_s_per_1k_tokens'), 3)} | {cell['errors']} | "
                          f"{fmt(cell.get('ledger_ttft_p50_ms'))} | {fmt(cell.get('ledger_queue_p50_ms'))} | {fmt(cell.get('client_send_p50_ms'))} |")
-    for variant in ("gateway", "inproc", "nosched"):
+    for variant in (*gateways, "inproc", "nosched"):
         if variant in result:
             lines.append(f"ledger ({variant}): {json.dumps(result[variant]['ledger'])}")
     return "\n".join(lines)
@@ -477,35 +552,51 @@ def interleaved(args: argparse.Namespace, name: str, path: str, report: dict[str
     first side alternating, the same prompts on both sides of a round. Each side's cell is the median
     over its rounds; `paired` holds the round-by-round ratios and differences."""
     worker = EngineWorker(args, path)
-    gw = GatewayRun(args, path, "gateway", {})
-    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {"engine": {}, "gateway": {}}
-    in_order: list[dict[str, Any]] = []
+    gateways = {gateway_label(n): GatewayRun(args, path, gateway_label(n), {}, workers=n) for n in args.gateway_workers}
+    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {"engine": {}, **{label: {} for label in gateways}}
+    in_order: dict[str, list[dict[str, Any]]] = {label: [] for label in gateways}
+    ledgers: dict[str, dict[str, Any]] = {}
     try:
         head = worker.ready()
-        gw.start(head["vocab"])
+        for gw in gateways.values():
+            gw.start(head["vocab"])
         for level, count in zip(args.levels, args.rounds):
             for r in range(count):
                 seed = level * 1000 + r
-                for side in (("engine", "gateway") if r % 2 == 0 else ("gateway", "engine")):
+                sides = ["engine", *gateways]
+                for side in (sides if r % 2 == 0 else sides[::-1]):
                     if side == "engine":
                         cell = worker.run(level, seed)
                         print(f"  engine alone, {level} streams, round {r + 1}: {cell['tok_s']} tok/s", file=sys.stderr, flush=True)
                     else:
-                        cell = gw.run(level, seed)
-                        in_order.append(cell)
+                        cell = gateways[side].run(level, seed)
+                        in_order[side].append(cell)
                     rounds[side].setdefault(str(level), []).append(cell)
                 report.setdefault("partial", {})[name] = rounds  # kept if the run is cut short
                 json_path.parent.mkdir(parents=True, exist_ok=True)
                 json_path.write_text(json.dumps(report, indent=1))
-        ledger = gw.finish(in_order)
+        for label, gw in gateways.items():
+            ledgers[label] = gw.finish(in_order[label])
     finally:
-        gw.close()
+        for gw in gateways.values():
+            gw.close()
         worker.close()
     report.get("partial", {}).pop(name, None)
-    return {"engine": {**head, "cells": {lv: median_cell(cs) for lv, cs in rounds["engine"].items()}, "rounds": rounds["engine"]},
-            "gateway": {"cells": {lv: median_cell(cs) for lv, cs in rounds["gateway"].items()}, "rounds": rounds["gateway"],
-                        "ledger": ledger, "engine_process": bool(gw.engine_pids)},
-            "paired": {lv: paired(rounds["engine"][lv], rounds["gateway"][lv]) for lv in rounds["gateway"]}}
+    result: dict[str, Any] = {"engine": {**head, "cells": {lv: median_cell(cs) for lv, cs in rounds["engine"].items()}, "rounds": rounds["engine"]}}
+    for label, gw in gateways.items():
+        result[label] = {"cells": {lv: median_cell(cs) for lv, cs in rounds[label].items()}, "rounds": rounds[label],
+                         "ledger": ledgers[label], "engine_process": bool(gw.engine_pids), "workers": gw.workers,
+                         "ledger_database": "postgres" if gw.database else "sqlite"}
+        result[paired_key(label)] = {lv: paired(rounds["engine"][lv], rounds[label][lv]) for lv in rounds[label]}
+    return result
+
+
+def gateway_label(workers: int) -> str:
+    return "gateway" if workers == 1 else f"gateway-w{workers}"
+
+
+def paired_key(label: str) -> str:
+    return "paired" if label == "gateway" else f"paired-{label.removeprefix('gateway-')}"
 
 
 def median_cell(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -536,10 +627,11 @@ def paired(engine: list[dict[str, Any]], gateway: list[dict[str, Any]]) -> dict[
                                for k, vs in rows.items()}}
 
 
-def paired_table(result: dict[str, Any]) -> str:
-    lines = ["paired by round (gateway vs the engine alone of the same round; median, then each round):",
+def paired_table(result: dict[str, Any], key: str = "paired") -> str:
+    label = "gateway" if key == "paired" else "gateway-" + key.removeprefix("paired-")
+    lines = [f"paired by round ({label} vs the engine alone of the same round; median, then each round):",
              "| streams | rounds | tok/s x engine | TTFT p50 +ms | ITL p99 x |", "|---:|---:|---|---|---|"]
-    for level, p in result["paired"].items():
+    for level, p in result[key].items():
         def show(key: str, nd: int) -> str:
             return f"**{fmt(p['median'][key], nd)}** (" + ", ".join(fmt(v, nd) for v in p[key]) + ")"
         lines.append(f"| {level} | {len(p['tok_s_x'])} | {show('tok_s_x', 3)} | {show('ttft_added_ms', 1)} | {show('itl_p99_x', 2)} |")
@@ -566,6 +658,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", default=[], help="NAME=config.json for a recorded run without one (--report)")
     parser.add_argument("--rounds", help="N or one N per level (e.g. 1,1,3,3): the engine alone and the gateway loaded side by side, "
                                          "taking turns N times per level (who goes first alternates); medians and paired differences")
+    parser.add_argument("--gateway-workers", default="1", help="with --rounds: one gateway side per count, e.g. 1,2 (`tollgate serve "
+                                                                "--workers N` over one engine process; N > 1 needs --postgres and --redis)")
+    parser.add_argument("--postgres", help="postgresql://user@host:port: each gateway's ledger in a fresh database there, its engine from a "
+                                           "models file (as --workers needs), quotas in --redis; default: SQLite, TOLLGATE_* settings")
+    parser.add_argument("--redis", help="redis://host:port/db for the gateways' quotas (with --postgres)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # engine-alone: levels named on stdin
     args = parser.parse_args(argv)
     if args.report:
@@ -573,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     args.levels = [int(x) for x in args.levels.split(",") if x]
     inproc_levels = [int(x) for x in args.inproc_levels.split(",") if x]
     args.levels_for = lambda label: args.levels if label == "gateway" else inproc_levels
+    args.gateway_workers = [int(x) for x in args.gateway_workers.split(",")]
+    if max(args.gateway_workers) > 1 and not (args.postgres and args.redis and args.rounds):
+        parser.error("--gateway-workers above 1 needs --rounds, --postgres and --redis (several workers share one ledger and quotas)")
     if args.rounds:
         counts = [int(x) for x in args.rounds.split(",")]
         args.rounds = counts * len(args.levels) if len(counts) == 1 else counts
@@ -607,8 +707,8 @@ def main(argv: list[str] | None = None) -> int:
                 result[variant] = through_gateway(args, path, vocab, variant, env)
         report["models"][name] = result
         print(table(name, result, args), flush=True)
-        if "paired" in result:
-            print(paired_table(result), flush=True)
+        for key in (k for k in result if k.startswith("paired")):
+            print(paired_table(result, key), flush=True)
         print(roofline_table(name, result, args.isl, args.osl), flush=True)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -627,8 +727,8 @@ def report_of(args: argparse.Namespace) -> int:
             full = json.loads(Path(configs[name]).read_text())
             result["engine"]["config"] = {k: full.get(k) for k in CONFIG_KEYS}
         print(table(name, result, settings))
-        if "paired" in result:
-            print(paired_table(result))
+        for key in (k for k in result if k.startswith("paired")):
+            print(paired_table(result, key))
         print(roofline_table(name, result, settings.isl, settings.osl))
     return 0
 

@@ -142,7 +142,16 @@ def gateway(database_url: str, upstream: str | None, *, extra_env: dict[str, str
         env["TOLLGATE_MODELS"] = str(models)
     env.update(extra_env or {})
     with process([sys.executable, "-P", "-c", TOLLGATE, "serve", "--log-level", "warning"], env, tmp / "serve.log") as proc:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/readyz", proc)
+        except RuntimeError:
+            try:
+                why = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).text
+            except httpx.HTTPError as exc:
+                why = repr(exc)
+            log = (tmp / "serve.log").read_text(errors="replace").splitlines()[-30:]
+            print(f"the gateway did not get ready: {why}\n" + "\n".join(log), file=sys.stderr, flush=True)
+            raise
         yield f"http://127.0.0.1:{port}", admin
 
 

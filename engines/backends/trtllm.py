@@ -447,11 +447,15 @@ class TRTLLMEngine(Engine):
         self._ready = False
         self.output_timeout = output_timeout
         self._last_output = 0.0  # monotonic time of the engine's latest output (or of going busy)
+        # `serve --workers N`: the engine host's socket (gateway/serving/engine_hosts.py); the LLM is that host's
+        # (engines/backends/trtllm_shared.py:SharedLLM) and its queue lets this worker's requests into the one batch.
+        self.connect_to: str | None = None
 
     # lifecycle --------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self._ready
+        # A shared engine host that is gone (SharedLLM.dead) is not ready before any request finds out.
+        return self._ready and getattr(self._llm, "dead", None) is None
 
     def _checkpoint_context(self) -> int | None:
         config = Path(self.model_path) / "config.json"
@@ -488,13 +492,22 @@ class TRTLLMEngine(Engine):
         if self._ready:
             return
         started = time.perf_counter()
-        api = self._api if self._api is not None else import_tensorrt_llm()
-        self._api = api
-        kwargs = self.llm_kwargs(api)
-        # Building the executor loads weights and captures CUDA graphs: minutes, off the loop.
-        self._llm = await asyncio.to_thread(lambda: api.LLM(**kwargs))
+        if self.connect_to is not None:
+            from engines.backends.trtllm_shared import SharedLLM, shared_api
+
+            address = self.connect_to
+            self._llm = await asyncio.to_thread(SharedLLM, address)
+            self._api = shared_api()
+            max_seq_len = self._configured_context or self._checkpoint_context()  # as llm_kwargs passes it
+        else:
+            api = self._api if self._api is not None else import_tensorrt_llm()
+            self._api = api
+            kwargs = self.llm_kwargs(api)
+            # Building the executor loads weights and captures CUDA graphs: minutes, off the loop.
+            self._llm = await asyncio.to_thread(lambda: api.LLM(**kwargs))
+            max_seq_len = kwargs.get("max_seq_len")
         self._tokenizer = self._llm.tokenizer
-        self.context_length = self._resolve_context_length(kwargs.get("max_seq_len"))
+        self.context_length = self._resolve_context_length(max_seq_len)
         self.max_prompt_tokens = self._resolve_prompt_limit()
         self._ready = True
         log.info("model %s ready on TensorRT-LLM in %.1fs", self.model_id, time.perf_counter() - started)
@@ -550,6 +563,10 @@ class TRTLLMEngine(Engine):
         return self._ready and len(self._live) < self.capacity
 
     def slots(self) -> int | None:
+        # Shared by several workers, the engine host's queue lets requests into the batch: this worker's
+        # scheduler passes them on (its classes and reserve apply to the engine as a whole only there).
+        if self.connect_to is not None:
+            return None
         return self.max_batch_size  # the batch size TensorRT-LLM was built with (always passed)
 
     def requests_in_flight(self) -> int:
@@ -733,7 +750,9 @@ class TRTLLMEngine(Engine):
         shape = _Shape.for_request(self, request, bool(tools))
         try:
             params = self.sampling_params(request)
-            result = self._llm.generate_async(prompt, sampling_params=params, streaming=True)
+            # The engine host's queue admits by account and class (a keyword only SharedLLM takes).
+            shared = {"admission": (request.account_id, request.priority)} if self.connect_to is not None else {}
+            result = self._llm.generate_async(prompt, sampling_params=params, streaming=True, **shared)
         except EngineError:
             raise
         except Exception as exc:
@@ -920,6 +939,8 @@ class TRTLLMEngine(Engine):
         return {"index": index, "text": text, "logprobs": None, "finish_reason": choice.finish}
 
     def _failed(self, exc: BaseException, request: EngineRequest, seen_ids: int) -> EngineError:
+        if isinstance(exc, EngineOverloadedError):  # the shared engine host's queue turned it away (a 429)
+            return exc
         if engine_is_dead(exc):
             return self._engine_died(exc)
         if seen_ids == 0 and request_is_invalid(exc):

@@ -118,10 +118,10 @@ def workers_refused(settings: Settings) -> str | None:
     from gateway.serving.engine_hosts import hosted
 
     table = load_models(settings.engines.models_file, environ=settings.engines.environ)
-    local = sorted(spec.id for spec in table.specs.values() if spec.backend in ("hf", "trtllm") and not hosted(spec))
+    local = sorted(spec.id for spec in table.specs.values() if spec.backend == "hf" and not hosted(spec))  # trtllm: always hosted
     if local:
         return (f"the models {', '.join(local)} run in-process and would load once per worker; serve them with one worker, "
-                "or (hf) in an engine process the workers share: `process: true`")
+                "or in an engine process the workers share: `process: true`")
     if not settings.redis.url:
         return "several workers share quotas through Redis: set REDIS_URL"
     if not settings.resolved_database_url.startswith("postgresql"):

@@ -1,9 +1,10 @@
 """One engine process shared by the workers of `tollgate serve --workers N`.
 
 The supervisor (the process that starts the workers) starts each `hf` model's engine process
-(`process: true`) and each `synthetic` one before the workers, as an engine host: it listens on a
-Unix socket under the data directory and every worker's `HFProcessEngine` connects to it instead of
-starting a child of its own (`connect_to`). The model loads once, the engine's batch is one, and
+(`process: true`), each `synthetic` one and each `trtllm` model's LLM (engines/backends/trtllm_host.py)
+before the workers, as an engine host: it listens on a Unix socket under the data directory and
+every worker's `HFProcessEngine` (or `TRTLLMEngine`) connects to it instead of starting a child or
+an LLM of its own (`connect_to`). The model loads once, the engine's batch is one, and
 each worker admits, meters and streams its own requests (detokenizing too: that is the work that
 more processes share). The scheduler's queue for such an engine lives in the host
 (engines/wrappers/scheduler.py:HostQueue), the one place that sees every worker's requests; each worker's
@@ -22,12 +23,12 @@ from typing import Any
 from engines.base import Engine
 from gateway.config import Settings
 
-HOSTED_BACKENDS = ("hf", "synthetic")
+HOSTED_BACKENDS = ("hf", "synthetic", "trtllm")
 
 
 def hosted(spec: Any) -> bool:
     """Whether a models-file entry runs in an engine process that workers can share."""
-    if spec.backend == "synthetic":
+    if spec.backend in ("synthetic", "trtllm"):
         return True
     if spec.backend != "hf":
         return False
@@ -46,6 +47,7 @@ class EngineHosts:
     def start(self) -> dict[str, str]:
         from engines.backends.hf_process import HFProcessEngine
         from engines.registry import build_engine, load_models
+        from engines.backends.trtllm_host import TRTLLMHost
 
         settings = self.settings
         table = load_models(settings.engines.models_file, environ=settings.engines.environ)  # type: ignore[arg-type]
@@ -53,8 +55,12 @@ class EngineHosts:
         queue = {"classes": [(c.name, c.max_wait) for c in sched.priority_classes], "reserve": sched.reserve,
                  "max_queue": sched.max_queue} if sched.enabled else None
         for i, spec in enumerate(s for s in table.specs.values() if hosted(s)):
-            engine = build_engine(spec, cache_dir=settings.engines.cache_dir)
-            assert isinstance(engine, HFProcessEngine)
+            engine: Any
+            if spec.backend == "trtllm":  # the LLM in an engine host of its own (engines/backends/trtllm_host.py)
+                engine = TRTLLMHost(model_id=spec.id, params={"context_length": spec.context_length, **spec.params})
+            else:
+                engine = build_engine(spec, cache_dir=settings.engines.cache_dir)
+                assert isinstance(engine, HFProcessEngine)
             path = Path(settings.data_dir).resolve() / f"engine-{settings.http.port}-{i}.sock"
             path.unlink(missing_ok=True)
             engine.host = {"listen": str(path), "scheduler": queue}
@@ -73,8 +79,9 @@ class EngineHosts:
 def connect_hosted(engines: dict[str, Engine], sockets: dict[str, str]) -> None:
     """In a worker: each engine the supervisor hosts connects to its host instead of starting its own."""
     from engines.backends.hf_process import HFProcessEngine
+    from engines.backends.trtllm import TRTLLMEngine
 
     for chain in engines.values():
         for engine in getattr(chain, "candidates", None) or [chain]:
-            if isinstance(engine, HFProcessEngine) and engine.model_id in sockets:
+            if isinstance(engine, (HFProcessEngine, TRTLLMEngine)) and engine.model_id in sockets:
                 engine.connect_to = sockets[engine.model_id]

