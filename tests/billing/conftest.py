@@ -12,7 +12,7 @@ from billing.db import create_engine
 
 @pytest.fixture
 def db_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     return url
 

@@ -64,7 +64,7 @@ def test_the_documented_examples() -> None:
 
 @pytest.fixture(scope="module")
 def money_db(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     return url
 

@@ -65,7 +65,7 @@ async def spend(db: Any, account: int, key: int, nanos: int, tokens: int = 10) -
 
 @pytest.fixture
 def db_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     return url
 

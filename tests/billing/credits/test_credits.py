@@ -30,8 +30,8 @@ CENT = 10_000_000  # $0.01 in nano-USD
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
-def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path) -> str:
-    url = fresh_pg_database() if request.param == "postgres" else f"sqlite:///{tmp_path / 'c.db'}"
+def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, migrated_sqlite: Any, tmp_path: Path) -> str:
+    url = fresh_pg_database(migrated=True) if request.param == "postgres" else migrated_sqlite(tmp_path / 'c.db')
     migrate.upgrade(url)
     return url
 
@@ -116,7 +116,7 @@ def limiter_kind(request: pytest.FixtureRequest) -> str:
 
 
 async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_database: Any, limiter_kind: str) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     one, two = _limiters(limiter_kind, db)
@@ -165,7 +165,7 @@ async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_datab
 
 
 async def test_a_top_up_reaches_a_running_limiter_once(fresh_pg_database: Any, limiter_kind: str) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     one, two = _limiters(limiter_kind, db)
@@ -270,7 +270,7 @@ def test_balance_equals_the_credit_ledger_under_concurrency_top_ups_and_restarts
 
 @pytest.fixture
 def pg_url_once(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     return url
 
@@ -362,7 +362,7 @@ async def test_usage_is_posted_once_by_two_processes_posting_at_once(db_url: str
 
 
 async def test_a_batch_posts_only_up_to_an_id_seen_settle_seconds_before(fresh_pg_database: Any) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     try:

@@ -31,8 +31,8 @@ CENT = 10_000_000
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
-def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path) -> str:
-    url = fresh_pg_database() if request.param == "postgres" else f"sqlite:///{tmp_path / 's.db'}"
+def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, migrated_sqlite: Any, tmp_path: Path) -> str:
+    url = fresh_pg_database(migrated=True) if request.param == "postgres" else migrated_sqlite(tmp_path / 's.db')
     migrate.upgrade(url)
     return url
 
@@ -111,7 +111,7 @@ async def test_the_close_makes_one_statement_per_prepaid_month_and_late_usage_sh
 
 
 def test_statements_over_http_and_the_dashboard_are_the_accounts_own(fresh_pg_database: Any, tmp_path: Path) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     with serve(url, tmp_path, TOLLGATE_CREDITS_CHECK_SECONDS="0") as app:
         async def make() -> tuple[int, str, int, str]:
             db = create_engine(url)

@@ -20,7 +20,7 @@ SECRET = b"key-cache-test-secret"
 
 @pytest.fixture
 async def db(fresh_pg_database: Any) -> AsyncIterator[Any]:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     engine = create_engine(url)
     yield engine

@@ -36,10 +36,10 @@ async def cached_by_request(db: Any) -> dict[str, int | None]:
 
 
 @pytest.fixture(params=["postgres-arrays", "postgres-executemany", "sqlite"])
-def database_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def database_url(request: pytest.FixtureRequest, fresh_pg_database: Any, migrated_sqlite: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "postgres-executemany":
         monkeypatch.setattr(ledger_module, "PG_ARRAY_INSERT", False)
-    url = fresh_pg_database() if request.param.startswith("postgres") else f"sqlite:///{tmp_path / 'l.db'}"
+    url = fresh_pg_database(migrated=True) if request.param.startswith("postgres") else migrated_sqlite(tmp_path / 'l.db')
     migrate.upgrade(url)
     return url
 
@@ -80,7 +80,7 @@ def crash(journal: LedgerJournal) -> None:
 
 
 async def test_a_crash_recovered_row_keeps_its_cached_tokens(fresh_pg_database: Any, tmp_path: Path) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     try:

@@ -128,7 +128,7 @@ async def count(db: Any, **where: Any) -> int:
 
 
 async def test_writer_replays_a_crashed_run_exactly_once(fresh_pg_database: Any, tmp_path: Path) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     try:
@@ -202,7 +202,7 @@ async def test_a_journal_no_worker_claims_is_finished_and_removed(fresh_pg_datab
     from gateway.app import orphan_journals
     from gateway.config import HttpSettings, Settings
 
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     try:

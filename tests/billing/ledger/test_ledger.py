@@ -30,7 +30,7 @@ async def count(db: Any) -> int:
 
 
 async def test_same_request_id_is_written_once(fresh_pg_database: Any) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     try:
@@ -73,7 +73,7 @@ async def test_writer_keeps_rows_until_the_table_exists(fresh_pg_database: Any) 
 
 
 async def test_rows_arriving_within_the_linger_share_one_insert(fresh_pg_database: Any, monkeypatch: Any) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     inserts: list[int] = []

@@ -46,7 +46,7 @@ async def exact(db: Any) -> tuple[int, int]:
 
 
 async def test_copy_writer_rows_once_and_aggregates_exact(fresh_pg_database: Any) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     try:
@@ -103,7 +103,7 @@ async def test_fast_path_copies_into_the_partition_and_replays_go_the_exact_way(
     added to the aggregates); a part holding a row already in the ledger rolls back whole, its
     aggregates too, and goes the exact path; a part over two months, or in a month without a
     partition, goes through the parent. The aggregates stay exact through all of it."""
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     try:

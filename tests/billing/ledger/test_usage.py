@@ -32,8 +32,8 @@ def record(**overrides: Any) -> UsageRecord:
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
-def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path) -> str:
-    url = fresh_pg_database() if request.param == "postgres" else f"sqlite:///{tmp_path / 'u.db'}"
+def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, migrated_sqlite: Any, tmp_path: Path) -> str:
+    url = fresh_pg_database(migrated=True) if request.param == "postgres" else migrated_sqlite(tmp_path / 'u.db')
     migrate.upgrade(url)
     return url
 

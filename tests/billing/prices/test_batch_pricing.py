@@ -26,8 +26,8 @@ SEPT = Period.parse("2026-09")
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
-def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, tmp_path: Path) -> str:
-    url = fresh_pg_database() if request.param == "postgres" else f"sqlite:///{tmp_path / 'b.db'}"
+def db_url(request: pytest.FixtureRequest, fresh_pg_database: Any, migrated_sqlite: Any, tmp_path: Path) -> str:
+    url = fresh_pg_database(migrated=True) if request.param == "postgres" else migrated_sqlite(tmp_path / 'b.db')
     migrate.upgrade(url)
     return url
 

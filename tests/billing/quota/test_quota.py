@@ -22,7 +22,7 @@ NOW = 1_795_000_000.0  # a fixed instant, 2026-11: windows are driven by explici
 
 @pytest.fixture(scope="module")
 def ledger_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     return url
 

@@ -153,7 +153,7 @@ async def test_cluster_master_killed_under_load_no_overspend_counters_rebuilt(
     tmp_path: Path, fresh_pg_database: Any
 ) -> None:
     cluster = LocalCluster(tmp_path).start()
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
     victim: list[int] = []
@@ -180,7 +180,7 @@ async def test_cluster_master_killed_under_load_no_overspend_counters_rebuilt(
 
 async def test_sentinel_promotes_the_replica_and_quotas_keep_working(tmp_path: Path, fresh_pg_database: Any) -> None:
     deployment = LocalSentinel(tmp_path).start()
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
 

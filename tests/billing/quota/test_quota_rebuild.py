@@ -42,7 +42,7 @@ AT = month_start(NOW).replace(day=2)
 
 @pytest.fixture(scope="module")
 def ledger_url(fresh_pg_database: Any) -> str:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     return url
 

@@ -45,7 +45,7 @@ def stripe_env(fake: FakeStripePayments) -> dict[str, str]:
 
 def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: FakeStripePayments, fresh_pg_database: Any,
                                                                        tmp_path: Path) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
 
     async def make() -> tuple[int, str, str]:
@@ -164,7 +164,7 @@ def test_stripe_event_sequences_credit_what_stripe_collected_once(fake: FakeStri
     (its `payment_intent.succeeded` and `charge.succeeded` too), a bank-debit Checkout that
     completes unpaid and then succeeds or fails, a refund that later fails, an off-session
     recharge declined for authentication, and one whose answer from Stripe was lost."""
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
 
     async def make() -> tuple[int, str]:
