@@ -82,7 +82,7 @@ class ModelsGateway(Gateway):
 
 @pytest.fixture(scope="session")
 def models_db(fresh_pg_database: Any) -> str:
-    return fresh_pg_database()
+    return fresh_pg_database(migrated=True)
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ schema.config.generation.update(allow_extra_parameters=False)
 
 @pytest.fixture(scope="module")
 def api(fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, dict[int, int]]]:
-    server, gw = start_gateway(fresh_pg_database(), FakeEngine(MODEL), tmp_path_factory.mktemp("gw-openapi"))
+    server, gw = start_gateway(fresh_pg_database(migrated=True), FakeEngine(MODEL), tmp_path_factory.mktemp("gw-openapi"))
     spare = run_coro(gw.new_key())  # what DELETE /admin/keys/{id} revokes instead of the admin key
     keys = httpx.get(gw.base_url + "/admin/keys", headers={"Authorization": f"Bearer {gw.admin_key}"}).json()["data"]
     [admin_key_id] = [k["id"] for k in keys if gw.admin_key.startswith(k["prefix"])]

@@ -58,7 +58,7 @@ async def add_replica_usage(name: str, account_id: int, key_id: int, tokens: int
 
 
 async def test_usage_reads_come_from_the_replica(fresh_pg_database: Any, tmp_path: Path) -> None:
-    writer_url = fresh_pg_database()
+    writer_url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(writer_url, SECRET)
     db = create_engine(writer_url)
     keys = KeyStore(db, SECRET.encode())
@@ -112,7 +112,7 @@ async def test_dashboard_invoices_come_from_the_replica(fresh_pg_database: Any, 
     """The dashboards' billing parts (gateway/dashboard/billing.py) read from DATABASE_READ_URL: the
     customer's and the admin's invoice tables, the invoice download and the admin's billing details
     show what only the replica holds (an invoice renumbered there, details written there)."""
-    writer_url = fresh_pg_database()
+    writer_url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(writer_url, SECRET)
     db = create_engine(writer_url)
     try:

@@ -113,7 +113,7 @@ def routed_gw(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.Temp
 
     small, large = FallbackEngine("small", [engine]), FallbackEngine("large", [engine])
     auto = RouterEngine("auto", [Rule("small", max_prompt_tokens=60, max_output_tokens=16)], "large", {"small": small, "large": large})
-    db_url = fresh_pg_database()
+    db_url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(db_url, SECRET)
     settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp_path_factory.mktemp("gw-route"))
     app = create_app(settings, engines={"small": small, "large": large, "auto": auto})

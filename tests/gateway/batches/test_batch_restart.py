@@ -34,7 +34,7 @@ async def _rows(url: str, batch_id: str) -> list[dict[str, Any]]:
 async def test_a_batch_survives_a_sigkill(fresh_pg_database: Any, tmp_path: Path) -> None:
     from openai import AsyncOpenAI
 
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(url, SECRET)
     env = {"TOLLGATE_BATCH_POLL_SECONDS": "0.2", "TOLLGATE_BATCH_CONCURRENCY": "4", "TOLLGATE_BATCH_LEASE_SECONDS": "3", "TOLLGATE_EMBEDDINGS": "off"}
     gw = GatewayProcess(url, tmp_path / "data", admin_key, **env).start()

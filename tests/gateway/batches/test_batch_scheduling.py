@@ -26,7 +26,7 @@ def busy_gateway(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.T
     so that lines wait in the scheduler's queue."""
     run_coro(warm_up(engine, 4))
     server, gw = start_gateway(
-        fresh_pg_database(), engine, tmp_path_factory.mktemp("batch-sched"),
+        fresh_pg_database(migrated=True), engine, tmp_path_factory.mktemp("batch-sched"),
         scheduler={"capacity": 4, "reserve": 1, "classes": "interactive:600,batch:3600"},
         batches={"poll_seconds": 0.2, "concurrency": 8},
     )

@@ -26,7 +26,7 @@ MAX_FILE = 64 * 1024
 
 @pytest.fixture(scope="module")
 def batch_gateway(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    server, gw = start_gateway(fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-batches"),
+    server, gw = start_gateway(fresh_pg_database(migrated=True), engine, tmp_path_factory.mktemp("gw-batches"),
                                batches={"poll_seconds": 0.2, "concurrency": 4, "files_max_bytes": MAX_FILE})
     try:
         yield gw

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's ch
 def gateway(engine: HFEngine, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """This module's own gateway and database: the admin overview lists the top ten keys of all
     accounts, which in the shared session gateway are whichever other tests spent the most."""
-    server, gw = start_gateway(fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-dashboard"))
+    server, gw = start_gateway(fresh_pg_database(migrated=True), engine, tmp_path_factory.mktemp("gw-dashboard"))
     try:
         yield gw
     finally:

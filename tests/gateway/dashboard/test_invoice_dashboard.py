@@ -100,7 +100,7 @@ async def download_pdf(page: Page, row: Any) -> str:
 
 
 async def test_admin_and_customer_download_invoices_from_the_dashboard(browser: Browser, fresh_pg_database: Any, tmp_path: Path) -> None:
-    db_url = fresh_pg_database()
+    db_url = fresh_pg_database(migrated=True)
     migrate.upgrade(db_url)
     db = create_engine(db_url)
     try:

@@ -53,7 +53,7 @@ async def test_dashboards_show_cached_tokens_and_their_cost_and_the_prepaid_stat
     browser: Browser, fresh_pg_database: Any, tmp_path: Path,  # noqa: F811
 ) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    db_url = fresh_pg_database()
+    db_url = fresh_pg_database(migrated=True)
     migrate.upgrade(db_url)
     db = create_engine(db_url)
     try:

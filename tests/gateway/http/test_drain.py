@@ -70,7 +70,7 @@ def _has_text(event: dict[str, Any]) -> bool:
 
 async def test_sigterm_drains_streams_then_cuts_them_with_rows_and_settled_holds(fresh_pg_database: Any, tmp_path: Path) -> None:
     require_redis(REDIS_URL)
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(url, SECRET)
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
     gw = GatewayProcess(url, tmp_path / "data", admin_key, REDIS_URL=REDIS_URL, TOLLGATE_REDIS_PREFIX=prefix,
@@ -182,7 +182,7 @@ async def test_sigterm_to_the_master_drains_every_worker(upstreams: Any, fresh_p
     require_redis(REDIS_URL)
     upstream, upstream_url = upstreams()
     upstream.default = Behaviour(tokens=["word "] * 4000, token_delay=0.2)  # minutes long: runs until cut
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(url, SECRET)
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
     gw = GatewayProcess(url, tmp_path / "data", admin_key, REDIS_URL=REDIS_URL, TOLLGATE_REDIS_PREFIX=prefix,

@@ -188,7 +188,7 @@ async def test_engine_at_capacity_is_503(gateway: Gateway, client_for: Any, cust
 
 
 async def test_model_not_loaded_is_503(fresh_pg_database: Any, tmp_path: Any, client_for: Any) -> None:
-    db_url = fresh_pg_database()
+    db_url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(db_url, SECRET)
     loading = HFEngine(model_id=MODEL)  # never started: still "loading"
     app = create_app(Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp_path), engines={MODEL: loading})

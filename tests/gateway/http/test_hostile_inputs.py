@@ -23,7 +23,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say yes."}], "
 @pytest.fixture(scope="module")
 def hostile_gw(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     server, gw = start_gateway(
-        fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-hostile"),
+        fresh_pg_database(migrated=True), engine, tmp_path_factory.mktemp("gw-hostile"),
         http={"request_read_timeout": READ_TIMEOUT, "max_header_bytes": MAX_HEADER_BYTES, "max_body_bytes": 64 * 1024},
     )
     try:

@@ -104,7 +104,7 @@ class Lines(logging.Handler):
 
 @pytest.fixture(scope="module")
 def holding_gw(fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    server, gw = start_gateway(fresh_pg_database(), HoldingEngine(MODEL), tmp_path_factory.mktemp("gw-probe"))
+    server, gw = start_gateway(fresh_pg_database(migrated=True), HoldingEngine(MODEL), tmp_path_factory.mktemp("gw-probe"))
     try:
         yield gw
     finally:

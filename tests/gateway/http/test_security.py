@@ -48,7 +48,7 @@ class Captured(logging.Handler):
 
 @pytest.fixture(scope="module")
 def secure_gw(fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    server, gw = start_gateway(fresh_pg_database(), FakeEngine(MODEL), tmp_path_factory.mktemp("gw-security"))
+    server, gw = start_gateway(fresh_pg_database(migrated=True), FakeEngine(MODEL), tmp_path_factory.mktemp("gw-security"))
     try:
         yield gw
     finally:

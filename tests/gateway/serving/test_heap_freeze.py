@@ -23,7 +23,7 @@ def in_collected_generations(obj: Any) -> bool:
 
 
 async def test_what_startup_and_background_loads_built_is_frozen(fresh_pg_database: Any, tmp_path: Path) -> None:
-    db_url = fresh_pg_database()
+    db_url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(db_url, SECRET)
     settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp_path)
     frozen_before = gc.get_freeze_count()
@@ -59,7 +59,7 @@ async def test_what_startup_and_background_loads_built_is_frozen(fresh_pg_databa
 
 
 async def test_without_the_flag_nothing_is_frozen(fresh_pg_database: Any, tmp_path: Path) -> None:
-    db_url = fresh_pg_database()
+    db_url = fresh_pg_database(migrated=True)
     bootstrap(db_url, SECRET)
     gc.unfreeze()
     app = create_app(Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp_path), engines={})

@@ -88,7 +88,7 @@ async def wait_rows(gw: Gateway, key_id: int, n: int) -> None:
 async def test_redis_killed_fail_closed_and_fail_open_then_rebuilt(
     private_redis: RedisServer, engine: Any, fresh_pg_database: Any, tmp_path: Path
 ) -> None:
-    db_url = fresh_pg_database()
+    db_url = fresh_pg_database(migrated=True)
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
     common = dict(redis={"url": private_redis.url, "prefix": prefix})  # default 50 ms Redis timeout
     closed_srv, closed = start_gateway(db_url, engine, tmp_path / "closed", **common)
@@ -221,7 +221,7 @@ async def test_redis_restarted_with_requests_in_flight_no_budget_overrun(
     gateway re-registers them before its counters are rebuilt from the ledger (which does not have
     those requests yet), so admissions after the restart cannot spend their budget twice."""
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
-    srv, gw = start_gateway(fresh_pg_database(), engine, tmp_path / "gw", redis={"url": private_redis.url, "prefix": prefix, "timeout": 0.25})
+    srv, gw = start_gateway(fresh_pg_database(migrated=True), engine, tmp_path / "gw", redis={"url": private_redis.url, "prefix": prefix, "timeout": 0.25})
     try:
         count_words = [{"role": "user", "content": "Count from one to fifty in words."}]
         long_tokens = 24

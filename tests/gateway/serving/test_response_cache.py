@@ -20,7 +20,7 @@ ON = {"X-Tollgate-Cache": "on"}
 @pytest.fixture(scope="module")
 def cache_gw(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A private gateway: these tests set a price for the model and change the cache's rules."""
-    server, gw = start_gateway(fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-cache"))
+    server, gw = start_gateway(fresh_pg_database(migrated=True), engine, tmp_path_factory.mktemp("gw-cache"))
     try:
         yield gw
     finally:

@@ -197,7 +197,7 @@ def four_slots(recording: Recording, fresh_pg_database: Any, tmp_path_factory: p
     """The hf engine at capacity 4, one slot of it held for a light account; waits of up to 10
     minutes are accepted, so that a flood queues rather than being refused."""
     server, gw = start_gateway(
-        fresh_pg_database(), recording, tmp_path_factory.mktemp("sched4"),  # type: ignore[arg-type]
+        fresh_pg_database(migrated=True), recording, tmp_path_factory.mktemp("sched4"),  # type: ignore[arg-type]
         scheduler={"capacity": 4, "reserve": 1, "classes": "interactive:600,batch:3600"},
     )
     try:
@@ -321,7 +321,7 @@ async def test_batch_never_holds_up_a_later_interactive_request(four_slots: Gate
 def two_slots(recording: Recording, fresh_pg_database: Any, tmp_path: Path) -> Iterator[Gateway]:
     """Capacity 2, one slot reserved; an interactive request may expect to wait 1.5 s at most."""
     server, gw = start_gateway(
-        fresh_pg_database(), recording, tmp_path,  # type: ignore[arg-type]
+        fresh_pg_database(migrated=True), recording, tmp_path,  # type: ignore[arg-type]
         scheduler={"capacity": 2, "reserve": 1, "classes": "interactive:1.5,batch:600", "max_queue": 20},
     )
     try:
@@ -359,7 +359,7 @@ async def test_queue_limits_refuse_at_once_with_retry_after(two_slots: Gateway, 
 
 @pytest.fixture
 def one_slot(recording: Recording, fresh_pg_database: Any, tmp_path: Path) -> Iterator[Gateway]:
-    server, gw = start_gateway(fresh_pg_database(), recording, tmp_path, scheduler={"capacity": 1, "reserve": 0})  # type: ignore[arg-type]
+    server, gw = start_gateway(fresh_pg_database(migrated=True), recording, tmp_path, scheduler={"capacity": 1, "reserve": 0})  # type: ignore[arg-type]
     try:
         yield gw
     finally:

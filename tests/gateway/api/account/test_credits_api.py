@@ -25,7 +25,7 @@ from billing.db import create_engine
 
 
 def test_admin_api_customer_view_alerts_and_dashboard(fresh_pg_database: Any, tmp_path: Path) -> None:
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     with serve(url, tmp_path, TOLLGATE_CREDITS_CHECK_SECONDS="0.2") as app, Receiver() as receiver:
         async def make() -> tuple[int, str]:
             db = create_engine(url)

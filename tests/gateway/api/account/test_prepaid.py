@@ -79,7 +79,7 @@ def test_200_concurrent_requests_on_two_processes_spend_at_most_the_balance(
 ) -> None:
     require_redis(REDIS_URL)
     _server, upstream = upstreams()
-    url = fresh_pg_database()
+    url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     admin_key, key, account = run_coro(setup(url))
     models = tmp_path / "models.yaml"

@@ -44,7 +44,7 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def gw(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """One gateway for this module, on its own database, serving the session's embedded model."""
-    server, gateway = start_gateway(fresh_pg_database(), engine, tmp_path_factory.mktemp("gw-structured"))
+    server, gateway = start_gateway(fresh_pg_database(migrated=True), engine, tmp_path_factory.mktemp("gw-structured"))
     try:
         yield gateway
     finally:
