@@ -1,4 +1,5 @@
-"""Admin API under /admin/, authorised by an admin key. Customer keys get 403."""
+"""Admin API under /admin/: accounts, keys, prices, usage. Every route needs an admin key (the one
+check, gateway/admin/guard.py, in front of each route of gateway/admin/routes.py); customer keys get 403."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from typing import Annotated, Any
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from billing.keys.store import AccountExists, UnknownAccount
 from billing.ledger.writer import usage_rows, usage_totals
@@ -16,7 +16,7 @@ from billing.quota.limits import InvalidLimits, Limits
 from billing.prices.book import InvalidPrice
 from billing.quota import Scope
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
-from gateway.http.requests import MAX_ID, authenticate_admin, path_id, read_json
+from gateway.http.requests import MAX_ID, path_id, read_json
 from gateway.api.openai.protocol import StrictInt, _Model, parse
 from gateway.http.json_response import json_response
 
@@ -124,13 +124,11 @@ async def _patched_limits(
 
 async def patch_key(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     return await _patched_limits(request, state.keys.set_key_limits, "key", _path_id(request), "key")
 
 
 async def patch_account(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account_id = _path_id(request, "account_id", "account")
     body = parse(PatchAccount, await read_json(request, state.settings.http.max_body_bytes))
     classes = [c.name for c in state.settings.scheduler.priority_classes]
@@ -148,7 +146,6 @@ async def patch_account(request: Request) -> Response:
 
 async def get_account(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account = await state.keys.get_account(account_id=_path_id(request, "account_id", "account"))
     if account is None:
         raise NotFound("No such account.", param="id")
@@ -157,14 +154,12 @@ async def get_account(request: Request) -> Response:
 
 async def list_prices(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     versions = await state.prices.list(request.query_params.get("model") or None)
     return json_response({"object": "list", "data": [v.view() for v in versions]})
 
 
 async def add_price(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     body = parse(AddPrice, await read_json(request, state.settings.http.max_body_bytes))
     try:
         version = await state.prices.add(body.model, body.input_per_million, body.output_per_million, body.effective_from,
@@ -178,7 +173,6 @@ async def add_price(request: Request) -> Response:
 
 async def create_account(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     body = parse(CreateAccount, await read_json(request, state.settings.http.max_body_bytes))
     try:
         account = await state.keys.create_account(body.name)
@@ -189,13 +183,11 @@ async def create_account(request: Request) -> Response:
 
 async def list_accounts(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     return json_response({"object": "list", "data": await state.keys.list_accounts()})
 
 
 async def create_key(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     body = parse(CreateKey, await read_json(request, state.settings.http.max_body_bytes))
     try:
         key = await state.keys.create_key(body.account_id, name=body.name, models=body.models, expires_at=body.expires_at)
@@ -206,14 +198,12 @@ async def create_key(request: Request) -> Response:
 
 async def list_keys(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     keys = await state.keys.list_keys(_int_param(request, "account_id"))
     return json_response({"object": "list", "data": keys})
 
 
 async def get_key(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     key = await state.keys.get_key(_path_id(request))
     if key is None:
         raise NotFound("No such key.", param="id")
@@ -222,7 +212,6 @@ async def get_key(request: Request) -> Response:
 
 async def revoke_key(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     key = await state.keys.revoke_key(_path_id(request))
     if key is None:
         raise NotFound("No such key.", param="id")
@@ -231,7 +220,6 @@ async def revoke_key(request: Request) -> Response:
 
 async def usage(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account_id = _int_param(request, "account_id")
     start, end = _time_param(request, "start"), _time_param(request, "end")
     limit = _int_param(request, "limit") or 1000
@@ -243,17 +231,17 @@ async def usage(request: Request) -> Response:
     return json_response({"object": "usage", "account_id": account_id, "totals": totals, "entries": entries})
 
 
-routes = [
-    Route("/admin/accounts", create_account, methods=["POST"]),
-    Route("/admin/accounts", list_accounts, methods=["GET"]),
-    Route("/admin/accounts/{account_id}", get_account, methods=["GET"]),
-    Route("/admin/accounts/{account_id}", patch_account, methods=["PATCH"]),
-    Route("/admin/prices", list_prices, methods=["GET"]),
-    Route("/admin/prices", add_price, methods=["POST"]),
-    Route("/admin/keys", create_key, methods=["POST"]),
-    Route("/admin/keys", list_keys, methods=["GET"]),
-    Route("/admin/keys/{key_id}", get_key, methods=["GET"]),
-    Route("/admin/keys/{key_id}", revoke_key, methods=["DELETE"]),
-    Route("/admin/keys/{key_id}", patch_key, methods=["PATCH"]),
-    Route("/admin/usage", usage, methods=["GET"]),
+ENDPOINTS = [
+    ("/admin/accounts", create_account, ["POST"]),
+    ("/admin/accounts", list_accounts, ["GET"]),
+    ("/admin/accounts/{account_id}", get_account, ["GET"]),
+    ("/admin/accounts/{account_id}", patch_account, ["PATCH"]),
+    ("/admin/prices", list_prices, ["GET"]),
+    ("/admin/prices", add_price, ["POST"]),
+    ("/admin/keys", create_key, ["POST"]),
+    ("/admin/keys", list_keys, ["GET"]),
+    ("/admin/keys/{key_id}", get_key, ["GET"]),
+    ("/admin/keys/{key_id}", revoke_key, ["DELETE"]),
+    ("/admin/keys/{key_id}", patch_key, ["PATCH"]),
+    ("/admin/usage", usage, ["GET"]),
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from billing.alerts.spend import AlertService
 from billing.credits.balance import CreditError, parse_usd
@@ -19,7 +18,7 @@ from gateway.admin.credits import account_id_param
 from gateway.api.openai.protocol import StrictInt, _Model, parse
 from gateway.http.errors import InvalidRequest, NotFound
 from gateway.http.json_response import json_response
-from gateway.http.requests import authenticate_admin, read_json
+from gateway.http.requests import read_json
 
 
 class AddAlert(_Model):
@@ -34,7 +33,6 @@ class AddAlert(_Model):
 
 
 async def admin_alerts(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     account_id = account_id_param(request)
     alerts: AlertService = request.app.state.alerts
     return json_response({"object": "list", "rules": await alerts.rules(account_id), "data": await alerts.events(account_id)})
@@ -42,7 +40,6 @@ async def admin_alerts(request: Request) -> Response:
 
 async def admin_add_alert(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account_id = account_id_param(request)
     body = parse(AddAlert, await read_json(request, state.settings.http.max_body_bytes))
     if await state.keys.get_account(account_id=account_id) is None:
@@ -60,7 +57,7 @@ async def admin_add_alert(request: Request) -> Response:
     return json_response(rule, 201)
 
 
-routes = [
-    Route("/admin/accounts/{account_id}/alerts", admin_alerts, methods=["GET"]),
-    Route("/admin/accounts/{account_id}/alerts", admin_add_alert, methods=["POST"]),
+ENDPOINTS = [
+    ("/admin/accounts/{account_id}/alerts", admin_alerts, ["GET"]),
+    ("/admin/accounts/{account_id}/alerts", admin_add_alert, ["POST"]),
 ]

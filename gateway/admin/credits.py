@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from billing.credits.balance import CreditError, parse_usd
 from billing.credits.housekeeping import housekeeping
@@ -28,11 +27,12 @@ from billing.invoices.statements import get_statement, list_statements
 from billing.quota import Scope
 from billing.stripe.checkout import CheckoutService
 from gateway.admin.accounts import StrictStr
+from gateway.admin.guard import admin_principal
 from gateway.api.account.credits import cents, checkout_service, credit_book, statement_for, statement_id, statement_response
 from gateway.api.openai.protocol import StrictInt, _Model, parse
 from gateway.http.errors import InvalidRequest, NotFound
 from gateway.http.json_response import json_response
-from gateway.http.requests import authenticate_admin, id_value, path_id, read_json
+from gateway.http.requests import id_value, path_id, read_json
 
 
 class AddCredit(_Model):
@@ -58,12 +58,10 @@ def account_id_param(request: Request) -> int:
 
 
 async def admin_statement(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     return await statement_for(request, account_id_param(request))
 
 
 async def admin_statements(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     raw_account, raw_period = request.query_params.get("account_id"), request.query_params.get("period")
     account_id = id_value(raw_account) if raw_account else None
     if raw_account and account_id is None:
@@ -77,12 +75,10 @@ async def admin_statements(request: Request) -> Response:
 
 
 async def admin_statement_document(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     return statement_response(await get_statement(request.app.state.db, statement_id(request)), request)
 
 
 async def admin_credits(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     account_id = account_id_param(request)
     balance = await credit_book(request).balance(account_id)
     if balance is None:
@@ -94,7 +90,7 @@ async def admin_credits(request: Request) -> Response:
 
 async def admin_add_credit(request: Request) -> Response:
     state = request.app.state
-    principal = await authenticate_admin(request, state.keys)
+    principal = admin_principal(request)
     account_id = account_id_param(request)
     body = parse(AddCredit, await read_json(request, state.settings.http.max_body_bytes))
     try:
@@ -112,7 +108,6 @@ async def admin_add_credit(request: Request) -> Response:
 
 async def admin_billing_mode(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account_id = account_id_param(request)
     body = parse(BillingMode, await read_json(request, state.settings.http.max_body_bytes))
     try:
@@ -136,7 +131,6 @@ class Recharge(_Model):
 
 async def admin_recharge(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account_id = account_id_param(request)
     body = parse(Recharge, await read_json(request, state.settings.http.max_body_bytes))
     if await state.keys.get_account(account_id=account_id) is None:
@@ -152,18 +146,17 @@ async def admin_recharge(request: Request) -> Response:
 async def admin_housekeeping(request: Request) -> Response:
     """Runs the periodic credit work now (operators, tests)."""
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     return json_response(await housekeeping(state.credits, state.db, state.alerts, state.checkout))
 
 
-routes = [
-    Route("/admin/accounts/{account_id}/credits", admin_credits, methods=["GET"]),
-    Route("/admin/accounts/{account_id}/credits", admin_add_credit, methods=["POST"]),
-    Route("/admin/accounts/{account_id}/billing_mode", admin_billing_mode, methods=["PUT"]),
-    Route("/admin/accounts/{account_id}/statement", admin_statement, methods=["GET"]),
-    Route("/admin/statements", admin_statements, methods=["GET"]),
-    Route("/admin/statements/{statement_id}", admin_statement_document, methods=["GET"]),
-    Route("/admin/statements/{statement_id}/{fmt:str}", admin_statement_document, methods=["GET"]),
-    Route("/admin/credits/housekeeping", admin_housekeeping, methods=["POST"]),
-    Route("/admin/accounts/{account_id}/recharge", admin_recharge, methods=["PUT"]),
+ENDPOINTS = [
+    ("/admin/accounts/{account_id}/credits", admin_credits, ["GET"]),
+    ("/admin/accounts/{account_id}/credits", admin_add_credit, ["POST"]),
+    ("/admin/accounts/{account_id}/billing_mode", admin_billing_mode, ["PUT"]),
+    ("/admin/accounts/{account_id}/statement", admin_statement, ["GET"]),
+    ("/admin/statements", admin_statements, ["GET"]),
+    ("/admin/statements/{statement_id}", admin_statement_document, ["GET"]),
+    ("/admin/statements/{statement_id}/{fmt:str}", admin_statement_document, ["GET"]),
+    ("/admin/credits/housekeeping", admin_housekeeping, ["POST"]),
+    ("/admin/accounts/{account_id}/recharge", admin_recharge, ["PUT"]),
 ]

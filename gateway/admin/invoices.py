@@ -24,7 +24,6 @@ from typing import Any
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from stripe import StripeError
 
 from billing.invoices.account_state import account_standing
@@ -40,7 +39,7 @@ from gateway.api.openai.protocol import StrictInt, _Model, parse
 from gateway.billing import StripeFailed
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.json_response import json_response
-from gateway.http.requests import authenticate_admin, path_id, read_json
+from gateway.http.requests import path_id, read_json
 
 
 async def _account(request: Request) -> dict[str, Any]:
@@ -52,7 +51,6 @@ async def _account(request: Request) -> dict[str, Any]:
 
 
 async def admin_invoices(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     raw_period = request.query_params.get("period")
     period = str(period_param(raw_period)) if raw_period else None
     data = await list_invoices(billing_of(request).db, account_id=query_id(request, "account_id"), period=period)
@@ -60,7 +58,6 @@ async def admin_invoices(request: Request) -> Response:
 
 
 async def admin_invoice(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     fmt = document_format(request)
     invoice = await get_invoice(billing_of(request).db, path_id(request, "invoice_id", "invoice"))
     if invoice is None:
@@ -78,7 +75,6 @@ class CloseRequest(_Model):
 
 async def admin_close(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     body = parse(CloseRequest, await read_json(request, state.settings.http.max_body_bytes))
     period = period_param(body.period)
     billing = billing_of(request)
@@ -100,7 +96,6 @@ async def admin_close(request: Request) -> Response:
 
 
 async def admin_period(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     period = period_param(request.path_params["period"])
     status = await period_status(billing_of(request).db, period)
     if status is None:
@@ -109,7 +104,6 @@ async def admin_period(request: Request) -> Response:
 
 
 async def admin_sync(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     billing = billing_of(request)
     invoice_id = path_id(request, "invoice_id", "invoice")
     if await get_invoice(billing.db, invoice_id) is None:
@@ -126,14 +120,12 @@ async def admin_sync(request: Request) -> Response:
 
 
 async def admin_account_billing(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     account = await _account(request)
     billing = billing_of(request)
     return json_response(await account_standing(billing.db, account["id"], grace_seconds=billing.config.grace_seconds))
 
 
 async def admin_account_prices(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     account = await _account(request)
     book = billing_of(request).book
     overrides = await book.overrides(account["id"])
@@ -163,7 +155,6 @@ class AddOverride(_Model):
 
 async def admin_add_override(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account = await _account(request)
     body = parse(AddOverride, await read_json(request, state.settings.http.max_body_bytes))
     try:
@@ -189,7 +180,6 @@ def _details_error(exc: InvalidBillingDetails) -> InvalidRequest:
 
 
 async def admin_get_details(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     account = await _account(request)
     details = await get_details(billing_of(request).db, account["id"])
     if details is None:
@@ -199,7 +189,6 @@ async def admin_get_details(request: Request) -> Response:
 
 async def admin_set_details(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     account = await _account(request)
     body = await read_json(request, state.settings.http.max_body_bytes)
     try:
@@ -210,13 +199,11 @@ async def admin_set_details(request: Request) -> Response:
 
 
 async def admin_tax_rates(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     return json_response({"object": "list", "data": await country_rates(billing_of(request).db)})
 
 
 async def admin_set_tax_rate(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     body = await read_json(request, state.settings.http.max_body_bytes)
     if not isinstance(body, dict) or set(body) != {"rate"}:
         raise InvalidRequest('the body must be {"rate": "19.000"} (percent)', param="rate")
@@ -227,7 +214,6 @@ async def admin_set_tax_rate(request: Request) -> Response:
 
 
 async def admin_delete_tax_rate(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     try:
         deleted = await delete_country_rate(billing_of(request).db, request.path_params["country"])
     except InvalidBillingDetails as exc:
@@ -248,7 +234,6 @@ class CreditNoteBody(_Model):
 
 async def admin_credit_note(request: Request) -> Response:
     state = request.app.state
-    await authenticate_admin(request, state.keys)
     billing = billing_of(request)
     invoice_id = path_id(request, "invoice_id", "invoice")
     body = parse(CreditNoteBody, await read_json(request, state.settings.http.max_body_bytes))
@@ -267,7 +252,6 @@ async def admin_credit_note(request: Request) -> Response:
 
 
 async def admin_get_credit_note(request: Request) -> Response:
-    await authenticate_admin(request, request.app.state.keys)
     fmt = document_format(request)
     note = await get_credit_note(billing_of(request).db, path_id(request, "note_id", "credit note"))
     if note is None:
@@ -275,22 +259,22 @@ async def admin_get_credit_note(request: Request) -> Response:
     return credit_note_response(note, fmt)
 
 
-routes = [
-    Route("/admin/invoices", admin_invoices, methods=["GET"]),
-    Route("/admin/invoices/close", admin_close, methods=["POST"]),
-    Route("/admin/invoices/{invoice_id}", admin_invoice, methods=["GET"]),
-    Route("/admin/invoices/{invoice_id}/sync", admin_sync, methods=["POST"]),
-    Route("/admin/invoices/{invoice_id}/{fmt:str}", admin_invoice, methods=["GET"]),
-    Route("/admin/billing/periods/{period}", admin_period, methods=["GET"]),
-    Route("/admin/accounts/{account_id}/billing", admin_account_billing, methods=["GET"]),
-    Route("/admin/accounts/{account_id}/prices", admin_account_prices, methods=["GET"]),
-    Route("/admin/accounts/{account_id}/prices", admin_add_override, methods=["POST"]),
-    Route("/admin/invoices/{invoice_id}/credit_notes", admin_credit_note, methods=["POST"]),
-    Route("/admin/credit_notes/{note_id}", admin_get_credit_note, methods=["GET"]),
-    Route("/admin/credit_notes/{note_id}/{fmt:str}", admin_get_credit_note, methods=["GET"]),
-    Route("/admin/accounts/{account_id}/billing_details", admin_get_details, methods=["GET"]),
-    Route("/admin/accounts/{account_id}/billing_details", admin_set_details, methods=["PUT", "PATCH"]),
-    Route("/admin/tax_rates", admin_tax_rates, methods=["GET"]),
-    Route("/admin/tax_rates/{country}", admin_set_tax_rate, methods=["PUT"]),
-    Route("/admin/tax_rates/{country}", admin_delete_tax_rate, methods=["DELETE"]),
+ENDPOINTS = [
+    ("/admin/invoices", admin_invoices, ["GET"]),
+    ("/admin/invoices/close", admin_close, ["POST"]),
+    ("/admin/invoices/{invoice_id}", admin_invoice, ["GET"]),
+    ("/admin/invoices/{invoice_id}/sync", admin_sync, ["POST"]),
+    ("/admin/invoices/{invoice_id}/{fmt:str}", admin_invoice, ["GET"]),
+    ("/admin/billing/periods/{period}", admin_period, ["GET"]),
+    ("/admin/accounts/{account_id}/billing", admin_account_billing, ["GET"]),
+    ("/admin/accounts/{account_id}/prices", admin_account_prices, ["GET"]),
+    ("/admin/accounts/{account_id}/prices", admin_add_override, ["POST"]),
+    ("/admin/invoices/{invoice_id}/credit_notes", admin_credit_note, ["POST"]),
+    ("/admin/credit_notes/{note_id}", admin_get_credit_note, ["GET"]),
+    ("/admin/credit_notes/{note_id}/{fmt:str}", admin_get_credit_note, ["GET"]),
+    ("/admin/accounts/{account_id}/billing_details", admin_get_details, ["GET"]),
+    ("/admin/accounts/{account_id}/billing_details", admin_set_details, ["PUT", "PATCH"]),
+    ("/admin/tax_rates", admin_tax_rates, ["GET"]),
+    ("/admin/tax_rates/{country}", admin_set_tax_rate, ["PUT"]),
+    ("/admin/tax_rates/{country}", admin_delete_tax_rate, ["DELETE"]),
 ]

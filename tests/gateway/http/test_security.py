@@ -108,6 +108,28 @@ async def test_customer_keys_never_reach_admin_endpoints(secure_gw: Gateway, two
         assert (await admin.get(f"/admin/keys/{b['id']}")).json()["revoked_at"] is None
 
 
+async def test_admin_endpoints_refuse_callers_without_a_valid_key(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
+    """Every /admin route answers 401 before its handler runs when no key, or no known key, is sent;
+    the check comes after routing, so an unknown /admin path is still a 404 and a wrong method a 405."""
+    b = two_accounts["b"]
+    ids = {"account_id": b["account_id"], "key_id": b["id"], "invoice_id": two_accounts["b_invoice"], "fmt": "pdf", "period": PAST, "note_id": 1,
+           "country": "DE", "statement_id": 1}
+    callers = {"missing_api_key": {}, "invalid_api_key": {"Authorization": "Bearer sk-" + "0" * 40}}
+    tried = 0
+    async with httpx.AsyncClient(base_url=secure_gw.base_url, timeout=30) as c:
+        for route in secure_gw.app.routes:
+            if not isinstance(route, Route) or not route.path.startswith("/admin"):
+                continue
+            for method in (route.methods or set()) - {"HEAD"}:
+                for code, headers in callers.items():
+                    r = await c.request(method, fill(route.path, ids), headers=headers, json={} if method in ("POST", "PATCH") else None)
+                    assert r.status_code == 401 and r.json()["error"]["code"] == code, (method, route.path, code, r.text)
+                tried += 1
+        assert (await c.get("/admin/no_such_thing")).status_code == 404
+        assert (await c.delete("/admin/accounts")).status_code == 405
+    assert tried >= 40
+
+
 async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
     a, b = two_accounts["a"], two_accounts["b"]
     checked: set[tuple[str, str]] = set()
