@@ -146,6 +146,23 @@ class Engine(abc.ABC):
     # The most choices (OpenAI's `n`, and `best_of` sequences) one request may ask of this engine;
     # above it the gateway answers 400 naming the field. 1: one metered choice per request.
     max_choices: int = 1
+    # True: the model's completions may be served from the gateway's response cache (models.yaml `cache:`).
+    response_cache: bool = False
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the engine renders a request's tools into its own prompt (a tool parser is set):
+        the gateway then sends the messages as the client wrote them, with `encode_chat(messages, tools)`."""
+        return False
+
+    def queue_depth(self) -> int | None:
+        """Requests waiting in front of the engine for a slot (the gateway's scheduler); None: no queue."""
+        return None
+
+    def use_classes(self, names: tuple[str, ...]) -> None:
+        """The gateway's scheduling classes, highest first, for an engine that sends the class on
+        (a pool's `priority: by_class`). This default sends nothing."""
+        return None
 
     @property
     @abc.abstractmethod

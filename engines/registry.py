@@ -265,7 +265,7 @@ class ModelTable:
                 continue
             candidates = [engines[mid]] + [engines[f] for f in spec.fallbacks]
             chains[mid] = FallbackEngine(mid, candidates, context_length=spec.context_length, lifecycle=lifecycle)
-            chains[mid].response_cache = spec.cache  # type: ignore[attr-defined]
+            chains[mid].response_cache = spec.cache
             if spec.public:
                 served[mid] = chains[mid]
         for mid, spec in self.specs.items():

@@ -142,8 +142,7 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
     for engine in served.values():  # pools that send the account's class upstream map these
         chain = getattr(engine, "candidates", None)  # a FallbackEngine's list (a router's is a method)
         for candidate in chain if isinstance(chain, list) else (engine,):
-            if hasattr(candidate, "use_classes"):
-                candidate.use_classes(names)
+            candidate.use_classes(names)
     if not settings.scheduler.enabled:
         return served, []
     classes = settings.scheduler.priority_classes

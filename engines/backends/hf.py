@@ -245,6 +245,10 @@ class HFEngine(Engine):
 
     # lifecycle --------------------------------------------------------------------------------
     @property
+    def renders_tools(self) -> bool:
+        return self.tool_parser is not None
+
+    @property
     def ready(self) -> bool:
         return self._ready
 

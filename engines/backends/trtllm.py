@@ -453,6 +453,10 @@ class TRTLLMEngine(Engine):
 
     # lifecycle --------------------------------------------------------------------------------
     @property
+    def renders_tools(self) -> bool:
+        return self.tool_parser is not None
+
+    @property
     def ready(self) -> bool:
         # A shared engine host that is gone (SharedLLM.dead) is not ready before any request finds out.
         return self._ready and getattr(self._llm, "dead", None) is None

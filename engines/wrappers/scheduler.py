@@ -174,6 +174,17 @@ class ScheduledEngine(Engine):
         return self.inner.max_choices
 
     @property
+    def response_cache(self) -> bool:  # type: ignore[override]
+        return self.inner.response_cache
+
+    @property
+    def renders_tools(self) -> bool:
+        return self.inner.renders_tools
+
+    def use_classes(self, names: tuple[str, ...]) -> None:
+        self.inner.use_classes(names)
+
+    @property
     def ready(self) -> bool:
         return self.inner.ready
 

@@ -46,9 +46,9 @@ class _LiveState(Collector):
         )
         for model_id, engine in self._engines.items():
             in_flight.add_metric([model_id], engine.requests_in_flight())
-            depth = getattr(engine, "queue_depth", None)
-            if callable(depth):
-                queued.add_metric([model_id], depth())
+            depth = engine.queue_depth()
+            if depth is not None:
+                queued.add_metric([model_id], depth)
         yield in_flight
         yield queued
         yield GaugeMetricFamily("tollgate_ledger_backlog_rows", "Ledger rows recorded but not yet written.", value=self._ledger.backlog)

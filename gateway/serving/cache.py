@@ -184,7 +184,7 @@ class ResponseCache:
 
 
 def _model_opted_in(engine: Any) -> bool:
-    return bool(getattr(engine, "response_cache", False))
+    return bool(engine.response_cache)
 
 
 # gateway hooks ------------------------------------------------------------------------------------

@@ -7,12 +7,14 @@ import json
 import logging
 import re
 from datetime import datetime, timezone
+from itertools import islice
 from typing import Any
 
 import httpx
 from openai import RateLimitError
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.wrappers.scheduler import ScheduledEngine
 from gateway.http.logs import (
     JsonFormatter,
     access_log,
@@ -23,7 +25,9 @@ from gateway.http.logs import (
     request_id_var,
     write_access_line,
 )
+from gateway.http.metrics import _LiveState
 from tests.conftest import MODEL, Gateway
+from tests.fakes.engine import FakeEngine
 
 
 def scrape(gw: Gateway) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:
@@ -213,3 +217,10 @@ def test_a_failed_access_line_is_reported_once_not_written_twice() -> None:
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_the_queue_depth_gauge_has_a_series_for_each_engine_with_a_queue() -> None:
+    # Engine.queue_depth(): None for an engine without a queue of its own, the scheduler's count otherwise.
+    engines = {"queued": ScheduledEngine(FakeEngine("queued")), "bare": FakeEngine("bare")}
+    _, queued = islice(_LiveState(engines, ledger=None).collect(), 2)  # type: ignore[arg-type]
+    assert [(s.labels["model"], s.value) for s in queued.samples] == [("queued", 0)]
