@@ -92,6 +92,18 @@ async def admin_session(request: Request) -> Session | Response:
     return session
 
 
+async def admin_form(request: Request) -> tuple[Session, FormData] | Response:
+    """What an admin form's POST needs: an admin's session, then its CSRF-checked form; else the
+    page that refuses it (the login redirect, the admins-only page, the expired-form page)."""
+    session = await admin_session(request)
+    if isinstance(session, Response):
+        return session
+    form = await form_with_csrf(request, session)
+    if form is None:
+        return refused(request, session)
+    return session, form
+
+
 def refused(request: Request, session: Session) -> Response:
     return message_page(request, "Refused", "The form's security token is missing or wrong. Reload the page and try again.", 403, session)
 

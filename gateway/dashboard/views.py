@@ -38,6 +38,7 @@ from billing.ledger.aggregates import Period, latency_percentiles, usage_groups
 from gateway.dashboard import billing as dashboard_billing
 from gateway.dashboard.billing import billing_section, invoices_table, statements_table
 from gateway.dashboard.pages import (
+    admin_form,
     admin_session,
     form_with_csrf,
     message_page,
@@ -127,7 +128,7 @@ async def logout(request: Request) -> Response:
     if session is None:
         return to_login()
     if await form_with_csrf(request, session) is None:
-        return message_page(request, "Refused", "The form's security token is missing or wrong. Reload the page and try again.", 403, session)
+        return refused(request, session)
     await request.app.state.sessions.logout(request.cookies.get(SESSION_COOKIE))
     response = to_login()
     clear_cookie(response, request, SESSION_COOKIE)
@@ -228,12 +229,10 @@ async def render_accounts(request: Request, session: Session, error: str | None 
 
 
 async def create_account(request: Request) -> Response:
-    session = await admin_session(request)
-    if isinstance(session, Response):
-        return session
-    form = await form_with_csrf(request, session)
-    if form is None:
-        return refused(request, session)
+    checked = await admin_form(request)
+    if isinstance(checked, Response):
+        return checked
+    session, form = checked
     name = str(form.get("name") or "").strip()
     if not name or len(name) > 200:
         return await render_accounts(request, session, "An account needs a name of 1 to 200 characters.", 400)
@@ -286,12 +285,10 @@ def _models_field(form: FormData) -> list[str] | None:
 
 
 async def create_key(request: Request) -> Response:
-    session = await admin_session(request)
-    if isinstance(session, Response):
-        return session
-    form = await form_with_csrf(request, session)
-    if form is None:
-        return refused(request, session)
+    checked = await admin_form(request)
+    if isinstance(checked, Response):
+        return checked
+    session, form = checked
     account_id = path_int(request, "account_id")
     name = str(form.get("name") or "").strip()[:200] or None
     try:
@@ -312,11 +309,10 @@ async def _key_in_path(request: Request, session: Session) -> dict[str, Any] | R
 
 
 async def revoke_key(request: Request) -> Response:
-    session = await admin_session(request)
-    if isinstance(session, Response):
-        return session
-    if await form_with_csrf(request, session) is None:
-        return refused(request, session)
+    checked = await admin_form(request)
+    if isinstance(checked, Response):
+        return checked
+    session, _ = checked
     key = await _key_in_path(request, session)
     if isinstance(key, Response):
         return key
@@ -325,12 +321,10 @@ async def revoke_key(request: Request) -> Response:
 
 
 async def set_key_models(request: Request) -> Response:
-    session = await admin_session(request)
-    if isinstance(session, Response):
-        return session
-    form = await form_with_csrf(request, session)
-    if form is None:
-        return refused(request, session)
+    checked = await admin_form(request)
+    if isinstance(checked, Response):
+        return checked
+    session, form = checked
     key = await _key_in_path(request, session)
     if isinstance(key, Response):
         return key
@@ -363,12 +357,10 @@ def _limits_from_form(form: FormData) -> dict[str, Any]:
 
 
 async def set_limits(request: Request) -> Response:
-    session = await admin_session(request)
-    if isinstance(session, Response):
-        return session
-    form = await form_with_csrf(request, session)
-    if form is None:
-        return refused(request, session)
+    checked = await admin_form(request)
+    if isinstance(checked, Response):
+        return checked
+    session, form = checked
     store = request.app.state.keys
     if "key_id" in request.path_params:
         key = await _key_in_path(request, session)
@@ -394,12 +386,10 @@ async def set_limits(request: Request) -> Response:
 
 # customer page ----------------------------------------------------------------------------------
 async def save_billing_details(request: Request) -> Response:
-    session = await admin_session(request)
-    if isinstance(session, Response):
-        return session
-    form = await form_with_csrf(request, session)
-    if form is None:
-        return refused(request, session)
+    checked = await admin_form(request)
+    if isinstance(checked, Response):
+        return checked
+    session, form = checked
     account_id = path_int(request, "account_id")
     if account_id is None or await request.app.state.keys.get_account(account_id=account_id) is None:
         return message_page(request, "Not found", "No such account.", 404, session)
