@@ -3,8 +3,8 @@ account states that suspend an account's keys, Stripe sync and webhooks, the mon
 `start_credits(app)` prepaid credit's services (the credit book, spend alerts, Stripe Checkout)
 and the loop that runs `billing.credits.housekeeping` every TOLLGATE_CREDITS_CHECK_SECONDS.
 
-Apart from the routes that read them (gateway/api/account/, gateway/admin/, gateway/webhooks/),
-so that the request path's suspension check (`Billing.guard`) does not go through a routes module.
+Apart from the routes that read them (gateway/api/account/, gateway/admin/, gateway/webhooks/). The
+request path's suspension check reads `states` beside authentication (gateway/http/requests.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from billing.invoices.account_state import AccountStates
 from billing.invoices.close import CloseResult, close_period
 from billing.invoices.periods import Period
 from billing.invoices.scheduler import MonthlyClose
-from billing.keys.store import Principal
 from billing.prices.book import PriceBook
 from billing.stripe.checkout import CheckoutService
 from billing.stripe.sync import StripeSync, stripe_client
 from billing.stripe.webhooks import WebhookHandler
-from gateway.http.errors import APIError, PermissionDenied
+from gateway.http.errors import APIError
 
 log = logging.getLogger("tollgate.billing")
 credits_log = logging.getLogger("tollgate.credits")
@@ -57,12 +56,6 @@ class Billing:
         )
         self.scheduler = MonthlyClose(db, book, config, stripe=self.stripe) if config.auto_close else None
         self._runs: dict[str, asyncio.Task[CloseResult | None]] = {}
-
-    def guard(self, principal: Principal) -> None:
-        """The request-path check: 403 for keys of a suspended account. No I/O."""
-        reason = self.states.suspension(principal)
-        if reason is not None:
-            raise PermissionDenied(reason, code="account_suspended")
 
     async def start(self) -> None:
         try:

@@ -12,8 +12,8 @@ from starlette.routing import Route
 from billing.keys.store import Principal
 from billing.prices.book import EffectivePrice
 from engines.base import Engine
-from engines.wrappers.router import route_body
-from gateway.admin import routes as admin
+from gateway.admin import accounts as admin
+from gateway.admin import alerts as admin_alerts, credits as admin_credits, invoices as admin_invoices
 from gateway.api.account import alerts as account_alerts, credits as account_credits, invoices as account_invoices
 from gateway.webhooks import stripe as stripe_webhooks
 from gateway.api.anthropic import messages as anthropic_api
@@ -36,16 +36,15 @@ from gateway.api.account.usage import get_usage
 async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     state = request.app.state
     request_id = request_id_of(request)  # made by RequestContext; also the ledger row's id
-    principal = await authenticate(request, state.keys)
-    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    principal = await authenticate(request, state.keys, states=state.billing.states)  # 403 for a suspended account
     raw = await read_json(request, state.settings.http.max_body_bytes)
-    raw = route_body(state.service.engines, raw, kind)  # a virtual model (`auto`) names a real one
-    body = parse(model, raw, passthrough=_passes_through(state.service, raw))
     service: CompletionService = state.service
+    raw, engine = service.resolve(raw, kind)  # the model, once: a routing model (`auto`) names the one it chooses
+    body = parse(model, raw, passthrough=engine is not None and engine.passthrough)  # see Engine.passthrough
     if kind == "chat":
-        gen = service.prepare_chat(principal, body, request_id)
+        gen = service.prepare_chat(principal, body, request_id, engine)
     else:
-        gen = service.prepare_text(principal, body, request_id)
+        gen = service.prepare_text(principal, body, request_id, engine)
     return await answer(
         request, service, gen,
         streamed=lambda outputs, headers, admission: GenerationResponse(gen, outputs, headers, admission=admission),
@@ -75,13 +74,6 @@ def _model_card(engine: Engine, price: EffectivePrice | None = None) -> dict[str
 
 async def _priced_card(request: Request, principal: Principal, engine: Engine) -> dict[str, Any]:
     return _model_card(engine, await request.app.state.prices.current_for(principal.account_id, engine.model_id))
-
-
-def _passes_through(service: CompletionService, raw: Any) -> bool:
-    """Whether the requested model's engine forwards fields it does not use (see Engine.passthrough)."""
-    name = raw.get("model") if isinstance(raw, dict) else None
-    engine = service.engines.get(name) if isinstance(name, str) else None
-    return bool(engine is not None and engine.passthrough)
 
 
 async def _embedding_card(request: Request, principal: Principal, model: Any) -> dict[str, Any]:
@@ -148,14 +140,17 @@ ROUTES = [
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),
     Route("/openapi.json", openapi_document, methods=["GET"]),
-    *admin.routes,  # /admin/...: every one behind the admin-key check (gateway/admin/guard.py)
+    *admin.routes,
     Route("/v1/usage", get_usage, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     *dashboard.routes,
     *account_invoices.routes,
+    *admin_invoices.routes,
     *stripe_webhooks.routes,
     *account_credits.routes,
+    *admin_credits.routes,
     *account_alerts.routes,
+    *admin_alerts.routes,
     *embeddings_api.routes,
     *anthropic_api.routes,
     *openai_responses.routes,

@@ -24,11 +24,12 @@ from gateway.http.json_response import json_response
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
-async def _caller(request: Request) -> tuple[Any, Any]:
+async def _caller(request: Request, *, spends: bool = False) -> tuple[Any, Any]:
+    """The state and the caller; `spends`: a route that spends, refused to a suspended account."""
     state = request.app.state
     if state.batch_store is None:
         raise ServiceUnavailable("The Batch API is off on this server (TOLLGATE_BATCHES).")
-    return state, await authenticate(request, state.keys, api_key(request))
+    return state, await authenticate(request, state.keys, api_key(request), states=state.billing.states if spends else None)
 
 
 def _view(request: Request, batch: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
@@ -36,8 +37,7 @@ def _view(request: Request, batch: dict[str, Any], counts: dict[str, int]) -> di
 
 
 async def _create(request: Request, request_id: str) -> Response:
-    state, principal = await _caller(request)
-    state.billing.guard(principal)
+    state, principal = await _caller(request, spends=True)
     body = await read_json(request, state.settings.http.max_body_bytes)
     requests = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(requests, list) or not requests:

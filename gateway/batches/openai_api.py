@@ -114,8 +114,7 @@ async def delete_file(request: Request) -> Response:
 # batches -------------------------------------------------------------------------------------------
 async def create_batch(request: Request) -> Response:
     state = _state(request)
-    principal = await authenticate(request, state.keys)
-    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    principal = await authenticate(request, state.keys, states=state.billing.states)  # 403 for a suspended account
     body = await read_json(request, state.settings.http.max_body_bytes)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")

@@ -1,4 +1,5 @@
-"""Request plumbing shared by the routes: bounded JSON bodies and bearer-key authentication."""
+"""Request plumbing shared by the routes: bounded JSON bodies and bearer-key authentication (with
+the suspension check for the routes that spend)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
+from billing.invoices.account_state import AccountStates
 from billing.keys.store import KeyStore, KeyStoreUnavailable, Principal, looks_like_key
 from gateway.batches.line import batch_line
 from gateway.http.errors import AuthenticationFailed, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied, RequestTimeout, ServiceUnavailable
@@ -99,24 +101,30 @@ def bearer_key(request: Request) -> str:
     return value.strip()
 
 
-async def authenticate(request: Request, keys: KeyStore, key: str | None = None) -> Principal:
+async def authenticate(request: Request, keys: KeyStore, key: str | None = None, *, states: AccountStates | None = None) -> Principal:
     """The caller's principal; 401 for a missing or unknown key, 403 for a revoked or expired one.
-    `key`: found elsewhere than in `Authorization: Bearer` (Anthropic's `x-api-key`). A line of a
-    batch (gateway/batches/runner.py) is its batch's principal."""
+    `key`: found elsewhere than in `Authorization: Bearer` (Anthropic's `x-api-key`). `states`: for
+    the routes that spend (generate, embed, batch), also 403 for a key of a suspended account (unpaid
+    invoices; no I/O). A line of a batch (gateway/batches/runner.py) is its batch's principal."""
     line = batch_line(request.scope)
     if line is not None:
-        return line.principal
-    key = bearer_key(request) if key is None else key
-    try:
-        principal = await keys.authenticate(key) if looks_like_key(key) else None
-    except KeyStoreUnavailable:
-        raise ServiceUnavailable("The key store is unavailable; retry shortly.", code="database_unavailable", headers={"Retry-After": "1"}) from None
-    if principal is None:
-        raise AuthenticationFailed("Incorrect API key provided.")
-    if principal.revoked:
-        raise PermissionDenied("This API key has been revoked.", code="key_revoked")
-    if principal.expired():
-        raise PermissionDenied("This API key has expired.", code="key_expired")
+        principal = line.principal
+    else:
+        key = bearer_key(request) if key is None else key
+        try:
+            found = await keys.authenticate(key) if looks_like_key(key) else None
+        except KeyStoreUnavailable:
+            raise ServiceUnavailable("The key store is unavailable; retry shortly.", code="database_unavailable", headers={"Retry-After": "1"}) from None
+        if found is None:
+            raise AuthenticationFailed("Incorrect API key provided.")
+        if found.revoked:
+            raise PermissionDenied("This API key has been revoked.", code="key_revoked")
+        if found.expired():
+            raise PermissionDenied("This API key has expired.", code="key_expired")
+        principal = found
+    suspended = states.suspension(principal) if states is not None else None
+    if suspended is not None:
+        raise PermissionDenied(suspended, code="account_suspended")
     return principal
 
 

@@ -35,6 +35,7 @@ from engines.base import (
     EngineRequestRejected,
     SamplingParams,
 )
+from engines.wrappers.router import router_of
 from gateway.serving.admission import Admission, Meter, share_of
 from gateway.http.errors import (
     APIError,
@@ -92,7 +93,9 @@ class Generation:
     def cancel(self) -> None:
         """The client left: stop the engine request; the stream ends with `cancelled`."""
         self.cancel_requested = True
-        self.engine.cancel(self.request_id)
+        cancel = getattr(self.engine, "cancel", None)
+        if cancel is not None:
+            cancel(self.request_id)
 
     def cut_short(self) -> None:
         """The server is shutting down: stop the engine request; the stream ends with an error
@@ -168,8 +171,22 @@ class CompletionService:
         """Waits for background settlements (shutdown and tests)."""
         await self.meter.drain(timeout)
 
-    def engine_for(self, model: str, principal: Principal) -> Engine:
-        engine = self.engines.get(model)
+    def resolve(self, raw: Any, kind: str) -> tuple[Any, Engine | None]:
+        """The request body and its model's engine, looked up once for the whole request (None: no
+        such model, refused by `engine_for` once the body has been parsed). A routing model (`auto`)
+        names the model it chooses, in the body too."""
+        name = raw.get("model") if isinstance(raw, dict) else None
+        engine = self.engines.get(name) if isinstance(name, str) else None
+        router = router_of(engine) if engine is not None else None
+        if router is None:
+            return raw, engine
+        chosen = router.choose(raw, kind)
+        return {**raw, "model": chosen}, self.engines.get(chosen)
+
+    def engine_for(self, model: str, principal: Principal, engine: Engine | None = None) -> Engine:
+        """The engine of `model` (`engine`: already resolved) if this key may use it and it is ready."""
+        if engine is None:
+            engine = self.engines.get(model)
         if engine is None:
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
         if not (principal.may_use(model) or principal.may_use(engine.model_id)):  # an alias or its model
@@ -178,11 +195,11 @@ class CompletionService:
             raise EngineNotReady(f"The model {model!r} is still loading; retry shortly.", headers={"Retry-After": "5"})
         return engine
 
-    def prepare_chat(self, principal: Principal, request: ChatCompletionRequest, request_id: str) -> Generation:
-        engine = self.engine_for(request.model, principal)
+    def prepare_chat(self, principal: Principal, request: ChatCompletionRequest, request_id: str, engine: Engine | None = None) -> Generation:
+        engine = self.engine_for(request.model, principal, engine)
         # An engine that renders tools itself (hf: it has a tool parser) gets the messages as sent and the
         # tools shown to the model: the prompt counted here is the one it prefills.
-        renders_tools = not engine.passthrough and request.uses_tools() and engine.renders_tools
+        renders_tools = not engine.passthrough and request.uses_tools() and getattr(engine, "tool_parser", None) is not None
         messages = request.raw_messages() if engine.passthrough or renders_tools else request.chat_messages()
         try:
             prompt_ids = engine.encode_chat(messages, request.prompt_tools()) if renders_tools else engine.encode_chat(messages)
@@ -190,15 +207,15 @@ class CompletionService:
             raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.requested_max_tokens(), "chat")
 
-    def prepare_text(self, principal: Principal, request: CompletionRequest, request_id: str) -> Generation:
-        engine = self.engine_for(request.model, principal)
+    def prepare_text(self, principal: Principal, request: CompletionRequest, request_id: str, engine: Engine | None = None) -> Generation:
+        engine = self.engine_for(request.model, principal, engine)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
             prompt_ids = engine.encode_text(prompt)
             if not prompt_ids:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
         else:
-            vocab = engine.vocab_size
+            vocab = getattr(engine, "vocab_size", None)
             if any(t < 0 or (vocab is not None and t >= vocab) for t in prompt):
                 raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompt_ids = prompt
@@ -227,7 +244,7 @@ class CompletionService:
         counts; `tools`: with the tools also where the engine renders them itself (a pass-through
         one: what it will bill), as count_tokens wants."""
         chat = chat_equivalent(body, engine.passthrough, renames)
-        renders_tools = not engine.passthrough and chat.uses_tools() and engine.renders_tools  # as prepare_chat
+        renders_tools = not engine.passthrough and chat.uses_tools() and getattr(engine, "tool_parser", None) is not None  # as prepare_chat
         messages = chat.raw_messages() if engine.passthrough or renders_tools else chat.chat_messages()
         bills_tools = tool_encoder(engine) if tools and engine.passthrough and chat.prompt_tools() else None
         try:

@@ -208,8 +208,7 @@ async def create_message(request: Request) -> Any:
 
 async def _create_message(request: Request, request_id: str) -> Any:
     state = request.app.state
-    principal = await authenticate(request, state.keys, api_key(request))
-    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    principal = await authenticate(request, state.keys, api_key(request), states=state.billing.states)  # 403 for a suspended account
     body = parse(MessagesRequest, await read_json(request, state.settings.http.max_body_bytes))
     service: CompletionService = state.service
     gen = service.prepare_messages(principal, body, request_id)  # as the chat completion it translates to
@@ -230,8 +229,7 @@ async def count_tokens(request: Request) -> Response:
 
 async def _count_tokens(request: Request, request_id: str) -> Response:
     state = request.app.state
-    principal = await authenticate(request, state.keys, api_key(request))
-    state.billing.guard(principal)
+    principal = await authenticate(request, state.keys, api_key(request), states=state.billing.states)
     body = parse(CountTokensRequest, await read_json(request, state.settings.http.max_body_bytes))
     service: CompletionService = state.service
     engine = service.engine_for(body.model, principal)

@@ -162,8 +162,7 @@ async def create_embeddings(request: Request) -> Response:
     state = request.app.state
     service: EmbeddingService | None = state.embeddings
     request_id = request_id_of(request)
-    principal = await authenticate(request, state.keys)
-    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    principal = await authenticate(request, state.keys, states=state.billing.states)  # 403 for a suspended account
     body = parse_embedding_request(await read_json(request, state.settings.http.max_body_bytes))
     if service is None:
         raise ModelNotFound(f"The embedding model {body.model!r} does not exist.", param="model")

@@ -391,8 +391,7 @@ async def _history(store: ResponseStore, principal: Principal, previous_id: str)
 async def create_response(request: Request) -> Any:
     state = request.app.state
     request_id = request_id_of(request)
-    principal = await authenticate(request, state.keys)
-    state.billing.guard(principal)  # 403 for keys of a suspended account (unpaid invoices)
+    principal = await authenticate(request, state.keys, states=state.billing.states)  # 403 for a suspended account
     body: ResponsesRequest = parse(ResponsesRequest, await read_json(request, state.settings.http.max_body_bytes))
     store = ResponseStore.of(request)
     history = await _history(store, principal, body.previous_response_id) if body.previous_response_id else []
