@@ -12,8 +12,7 @@ from starlette.routing import Route
 from billing.keys.store import Principal
 from billing.prices.book import EffectivePrice
 from engines.base import Engine
-from gateway.admin import accounts as admin
-from gateway.admin import alerts as admin_alerts, credits as admin_credits, invoices as admin_invoices
+from gateway.admin import routes as admin
 from gateway.api.account import alerts as account_alerts, credits as account_credits, invoices as account_invoices
 from gateway.webhooks import stripe as stripe_webhooks
 from gateway.api.anthropic import messages as anthropic_api
@@ -140,17 +139,14 @@ ROUTES = [
     Route("/healthz", healthz, methods=["GET"]),
     Route("/readyz", readyz, methods=["GET"]),
     Route("/openapi.json", openapi_document, methods=["GET"]),
-    *admin.routes,
+    *admin.routes,  # /admin/...: every one behind the admin-key check (gateway/admin/guard.py)
     Route("/v1/usage", get_usage, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     *dashboard.routes,
     *account_invoices.routes,
-    *admin_invoices.routes,
     *stripe_webhooks.routes,
     *account_credits.routes,
-    *admin_credits.routes,
     *account_alerts.routes,
-    *admin_alerts.routes,
     *embeddings_api.routes,
     *anthropic_api.routes,
     *openai_responses.routes,

@@ -93,9 +93,7 @@ class Generation:
     def cancel(self) -> None:
         """The client left: stop the engine request; the stream ends with `cancelled`."""
         self.cancel_requested = True
-        cancel = getattr(self.engine, "cancel", None)
-        if cancel is not None:
-            cancel(self.request_id)
+        self.engine.cancel(self.request_id)
 
     def cut_short(self) -> None:
         """The server is shutting down: stop the engine request; the stream ends with an error
@@ -199,7 +197,7 @@ class CompletionService:
         engine = self.engine_for(request.model, principal, engine)
         # An engine that renders tools itself (hf: it has a tool parser) gets the messages as sent and the
         # tools shown to the model: the prompt counted here is the one it prefills.
-        renders_tools = not engine.passthrough and request.uses_tools() and getattr(engine, "tool_parser", None) is not None
+        renders_tools = not engine.passthrough and request.uses_tools() and engine.renders_tools
         messages = request.raw_messages() if engine.passthrough or renders_tools else request.chat_messages()
         try:
             prompt_ids = engine.encode_chat(messages, request.prompt_tools()) if renders_tools else engine.encode_chat(messages)
@@ -215,7 +213,7 @@ class CompletionService:
             if not prompt_ids:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
         else:
-            vocab = getattr(engine, "vocab_size", None)
+            vocab = engine.vocab_size
             if any(t < 0 or (vocab is not None and t >= vocab) for t in prompt):
                 raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompt_ids = prompt
@@ -244,7 +242,7 @@ class CompletionService:
         counts; `tools`: with the tools also where the engine renders them itself (a pass-through
         one: what it will bill), as count_tokens wants."""
         chat = chat_equivalent(body, engine.passthrough, renames)
-        renders_tools = not engine.passthrough and chat.uses_tools() and getattr(engine, "tool_parser", None) is not None  # as prepare_chat
+        renders_tools = not engine.passthrough and chat.uses_tools() and engine.renders_tools  # as prepare_chat
         messages = chat.raw_messages() if engine.passthrough or renders_tools else chat.chat_messages()
         bills_tools = tool_encoder(engine) if tools and engine.passthrough and chat.prompt_tools() else None
         try:
