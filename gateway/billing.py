@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,6 +24,7 @@ from billing.invoices.account_state import AccountStates
 from billing.invoices.close import CloseResult, close_period
 from billing.invoices.periods import Period
 from billing.invoices.scheduler import MonthlyClose
+from billing import periodic
 from billing.prices.book import PriceBook
 from billing.stripe.checkout import CheckoutService
 from billing.stripe.sync import StripeSync, stripe_client
@@ -115,13 +117,8 @@ async def stop(app: Starlette) -> None:
         await billing.stop()
 
 
-async def _loop(book: CreditBook, db: Any, alerts: AlertService, checkout: CheckoutService | None, every: float) -> None:
-    while True:
-        await asyncio.sleep(every)
-        try:
-            await housekeeping(book, db, alerts, checkout)
-        except Exception as exc:  # the database is down: the next round tries again
-            credits_log.warning("credit housekeeping failed: %s", type(exc).__name__)
+def _housekeeping_failed(exc: Exception) -> None:  # the database is down: the next round tries again
+    credits_log.warning("credit housekeeping failed: %s", type(exc).__name__)
 
 
 async def start_credits(app: Starlette) -> None:
@@ -137,7 +134,8 @@ async def start_credits(app: Starlette) -> None:
             billing.webhooks.extra.update(app.state.checkout.webhook_handlers())
             billing.webhooks.after.append(lambda _account: app.state.credits.sync_recent())
     app.state.credits_task = (
-        asyncio.create_task(_loop(app.state.credits, app.state.db, app.state.alerts, app.state.checkout, every), name="credits")
+        asyncio.create_task(periodic.every(every, partial(housekeeping, app.state.credits, app.state.db, app.state.alerts, app.state.checkout),
+                                           on_error=_housekeeping_failed), name="credits")
         if every > 0 else None)
 
 

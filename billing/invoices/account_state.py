@@ -14,7 +14,6 @@ request path checks a key without any I/O.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -27,6 +26,7 @@ from billing.invoices.models import BillingAccount, Invoice
 from billing.invoices.close import format_cents
 from billing.keys.store import Principal
 from billing.models import utcnow
+from billing.periodic import Periodic
 from billing.stripe.sync import upsert
 
 log = logging.getLogger("tollgate.billing_state")
@@ -114,7 +114,8 @@ class AccountStates:
         self._grace = timedelta(seconds=grace_seconds)
         self._refresh_seconds = refresh_seconds
         self._delinquent: dict[int, Delinquency] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._failing = False  # the last refresh failed (said once, and once when it works again)
+        self._loop = Periodic("billing-states", refresh_seconds, self._refresh_round, on_error=self._refresh_failed, first=True)
         # One refresh at a time: a periodic read that began before a webhook's change committed
         # must not finish after the webhook's own refresh and put the old list back.
         self._refreshing = asyncio.Lock()
@@ -158,26 +159,18 @@ class AccountStates:
         }
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="billing-states")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()
 
-    async def _run(self) -> None:
-        failing = False
-        while True:
-            try:
-                await self.refresh()
-                if failing:
-                    log.info("billing states refresh works again")
-                failing = False
-            except Exception as exc:  # keep serving with the last known list; say so once
-                if not failing:
-                    log.error("billing states refresh failed (keeping the last list): %s", type(exc).__name__)
-                failing = True
-            await asyncio.sleep(self._refresh_seconds)
+    async def _refresh_round(self) -> None:
+        await self.refresh()
+        if self._failing:
+            log.info("billing states refresh works again")
+        self._failing = False
+
+    def _refresh_failed(self, exc: Exception) -> None:  # keep serving with the last known list; say so once
+        if not self._failing:
+            log.error("billing states refresh failed (keeping the last list): %s", type(exc).__name__)
+        self._failing = True

@@ -8,8 +8,6 @@ and the `billing_periods` row make any overlap harmless anyway.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -22,6 +20,7 @@ from billing.config import BillingConfig
 from billing.invoices.models import BillingAccount
 from billing.invoices.close import CloseInProgress, CloseResult, close_lock, close_period_locked, period_status
 from billing.models import utcnow
+from billing.periodic import Periodic
 from billing.invoices.periods import Period
 from billing.prices.book import PriceBook
 from billing.stripe.sync import StripeSync
@@ -58,7 +57,7 @@ class MonthlyClose:
         self._config = config
         self._stripe = stripe
         self._clock = clock
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("billing-monthly-close", config.check_seconds, self.tick, on_error=_tick_failed)
 
     async def tick(self) -> CloseResult | None:
         """One round of work; returns the close result when this instance closed a period."""
@@ -80,22 +79,11 @@ class MonthlyClose:
         return result
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="billing-monthly-close")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.check_seconds)
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # logged loudly; the next tick retries (every step is idempotent)
-                log.exception("monthly billing job failed")
+
+def _tick_failed(exc: Exception) -> None:  # logged loudly; the next tick retries (every step is idempotent)
+    log.error("monthly billing job failed", exc_info=exc)

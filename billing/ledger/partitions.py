@@ -21,7 +21,6 @@ dashboards and /v1/usage still show archived months.
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import logging
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.invoices.periods import Period
+from billing.periodic import every
 
 log = logging.getLogger("tollgate.partitions")
 
@@ -141,12 +141,10 @@ async def partitions(db: AsyncEngine, *, count_rows: bool = False) -> list[Parti
 async def keep_ahead(db: AsyncEngine, clock: Any, interval: float = 3600.0) -> None:
     """The server's job: partitions for this month and the next ones, at start and then hourly
     (several servers: CREATE ... IF NOT EXISTS, and a failure is retried the next hour)."""
-    while True:
-        try:
-            await ensure_ahead(db, clock())
-        except Exception as exc:  # a database outage: the months ahead leave time to retry
-            log.warning("ledger partitions not created this time: %s", type(exc).__name__)
-        await asyncio.sleep(interval)
+    def not_created(exc: Exception) -> None:  # a database outage: the months ahead leave time to retry
+        log.warning("ledger partitions not created this time: %s", type(exc).__name__)
+
+    await every(interval, lambda: ensure_ahead(db, clock()), on_error=not_created, first=True)
 
 
 class ArchiveRefused(Exception):
