@@ -6,6 +6,8 @@
                         what the steps before it took, and leaves no row.
     Admission.settle()  the request's one ledger row, its quota settled with what it used, its
                         place in the engine freed: exactly once, however often it is called.
+    Admission.row()     that row, built here from what the admission holds: who (principal, model,
+                        request id), when (admitted_at), at what price, and the request's `Usage`.
 
 Every metered request comes through here: chat and text completions, Anthropic Messages, OpenAI
 Responses, response-cache hits and embeddings. The response's `finally` (gateway/serving/generation_response.py) or
@@ -16,8 +18,11 @@ leaves, so that a client that saw the end has its row.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
@@ -27,14 +32,43 @@ from billing.ledger.writer import LedgerWriter, UsageRecord
 from billing.models import utcnow
 from billing.prices.book import EffectivePrice, PriceBook
 from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
-from engines.base import Engine, EngineOverloadedError, EngineRequest
+from engines.base import FINISH_CANCELLED, FINISH_ERROR, FINISH_UPSTREAM_CANCELLED, Engine, EngineOverloadedError, EngineRequest
 from gateway.http.errors import APIError, EngineOverloaded, RateLimited, ServiceUnavailable
 from gateway.serving.ratelimit import hold_headers, refusal_headers
 
 log = logging.getLogger("tollgate.metering")
 
-# row(admission, status) -> the request's ledger row with that status (None: the status its state says)
-RowOf = Callable[["Admission", "str | None"], UsageRecord]
+
+
+@dataclass(kw_only=True)
+class Usage:
+    """What a request's ledger row says of it besides who and when, filled in as it runs: the API it
+    came through, what it used, how it ended. A Generation (gateway/serving/completions.py) is one."""
+
+    api: str = "chat"  # as its ledger row says: chat | completions | messages | responses | embeddings | batch
+    batch_id: str | None = None  # the batch it is a line of (api = batch): priced at the batch price
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, when it says
+    estimated: bool = False
+    finish_reason: str | None = None
+    recorded_finish: str | None = None  # the row's finish_reason when the engine's source ended it early (timeout, cancelled)
+    started: float = field(default_factory=time.perf_counter)
+    ttft_ms: float | None = None
+    queue_ms: float | None = None
+    cut: bool = False  # the server ended it (drain deadline): its row says `interrupted`
+    hit: bool = False  # answered from the response cache: billed its reserved share, and only if delivered whole
+    whole: bool = False  # billed whole or not at all (embeddings): nothing unless completed
+
+
+def final_status(usage: Usage) -> str:
+    if usage.finish_reason == FINISH_ERROR:
+        return "error"
+    if usage.finish_reason in (None, FINISH_CANCELLED):
+        return "interrupted" if usage.cut else "cancelled"  # cut: the server ended it (drain), not the client
+    if usage.recorded_finish == FINISH_UPSTREAM_CANCELLED:
+        return "interrupted"  # the upstream ended it while the client was there
+    return "completed"
 
 
 def share_of(nanos: int, share: Decimal) -> int:
@@ -55,21 +89,25 @@ class Admission:
     """Everything one admitted request holds: its place in the engine (`slot`), its quota `hold`,
     its journal entry. Made only by `Meter.admit()`; ended only by `settle()`."""
 
-    __slots__ = ("meter", "request_id", "principal", "slot", "hold", "price", "admitted_at", "journaled", "settled", "_row", "_cut")
+    __slots__ = ("meter", "request_id", "principal", "model", "usage", "slot", "hold", "price", "nanos", "admitted_at", "journaled",
+                 "settled", "_cut")
 
     def __init__(
-        self, meter: "Meter", request_id: str, principal: Principal, row: RowOf, cut: Callable[[], None] | None, admitted_at: datetime,
+        self, meter: "Meter", request_id: str, principal: Principal, model: str, usage: Usage, cut: Callable[[], None] | None,
+        admitted_at: datetime,
     ) -> None:
         self.meter = meter
         self.request_id = request_id
         self.principal = principal
+        self.model = model
+        self.usage = usage
         self.slot: Engine | None = None  # the engine that holds a place for it
         self.hold: Hold | None = None
         self.price: EffectivePrice | None = None
+        self.nanos = 0  # the worst case reserved (a cache hit's whole cost)
         self.admitted_at = admitted_at  # when admission began: prices it, names its period
         self.journaled = False
         self.settled = False
-        self._row = row
         self._cut = cut
 
     @property
@@ -87,7 +125,7 @@ class Admission:
         self.settled = True
         meter = self.meter
         try:
-            row = self._row(self, outcome) if self.journaled else None
+            row = self.row(outcome) if self.journaled else None
             if row is not None:
                 meter.ledger.record(row)
             if self.hold is not None:
@@ -98,6 +136,57 @@ class Admission:
                 self.slot.release(self.request_id)
             meter.ended(self)
         return True
+
+    def row(self, status: str | None = None) -> UsageRecord:
+        """The request's ledger row with `status` (None: the one its usage says); `interrupted` while
+        it runs (the journal's). A cache hit not delivered whole is billed nothing."""
+        usage = self.usage
+        if usage.whole:
+            return self._whole_row(status or "cancelled")  # ended without its result: the client left
+        if not usage.hit:
+            return self._record(status or final_status(usage))
+        if status is None and usage.finish_reason is not None:
+            return dataclasses.replace(self._record("completed"), cached=True, cost_nanos=self.nanos if self.price else None)
+        usage.completion_tokens = 0
+        record = self._record(status if status == "interrupted" else "cancelled")
+        return dataclasses.replace(record, prompt_tokens=0, completion_tokens=0, cached=True, cost_nanos=0 if self.price else None)
+
+    def _record(self, status: str) -> UsageRecord:
+        usage, price = self.usage, self.price
+        finish = FINISH_CANCELLED if status == "cancelled" else usage.recorded_finish or usage.finish_reason
+        return UsageRecord(
+            request_id=self.request_id,
+            account_id=self.principal.account_id,
+            key_id=self.principal.key_id,
+            model=self.model,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            status=status,
+            finish_reason=finish,
+            total_ms=(time.perf_counter() - usage.started) * 1000.0,
+            queue_ms=usage.queue_ms,
+            ttft_ms=usage.ttft_ms,
+            estimated=usage.estimated,
+            cached_tokens=usage.cached_tokens,
+            cost_nanos=price.cost_nanos(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if price else None,
+            api=usage.api,
+            batch_id=usage.batch_id,
+            admitted_at=self.admitted_at,
+        )
+
+    def _whole_row(self, status: str) -> UsageRecord:
+        """Input tokens at the input price while running (the journal's); after, all if completed, else nothing."""
+        usage, price = self.usage, self.price
+        done = status in ("completed", "interrupted")
+        final = status != "interrupted"
+        tokens = usage.prompt_tokens if done else 0
+        return UsageRecord(
+            request_id=self.request_id, account_id=self.principal.account_id, key_id=self.principal.key_id, model=self.model,
+            prompt_tokens=tokens, completion_tokens=0, status=status, finish_reason="stop" if status == "completed" else None,
+            total_ms=(time.perf_counter() - usage.started) * 1000.0 if final else 0.0,
+            cost_nanos=(price.cost_nanos(tokens, 0) if done else 0) if price is not None else None, api=usage.api,
+            batch_id=usage.batch_id, created_at=utcnow() if final else self.admitted_at, admitted_at=self.admitted_at,
+        )
 
     def cut(self) -> bool:
         """The server's drain deadline: stops the work (its row then says `interrupted`)."""
@@ -126,19 +215,19 @@ class Meter:
         request_id: str,
         principal: Principal,
         model: str,
+        usage: Usage,
         *,
         tokens: int,
         cost: Callable[[EffectivePrice], int],
-        row: RowOf,
         slot: tuple[Engine, EngineRequest] | None = None,
         cut: Callable[[], None] | None = None,
         batch: bool = False,
     ) -> Admission:
         """Admits a request that may use up to `tokens` tokens and `cost(price)` nano-USD, or raises
-        the 429/503 that says why not. `row(admission, status)` is its ledger row; `slot`: the
-        engine (and request) it takes a place in; `cut`: what stops it at the drain deadline; `batch`:
-        a line of a batch, priced at the batch price."""
-        admission = Admission(self, request_id, principal, row, cut, utcnow())
+        the 429/503 that says why not. `usage`: what its ledger row is made of (Admission.row); `slot`:
+        the engine (and request) it takes a place in; `cut`: what stops it at the drain deadline;
+        `batch`: a line of a batch, priced at the batch price."""
+        admission = Admission(self, request_id, principal, model, usage, cut, utcnow())
         try:
             if slot is not None:
                 engine, engine_request = slot
@@ -154,9 +243,9 @@ class Meter:
                 admission.price = await self.prices.current_for(principal.account_id, model, admission.admitted_at)
                 if batch and admission.price is not None:
                     admission.price = admission.price.for_batch()
-            nanos = cost(admission.price) if admission.price is not None else 0
-            admission.hold = await self._reserve(request_id, principal, tokens, nanos)
-            provisional = row(admission, "interrupted")
+            admission.nanos = cost(admission.price) if admission.price is not None else 0
+            provisional = admission.row("interrupted")  # priced: the row is known before the hold
+            admission.hold = await self._reserve(request_id, principal, tokens, admission.nanos)
             self._live[request_id] = admission
             self._idle.clear()
             # Journaled: a crash from here on still leaves an `interrupted` row and a hold to release.

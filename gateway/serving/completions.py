@@ -8,26 +8,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
 from billing.keys.store import Principal
-from billing.ledger.writer import LedgerWriter, UsageRecord
-from billing.models import utcnow
-from billing.prices.book import EffectivePrice, PriceBook
-from billing.quota import Hold, Limiter
+from billing.ledger.writer import LedgerWriter
+from billing.prices.book import PriceBook
+from billing.quota import Limiter
 from engines.base import (
-    FINISH_CANCELLED,
-    FINISH_ERROR,
-    FINISH_UPSTREAM_CANCELLED,
     Engine,
     EngineError,
     EngineOutput,
@@ -36,7 +30,7 @@ from engines.base import (
     SamplingParams,
 )
 from engines.wrappers.router import router_of
-from gateway.serving.admission import Admission, Meter, share_of
+from gateway.serving.admission import Admission, Meter, Usage, share_of
 from gateway.http.errors import (
     APIError,
     ContextLengthExceeded,
@@ -54,8 +48,8 @@ log = logging.getLogger("tollgate.serving")
 
 
 @dataclass
-class Generation:
-    """One admitted request on its way through an engine."""
+class Generation(Usage):
+    """One admitted request on its way through an engine; its Usage (what its ledger row says) as it goes."""
 
     request_id: str
     principal: Principal
@@ -65,26 +59,9 @@ class Generation:
     stream: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
-    started: float = field(default_factory=time.perf_counter)
-    admitted_at: datetime = field(default_factory=utcnow)  # reset at admission: prices it, names its period
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    ttft_ms: float | None = None
-    queue_ms: float | None = None
-    estimated: bool = False
-    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, when it says
     error: str | None = None
     cancel_requested: bool = False
-    cut: bool = False  # the server ended it (drain deadline): its row says `interrupted`
-    hold: Hold | None = None  # the admission's, for the row and the headers (Admission owns it)
-    price: EffectivePrice | None = None
-    hit: bool = False  # answered from the response cache
-    hit_nanos: int = 0  # what a cache hit costs, delivered whole
-    api: str = "chat"  # the API it came through, as its ledger row says: chat | completions | messages | responses | batch
-    batch_id: str | None = None  # the batch it is a line of (api = batch): priced at the batch price
     stop_sequence: str | None = None  # the stop string that ended it, when the engine says
-    recorded_finish: str | None = None  # the row's finish_reason when the engine's source ended it early (timeout, cancelled)
 
     @property
     def model(self) -> str:
@@ -128,10 +105,9 @@ class CompletionService:
         request = gen.engine_request
         worst_completion = request.max_tokens * request.sequences  # every sequence may run to max_tokens
         return await self.meter.admit(
-            gen.request_id, gen.principal, gen.model,
+            gen.request_id, gen.principal, gen.model, gen,
             tokens=gen.prompt_tokens + worst_completion,
             cost=lambda price: price.cost_nanos(gen.prompt_tokens, worst_completion),
-            row=lambda admission, status: self.row_of(gen, admission, status),
             slot=(gen.engine, request),
             cut=gen.cut_short,
             batch=gen.batch_id is not None,
@@ -142,28 +118,12 @@ class CompletionService:
         original's, and it costs `hit_price` times what the request would cost (billing/prices/book)."""
         gen.hit = True
         admission = await self.meter.admit(
-            gen.request_id, gen.principal, gen.model,
+            gen.request_id, gen.principal, gen.model, gen,
             tokens=prompt + completion,
-            cost=lambda price: share_of(price.cost_nanos(prompt, completion), hit_price),
-            row=lambda admission, status: self.row_of(gen, admission, status),
+            cost=lambda price: share_of(price.cost_nanos(prompt, completion), hit_price),  # its row's cost, delivered whole
         )
         gen.prompt_tokens = prompt
-        gen.hit_nanos = share_of(gen.price.cost_nanos(prompt, completion), hit_price) if gen.price else 0
         return admission
-
-    def row_of(self, gen: Generation, admission: Admission, status: str | None) -> UsageRecord:
-        """The generation's ledger row: `interrupted` while it runs (the journal's), then with its
-        final status (None: the one its state says). A cache hit that was not delivered whole is
-        billed nothing."""
-        gen.admitted_at, gen.price, gen.hold = admission.admitted_at, admission.price, admission.hold
-        if not gen.hit:
-            return self.usage_record(gen, status or final_status(gen))
-        if status is None and gen.finish_reason is not None:
-            record = self.usage_record(gen, "completed")
-            return dataclasses.replace(record, cached=True, cost_nanos=gen.hit_nanos if gen.price else None)
-        gen.completion_tokens = 0
-        record = self.usage_record(gen, status if status == "interrupted" else "cancelled")
-        return dataclasses.replace(record, prompt_tokens=0, completion_tokens=0, cached=True, cost_nanos=0 if gen.price else None)
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Waits for background settlements (shutdown and tests)."""
@@ -383,30 +343,6 @@ class CompletionService:
             gen.stop_sequence = out.stop_sequence
             gen.recorded_finish = out.recorded_finish
 
-    def usage_record(self, gen: Generation, status: str) -> UsageRecord:
-        finish = gen.recorded_finish or gen.finish_reason
-        if status == "cancelled":
-            finish = FINISH_CANCELLED
-        return UsageRecord(
-            request_id=gen.request_id,
-            account_id=gen.principal.account_id,
-            key_id=gen.principal.key_id,
-            model=gen.model,
-            prompt_tokens=gen.prompt_tokens,
-            completion_tokens=gen.completion_tokens,
-            status=status,
-            finish_reason=finish,
-            total_ms=(time.perf_counter() - gen.started) * 1000.0,
-            queue_ms=gen.queue_ms,
-            ttft_ms=gen.ttft_ms,
-            estimated=gen.estimated,
-            cached_tokens=gen.cached_tokens,
-            cost_nanos=gen.price.cost_nanos(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if gen.price else None,
-            api=gen.api,
-            batch_id=gen.batch_id,
-            admitted_at=gen.admitted_at,
-        )
-
 
 RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input"}  # chat's field -> the Responses API's
 
@@ -452,16 +388,6 @@ def failure_text(exc: Exception) -> str:
     if isinstance(exc, EngineError):
         return str(exc) or type(exc).__name__
     return type(exc).__name__
-
-
-def final_status(gen: Generation) -> str:
-    if gen.finish_reason == FINISH_ERROR:
-        return "error"
-    if gen.finish_reason in (None, FINISH_CANCELLED):
-        return "interrupted" if gen.cut else "cancelled"  # cut: the server ended it (drain), not the client
-    if gen.recorded_finish == FINISH_UPSTREAM_CANCELLED:
-        return "interrupted"  # the upstream ended it while the client was there
-    return "completed"
 
 
 def usage_body(gen: Generation) -> dict[str, Any]:

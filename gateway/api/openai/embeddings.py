@@ -29,13 +29,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from billing.ledger.writer import UsageRecord
-from billing.models import utcnow
 from engines.base import EngineError
 from engines.backends.embeddings import EmbeddingModel
 from gateway.config import EmbeddingSettings
 from gateway.http.json_response import json_response
-from gateway.serving.admission import Admission, Meter
+from gateway.serving.admission import Meter, Usage
 from gateway.batches.line import batch_line
 from gateway.http.errors import ContextLengthExceeded, EngineNotReady, InvalidRequest, ModelNotFound, PermissionDenied, ServiceUnavailable
 from gateway.http.requests import authenticate, read_json
@@ -178,31 +176,15 @@ async def create_embeddings(request: Request) -> Response:
     tokens = sum(len(x) for x in ids)
 
     meter: Meter = state.service.meter
-    started = time.perf_counter()
     line = batch_line(request.scope)  # a line of a batch: api = batch, the batch price
-
-    def row(admission: Admission, status: str | None) -> UsageRecord:
-        """Input tokens at the model's input price while running (the journal's); after, what was used."""
-        status = status or "cancelled"  # ended without its vectors: the client left
-        done = status in ("completed", "interrupted")
-        price = admission.price
-        nanos = price.cost_nanos(tokens, 0) if price is not None and done else 0
-        final = status != "interrupted"
-        return UsageRecord(
-            request_id=request_id, account_id=principal.account_id, key_id=principal.key_id, model=model.model_id,
-            prompt_tokens=tokens if done else 0, completion_tokens=0, status=status,
-            finish_reason="stop" if status == "completed" else None,
-            total_ms=(time.perf_counter() - started) * 1000.0 if final else 0.0,
-            cost_nanos=nanos if price is not None else None, api="embeddings" if line is None else "batch",
-            batch_id=None if line is None else line.batch_id,
-            created_at=utcnow() if final else admission.admitted_at, admitted_at=admission.admitted_at,
-        )
-
-    admission = await meter.admit(request_id, principal, model.model_id, tokens=tokens, cost=lambda price: price.cost_nanos(tokens, 0), row=row,
+    # Billed whole or not at all: its input tokens at the input price if it completes, else nothing.
+    usage = Usage(api="embeddings" if line is None else "batch", batch_id=None if line is None else line.batch_id, prompt_tokens=tokens,
+                  whole=True)
+    admission = await meter.admit(request_id, principal, model.model_id, usage, tokens=tokens, cost=lambda price: price.cost_nanos(tokens, 0),
                                   batch=line is not None)
     if line is not None:
         line.admitted = True
-    started = time.perf_counter()
+    usage.started = time.perf_counter()
     status: str | None = None
     try:
         vectors = await model.embed(ids)

@@ -11,6 +11,7 @@ import numpy as np
 import openai
 import pytest
 
+from engines.base import EngineError
 from tests.conftest import Gateway, price_in_force
 from tests.engine_ids import EmbeddedIds
 
@@ -155,3 +156,23 @@ async def test_priced_at_the_accounts_override(gateway: Gateway, client_for: Any
             break
         await asyncio.sleep(0.5)
     assert row["cost_nanos"] == resp.usage.prompt_tokens * 10  # half of 20 nano-USD per token
+
+
+async def test_a_failed_embedding_is_billed_nothing(gateway: Gateway, client_for: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Billed whole or not at all: when the model fails the request, 503 engine_error, and its row
+    says error with no tokens and no cost (a completion that fails is billed what it used)."""
+    async with gateway.admin_client() as admin:
+        r = await admin.post("/admin/prices", json={"model": EMB, "input_per_million": "0.020", "output_per_million": "0"})
+        assert r.status_code == 201, r.text
+    await price_in_force(gateway, EMB, "0.020")
+
+    async def fails(ids: list[list[int]]) -> list[list[float]]:
+        raise EngineError("the embedding model stopped")
+
+    monkeypatch.setattr(model_of(gateway), "embed", fails)
+    client = client_for((await gateway.new_key())["key"]).with_options(max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.embeddings.create(model=EMB, input="this input is never embedded", encoding_format="float")
+    assert err.value.status_code == 503 and err.value.code == "engine_error", err.value.body
+    row = await gateway.only_row(err.value.response.headers["x-request-id"])
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"], row["cost_nanos"], row["finish_reason"]) == ("error", 0, 0, 0, None)
