@@ -41,7 +41,3 @@ def create_engine(url: str, **kwargs: object) -> AsyncEngine:
     kwargs.setdefault("max_overflow", 10)
     kwargs.setdefault("pool_pre_ping", True)
     return create_async_engine(aurl, **kwargs)  # type: ignore[arg-type]
-
-
-def is_sqlite(engine: AsyncEngine) -> bool:
-    return engine.dialect.name == "sqlite"

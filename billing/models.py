@@ -101,7 +101,7 @@ class LedgerEntry(SQLModel, table=True):
     model: str = Field(sa_column=sa.Column(sa.String(128), nullable=False))
     prompt_tokens: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
     completion_tokens: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
-    status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # completed|cancelled|error|interrupted
+    status: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))  # completed|cancelled|error|interrupted (in flight when the gateway died)
     finish_reason: str | None = Field(default=None, sa_column=sa.Column(sa.String(16), nullable=True))
     estimated: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False))
     # Cost in nano-USD (1e-9) at the price in force when the request ran; NULL when unpriced.
@@ -127,8 +127,6 @@ class LedgerEntry(SQLModel, table=True):
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )
 
-
-LEDGER_STATUSES = ("completed", "cancelled", "error", "interrupted")  # interrupted: in flight when the gateway died
 
 from billing.ledger.aggregate_models import DashboardSession, LatencyHour, UsageHour  # noqa: E402,F401  (registers the aggregate tables)
 from billing.invoices import models as invoice_models  # noqa: E402,F401  (registers the invoice and billing tables)

@@ -22,7 +22,6 @@ BATCHES = Batch.__table__
 LINES = BatchLine.__table__
 LEDGER = LedgerEntry.__table__
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-ENDED = ("completed", "failed", "expired", "cancelled")
 
 
 class LeaseHeld(RuntimeError):
@@ -183,9 +182,6 @@ class BatchStore:
                 if state == "done":
                     out[f"done:{outcome}"] = int(n)
         return out
-
-    async def counts_of(self, batch_ids: list[str]) -> dict[str, dict[str, int]]:
-        return {b: await self.counts(b) for b in batch_ids}
 
     async def in_ledger(self, request_ids: list[str]) -> dict[str, str]:
         """Which of these requests have a ledger row (ran, at least in part), and the row's status."""

@@ -40,7 +40,6 @@ MARKS = CreditUsageMark.__table__
 DEFAULT_SETTLE_SECONDS = 120.0  # > any ledger write transaction (statements time out after 60 s)
 MAX_NANOS = 2**53 - 1  # exact in the limiter's Lua numbers
 BILLING_MODES = ("postpaid", "prepaid")
-MANUAL_KINDS = ("topup", "grant", "refund", "adjustment")
 
 
 class _LostRace(Exception):

@@ -45,7 +45,6 @@ PERIODS = BillingPeriod.__table__
 NANOS_PER_MILLION_UNIT = 1000  # USD per 1e6 tokens -> nano-USD per token
 MAX_PRICE_PLACES = 3
 MAX_MULTIPLIER_PLACES = 6
-OVERRIDE_KINDS = ("price", "multiplier", "clear")
 PAST_SLACK = timedelta(seconds=60)
 # Enough digits for tokens (< 1e15) x prices (< 1e15, 9 places) without any rounding.
 EXACT = decimal.Context(prec=80)

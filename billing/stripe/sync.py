@@ -42,7 +42,6 @@ ACCOUNTS = Account.__table__
 BILLING = BillingAccount.__table__
 CREDIT_NOTES = CreditNote.__table__
 MAX_ITEMS = 250  # Stripe's limit per invoice
-FINAL_STATUSES = ("open", "paid", "void", "uncollectible")
 
 
 class StripeSyncError(RuntimeError):

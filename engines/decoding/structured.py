@@ -137,11 +137,6 @@ class Plan:
     parser: str | None = None  # the tool parser the answer goes through; None: plain content
     tools: list[dict[str, Any]] | None = None  # the tools the prompt shows
 
-    @property
-    def shapes_answer(self) -> bool:
-        return self.parser is not None
-
-
 def plan(body: dict[str, Any], tool_parser: str | None, guided_decoding: bool) -> Plan | None:
     """The request's plan, or None for a plain chat. Raises EngineRequestRejected naming the field."""
     functions = functions_of(body)
