@@ -17,7 +17,8 @@ from typing import Any
 COLLECTION_METHODS = ("send_invoice", "charge_automatically")
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """The integer setting `name`; unset or empty: `default`; not an integer: exit naming it."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -27,7 +28,8 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise SystemExit(f"{name} must be an integer, got {raw!r}") from exc
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    """The number setting `name`, as env_int reads an integer."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -133,17 +135,17 @@ class BillingConfig:
             raise SystemExit(f"TOLLGATE_STRIPE_COLLECTION_METHOD must be one of {', '.join(COLLECTION_METHODS)}")
         return cls(
             auto_close=_bool(env, "TOLLGATE_BILLING_AUTO_CLOSE", True),
-            close_delay_seconds=_float(env, "TOLLGATE_BILLING_CLOSE_DELAY_SECONDS", 3600.0),
-            check_seconds=_float(env, "TOLLGATE_BILLING_CHECK_SECONDS", 300.0),
-            lookback_months=_int(env, "TOLLGATE_BILLING_LOOKBACK_MONTHS", 3),
-            grace_seconds=_float(env, "TOLLGATE_BILLING_GRACE_SECONDS", 7 * 86400.0),
-            state_refresh_seconds=_float(env, "TOLLGATE_BILLING_STATE_REFRESH_SECONDS", 1.0),
+            close_delay_seconds=env_float(env, "TOLLGATE_BILLING_CLOSE_DELAY_SECONDS", 3600.0),
+            check_seconds=env_float(env, "TOLLGATE_BILLING_CHECK_SECONDS", 300.0),
+            lookback_months=env_int(env, "TOLLGATE_BILLING_LOOKBACK_MONTHS", 3),
+            grace_seconds=env_float(env, "TOLLGATE_BILLING_GRACE_SECONDS", 7 * 86400.0),
+            state_refresh_seconds=env_float(env, "TOLLGATE_BILLING_STATE_REFRESH_SECONDS", 1.0),
             stripe_api_key=env.get("TOLLGATE_STRIPE_API_KEY") or None,
             stripe_webhook_secret=env.get("TOLLGATE_STRIPE_WEBHOOK_SECRET") or None,
             stripe_api_base=env.get("TOLLGATE_STRIPE_API_BASE") or None,
-            stripe_max_retries=_int(env, "TOLLGATE_STRIPE_MAX_RETRIES", 2),
+            stripe_max_retries=env_int(env, "TOLLGATE_STRIPE_MAX_RETRIES", 2),
             collection_method=method,
-            days_until_due=_int(env, "TOLLGATE_STRIPE_DAYS_UNTIL_DUE", 30),
+            days_until_due=env_int(env, "TOLLGATE_STRIPE_DAYS_UNTIL_DUE", 30),
             send_invoices=_bool(env, "TOLLGATE_STRIPE_SEND_INVOICES", True),
             sync_after_close=_bool(env, "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE", True),
             seller=Seller.from_mapping(env),

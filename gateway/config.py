@@ -49,7 +49,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from billing.config import BillingConfig
+from billing.config import BillingConfig, env_float, env_int
 
 if TYPE_CHECKING:
     from engines.wrappers.scheduler import PriorityClass
@@ -224,31 +224,11 @@ class ProcessSettings:
     gc_gen0: int | None = None  # the collector's gen-0 threshold, for operators who measure a gain
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise SystemExit(f"{name} must be an integer, got {raw!r}") from exc
-
-
 def _env_nonnegative(env: Mapping[str, str], name: str, default: int) -> int:
-    value = _env_int(env, name, default)
+    value = env_int(env, name, default)
     if value < 0:
         raise SystemExit(f"{name} must be 0 or more, got {value}")
     return value
-
-
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise SystemExit(f"{name} must be a number, got {raw!r}") from exc
 
 
 @dataclass(frozen=True)
@@ -409,12 +389,12 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         admin_key=_admin_key(env.get("TOLLGATE_ADMIN_KEY")),
         http=HttpSettings(
             host=env.get("TOLLGATE_HOST", "127.0.0.1"),
-            port=_env_int(env, "TOLLGATE_PORT", 8000),
-            max_body_bytes=_env_int(env, "TOLLGATE_MAX_BODY_BYTES", 1 << 20),
-            request_read_timeout=_env_float(env, "TOLLGATE_REQUEST_READ_SECONDS", 30.0),
-            max_header_bytes=_env_int(env, "TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
-            workers=max(1, _env_int(env, "TOLLGATE_WORKERS", 1)),
-            drain_seconds=max(0.0, _env_float(env, "TOLLGATE_DRAIN_SECONDS", 30.0)),
+            port=env_int(env, "TOLLGATE_PORT", 8000),
+            max_body_bytes=env_int(env, "TOLLGATE_MAX_BODY_BYTES", 1 << 20),
+            request_read_timeout=env_float(env, "TOLLGATE_REQUEST_READ_SECONDS", 30.0),
+            max_header_bytes=env_int(env, "TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
+            workers=max(1, env_int(env, "TOLLGATE_WORKERS", 1)),
+            drain_seconds=max(0.0, env_float(env, "TOLLGATE_DRAIN_SECONDS", 30.0)),
         ),
         engines=EngineSettings(
             model_id=env.get("TOLLGATE_MODEL_ID", DEFAULT_MODEL_ID),
@@ -424,10 +404,10 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             device=device,
             process=_engine_process(env.get("TOLLGATE_ENGINE_PROCESS", "auto"), device),
             gather_ms=_env_nonnegative(env, "TOLLGATE_ENGINE_GATHER_MS", 20),
-            max_batch_size=_env_int(env, "TOLLGATE_MAX_BATCH_SIZE", 32),
-            max_queue=_env_int(env, "TOLLGATE_MAX_QUEUE", 256),
-            kv_cache_tokens=_env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384),
-            max_batch_tokens=_env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024),
+            max_batch_size=env_int(env, "TOLLGATE_MAX_BATCH_SIZE", 32),
+            max_queue=env_int(env, "TOLLGATE_MAX_QUEUE", 256),
+            kv_cache_tokens=env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384),
+            max_batch_tokens=env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024),
             cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
             warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
             cache_dir=default_cache_dir(env),
@@ -435,36 +415,36 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         scheduler=SchedulerSettings(
             enabled=env.get("TOLLGATE_SCHEDULER", "1") not in ("0", "false", "no"),
-            capacity=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY", 0),
-            capacity_tokens=_env_int(env, "TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
-            reserve=_env_int(env, "TOLLGATE_SCHEDULER_RESERVE", 1),
+            capacity=env_int(env, "TOLLGATE_SCHEDULER_CAPACITY", 0),
+            capacity_tokens=env_int(env, "TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
+            reserve=env_int(env, "TOLLGATE_SCHEDULER_RESERVE", 1),
             classes=_classes(env.get("TOLLGATE_SCHEDULER_CLASSES", "interactive:30,batch:600")),
-            max_queue=_env_int(env, "TOLLGATE_SCHEDULER_MAX_QUEUE", 10_000),
+            max_queue=env_int(env, "TOLLGATE_SCHEDULER_MAX_QUEUE", 10_000),
         ),
         redis=RedisSettings(
             url=_redis_url(env.get("REDIS_URL")),
             prefix=_redis_prefix(env.get("TOLLGATE_REDIS_PREFIX", "tg:q:")),
-            timeout=_env_float(env, "TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
+            timeout=env_float(env, "TOLLGATE_REDIS_TIMEOUT_MS", 50.0) / 1000.0,
         ),
         quotas=QuotaSettings(
-            key_cache_seconds=_env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0),
-            key_stale_seconds=_env_float(env, "TOLLGATE_KEY_STALE_SECONDS", 300.0),
+            key_cache_seconds=env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0),
+            key_stale_seconds=env_float(env, "TOLLGATE_KEY_STALE_SECONDS", 300.0),
             fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
-            hold_seconds=_env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
+            hold_seconds=env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
         ),
         ledger=LedgerSettings(
             journal=env.get("TOLLGATE_LEDGER_JOURNAL", "1") not in ("0", "false", "no"),
-            fsync_interval=_env_float(env, "TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
-            max_backlog=_env_int(env, "TOLLGATE_LEDGER_MAX_BACKLOG", 0),
-            linger=_env_float(env, "TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
-            copy_connections=max(0, _env_int(env, "TOLLGATE_LEDGER_COPY_CONNECTIONS", 2)),
+            fsync_interval=env_float(env, "TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
+            max_backlog=env_int(env, "TOLLGATE_LEDGER_MAX_BACKLOG", 0),
+            linger=env_float(env, "TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
+            copy_connections=max(0, env_int(env, "TOLLGATE_LEDGER_COPY_CONNECTIONS", 2)),
         ),
         credits=CreditSettings(
-            check_seconds=_env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0),
+            check_seconds=env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0),
             settle_seconds=float(env["TOLLGATE_CREDITS_SETTLE_SECONDS"]) if env.get("TOLLGATE_CREDITS_SETTLE_SECONDS") else None,
         ),
         responses=ResponsesSettings(
-            retention_days=max(0.0, _env_float(env, "TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
+            retention_days=max(0.0, env_float(env, "TOLLGATE_RESPONSES_RETENTION_DAYS", 30.0)),
         ),
         cache=CacheSettings(
             ttl_seconds=float(env.get("TOLLGATE_CACHE_TTL", "3600")),
@@ -475,17 +455,17 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             enabled=env.get("TOLLGATE_EMBEDDINGS", "on").lower() not in ("off", "0", "false", "no"),
             model=env.get("TOLLGATE_EMBEDDING_MODEL", DEFAULT_EMBEDDING_MODEL),
             model_path=env.get("TOLLGATE_EMBEDDING_MODEL_PATH") or None,
-            batch=_env_int(env, "TOLLGATE_EMBEDDING_BATCH", 64),
-            batch_wait_ms=_env_float(env, "TOLLGATE_EMBEDDING_BATCH_WAIT_MS", 2.0),
+            batch=env_int(env, "TOLLGATE_EMBEDDING_BATCH", 64),
+            batch_wait_ms=env_float(env, "TOLLGATE_EMBEDDING_BATCH_WAIT_MS", 2.0),
         ),
         batches=BatchSettings(
             enabled=env.get("TOLLGATE_BATCHES", "on").lower() not in ("off", "0", "false", "no"),
-            files_max_bytes=_env_int(env, "TOLLGATE_FILES_MAX_BYTES", 100 * 1024 * 1024),
-            max_lines=_env_int(env, "TOLLGATE_BATCH_MAX_LINES", 50_000),
-            concurrency=max(1, _env_int(env, "TOLLGATE_BATCH_CONCURRENCY", 4)),
-            poll_seconds=_env_float(env, "TOLLGATE_BATCH_POLL_SECONDS", 1.0),
-            window_seconds=_env_float(env, "TOLLGATE_BATCH_WINDOW_SECONDS", 0.0) or None,
-            lease_seconds=max(1.0, _env_float(env, "TOLLGATE_BATCH_LEASE_SECONDS", 15.0)),
+            files_max_bytes=env_int(env, "TOLLGATE_FILES_MAX_BYTES", 100 * 1024 * 1024),
+            max_lines=env_int(env, "TOLLGATE_BATCH_MAX_LINES", 50_000),
+            concurrency=max(1, env_int(env, "TOLLGATE_BATCH_CONCURRENCY", 4)),
+            poll_seconds=env_float(env, "TOLLGATE_BATCH_POLL_SECONDS", 1.0),
+            window_seconds=env_float(env, "TOLLGATE_BATCH_WINDOW_SECONDS", 0.0) or None,
+            lease_seconds=max(1.0, env_float(env, "TOLLGATE_BATCH_LEASE_SECONDS", 15.0)),
         ),
         billing=BillingConfig.from_mapping(env),
         dashboards=DashboardSettings(
@@ -495,7 +475,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         process=ProcessSettings(
             log_format=env.get("TOLLGATE_LOG_FORMAT", "json"),
             log_level=env.get("TOLLGATE_LOG_LEVEL", "info"),
-            gc_gen0=_env_int(env, "TOLLGATE_GC_GEN0", 0) or None,
+            gc_gen0=env_int(env, "TOLLGATE_GC_GEN0", 0) or None,
         ),
     )
 

@@ -155,3 +155,18 @@ def test_what_the_engines_read_from_the_environment_is_captured_at_start(tmp_pat
     assert "sk-upstream" not in repr(settings)  # the environment's keys stay out of log lines
     assert load_settings({}).engines.cache_dir == Path.home() / ".cache" / "tollgate"
     assert EngineSettings().environ == {} and EngineSettings().cache_dir is None  # made in code: nothing from os.environ
+
+
+@pytest.mark.parametrize(("name", "raw", "message"), [
+    ("TOLLGATE_PORT", "eighty", "TOLLGATE_PORT must be an integer, got 'eighty'"),
+    ("TOLLGATE_DRAIN_SECONDS", "soon", "TOLLGATE_DRAIN_SECONDS must be a number, got 'soon'"),
+    ("TOLLGATE_BILLING_LOOKBACK_MONTHS", "3.5", "TOLLGATE_BILLING_LOOKBACK_MONTHS must be an integer, got '3.5'"),
+    ("TOLLGATE_BILLING_CHECK_SECONDS", "hourly", "TOLLGATE_BILLING_CHECK_SECONDS must be a number, got 'hourly'"),
+])
+def test_a_number_that_does_not_parse_stops_the_start_naming_it(name: str, raw: str, message: str) -> None:
+    # One parser of numeric settings for the gateway's groups and billing's (billing/config.py).
+    with pytest.raises(SystemExit) as stopped:
+        load_settings({name: raw})
+    assert str(stopped.value) == message
+    empty, unset = load_settings({name: ""}), load_settings({})
+    assert (empty.http, empty.billing) == (unset.http, unset.billing)  # empty: the default
