@@ -159,6 +159,11 @@ class Engine(abc.ABC):
         """Requests waiting in front of the engine for a slot (the gateway's scheduler); None: no queue."""
         return None
 
+    def runners(self) -> list[Engine]:
+        """The engines that run this model's requests themselves: this one. A fallback chain: its
+        candidates; a routing model: none (the models it picks are served as themselves)."""
+        return [self]
+
     def use_classes(self, names: tuple[str, ...]) -> None:
         """The gateway's scheduling classes, highest first, for an engine that sends the class on
         (a pool's `priority: by_class`). This default sends nothing."""

@@ -88,7 +88,7 @@ def share_replicas(engines: dict[str, Engine], workers: int) -> None:
 
     seen: set[int] = set()
     for chain in engines.values():
-        for engine in getattr(chain, "candidates", [chain]):
+        for engine in chain.runners():
             if isinstance(engine, OpenAIPoolEngine) and id(engine) not in seen:
                 seen.add(id(engine))
                 engine.pool.max_concurrency = max(1, -(-engine.pool.max_concurrency // workers))
@@ -140,8 +140,7 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
     """The gateway's queue in front of every engine (docs/scheduling.md); off: the engines as they are."""
     names = tuple(c.name for c in settings.scheduler.priority_classes)
     for engine in served.values():  # pools that send the account's class upstream map these
-        chain = getattr(engine, "candidates", None)  # a FallbackEngine's list (a router's is a method)
-        for candidate in chain if isinstance(chain, list) else (engine,):
+        for candidate in engine.runners():
             candidate.use_classes(names)
     if not settings.scheduler.enabled:
         return served, []

@@ -117,6 +117,9 @@ class FallbackEngine(Engine):
             if candidate.passthrough:
                 candidate.check_request(request)
 
+    def runners(self) -> list[Engine]:
+        return list(self.candidates)
+
     def encoder(self) -> Engine:
         """The engine whose tokenizer counts prompts at admission: the first one loaded."""
         return next((c for c in self.candidates if c.ready), self.primary)

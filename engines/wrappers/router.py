@@ -168,6 +168,9 @@ class RouterEngine(Engine):
     async def stop(self) -> None:
         return None  # the targets are served models; they are stopped as such
 
+    def runners(self) -> list[Engine]:
+        return []
+
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.targets[self.default].encode_chat(messages)
 

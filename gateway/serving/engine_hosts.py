@@ -82,6 +82,6 @@ def connect_hosted(engines: dict[str, Engine], sockets: dict[str, str]) -> None:
     from engines.backends.trtllm import TRTLLMEngine
 
     for chain in engines.values():
-        for engine in getattr(chain, "candidates", None) or [chain]:
+        for engine in chain.runners():
             if isinstance(engine, (HFProcessEngine, TRTLLMEngine)) and engine.model_id in sockets:
                 engine.connect_to = sockets[engine.model_id]

@@ -3,6 +3,8 @@ nothing, and the scheduler's wrapper answering as the engine it wraps (not as th
 
 from __future__ import annotations
 
+from engines.wrappers.fallback import FallbackEngine
+from engines.wrappers.router import RouterEngine
 from engines.wrappers.scheduler import ScheduledEngine
 from tests.fakes.engine import FakeEngine
 
@@ -34,3 +36,25 @@ def test_the_scheduler_declares_what_its_engine_declares() -> None:
     assert scheduled.queue_depth() == 0  # its own queue, empty
     plain = ScheduledEngine(FakeEngine("plain"))
     assert plain.renders_tools is False and plain.response_cache is False
+
+
+def test_the_engines_that_run_a_models_requests() -> None:
+    plain, backup = FakeEngine("plain"), FakeEngine("backup")
+    chain = FallbackEngine("chain", [plain, backup])
+    auto = RouterEngine("auto", [], "chain", {"chain": chain})
+    assert plain.runners() == [plain] and chain.runners() == [plain, backup]
+    assert auto.runners() == []  # the models it picks run their own requests, served as themselves
+
+
+def test_a_routing_model_in_the_served_map_passes_the_start_with_several_workers() -> None:
+    # Before runners() the start probed `candidates`, which on a router is a method: TypeError.
+    from engines.backends.hf_process import HFProcessEngine
+    from gateway.serving.engine_hosts import connect_hosted
+    from gateway.wiring import share_replicas
+
+    hosted = HFProcessEngine.__new__(HFProcessEngine)  # only its model_id and connect_to are used here
+    hosted.model_id, hosted.connect_to = "hosted", None
+    served = {"auto": RouterEngine("auto", [], "hosted", {}), "hosted": FallbackEngine("hosted", [hosted])}
+    share_replicas(served, 2)
+    connect_hosted(served, {"hosted": "/run/tollgate/hosted.sock"})
+    assert hosted.connect_to == "/run/tollgate/hosted.sock"
