@@ -39,11 +39,22 @@ def env_float(env: Mapping[str, str], name: str, default: float) -> float:
         raise SystemExit(f"{name} must be a number, got {raw!r}") from exc
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """The on/off setting `name`: 1/true/yes/on or 0/false/no/off, any case; unset or empty:
+    `default`; anything else: exit naming it (a misspelt "flase" must not quietly mean on)."""
     raw = env.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
-    return raw.lower() not in ("0", "false", "no", "off")
+    value = raw.strip().lower()
+    if value in ON:
+        return True
+    if value in OFF:
+        return False
+    raise SystemExit(f"{name} must be on or off (1/true/yes/on, 0/false/no/off), got {raw!r}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,7 @@ class BillingConfig:
         if method not in COLLECTION_METHODS:
             raise SystemExit(f"TOLLGATE_STRIPE_COLLECTION_METHOD must be one of {', '.join(COLLECTION_METHODS)}")
         return cls(
-            auto_close=_bool(env, "TOLLGATE_BILLING_AUTO_CLOSE", True),
+            auto_close=env_flag(env, "TOLLGATE_BILLING_AUTO_CLOSE", True),
             close_delay_seconds=env_float(env, "TOLLGATE_BILLING_CLOSE_DELAY_SECONDS", 3600.0),
             check_seconds=env_float(env, "TOLLGATE_BILLING_CHECK_SECONDS", 300.0),
             lookback_months=env_int(env, "TOLLGATE_BILLING_LOOKBACK_MONTHS", 3),
@@ -146,7 +157,7 @@ class BillingConfig:
             stripe_max_retries=env_int(env, "TOLLGATE_STRIPE_MAX_RETRIES", 2),
             collection_method=method,
             days_until_due=env_int(env, "TOLLGATE_STRIPE_DAYS_UNTIL_DUE", 30),
-            send_invoices=_bool(env, "TOLLGATE_STRIPE_SEND_INVOICES", True),
-            sync_after_close=_bool(env, "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE", True),
+            send_invoices=env_flag(env, "TOLLGATE_STRIPE_SEND_INVOICES", True),
+            sync_after_close=env_flag(env, "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE", True),
             seller=Seller.from_mapping(env),
         )

@@ -49,7 +49,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from billing.config import BillingConfig, env_float, env_int
+from billing.config import OFF, ON, BillingConfig, env_flag, env_float, env_int
 
 if TYPE_CHECKING:
     from engines.wrappers.scheduler import PriorityClass
@@ -363,11 +363,11 @@ def _engine_process(raw: str, device: str) -> bool:
     value = raw.strip().lower()
     if value in ("", "auto"):
         return device.startswith("cuda")
-    if value in ("1", "true", "yes", "on"):
+    if value in ON:
         return True
-    if value in ("0", "false", "no", "off"):
+    if value in OFF:
         return False
-    raise SystemExit(f"TOLLGATE_ENGINE_PROCESS must be auto, 1 or 0, got {raw!r}")
+    raise SystemExit(f"TOLLGATE_ENGINE_PROCESS must be auto, on or off, got {raw!r}")
 
 
 def client_api_key() -> str:
@@ -408,13 +408,13 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             max_queue=env_int(env, "TOLLGATE_MAX_QUEUE", 256),
             kv_cache_tokens=env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384),
             max_batch_tokens=env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024),
-            cuda_graphs=env.get("TOLLGATE_CUDA_GRAPHS", "1") not in ("0", "false", "no"),
-            warmup=env.get("TOLLGATE_WARMUP", "1") not in ("0", "false", "no"),
+            cuda_graphs=env_flag(env, "TOLLGATE_CUDA_GRAPHS", True),
+            warmup=env_flag(env, "TOLLGATE_WARMUP", True),
             cache_dir=default_cache_dir(env),
             environ=dict(env),
         ),
         scheduler=SchedulerSettings(
-            enabled=env.get("TOLLGATE_SCHEDULER", "1") not in ("0", "false", "no"),
+            enabled=env_flag(env, "TOLLGATE_SCHEDULER", True),
             capacity=env_int(env, "TOLLGATE_SCHEDULER_CAPACITY", 0),
             capacity_tokens=env_int(env, "TOLLGATE_SCHEDULER_CAPACITY_TOKENS", 0),
             reserve=env_int(env, "TOLLGATE_SCHEDULER_RESERVE", 1),
@@ -433,7 +433,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             hold_seconds=env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
         ),
         ledger=LedgerSettings(
-            journal=env.get("TOLLGATE_LEDGER_JOURNAL", "1") not in ("0", "false", "no"),
+            journal=env_flag(env, "TOLLGATE_LEDGER_JOURNAL", True),
             fsync_interval=env_float(env, "TOLLGATE_LEDGER_FSYNC_MS", 50.0) / 1000.0,
             max_backlog=env_int(env, "TOLLGATE_LEDGER_MAX_BACKLOG", 0),
             linger=env_float(env, "TOLLGATE_LEDGER_LINGER_MS", 20.0) / 1000.0,
@@ -452,14 +452,14 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             models=frozenset(m.strip() for m in env.get("TOLLGATE_CACHE_MODELS", "").split(",") if m.strip()),
         ),
         embeddings=EmbeddingSettings(
-            enabled=env.get("TOLLGATE_EMBEDDINGS", "on").lower() not in ("off", "0", "false", "no"),
+            enabled=env_flag(env, "TOLLGATE_EMBEDDINGS", True),
             model=env.get("TOLLGATE_EMBEDDING_MODEL", DEFAULT_EMBEDDING_MODEL),
             model_path=env.get("TOLLGATE_EMBEDDING_MODEL_PATH") or None,
             batch=env_int(env, "TOLLGATE_EMBEDDING_BATCH", 64),
             batch_wait_ms=env_float(env, "TOLLGATE_EMBEDDING_BATCH_WAIT_MS", 2.0),
         ),
         batches=BatchSettings(
-            enabled=env.get("TOLLGATE_BATCHES", "on").lower() not in ("off", "0", "false", "no"),
+            enabled=env_flag(env, "TOLLGATE_BATCHES", True),
             files_max_bytes=env_int(env, "TOLLGATE_FILES_MAX_BYTES", 100 * 1024 * 1024),
             max_lines=env_int(env, "TOLLGATE_BATCH_MAX_LINES", 50_000),
             concurrency=max(1, env_int(env, "TOLLGATE_BATCH_CONCURRENCY", 4)),

@@ -170,3 +170,31 @@ def test_a_number_that_does_not_parse_stops_the_start_naming_it(name: str, raw: 
     assert str(stopped.value) == message
     empty, unset = load_settings({name: ""}), load_settings({})
     assert (empty.http, empty.billing) == (unset.http, unset.billing)  # empty: the default
+
+
+FLAGS = {
+    "TOLLGATE_CUDA_GRAPHS": lambda s: s.engines.cuda_graphs,
+    "TOLLGATE_WARMUP": lambda s: s.engines.warmup,
+    "TOLLGATE_SCHEDULER": lambda s: s.scheduler.enabled,
+    "TOLLGATE_LEDGER_JOURNAL": lambda s: s.ledger.journal,
+    "TOLLGATE_EMBEDDINGS": lambda s: s.embeddings.enabled,
+    "TOLLGATE_BATCHES": lambda s: s.batches.enabled,
+    "TOLLGATE_BILLING_AUTO_CLOSE": lambda s: s.billing.auto_close,
+    "TOLLGATE_STRIPE_SEND_INVOICES": lambda s: s.billing.send_invoices,
+    "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE": lambda s: s.billing.sync_after_close,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_every_on_off_setting_reads_the_same_spellings(name: str) -> None:
+    # One reader of on/off settings (billing/config.py:env_flag): TOLLGATE_SCHEDULER=off once left
+    # the scheduler on (only 0/false/no turned it off) while TOLLGATE_BATCHES=off turned batches off.
+    read = FLAGS[name]
+    for raw in ("0", "false", "no", "off", "OFF", "False", " off "):
+        assert read(load_settings({name: raw})) is False, raw
+    for raw in ("1", "true", "yes", "on", "ON", "True"):
+        assert read(load_settings({name: raw})) is True, raw
+    assert read(load_settings({name: ""})) is read(load_settings({})) is True  # empty: the default
+    with pytest.raises(SystemExit) as stopped:
+        load_settings({name: "flase"})
+    assert str(stopped.value) == f"{name} must be on or off (1/true/yes/on, 0/false/no/off), got 'flase'"
