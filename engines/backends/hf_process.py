@@ -33,6 +33,7 @@ from typing import Any
 
 from engines.base import EngineError, EngineOutput, EngineOverloadedError, EngineRequest
 from engines.backends.hf import HFEngine, TokenProgress, drain
+from engines.hosting import accept_workers, host_queue, reader
 
 log = logging.getLogger("tollgate.engines.hf_process")
 
@@ -362,7 +363,7 @@ async def _serve(conn: Any, engine: HFEngine, gather_ms: float, host: dict[str, 
     end = lambda: stopped.done() or stopped.set_result(None)  # noqa: E731
     if host is None:
         handlers = {"add": relay.add, "cancel": relay.cancel, "held": relay.held}
-        threading.Thread(target=_read_commands, args=(conn, loop, handlers, end), daemon=True).start()
+        reader(conn, loop, handlers, end)
     else:
         _host(conn, loop, relay, engine, host, ("ready", info, engine.tokenizer), end)
     await stopped
@@ -376,34 +377,15 @@ def _host(owner: Any, loop: asyncio.AbstractEventLoop, relay: "_StepRelay", engi
     it ends when the process that started it closes `owner` (or says stop)."""
     from multiprocessing.connection import Listener
 
-    from engines.wrappers.scheduler import HostQueue, PriorityClass
-
-    queue = host.get("scheduler")
-    if queue:
-        classes = tuple(PriorityClass(name, wait) for name, wait in queue["classes"])
-        relay.queue = HostQueue(engine.model_id, engine._max_batch_size, reserve=queue["reserve"], classes=classes, max_queue=queue["max_queue"])
+    relay.queue = host_queue(engine.model_id, engine._max_batch_size, host.get("scheduler"))
     listener = Listener(host["listen"], "AF_UNIX")
-
-    def accept() -> None:
-        worker = 0
-        while True:
-            try:
-                conn = listener.accept()
-            except OSError:
-                return
-            worker += 1
-            conn.send(hello)
-            handlers = relay.handlers_for(worker, conn)
-            left = lambda k=worker: relay.drop_worker(k)  # noqa: E731  (a worker gone: its requests are cancelled)
-            threading.Thread(target=_read_commands, args=(conn, loop, handlers, left), daemon=True).start()
-
-    threading.Thread(target=accept, name="tollgate-engine-accept", daemon=True).start()
+    accept_workers(listener, loop, hello, relay.handlers_for, relay.drop_worker, "tollgate-engine-accept")
 
     def ended() -> None:
         listener.close()
         end()
 
-    threading.Thread(target=_read_commands, args=(owner, loop, {}, ended), daemon=True).start()
+    reader(owner, loop, {}, ended)
 
 
 class _StepRelay:
@@ -567,30 +549,6 @@ class _StepRelay:
             self._conn.send(batch)
         except (OSError, EOFError):
             pass  # the gateway is gone; the command reader ends this process
-
-
-def _read_commands(conn: Any, loop: asyncio.AbstractEventLoop, handlers: dict[str, Any], end: Any) -> None:
-    """A command reader thread: what arrived together is handed to the loop in one call (a burst
-    of requests costs one wake-up of the loop, not one each). `end` runs on the loop when the
-    connection closes or says stop."""
-    running = True
-    while running:
-        try:
-            messages = [conn.recv()]
-            while conn.poll(0):
-                messages.append(conn.recv())
-        except (EOFError, OSError):
-            break  # the gateway closed the pipe or died
-        if any(m[0] == "stop" for m in messages):
-            running = False
-            messages = [m for m in messages if m[0] != "stop"]
-        loop.call_soon_threadsafe(_run_commands, handlers, messages)
-    loop.call_soon_threadsafe(end)
-
-
-def _run_commands(handlers: dict[str, Any], messages: list[tuple[Any, ...]]) -> None:
-    for message in messages:
-        handlers[message[0]](*message[1:])
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from engines.backends.trtllm_shared import ARGS, Call, Logprob, names
+from engines.hosting import accept_workers, host_queue, reader
 
 log = logging.getLogger("tollgate.engines.trtllm_host")
 
@@ -247,48 +247,20 @@ def _plain_logprobs(entries: Any) -> list[Any]:
     return out
 
 
-def _read_commands(conn: Any, loop: asyncio.AbstractEventLoop, handlers: dict[str, Any], end: Any) -> None:
-    """A connection's reader thread: commands to the loop (what arrived together in one call); `end` on close."""
-    while True:
-        try:
-            messages = [conn.recv()]
-            while conn.poll(0):
-                messages.append(conn.recv())
-        except (EOFError, OSError):
-            break
-        loop.call_soon_threadsafe(lambda batch=messages: [handlers[m[0]](*m[1:]) for m in batch])
-    loop.call_soon_threadsafe(end)
-
-
 def listen(engine: Any, address: str, scheduler: dict[str, Any] | None) -> tuple[Any, tuple[Any, ...]]:
     """Serves a started TRTLLMEngine's LLM to the workers that connect to `address` (this process's
     event loop runs their requests); returns the listener (close it to stop accepting) and the hello."""
     from multiprocessing.connection import Listener
 
-    from engines.wrappers.scheduler import HostQueue, PriorityClass
-
     loop = asyncio.get_running_loop()
-    queue = HostQueue(engine.model_id, engine.max_batch_size, reserve=scheduler["reserve"], max_queue=scheduler["max_queue"],
-                      classes=tuple(PriorityClass(n, w) for n, w in scheduler["classes"])) if scheduler else None
+    queue = host_queue(engine.model_id, engine.max_batch_size, scheduler)
     state = _Host(engine, loop, queue)
     args = {name: getattr(engine._llm.args, name, None) for name in ARGS}
     tokenizer = engine._llm.tokenizer
     hello = ("ready", args, getattr(tokenizer, "tokenizer", tokenizer))
     listener = Listener(address, "AF_UNIX")
 
-    def accept() -> None:
-        worker = 0
-        while True:
-            try:
-                conn = listener.accept()
-            except OSError:
-                return
-            worker += 1
-            conn.send(hello)
-            handlers = state.handlers(worker, conn)
-            threading.Thread(target=_read_commands, args=(conn, loop, handlers, lambda k=worker: state.drop(k)), daemon=True).start()
-
-    threading.Thread(target=accept, name="tollgate-trtllm-accept", daemon=True).start()
+    accept_workers(listener, loop, hello, state.handlers, state.drop, "tollgate-trtllm-accept")
     return listener, hello
 
 
@@ -306,7 +278,7 @@ async def _serve(owner: Connection) -> None:
     owner.send(hello[:2] + (None,))
     loop = asyncio.get_running_loop()
     stopped = loop.create_future()
-    threading.Thread(target=_read_commands, args=(owner, loop, {}, lambda: stopped.done() or stopped.set_result(None)), daemon=True).start()
+    reader(owner, loop, {}, lambda: stopped.done() or stopped.set_result(None))
     await stopped
     listener.close()
     await engine.stop()
