@@ -178,6 +178,30 @@ class GatewayProcess:
             assert time.monotonic() < deadline, f"worker {worker.pid}: /readyz still {status} after {ready_within}s"
             await asyncio.sleep(0.1)  # a poll of the worker's readiness, not a wait standing in for it
 
+    async def heavy_then_light(self, heavy: Any, light: Any, regular_slots: int = 3) -> tuple[list[Any], Any]:
+        """The reserve across workers: eight connections, four on each of two workers, run
+        `heavy(client, started)` (it appends to `started` when its stream starts); once
+        `regular_slots` of them have started (the regular slots all taken by the heavy account),
+        `light(client)` runs on a connection of the second worker's own. Returns both results."""
+        workers = self.workers()
+        started: list[Any] = []
+        conns = [await self.client_on_worker(workers[i % 2], timeout=60) for i in range(8)]
+        try:
+            heavy_runs = [asyncio.create_task(heavy(c, started.append)) for c in conns]
+            deadline = time.monotonic() + 30
+            while len(started) < regular_slots:
+                assert time.monotonic() < deadline, f"{len(started)} heavy streams started"
+                await asyncio.sleep(0.01)  # a poll of the streams' progress
+            b = await self.client_on_worker(workers[1], timeout=60)
+            try:
+                light_run = await light(b)
+            finally:
+                await b.aclose()
+            return await asyncio.gather(*heavy_runs), light_run
+        finally:
+            for c in conns:
+                await c.aclose()
+
     async def new_key(self, **fields: Any) -> dict[str, Any]:
         import uuid
 

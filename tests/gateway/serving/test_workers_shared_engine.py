@@ -123,30 +123,11 @@ def test_the_reserve_holds_for_the_engine_as_a_whole_across_workers(fresh_pg_dat
     # the batch would fill with heavy streams and the light one would wait inside the engine behind them.
     gw = start(fresh_pg_database, tmp_path, step_ms=5, TOLLGATE_SCHEDULER_RESERVE="1")
     try:
-        workers = gw.workers()
         heavy, light = run_coro(gw.new_key())["key"], run_coro(gw.new_key())["key"]
 
-        async def scenario() -> tuple[list[Any], Any]:
-            started: list[float] = []
-            # Four connections on each worker: both workers send the heavy account's requests.
-            conns = [await gw.client_on_worker(workers[i % 2], timeout=60) for i in range(8)]
-            try:
-                heavy_runs = [asyncio.create_task(stream(c, heavy, 300, started.append)) for c in conns]
-                deadline = time.monotonic() + 30
-                while len(started) < 3:  # the regular slots are all taken by the heavy account
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.01)
-                b = await gw.client_on_worker(workers[1], timeout=60)
-                try:
-                    light_run = await stream(b, light, 8)
-                finally:
-                    await b.aclose()
-                return await asyncio.gather(*heavy_runs), light_run
-            finally:
-                for c in conns:
-                    await c.aclose()
-
-        heavy_runs, (text, tokens, first) = run_coro(scenario())
+        # Four connections on each worker: both workers send the heavy account's requests.
+        heavy_runs, (text, tokens, first) = run_coro(gw.heavy_then_light(
+            lambda c, started: stream(c, heavy, 300, started), lambda b: stream(b, light, 8)))
         assert tokens == 8 and text
         assert all(t == 300 for _, t, _ in heavy_runs)
         # Each heavy stream runs 300 steps of 5 ms (1.5 s or more); the light one waits for none of them.

@@ -152,29 +152,10 @@ def test_the_reserve_holds_for_the_trtllm_engine_as_a_whole_across_workers(fresh
     # LLM's batch of 4 would fill with heavy streams and the light one would wait in TensorRT-LLM's queue.
     gw, _record = start(fresh_pg_database, tmp_path, batch=4, step_delay=0.1, TOLLGATE_SCHEDULER_RESERVE="1")
     try:
-        workers = gw.workers()
         heavy, light = run_coro(gw.new_key())["key"], run_coro(gw.new_key())["key"]
 
-        async def scenario() -> tuple[list[Any], Any]:
-            started: list[int] = []
-            conns = [await gw.client_on_worker(workers[i % 2], timeout=60) for i in range(8)]  # both workers send heavy requests
-            try:
-                heavy_runs = [asyncio.create_task(stream(c, heavy, 1, started.append, max_tokens=STORY_TOKENS)) for c in conns]
-                deadline = time.monotonic() + 30
-                while len(started) < 3:  # the regular slots are all taken by the heavy account
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.01)
-                b = await gw.client_on_worker(workers[1], timeout=60)
-                try:
-                    light_run = await stream(b, light, 2)
-                finally:
-                    await b.aclose()
-                return await asyncio.gather(*heavy_runs), light_run
-            finally:
-                for c in conns:
-                    await c.aclose()
-
-        heavy_runs, (_rid, text, _p, tokens, first) = run_coro(scenario())
+        heavy_runs, (_rid, text, _p, tokens, first) = run_coro(gw.heavy_then_light(  # both workers send heavy requests
+            lambda c, started: stream(c, heavy, 1, started, max_tokens=STORY_TOKENS), lambda b: stream(b, light, 2)))
         assert text == double.STORY and tokens == STORY_TOKENS
         assert all(t == STORY_TOKENS for _, _, _, t, _ in heavy_runs)
         # Each heavy stream runs ~27 steps of 100 ms (2.7 s or more); the light one waits for none of them.
