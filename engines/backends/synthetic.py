@@ -3,7 +3,7 @@
 It speaks the `hf` engine process's messages (engines/backends/hf_process.py) over the same pipe: the
 gateway side is `HFProcessEngine` as is, with its real tokenizer (the embedded SmolLM2's), so
 detokenizing, stop strings, metering and SSE cost what they cost with a model. The child only
-emits token ids: every `step_ms` each running stream gets its next `tokens_per_step` ids (a fixed
+emits token ids: every `step_ms` (on a monotonic clock: a late timer's wake runs every step that is due) each running stream gets its next `tokens_per_step` ids (a fixed
 English text's, in a loop), in one message per step, until its max_tokens. At most
 `max_batch_size` streams run at once; the rest wait in order, as in a real engine. The child is
 engines/backends/hf_process.py's engine process with `SyntheticCore` in place of the model, so the same
@@ -111,6 +111,7 @@ class SyntheticCore:
         self._waiting: dict[str, tuple[_Output, Any, int]] = {}
         self._ids: list[int] = []
         self._timer: Any = None
+        self._due = 0.0  # the loop time of the next step
         self._added = 0
 
     async def start(self) -> None:
@@ -132,14 +133,31 @@ class SyntheticCore:
         loop = asyncio.get_running_loop()
         self._waiting[rid] = (_Output(time.time()), handler, max_tokens)
         if self._timer is None:
-            self._timer = loop.call_at(loop.time() + self._step_s, self._step)
+            self._due = loop.time() + self._step_s
+            self._timer = loop.call_at(self._due, self._tick)
 
     def _cancel(self, rid: str) -> None:
         if self._running.pop(rid, None) is None:
             self._waiting.pop(rid, None)
 
-    def _step(self) -> None:
+    def _tick(self) -> None:
+        """Every step that is due by now. The steps are laid on the loop's monotonic clock, `step_s`
+        apart from the first: a timer wakes late (epoll counts in whole milliseconds, a busy machine
+        later still), so a wake runs each step whose time has come, one after the other, and the
+        engine keeps its rate whatever the timer's resolution. Each step is what a real engine's step
+        gives (its handler calls, its admissions and ends); several of them reach the gateway in one
+        message, as a real engine's steps do when they come faster than the gateway reads them."""
         loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._due <= now and (self._running or self._waiting):
+            self._step()
+            self._due += self._step_s
+        if self._running or self._waiting:
+            self._timer = loop.call_at(self._due, self._tick)
+        else:
+            self._timer = None
+
+    def _step(self) -> None:
         now = time.time()
         size = len(self._ids)
         while self._waiting and len(self._running) < self._max_batch_size:
@@ -160,7 +178,6 @@ class SyntheticCore:
             handler(out)
         for rid in ended:
             self._running.pop(rid, None)
-        self._timer = loop.call_at(loop.time() + self._step_s, self._step) if (self._running or self._waiting) else None
 
 
 if __name__ == "__main__":

@@ -71,3 +71,47 @@ def test_the_tokenizer_setting_loads_that_folder_instead_of_the_embedded_models_
             await engine.stop()
 
     asyncio.run(run())
+
+
+def test_the_engine_keeps_a_rate_of_many_steps_per_millisecond_whatever_the_timer_resolution() -> None:
+    """A step of 0.1 ms is ten steps per millisecond, while the event loop's timer wakes at best once a
+    millisecond (epoll's timeout is in whole ms): each wake must run every step that is due, so the
+    tokens offered over the window track the configured rate; and each step is still its own handler
+    call per stream with tokens_per_step ids, as a real engine's steps are."""
+    from engines.backends.synthetic import SyntheticCore
+    from gateway.config import default_cache_dir
+    import os
+
+    streams, max_tokens, step_ms = 4, 3000, 0.1
+    core = SyntheticCore(model_id="synth", step_ms=step_ms, tokens_per_step=1, max_batch_size=streams, context_length=8192,
+                         cache_dir=str(default_cache_dir(os.environ)))
+
+    async def run() -> tuple[float, list[list[int]]]:
+        await core.start()
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        growth: list[list[int]] = [[] for _ in range(streams)]
+        first: list[float] = []
+
+        def handler_for(i: int):
+            def handler(out) -> None:
+                if not first:
+                    first.append(loop.time())
+                growth[i].append(len(out.generated_tokens))
+                if out.is_finished() and all(g and g[-1] == max_tokens for g in growth) and not finished.done():
+                    finished.set_result(loop.time())
+            return handler
+
+        for i in range(streams):
+            core.submit(f"r{i}", [1, 2, 3], max_tokens, None, handler_for(i))
+        end = await asyncio.wait_for(finished, 30.0)
+        await core.stop()
+        return end - first[0], growth
+
+    elapsed, growth = asyncio.run(run())
+    for g in growth:  # one handler call per step, one id each
+        assert g == list(range(1, max_tokens + 1))
+    configured = streams * 1000.0 / step_ms  # 40,000 tokens/s
+    offered = streams * (max_tokens - 1) / elapsed  # from the first step's tokens to the last step's
+    assert offered >= 0.7 * configured, f"offered {offered:,.0f} tok/s of the configured {configured:,.0f}"
+    assert offered <= 1.1 * configured, f"offered {offered:,.0f} tok/s, more than the configured {configured:,.0f}"
