@@ -34,6 +34,11 @@ TEXT = (
 )
 
 
+# How far behind its clock a late wake catches up: far past a timer's lateness (whole milliseconds),
+# well short of a stall's.
+CATCH_UP_S = 0.02
+
+
 class SyntheticEngine(HFProcessEngine):
     owned_by = "tollgate-synthetic"
     child_module = "engines.backends.synthetic"
@@ -146,9 +151,12 @@ class SyntheticCore:
         later still), so a wake runs each step whose time has come, one after the other, and the
         engine keeps its rate whatever the timer's resolution. Each step is what a real engine's step
         gives (its handler calls, its admissions and ends); several of them reach the gateway in one
-        message, as a real engine's steps do when they come faster than the gateway reads them."""
+        message, as a real engine's steps do when they come faster than the gateway reads them. A
+        wake later than CATCH_UP_S (this process stalled: the pipe full, a gateway behind) pays back
+        only that much: an engine held up does not make its missed steps later in a burst."""
         loop = asyncio.get_running_loop()
         now = loop.time()
+        self._due = max(self._due, now - CATCH_UP_S)
         while self._due <= now and (self._running or self._waiting):
             self._step()
             self._due += self._step_s
