@@ -9,6 +9,7 @@ set -euo pipefail
 KIT=${1:-.devkit/services.tar.xz}
 ROOT=/tmp/tg-services
 rm -rf "$ROOT" && mkdir -p "$ROOT" && tar -xJf "$KIT" -C "$ROOT"
+chmod -R a+rX "$ROOT"  # the kit's top folder comes from mktemp (0700): the unprivileged postgres must enter it
 # Debian's postgres reads time zones from the system's tzdata, which a slim image may lack.
 [ -e /usr/share/zoneinfo/UTC ] || { mkdir -p /usr/share/zoneinfo && cp -r "$ROOT"/zoneinfo/. /usr/share/zoneinfo/; }
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
