@@ -120,6 +120,7 @@ NOT_OF_THE_REQUEST = (
     "billing/ledger/writer.py:LedgerWriter.flush*",
     "billing/keys/store.py:KeyStore._lookup",  # the key cache's refresh, in the background
     "billing/keys/store.py:KeyStore._refresh.<locals>.<lambda>",
+    "billing/prices/book.py:PriceBook._load",  # the price book's refresh, in the background
 )
 
 
