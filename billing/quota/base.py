@@ -34,6 +34,7 @@ from billing.quota.limits import Limits
 from billing.models import ApiKey, LedgerEntry
 
 log = logging.getLogger("tollgate.quota")
+settle_log = logging.getLogger("tollgate.metering")  # where a failed settlement has always been told
 LEDGER = LedgerEntry.__table__
 KEYS = ApiKey.__table__
 UNLIMITED = -1
@@ -311,6 +312,24 @@ class Limiter(abc.ABC):
     def __init__(self, totals: LedgerTotals, *, hold_seconds: float = 900.0) -> None:
         self.totals = totals
         self.hold_seconds = hold_seconds
+        self._settling: set[asyncio.Task[Any]] = set()
+
+    def settle_later(self, hold: Hold, tokens: int, nanos: int) -> None:
+        """`settle()` in the background (never awaited inside a request's `finally`); a failure is
+        logged, by type only. `drain()` waits for the ones under way."""
+        task = asyncio.get_running_loop().create_task(self.settle(hold, tokens, nanos, background=True))
+        self._settling.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[Any]) -> None:
+        self._settling.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            settle_log.error("quota settlement failed: %s", type(task.exception()).__name__)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Waits for the background settlements under way (shutdown and tests)."""
+        if self._settling:
+            await asyncio.wait(list(self._settling), timeout=timeout)
 
     async def reserve(self, request_id: str, scopes: list[Scope], tokens: int, nanos: int, now: float | None = None) -> Hold:
         now = time.time() if now is None else now

@@ -294,6 +294,9 @@ class FallbackEngine(Engine):
                     tries.failed(engine, first.error)
                     continue
                 tries.served(engine)
+                for other in self.candidates:  # the place admit() took may be at another engine of the chain
+                    if other is not engine:
+                        other.release(request.request_id)
                 try:
                     yield first
                     if not first.finished:

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Any
 
 from billing.keys.store import Principal
 from billing.ledger.writer import LedgerWriter, UsageRecord
@@ -94,7 +93,6 @@ class Admission:
 
     def __init__(
         self, meter: "Meter", request_id: str, principal: Principal, model: str, usage: Usage, cut: Callable[[], None] | None,
-        admitted_at: datetime,
     ) -> None:
         self.meter = meter
         self.request_id = request_id
@@ -105,7 +103,7 @@ class Admission:
         self.hold: Hold | None = None
         self.price: EffectivePrice | None = None
         self.nanos = 0  # the worst case reserved (a cache hit's whole cost)
-        self.admitted_at = admitted_at  # when admission began: prices it, names its period
+        self.admitted_at: datetime = None  # type: ignore[assignment]  # Meter.admit sets it once the engine has its place: it prices the request, names its period
         self.journaled = False
         self.settled = False
         self._cut = cut
@@ -126,11 +124,14 @@ class Admission:
         meter = self.meter
         try:
             row = self.row(outcome) if self.journaled else None
-            if row is not None:
-                meter.ledger.record(row)
-            if self.hold is not None:
-                used = row.prompt_tokens + row.completion_tokens if row is not None else 0
-                meter.settle_later(self.hold, used, (row.cost_nanos or 0) if row is not None else 0)
+            try:
+                if self.hold is not None and meter.limiter is not None:
+                    # A task: it runs after this call, once the row below is journaled and queued.
+                    used = row.prompt_tokens + row.completion_tokens if row is not None else 0
+                    meter.limiter.settle_later(self.hold, used, (row.cost_nanos or 0) if row is not None else 0)
+            finally:
+                if row is not None:
+                    meter.ledger.record(row)  # never raises (its journal's and listeners' failures are logged)
         finally:
             if self.slot is not None:
                 self.slot.release(self.request_id)
@@ -208,7 +209,6 @@ class Meter:
         self._live: dict[str, Admission] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._settling: set[asyncio.Task[Any]] = set()
 
     async def admit(
         self,
@@ -227,7 +227,7 @@ class Meter:
         the 429/503 that says why not. `usage`: what its ledger row is made of (Admission.row); `slot`:
         the engine (and request) it takes a place in; `cut`: what stops it at the drain deadline;
         `batch`: a line of a batch, priced at the batch price."""
-        admission = Admission(self, request_id, principal, model, usage, cut, utcnow())
+        admission = Admission(self, request_id, principal, model, usage, cut)
         try:
             if slot is not None:
                 engine, engine_request = slot
@@ -236,6 +236,7 @@ class Meter:
                 except EngineOverloadedError as refused:
                     raise overloaded(refused) from None
                 admission.slot = engine
+            admission.admitted_at = utcnow()  # once the engine has a place for it: the rest is billing's
             if self.ledger.refusing:
                 raise ServiceUnavailable("Usage metering is backed up; retry shortly.", code="ledger_backlog", headers={"Retry-After": "5"})
             if self.prices is not None:
@@ -275,19 +276,6 @@ class Meter:
                 "Quota service is unavailable; retry shortly.", code="quota_unavailable", headers={"Retry-After": "1"}
             ) from None
 
-    def settle_later(self, hold: Hold, tokens: int, nanos: int) -> None:
-        """Commits actual use in the background: never awaited inside a `finally`."""
-        if self.limiter is None:
-            return
-        task = asyncio.get_running_loop().create_task(self.limiter.settle(hold, tokens, nanos, background=True))
-        self._settling.add(task)
-        task.add_done_callback(self._settled)
-
-    def _settled(self, task: asyncio.Task[Any]) -> None:
-        self._settling.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("quota settlement failed: %s", type(task.exception()).__name__)
-
     def ended(self, admission: Admission) -> None:
         if self._live.get(admission.request_id) is admission:
             del self._live[admission.request_id]
@@ -296,8 +284,8 @@ class Meter:
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Waits for background settlements (shutdown and tests)."""
-        if self._settling:
-            await asyncio.wait(list(self._settling), timeout=timeout)
+        if self.limiter is not None:
+            await self.limiter.drain(timeout)
 
     def live_count(self) -> int:
         return len(self._live)

@@ -278,6 +278,9 @@ class CompletionService:
                 async for out in outputs:
                     if last is not None:
                         break  # an engine that goes on after its final output: nothing after it counts
+                    # The engine's stream has the request: the place admit() took is the stream's now,
+                    # freed when it ends; settling has none left to give back.
+                    admission.slot = None
                     self._observe(gen, out)
                     if gen.cancel_requested and not out.finished:
                         # The client left before the engine saw the request: closing the stream cancels it.

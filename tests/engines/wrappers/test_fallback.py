@@ -31,8 +31,8 @@ class ScriptedEngine(Engine):
         self.cancelled: list[str] = []
         self.starts = 0
         self.up = True
-        self.release = asyncio.Event()
-        self.release.set()
+        self.go_on = asyncio.Event()  # not `release`: that is Engine.release()
+        self.go_on.set()
 
     @property
     def ready(self) -> bool:
@@ -53,7 +53,7 @@ class ScriptedEngine(Engine):
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         self.requests.append(request)
-        await self.release.wait()
+        await self.go_on.wait()
         if isinstance(self.outputs, Exception):
             raise self.outputs
         for out in self.outputs:
@@ -148,13 +148,13 @@ async def test_when_no_engine_can_take_it_the_answer_is_overloaded() -> None:
 
 async def test_cancel_reaches_the_engine_serving_the_request() -> None:
     slow = ScriptedEngine("a", ok() * 1)
-    slow.release.clear()
+    slow.go_on.clear()
     model = FallbackEngine("m", [slow])
     task = asyncio.create_task(drain(model, chat_request(model, "r9")))
     while model._routes.get("r9") is not slow:
         await asyncio.sleep(0.005)
     model.cancel("r9")
-    slow.release.set()
+    slow.go_on.set()
     outs = await task
     assert slow.cancelled == ["r9"] and outs[-1].finish_reason == FINISH_CANCELLED
     model.cancel("r9")  # after the end: nothing to do, nothing remembered
