@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import Engine
+from engines.wrappers.scheduler import ScheduledEngine
 from gateway.config import Settings
 
-HOSTED_BACKENDS = ("hf", "synthetic", "trtllm")
+# How long a worker's start waits for its engine hosts: each has loaded its model before any worker
+# starts, so this is a connection and the host's hello (seconds on a loaded machine), not a load.
+CONNECT_TIMEOUT_S = 60.0
 
 
 def hosted(spec: Any) -> bool:
@@ -85,3 +88,26 @@ def connect_hosted(engines: dict[str, Engine], sockets: dict[str, str]) -> None:
         for engine in chain.runners():
             if isinstance(engine, (HFProcessEngine, TRTLLMEngine)) and engine.model_id in sockets:
                 engine.connect_to = sockets[engine.model_id]
+
+
+def _runs_hosted(engine: Engine) -> bool:
+    if isinstance(engine, ScheduledEngine):
+        engine = engine.inner
+    return any(getattr(r.inner if isinstance(r, ScheduledEngine) else r, "connect_to", None) is not None for r in engine.runners())
+
+
+async def await_hosted(served: dict[str, Engine], loads: list[asyncio.Task[None]], timeout: float | None = None) -> None:
+    """In a worker's start, before it accepts a connection (uvicorn accepts once the app's startup
+    has ended): the loads of the models an engine host runs, i.e. their connection to the host and
+    its hello. Otherwise a worker could take requests (503 engine_not_ready) while another worker's
+    /readyz already says ready. A load that fails is the load watcher's to report (/readyz says
+    why); one that has not ended within the timeout stops this worker's start, saying which."""
+    pending = {mid: task for (mid, engine), task in zip(served.items(), loads) if _runs_hosted(engine)}
+    if not pending:
+        return
+    limit = CONNECT_TIMEOUT_S if timeout is None else timeout
+    await asyncio.wait([asyncio.shield(t) for t in pending.values()], timeout=limit)
+    late = [mid for mid, task in pending.items() if not task.done()]
+    if late:
+        raise RuntimeError(f"the engine host of {', '.join(late)} did not answer this worker's connection within {limit:g} s; "
+                           "is the supervisor's engine host running?")
