@@ -27,6 +27,8 @@ from typing import Any
 
 import orjson
 
+from billing.periodic import PeriodicThread
+
 log = logging.getLogger("tollgate.journal")
 
 SEGMENT_PREFIX = "ledger-"
@@ -71,8 +73,11 @@ class LedgerJournal:
         self._outstanding_bytes = 0  # the two maps' line lengths, kept as they change (not summed per batch)
         self._dirty = threading.Event()
         self._fd_lock = threading.Lock()  # the fsync thread against rotation and close
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # A thread, not a task: fsync blocks for milliseconds, and record() on the event loop must
+        # never wait for the disk. A round starts once a line is written (`_dirty`), after the
+        # group-commit window, so one fsync covers everything written in it.
+        self.fsyncer = PeriodicThread("ledger-journal-fsync", self._fsync, on_error=self._fsync_failed,
+                                      wake=self._dirty, delay=fsync_interval)
         self.write_errors = 0
         self.fsyncs = 0
 
@@ -97,15 +102,11 @@ class LedgerJournal:
             self._unacked[row["request_id"]] = _dumps({"f": row})
         self._outstanding_bytes = sum(map(len, self._unacked.values())) + sum(map(len, self._admitted.values()))
         self._rotate()
-        self._thread = threading.Thread(target=self._fsync_loop, name="ledger-journal-fsync", daemon=True)
-        self._thread.start()
+        self.fsyncer.start()
         return recovered
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self.fsyncer.stop()
         with self._fd_lock:
             if self._fd is not None:
                 try:
@@ -206,21 +207,15 @@ class LedgerJournal:
         finally:
             os.close(dfd)
 
-    def _fsync_loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._dirty.wait(timeout=0.5):
-                continue
-            self._stop.wait(self.fsync_interval)  # group commit: one fsync for everything in the window
-            self._dirty.clear()
-            with self._fd_lock:
-                if self._fd is None:
-                    continue
-                try:
-                    os.fsync(self._fd)
-                    self.fsyncs += 1
-                except OSError as exc:
-                    self.write_errors += 1
-                    log.error("ledger journal fsync failed: %s", exc)
+    def _fsync(self) -> None:
+        with self._fd_lock:
+            if self._fd is not None:
+                os.fsync(self._fd)
+                self.fsyncs += 1
+
+    def _fsync_failed(self, exc: Exception) -> None:  # counted with the failed appends; the next write fsyncs again
+        self.write_errors += 1
+        log.error("ledger journal fsync failed: %s", exc)
 
     # reading --------------------------------------------------------------------------------------
     def _read(self, segments: list[Path]) -> Recovered:

@@ -28,6 +28,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeout
 
+from billing.periodic import Periodic
 from billing.quota import resp
 from billing.quota.limits import Limits
 from billing.quota.base import Hold, LedgerTotals, group_tag, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
@@ -42,6 +43,10 @@ SETTLE_LINGER = 0.002
 # registered there to re-register its running holds (each does at its next call, an idle one
 # within its hold watch's interval); a process that died meanwhile stops counting after that.
 FAILOVER_WAIT = 3.0
+
+
+def _watch_failed(exc: Exception) -> None:  # Redis still down: the next round or the next reserve retries
+    log.debug("hold watch: %s", type(exc).__name__)
 
 
 def _row_tag(row: Any) -> str:
@@ -117,7 +122,10 @@ class RedisLimiter(Limiter):
         self._written_early: dict[str, None] = {}  # rows written before their settlement was sent (oldest first)
         self._struck: dict[str, list[str]] = {}  # group tag -> rids written, to strike off `unc`
         self._struck_waiting: set[str] = set()  # groups whose strikes waited a whole watch round
-        self._watcher: asyncio.Task[None] | None = None
+        # An idle process notices a Redis restart (or a failover) too, so its running requests' holds
+        # come back within a second even if it admits nothing new; started by the first reservation.
+        self._closed = False
+        self.watcher = Periodic("quota-hold-watch", 1.0, self._watch_round, on_error=_watch_failed)
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
         self._reserve_script, self._settle_script, self._seed_script, self._rehold_script, self._credit_script, self._recover_script = (
@@ -288,29 +296,22 @@ class RedisLimiter(Limiter):
         return args
 
     def _watch(self) -> None:
-        if self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch_loop(), name="quota-hold-watch")
+        if not self._closed:  # a settlement during shutdown does not start it again
+            self.watcher.start()
 
-    async def _watch_loop(self, interval: float = 1.0) -> None:
-        """An idle process notices a Redis restart (or a failover) too, so its running requests' holds
-        come back within `interval` even if it admits nothing new."""
-        while True:
-            await asyncio.sleep(interval)
-            if not self.breaker.allow():
-                continue
-            if self._unsure:
-                await self._release_unsure()
-            await self._strike_idle()
-            unwritten = self._unwritten()
-            if not self._live and not unwritten:
-                continue
-            try:
-                now = time.time()
-                tags = sorted({h.tag for h, _ in self._live.values()} | {_row_tag(r) for r in unwritten})
-                for tag in await self._client.lost_groups([self.group(t) for t in tags], tags, self._proc, now):
-                    await self._rehold(tag, now)
-            except Exception as exc:  # Redis still down: the next round or the next reserve retries
-                log.debug("hold watch: %s", type(exc).__name__)
+    async def _watch_round(self) -> None:
+        if not self.breaker.allow():
+            return
+        if self._unsure:
+            await self._release_unsure()
+        await self._strike_idle()
+        unwritten = self._unwritten()
+        if not self._live and not unwritten:
+            return
+        now = time.time()
+        tags = sorted({h.tag for h, _ in self._live.values()} | {_row_tag(r) for r in unwritten})
+        for tag in await self._client.lost_groups([self.group(t) for t in tags], tags, self._proc, now):
+            await self._rehold(tag, now)
 
     async def _strike_idle(self) -> None:
         """Strikes off `unc` the written rows of groups with no settlement to carry them since the
@@ -463,6 +464,6 @@ class RedisLimiter(Limiter):
         await self._client.delete_matching(f"{self.prefix}*")
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        self._closed = True
+        await self.watcher.stop()
         await self._client.close()

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from billing.periodic import Periodic
 from engines.base import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -62,6 +63,10 @@ BUSY = {408, 429}
 # the start of the message only, so that a client's own text echoed in a validation error cannot
 # eject a replica.
 DEAD_ENGINE_MESSAGES = ("LLM is shutting down", "EngineDeadError")
+
+
+def _health_round_failed(exc: Exception) -> None:  # a replica's failure is its check's result; this is the round's own
+    log.error("health check round failed", exc_info=exc)
 
 
 def engine_is_dead(message: str) -> bool:
@@ -367,7 +372,7 @@ class OpenAIPoolEngine(Engine):
         # https replicas and health checks through httpx.
         self._lean: UpstreamPool | None = None
         self._use_lean = lean_client
-        self._health_task: asyncio.Task[None] | None = None
+        self.health_loop: Periodic | None = None  # with a health_path: a check of every replica each health_interval
         self._live: dict[str, _Live] = {}
         self._ready = False
 
@@ -404,17 +409,17 @@ class OpenAIPoolEngine(Engine):
                                       max_idle=self._max_connections)
         if self.health_path:
             await self.check_health()
-            self._health_task = asyncio.create_task(self._health_loop(), name=f"health-{self.model_id}")
+            self.health_loop = Periodic(f"health-{self.model_id}", self.health_interval, self.check_health,
+                                        on_error=_health_round_failed)
+            self.health_loop.start()
         self._ready = True
         log.info("model %s: pool of %d replicas ready", self.model_id, len(self.pool.replicas))
 
     async def stop(self) -> None:
         self._ready = False
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-            self._health_task = None
+        if self.health_loop is not None:
+            await self.health_loop.stop()
+            self.health_loop = None
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
@@ -442,14 +447,6 @@ class OpenAIPoolEngine(Engine):
             self.pool.health_result(replica, False, type(exc).__name__)
             return
         self.pool.health_result(replica, response.status_code < 300, f"HTTP {response.status_code}")
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval)
-            try:
-                await self.check_health()
-            except Exception:  # never let the loop die
-                log.exception("health check round failed")
 
     # tokens -----------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -34,6 +34,7 @@ from billing.batches.store import BatchStore, LeaseHeld, Line
 from billing.batches.files import FileStore
 from billing.keys.store import KeyStore
 from billing.models import utcnow
+from billing.periodic import Periodic
 from gateway.batches import results
 from gateway.batches.line import SCOPE_KEY, BatchLine
 from gateway.config import BatchSettings
@@ -46,6 +47,10 @@ INTERRUPTED = {"error": {"message": "The gateway restarted while this request ra
 ANSWER_LOST = {"error": {"message": "The gateway restarted after this request finished but before its answer was stored; "
                          "it was not run again (its usage is in the ledger).",
                          "type": "server_error", "param": None, "code": "answer_lost"}}
+
+
+def _round_failed(exc: Exception) -> None:  # the database is out: the next round tries again
+    log.warning("could not list active batches: %s", type(exc).__name__)
 
 
 class BatchRunner:
@@ -63,7 +68,9 @@ class BatchRunner:
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._jobs: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        # A round at the start, then each poll, or at once when a batch is created or cancelled.
+        self.loop = Periodic("batch-runner", settings.poll_seconds, self._round, on_error=_round_failed,
+                             first=True, wake=self._wake)
         self._stopping = False
         self._endpoints: dict[str, Any] = {}
         self.runner_id = uuid.uuid4().hex  # this process's runner, in the leases it holds
@@ -71,7 +78,7 @@ class BatchRunner:
     def start(self) -> None:
         self._endpoints = {r.path: r.endpoint for r in self._app.routes
                            if isinstance(r, Route) and r.path in results.ENDPOINTS and "POST" in (r.methods or ())}
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
+        self.loop.start()
 
     @property
     def halting(self) -> bool:
@@ -89,27 +96,23 @@ class BatchRunner:
         jobs = list(self._jobs.values())
         if jobs:
             await asyncio.wait(jobs, timeout=timeout)
-        for task in [*self._jobs.values(), *([self._task] if self._task else [])]:
+        await self.loop.stop()
+        for task in self._jobs.values():
             task.cancel()
-        for task in [*jobs, *([self._task] if self._task else [])]:
+        for task in jobs:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _run(self) -> None:
-        while not self._stopping:
-            try:
-                for batch_id in await self._store.active():
-                    if batch_id not in self._jobs and not self.halting:
-                        try:
-                            await self._store.lease(batch_id, self.runner_id, self._settings.lease_seconds)
-                        except LeaseHeld:
-                            continue  # another runner drives it
-                        self._jobs[batch_id] = asyncio.get_running_loop().create_task(self._job(batch_id), name=f"batch-{batch_id}")
-            except Exception as exc:  # the database is out: the next round tries again
-                log.warning("could not list active batches: %s", type(exc).__name__)
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._settings.poll_seconds)
+    async def _round(self) -> None:
+        if self.halting:
+            return  # claims nothing more
+        for batch_id in await self._store.active():
+            if batch_id not in self._jobs and not self.halting:
+                try:
+                    await self._store.lease(batch_id, self.runner_id, self._settings.lease_seconds)
+                except LeaseHeld:
+                    continue  # another runner drives it
+                self._jobs[batch_id] = asyncio.get_running_loop().create_task(self._job(batch_id), name=f"batch-{batch_id}")
 
     async def _job(self, batch_id: str) -> None:
         try:

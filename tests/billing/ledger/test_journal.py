@@ -33,7 +33,7 @@ def record(**overrides: Any) -> UsageRecord:
 
 def crash(journal: LedgerJournal) -> None:
     """What SIGKILL leaves: the file as written (no fsync, no close bookkeeping), the lock gone."""
-    journal._stop.set()
+    journal.fsyncer.stop()
     for fd in (journal._fd, journal._lock_fd):
         if fd is not None:
             os.close(fd)
@@ -119,6 +119,35 @@ def test_lines_are_fsynced_in_batches(tmp_path: Path) -> None:
         time.sleep(0.01)
     assert j.fsyncs < 50  # 500 rows: a handful of group commits, not one per row
     j.close()
+
+
+def test_a_failed_fsync_is_counted_and_the_fsync_thread_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only an OSError: whatever one round raises, later lines are still fsync'd."""
+    real_fsync = os.fsync
+    failed: list[int] = []
+
+    def fsync_once_broken(fd: int) -> None:
+        if not failed:
+            failed.append(fd)
+            raise ValueError("a bad descriptor")
+        real_fsync(fd)
+
+    j = LedgerJournal(tmp_path, fsync_interval=0.01)
+    j.open()
+    monkeypatch.setattr("billing.ledger.journal.os.fsync", fsync_once_broken)
+    j.final(row_of(record()))
+    end = time.monotonic() + 5
+    while j.write_errors == 0:
+        assert time.monotonic() < end, "the failed fsync was not reported"
+        time.sleep(0.01)
+    assert isinstance(j.fsyncer.pulse.last_error, ValueError) and j.fsyncs == 0
+    j.final(row_of(record()))
+    while j.fsyncs == 0:
+        assert time.monotonic() < end, "the fsync thread stopped after a failed round"
+        time.sleep(0.01)
+    assert j.fsyncer.alive and j.write_errors == 1
+    j.close()
+    assert not j.fsyncer.alive
 
 
 async def count(db: Any, **where: Any) -> int:

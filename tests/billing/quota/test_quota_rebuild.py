@@ -250,6 +250,33 @@ async def test_settled_usage_is_struck_off_unc_once_its_row_is_written(make: Cal
         await asyncio.sleep(0.1)
 
 
+async def test_a_failed_watch_round_is_reported_and_the_next_one_puts_lost_holds_back(make: Callable[..., RedisLimiter]) -> None:
+    """The hold watch outlives a round that raises: an idle process whose Redis lost its state still
+    gets its running request's hold back."""
+    lim = make()
+    key, account = scopes()
+    await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100)  # running: its hold is live; starts the watch
+    held = (await lim.counters(account))["held_tokens"]
+    assert held > 0
+    real = lim._strike_idle
+
+    async def broken_once() -> None:
+        lim._strike_idle = real  # type: ignore[method-assign]
+        raise RuntimeError("a bug in one round")
+
+    lim._strike_idle = broken_once  # type: ignore[method-assign]
+    deadline = time.monotonic() + 10
+    while lim.watcher.pulse.failures == 0:
+        assert time.monotonic() < deadline, "the failed round was not reported"
+        await asyncio.sleep(0.05)
+    assert isinstance(lim.watcher.pulse.last_error, RuntimeError)
+    await lim.flush_all()  # Redis restarted empty
+    while (await lim.counters(account))["held_tokens"] != held:  # the watch runs once a second
+        assert time.monotonic() < deadline, "the watch stopped after a failed round: the hold stayed lost"
+        await asyncio.sleep(0.1)
+    assert lim.watcher.alive and lim.watcher.pulse.failures == 1
+
+
 async def test_a_restarted_gateway_strikes_off_what_its_crashed_run_filed(make: Callable[..., RedisLimiter]) -> None:
     """The rows a crashed run settled are written by the run that replays its journal: that one
     strikes their `unc` entries off, whether the rows are written before or after it adopts them."""

@@ -351,6 +351,27 @@ async def test_active_health_checks_eject_and_reinstate(upstreams: Any, tollgate
     assert len(a.requests) >= 1
 
 
+async def test_a_failed_health_round_is_reported_and_the_checks_go_on(upstreams: Any, tollgate_with: Any) -> None:
+    a, url_a = upstreams()
+    gw = tollgate_with(pool_yaml(url_a, extra="""
+        health_path: /health
+        health_interval: 0.1
+    """))
+    engine = gw.engines()["pool"].candidates[0]
+    pool, real = engine.pool, engine.pool.health_result
+
+    def broken_once(*args: Any) -> None:
+        pool.health_result = real
+        raise RuntimeError("a bug in one round")
+
+    pool.health_result = broken_once
+    await wait_for(lambda: engine.health_loop.pulse.failures == 1)
+    assert isinstance(engine.health_loop.pulse.last_error, RuntimeError)
+    a.healthy = False  # the later rounds still check: the replica goes out
+    await wait_for(lambda: pool.snapshot()[0]["ejected"])
+    assert engine.health_loop.alive
+
+
 async def test_all_replicas_ejected_means_503(upstreams: Any, tollgate_with: Any) -> None:
     a, url_a = upstreams()
     gw = tollgate_with(pool_yaml(url_a, extra="""

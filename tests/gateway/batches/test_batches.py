@@ -324,3 +324,22 @@ async def test_a_draining_server_claims_no_more_lines_and_lets_go_of_the_batch(b
     runner.wake()
     assert (await ended(client, batch.id)).status == "completed"
     assert len(await rows_of(gw, batch.id)) == 20
+
+
+async def test_a_failed_round_of_the_runner_is_reported_and_the_next_ones_run(batch_gateway: Gateway) -> None:
+    gw = batch_gateway
+    runner = gw.app.state.batch_runner
+    store, failures = runner._store, runner.loop.pulse.failures
+
+    async def broken_once() -> Any:
+        del store.active  # the store's own method again
+        raise ConnectionRefusedError("the database is down")
+
+    store.active = broken_once
+    await until(lambda: runner.loop.pulse.failures == failures + 1, "the failed round reported")
+    assert isinstance(runner.loop.pulse.last_error, ConnectionRefusedError)
+    client = openai_client(gw, (await gw.new_key())["key"])
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(3))), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert (await ended(client, batch.id)).status == "completed"
+    assert runner.loop.alive
