@@ -93,8 +93,8 @@ def check_rule(value: Any) -> str | None:
 
 
 class RouterEngine(Engine):
-    """The virtual model in the served map. It never runs a request itself: `route_body` replaces
-    its id with a real model's before the gateway parses the request."""
+    """The virtual model in the served map. It never runs a request itself: the gateway resolves
+    its id to the model `choose` picks before it parses the request."""
 
     passthrough = False
 
@@ -216,13 +216,3 @@ def router_of(engine: Any) -> RouterEngine | None:
         if engine is None:  # not a wrapper: asking None for `inner` again would only raise and catch
             return None
     return None
-
-
-def route_body(engines: Mapping[str, Engine], raw: Any, kind: str) -> Any:
-    """The request body with a routing model's id replaced by the model it chooses (gateway hook)."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
-        return raw
-    router = router_of(engines.get(raw["model"]))
-    if router is None:
-        return raw
-    return {**raw, "model": router.choose(raw, kind)}

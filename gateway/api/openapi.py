@@ -51,7 +51,6 @@ def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> di
 
 STR, INT, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 NUM = {"type": "number"}
-TIME = {"type": "string", "format": "date-time"}
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:

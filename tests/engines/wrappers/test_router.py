@@ -11,7 +11,7 @@ import pytest
 
 from engines.wrappers.fallback import FallbackEngine
 from engines.registry import ModelsConfigError, parse_models
-from engines.wrappers.router import RouterEngine, route_body
+from engines.wrappers.router import RouterEngine
 from tests.conftest import SECRET, Gateway, ServerThread, bootstrap
 from gateway.app import create_app
 from gateway.config import Settings
@@ -82,8 +82,6 @@ def test_rules_pick_the_expected_model() -> None:
     assert auto.choose(chat("fix this:\n```python\ndef f(x):\n    return x\n```", max_tokens=32), "chat") == "coder"
     assert auto.choose(chat("what is the weather", max_tokens=32, tools=[{"type": "function"}]), "chat") == "large"
     assert auto.choose({"model": "auto", "prompt": "short one", "max_tokens": 8}, "text") == "small"
-    assert route_body({"auto": auto}, chat("hi", max_tokens=8), "chat")["model"] == "small"
-    assert route_body({"auto": auto}, {"model": "small", "x": 1}, "chat") == {"model": "small", "x": 1}
 
 
 def test_unavailable_choice_falls_through_to_the_next_match_then_default() -> None:
