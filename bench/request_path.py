@@ -115,8 +115,8 @@ NOT_OF_THE_REQUEST = (
     "gateway/http/hardening.py:GuardedHttpToolsProtocol.connection_lost",
     "billing/quota/resp.py:*",
     "billing/periodic.py:every",
-    "gateway/batches/runner.py:BatchRunner._run",
-    "billing/quota/redis_limiter.py:RedisLimiter._watch_loop",
+    "gateway/batches/runner.py:BatchRunner._round",
+    "billing/quota/redis_limiter.py:RedisLimiter._watch_round",
     "billing/ledger/writer.py:LedgerWriter.flush*",
     "billing/keys/store.py:KeyStore._lookup",  # the key cache's refresh, in the background
     "billing/keys/store.py:KeyStore._refresh.<locals>.<lambda>",

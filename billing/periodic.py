@@ -58,6 +58,12 @@ async def every(interval: float, step: Callable[[], Awaitable[object]], *, on_er
             on_error(exc)
         else:
             pulse.beat()
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # The cancel came during the step and the step turned it into an error or ate it (a
+            # client's `asyncio.timeout` does, when the cancel meets its deadline): a cancel is
+            # delivered once, so without this the loop would go on and stop() would wait forever.
+            raise asyncio.CancelledError
         await _wait(interval, wake)
 
 

@@ -281,7 +281,7 @@ def lifespan(
             if owns_engines and settings.engines.engine_hosts:  # a worker of `serve --workers N`: connected before it accepts
                 from gateway.serving.engine_hosts import await_hosted
 
-                await await_hosted(served, loading)
+                await await_hosted(served, loading, settings.engines.engine_hosts)
             yield
         finally:
             await batches.stop(app)

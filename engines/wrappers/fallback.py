@@ -294,9 +294,6 @@ class FallbackEngine(Engine):
                     tries.failed(engine, first.error)
                     continue
                 tries.served(engine)
-                for other in self.candidates:  # the place admit() took may be at another engine of the chain
-                    if other is not engine:
-                        other.release(request.request_id)
                 try:
                     yield first
                     if not first.finished:
@@ -351,6 +348,9 @@ class _Tries:
 
     def served(self, engine: Engine) -> None:
         chain = self.chain
+        for other in chain.candidates:  # the place admit() took may be at another engine of the chain
+            if other is not engine:
+                other.release(self.request.request_id)
         if engine is not chain.primary:
             log.warning("model %s served by fallback %s (%s)", chain.model_id, engine.model_id, "; ".join(self.reasons) or "unavailable")
 

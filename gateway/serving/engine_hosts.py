@@ -79,30 +79,32 @@ class EngineHosts:
             Path(path).unlink(missing_ok=True)
 
 
-def connect_hosted(engines: dict[str, Engine], sockets: dict[str, str]) -> None:
-    """In a worker: each engine the supervisor hosts connects to its host instead of starting its own."""
+def _hosted_runners(chain: Engine, sockets: dict[str, str]) -> list[Engine]:
+    """The engines of a served model that run in an engine host of the supervisor's: before the
+    scheduler wraps them (a worker's build) and after (its start), where a runner may be a
+    ScheduledEngine around one."""
     from engines.backends.hf_process import HFProcessEngine
     from engines.backends.trtllm import TRTLLMEngine
 
+    engines = (r.inner if isinstance(r, ScheduledEngine) else r for r in chain.runners())
+    return [e for e in engines if isinstance(e, (HFProcessEngine, TRTLLMEngine)) and e.model_id in sockets]
+
+
+def connect_hosted(engines: dict[str, Engine], sockets: dict[str, str]) -> None:
+    """In a worker: each engine the supervisor hosts connects to its host instead of starting its own."""
     for chain in engines.values():
-        for engine in chain.runners():
-            if isinstance(engine, (HFProcessEngine, TRTLLMEngine)) and engine.model_id in sockets:
-                engine.connect_to = sockets[engine.model_id]
+        for engine in _hosted_runners(chain, sockets):
+            engine.connect_to = sockets[engine.model_id]
 
 
-def _runs_hosted(engine: Engine) -> bool:
-    if isinstance(engine, ScheduledEngine):
-        engine = engine.inner
-    return any(getattr(r.inner if isinstance(r, ScheduledEngine) else r, "connect_to", None) is not None for r in engine.runners())
-
-
-async def await_hosted(served: dict[str, Engine], loads: list[asyncio.Task[None]], timeout: float | None = None) -> None:
+async def await_hosted(served: dict[str, Engine], loads: list[asyncio.Task[None]], sockets: dict[str, str],
+                       timeout: float | None = None) -> None:
     """In a worker's start, before it accepts a connection (uvicorn accepts once the app's startup
     has ended): the loads of the models an engine host runs, i.e. their connection to the host and
     its hello. Otherwise a worker could take requests (503 engine_not_ready) while another worker's
     /readyz already says ready. A load that fails is the load watcher's to report (/readyz says
     why); one that has not ended within the timeout stops this worker's start, saying which."""
-    pending = {mid: task for (mid, engine), task in zip(served.items(), loads) if _runs_hosted(engine)}
+    pending = {mid: task for (mid, engine), task in zip(served.items(), loads) if _hosted_runners(engine, sockets)}
     if not pending:
         return
     limit = CONNECT_TIMEOUT_S if timeout is None else timeout

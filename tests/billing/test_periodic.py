@@ -143,3 +143,28 @@ async def test_stop_ends_the_loop_although_a_wake_comes_with_it() -> None:
     done, _ = await asyncio.wait({stopping}, timeout=5)
     assert done, "stop() did not end the loop: the cancel was lost"
     assert not loop.alive
+
+
+async def test_stop_ends_the_loop_although_the_step_turns_the_cancel_into_an_error() -> None:
+    # What a Redis client's asyncio.timeout does when the cancel meets its deadline: the step raises
+    # an ordinary error instead of CancelledError. stop() must still end the loop.
+    entered = asyncio.Event()
+    swallowed: list[bool] = []
+
+    async def step() -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if swallowed:  # only the first cancel: the test's own clean-up still ends the loop
+                raise
+            swallowed.append(True)
+            raise RuntimeError("timed out") from None
+
+    loop = Periodic("swallows", 0.01, step, on_error=lambda exc: None, first=True)
+    loop.start()
+    await entered.wait()
+    stopping = asyncio.ensure_future(loop.stop())  # a task of its own: a stop that hangs fails here, not the run
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    assert done, "stop() did not end a loop whose step turned the cancel into an error"
+    assert not loop.alive

@@ -4,7 +4,6 @@ a crash."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from billing.ledger.journal import LedgerJournal, row_of
 from billing.ledger.writer import LedgerWriter, UsageRecord, usage_rows, usage_totals, write_records
 from billing.ledger.aggregates import Period, usage_groups
 from billing.models import utcnow
+from tests.billing.ledger.test_journal import crash
 
 
 def record(**overrides: Any) -> UsageRecord:
@@ -68,15 +68,6 @@ async def test_cached_tokens_are_written_and_summed(database_url: str) -> None:
         assert sorted((r["cached_tokens"] or 0) for r in await usage_rows(db)) == [0, 0, 7, 64]
     finally:
         await db.dispose()
-
-
-def crash(journal: LedgerJournal) -> None:
-    """What SIGKILL leaves: the file as written, the lock gone."""
-    journal._stop.set()
-    for fd in (journal._fd, journal._lock_fd):
-        if fd is not None:
-            os.close(fd)
-    journal._fd = journal._lock_fd = None
 
 
 async def test_a_crash_recovered_row_keeps_its_cached_tokens(fresh_pg_database: Any, tmp_path: Path) -> None:

@@ -201,3 +201,31 @@ async def test_an_unreachable_pool_falls_back_to_hf(engine: HFEngine) -> None:
         assert pool.pool.snapshot()[0]["failures"] == 1
     finally:
         await pool.stop()
+
+
+class PlacedEngine(ScriptedEngine):
+    """A ScriptedEngine that keeps the places admit() takes, as a scheduler does."""
+
+    def __init__(self, model_id: str, outputs: list[EngineOutput] | Exception) -> None:
+        super().__init__(model_id, outputs)
+        self.places: set[str] = set()
+
+    def admit(self, request: EngineRequest) -> None:
+        self.places.add(request.request_id)
+
+    def release(self, request_id: str) -> None:
+        self.places.discard(request_id)
+
+
+async def test_the_place_admit_took_is_given_back_when_another_engine_of_the_chain_serves() -> None:
+    # The admission gives up its place once the stream has the request (settling releases nothing
+    # then), so the chain must give back a place held at an engine that did not serve it.
+    failing = PlacedEngine("a", EngineError("boom"))
+    serving = PlacedEngine("b", ok("from b"))
+    model = FallbackEngine("m", [failing, serving])
+    request = chat_request(model)
+    model.admit(request)
+    assert failing.places == {request.request_id}
+    outs = await drain(model, request)
+    assert [o.text for o in outs] == ["from b", ""]
+    assert failing.places == set()
