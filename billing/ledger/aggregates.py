@@ -3,7 +3,6 @@
     add_to_aggregates(conn, records)   same transaction as the ledger insert, new rows only
     usage_groups(...)                  sums by day / model / key over whole hours
     latency_percentiles(...)           p50/p90/p99 from the hourly histograms
-    month_to_date(...)                 tokens and spend this month, per account or key
 
 Percentiles come from a log-scale histogram (4 buckets per doubling, so within ~19% of the
 exact value): reading them never scans ledger rows, whatever the period.
@@ -15,7 +14,7 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from datetime import date, datetime, timedelta, timezone
+from datetime import date, datetime, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -309,14 +308,3 @@ async def latency_percentiles(
             }
         out[name] = per_metric
     return out
-
-
-async def month_to_date(
-    engine: AsyncEngine, *, account_id: int | None = None, key_id: int | None = None, now: datetime | None = None
-) -> dict[str, int]:
-    """Tokens and spend (nano-USD) since the start of this calendar month (UTC)."""
-    now = now or datetime.now(timezone.utc)
-    period = Period(Period.containing(now).start, hour_of(now) + timedelta(hours=1))
-    rows = await usage_groups(engine, period, (), account_id=account_id, key_id=key_id)
-    totals = rows[0] if rows else {"total_tokens": 0, "cost_nanos": 0, "requests": 0}
-    return {"tokens": totals["total_tokens"], "cost_nanos": totals["cost_nanos"], "requests": totals["requests"]}

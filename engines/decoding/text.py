@@ -10,7 +10,7 @@ REPLACEMENT = "\ufffd"
 def fast_decoder(tokenizer: Any) -> Any | None:
     """The `tokenizers` library's Tokenizer behind a transformers fast tokenizer, when decoding through
     it gives the same text (no clean-up pass after it): a tenth of transformers' cost per call, and
-    `decode_batch` decodes a whole step's windows in one call. None: decode through `tokenizer`."""
+    None: decode through `tokenizer`."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
@@ -21,8 +21,7 @@ class IncrementalDetokenizer:
     """Emits only text that is final: a trailing partial UTF-8 sequence is held back.
 
     Each step decodes a short window that starts a few tokens back, so spacing that depends on
-    the previous token comes out right and the cost per token stays constant. `windows()` and
-    `take()` split a step in two, so that many streams' windows can be decoded in one batch.
+    the previous token comes out right and the cost per token stays constant.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -37,38 +36,26 @@ class IncrementalDetokenizer:
             return self._fast.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
         return self._tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
 
-    def windows(self, new_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Takes the new ids; returns the two windows whose decoded texts `take()` wants."""
-        self._ids.extend(new_ids)
-        return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :]
-
-    def take(self, prefix_text: str, full_text: str, final: bool = False) -> str:
-        """The new text, from the two windows' texts; `final`: the last ids, partial characters included."""
+    def _take(self, final: bool) -> str:
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if final:
             self._prefix_offset = self._read_offset = len(self._ids)
-            return full_text[len(prefix_text) :]
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
+            return full[len(prefix) :]
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return full_text[len(prefix_text) :]
+        return full[len(prefix) :]
 
     def push(self, new_ids: list[int]) -> str:
-        prefix, full = self.windows(new_ids)
-        return self.take(self._decode(prefix), self._decode(full))
+        """The new text that is final."""
+        self._ids.extend(new_ids)
+        return self._take(final=False)
 
     def flush(self) -> str:
         """Whatever is left at the end, partial characters included."""
-        prefix, full = self.windows([])
-        return self.take(self._decode(prefix), self._decode(full), final=True)
-
-
-def decode_windows(tokenizer: Any, windows: list[list[int]]) -> list[str]:
-    """Many windows' texts in one call (the `tokenizers` library's batch decode when it gives the same text)."""
-    fast = fast_decoder(tokenizer)
-    if fast is not None:
-        return fast.decode_batch(windows, skip_special_tokens=True)  # type: ignore[no-any-return]
-    return [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+        return self._take(final=True)
 
 
 class StopMatcher:
