@@ -1,5 +1,6 @@
 """The Starlette application: `create_app()` puts together the wiring (gateway/wiring.py), the
-routes (gateway/routes.py) and the error handlers (gateway/http/error_handlers.py)."""
+route table (`ROUTES`: each API's routes, from the module that owns it) and the error handlers
+(gateway/http/error_handlers.py)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,52 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
+from starlette.routing import Route
 
 from engines.base import Engine
-from gateway.http import drain
+from gateway.admin import routes as admin
+from gateway.api.account import alerts as account_alerts, credits as account_credits, invoices as account_invoices
+from gateway.api.account.usage import get_usage
+from gateway.api.anthropic import messages as anthropic_api
+from gateway.api.openai import chat as openai_chat, embeddings as embeddings_api, models as openai_models, responses as openai_responses
+from gateway.api.openapi import openapi_document
+from gateway.batches import anthropic_api as batch_anthropic, openai_api as batch_openai
+from gateway.dashboard import views as dashboard
+from gateway.http import drain, health
 from gateway.config import Settings
 from gateway.http.error_handlers import HANDLERS, api_error, database_unreachable, error_response, http_error, unexpected_error
 from gateway.http.logs import RequestContext
-from gateway.routes import HOT, ROUTES
+from gateway.http.metrics import metrics_endpoint
 from gateway.services import Services
+from gateway.webhooks import stripe as stripe_webhooks
 from gateway.wiring import build_engines, freeze_heap, lifespan, open_ledger, orphan_journals, schedule, share_replicas
 
 __all__ = [
     "Gateway", "create_app", "api_error", "http_error", "unexpected_error", "database_unreachable",
     "build_engines", "freeze_heap", "open_ledger", "orphan_journals", "schedule", "share_replicas",
+]
+
+# Most of the traffic: dispatched before Starlette's router (Gateway below).
+HOT = {"/v1/chat/completions": openai_chat.chat_completions, "/v1/completions": openai_chat.completions}
+
+ROUTES = [
+    *openai_chat.routes,
+    *openai_models.routes,
+    *health.routes,
+    Route("/openapi.json", openapi_document, methods=["GET"]),
+    *admin.routes,  # /admin/...: every one behind the admin-key check (gateway/admin/guard.py)
+    Route("/v1/usage", get_usage, methods=["GET"]),
+    Route("/metrics", metrics_endpoint, methods=["GET"]),
+    *dashboard.routes,
+    *account_invoices.routes,
+    *stripe_webhooks.routes,
+    *account_credits.routes,
+    *account_alerts.routes,
+    *embeddings_api.routes,
+    *anthropic_api.routes,
+    *openai_responses.routes,
+    *batch_openai.routes,  # /v1/files, /v1/batches
+    *batch_anthropic.routes,  # /v1/messages/batches
 ]
 
 

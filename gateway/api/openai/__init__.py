@@ -1,1 +1,2 @@
-"""OpenAI's API: chat and text completions' models, embeddings, the Responses API."""
+"""OpenAI's API: chat and text completions (their request models and routes), the model list,
+embeddings, the Responses API."""
