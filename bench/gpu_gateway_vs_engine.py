@@ -388,20 +388,18 @@ class GatewayRun:
         self.engine_pids, self.gateway_pids = split_processes(self.proc.pid)
         self.vocab = vocab
         # One request first, as the engine alone has its warm-up: the gateway's first request reads
-        # the key, the prices and the quota counters from the database (once per process).
-        # With --workers N, /readyz answered by one worker says nothing of the others' engine
-        # connections: each warm-up is retried while a worker answers 503 (still loading), and
-        # 2N - 1 of them go through so that every worker has served one, most likely.
-        ok, tokens, deadline = 0, 0, time.monotonic() + 300
-        while ok < 2 * self.workers - 1:
-            warm = asyncio.run(self._one(-1, prompts(1, self.args.isl, vocab, seed=ok)[0]))
-            if warm.error and " 503 " in warm.error and time.monotonic() < deadline:
-                time.sleep(0.5)
-                continue
+        # the key, the prices and the quota counters from the database (once per process). With
+        # --workers N, 2N - 1 of them so that every worker has served one, most likely (the kernel
+        # picks the worker of each fresh connection). None is retried: a worker accepts only once
+        # its engine connection is open (gateway/serving/engine_hosts.py:await_hosted).
+        warm_ups = 2 * self.workers - 1
+        tokens = 0
+        for n in range(warm_ups):
+            warm = asyncio.run(self._one(-1, prompts(1, self.args.isl, vocab, seed=n)[0]))
             if warm.error:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
-            ok, tokens = ok + 1, tokens + warm.tokens
-        self.runs.append((0, ok, tokens))
+            tokens += warm.tokens
+        self.runs.append((0, warm_ups, tokens))
 
     async def _one(self, i: int, ids: list[int]) -> Timing:
         return await sse_request(self.port, self.key["key"], ids, self.args.osl)

@@ -147,36 +147,63 @@ class GatewayProcess:
         return httpx.AsyncClient(base_url=self.base_url, headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=30)
 
     def workers(self) -> list[Any]:
-        """uvicorn's worker processes under `--workers N` (psutil.Process each)."""
+        """uvicorn's worker processes under `--workers N` (psutil.Process each); one that has ended
+        (a zombie until uvicorn reaps it) is none of them."""
         import psutil
 
         assert self.proc is not None
-        return [p for p in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-
-    async def client_on_worker(self, worker: Any, ready_within: float = 120.0, **kw: Any) -> httpx.AsyncClient:
-        """A client whose one keep-alive connection `worker` accepted, once that worker says it is
-        ready (/readyz 200: a worker that is still starting answers 503 to every request, and the
-        gateway's own /readyz at start came from whichever worker took that connection). Which
-        worker accepts a fresh connection is the kernel's choice (on a quiet machine one worker's
-        accept loop can take them all), so the other workers, our own children, are stopped
-        (SIGSTOP) for the milliseconds of one /readyz on it; between tries they run. Keep the client
-        busy: uvicorn closes an idle connection after 5 s."""
-        others = [p for p in self.workers() if p.pid != worker.pid]
-        deadline = time.monotonic() + ready_within
-        while True:
-            client = httpx.AsyncClient(base_url=self.base_url, limits=httpx.Limits(max_connections=1), **kw)
-            for other in others:
-                other.suspend()
+        found = []
+        for child in psutil.Process(self.proc.pid).children():
             try:
-                status = (await client.get("/readyz")).status_code
-            finally:
-                for other in others:
-                    other.resume()
-            if status == 200:
-                return client
+                if "spawn_main" in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.NoSuchProcess:  # ZombieProcess too
+                pass
+        return found
+
+    async def _pinned(self, worker: Any, **kw: Any) -> tuple[httpx.AsyncClient, httpx.Response]:
+        """A client whose one keep-alive connection `worker` accepted, with the answer to its first
+        request (a /readyz). Which worker accepts a fresh connection is the kernel's choice (on a
+        quiet machine one worker's accept loop can take them all), so the other workers, our own
+        children, are stopped (SIGSTOP) until that /readyz is answered."""
+        others = [p for p in self.workers() if p.pid != worker.pid]
+        client = httpx.AsyncClient(base_url=self.base_url, limits=httpx.Limits(max_connections=1), **kw)
+        for other in others:
+            other.suspend()
+        try:
+            return client, await client.get("/readyz")
+        except BaseException:
             await client.aclose()
-            assert time.monotonic() < deadline, f"worker {worker.pid}: /readyz still {status} after {ready_within}s"
-            await asyncio.sleep(0.1)  # a poll of the worker's readiness, not a wait standing in for it
+            raise
+        finally:
+            for other in others:
+                other.resume()
+
+    async def client_on_worker(self, worker: Any, **kw: Any) -> httpx.AsyncClient:
+        """A client whose one keep-alive connection `worker` accepted; that connection's first
+        request, a /readyz, must be answered 200. A worker accepts only once its start has ended,
+        and its start awaits the engine hosts it connects to (gateway/serving/engine_hosts.py:
+        await_hosted), so a worker of hosted engines is ready at its first request. Keep the client
+        busy: uvicorn closes an idle connection after 5 s."""
+        client, ready = await self._pinned(worker, **kw)
+        if ready.status_code != 200:
+            await client.aclose()
+            raise AssertionError(f"worker {worker.pid} answered its /readyz {ready.status_code}: {ready.text}")
+        return client
+
+    async def until_worker_ready(self, worker: Any, within: float = 120.0) -> None:
+        """Until `worker`'s own /readyz answers 200, for engines a worker loads after it has begun
+        to accept (an `openai` pool's tokenizer): until then it answers 503 engine_not_ready, while
+        the gateway's /readyz at start may have come from another worker. Hosted engines need no
+        such wait (see client_on_worker)."""
+        deadline = time.monotonic() + within
+        while True:
+            client, ready = await self._pinned(worker, timeout=30)
+            await client.aclose()
+            if ready.status_code == 200:
+                return
+            assert time.monotonic() < deadline, f"worker {worker.pid}: /readyz still {ready.status_code} after {within}s"
+            await asyncio.sleep(0.1)  # a poll of the worker's own load, not a wait standing in for it
 
     async def heavy_then_light(self, heavy: Any, light: Any, regular_slots: int = 3) -> tuple[list[Any], Any]:
         """The reserve across workers: eight connections, four on each of two workers, run

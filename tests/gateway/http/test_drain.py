@@ -198,29 +198,25 @@ async def test_sigterm_to_the_master_drains_every_worker(upstreams: Any, fresh_p
         journals = [gw.data_dir / "journal", gw.data_dir / "journal-1"]
         # One long stream on each worker, each on a keep-alive connection that worker accepted
         # (GatewayProcess.client_on_worker: which worker accepts a fresh connection is the kernel's
-        # choice). A worker still starting answers 503 engine_not_ready: that stream is tried again.
+        # choice), once that worker's own /readyz says its openai pool has loaded (its tokenizer
+        # loads after the worker accepts).
         streams: list[Stream] = []
         tasks: list[asyncio.Task[None]] = []
-
-        async def open_stream(worker: Any) -> None:
-            deadline = time.monotonic() + 120
-            while True:
-                client = await gw.client_on_worker(worker, headers=auth, timeout=120)
-                clients.append(client)
-                stream = Stream()
-                task = asyncio.create_task(stream.run(client, "/v1/chat/completions", body))
-                first = asyncio.create_task(stream.first.wait())
-                await asyncio.wait([task, first], timeout=60, return_when=asyncio.FIRST_COMPLETED)
-                if stream.first.is_set():
-                    streams.append(stream)
-                    tasks.append(task)
-                    return
-                first.cancel()
-                assert time.monotonic() < deadline, f"worker {worker.pid} never started a stream"
-                await asyncio.sleep(0.5)
-
         for worker in gw.workers():  # one at a time: each stops the others while it connects
-            await open_stream(worker)
+            await gw.until_worker_ready(worker)
+            client = await gw.client_on_worker(worker, headers=auth, timeout=120)
+            clients.append(client)
+            stream = Stream()
+            task = asyncio.create_task(stream.run(client, "/v1/chat/completions", body))
+            tasks.append(task)
+            first = asyncio.create_task(stream.first.wait())
+            await asyncio.wait([task, first], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            if not stream.first.is_set():
+                first.cancel()
+                if task.done():
+                    await task  # raises the worker's refusal
+                raise AssertionError(f"worker {worker.pid}: no stream content within 60 s")
+            streams.append(stream)
         deadline = time.monotonic() + 30
         while not all(journal_admitted(j) & {s.request_id for s in streams} for j in journals):
             assert time.monotonic() < deadline, "a worker's journal does not hold its stream's admission"

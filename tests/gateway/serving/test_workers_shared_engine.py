@@ -6,6 +6,8 @@ The engine is the `synthetic` one (engines/backends/synthetic.py: the hf engine 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -15,8 +17,10 @@ import httpx
 import psutil
 from openai import AsyncOpenAI
 
+from billing.keys.store import KeyStore
 from engines.backends.synthetic import TEXT
-from tests.conftest import REDIS_URL, require_redis, run_coro, seconds_to_room_in_minute
+from billing.db import create_engine
+from tests.conftest import REDIS_URL, SECRET, bootstrap, require_redis, run_coro, seconds_to_room_in_minute
 from tests.gateway.serving.test_workers import journal_finals
 from tests.processes import GatewayProcess
 
@@ -29,12 +33,13 @@ MODELS = """models:
 """
 
 
-def start(fresh_pg_database: Any, tmp_path: Path, step_ms: float, **env: str) -> GatewayProcess:
+def start(fresh_pg_database: Any, tmp_path: Path, step_ms: float, db_url: str | None = None, admin_key: str | None = None,
+          **env: str) -> GatewayProcess:
     require_redis(REDIS_URL)
     models = tmp_path / "models.yaml"
     models.write_text(MODELS.format(step_ms=step_ms))
     return GatewayProcess(
-        fresh_pg_database(), tmp_path / "data", "sk-admin-" + uuid.uuid4().hex, REDIS_URL=REDIS_URL,
+        db_url or fresh_pg_database(), tmp_path / "data", admin_key or "sk-admin-" + uuid.uuid4().hex, REDIS_URL=REDIS_URL,
         TOLLGATE_REDIS_PREFIX=f"tgtest:se:{uuid.uuid4().hex[:8]}:", TOLLGATE_WORKERS="2", TOLLGATE_MODELS=str(models),
         TOLLGATE_EMBEDDINGS="off", TOLLGATE_REDIS_TIMEOUT_MS="1000", **env,
     ).start()
@@ -132,5 +137,104 @@ def test_the_reserve_holds_for_the_engine_as_a_whole_across_workers(fresh_pg_dat
         assert all(t == 300 for _, t, _ in heavy_runs)
         # Each heavy stream runs 300 steps of 5 ms (1.5 s or more); the light one waits for none of them.
         assert first < 1.0, first
+    finally:
+        gw.stop()
+
+
+def customer_key(db_url: str) -> str:
+    """A key made in the database before the gateway starts, so that no request reaches a worker
+    before the ones a test sends."""
+    async def make() -> str:
+        db = create_engine(db_url)
+        try:
+            keys = KeyStore(db, SECRET.encode())
+            account = await keys.ensure_account("first-requests")
+            return str((await keys.create_key(account["id"], name="first requests"))["key"])
+        finally:
+            await db.dispose()
+
+    return str(run_coro(make()))
+
+
+def connecting_to(path: Path) -> int:
+    """Connections to the Unix socket at `path` that its listener has not accepted yet (the kernel
+    lists each under the listener's path in state 02, connecting)."""
+    rows = (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+    return sum(1 for row in rows if len(row) == 8 and row[7] == str(path) and row[5] == "02")
+
+
+async def first_request(gw: GatewayProcess, worker: psutil.Process, key: str, started: Any = None) -> httpx.Response:
+    """A chat completion as the first request of a connection only `worker` can accept (the other
+    workers stopped until it is answered); `started(task)` is told once the request is under way."""
+    others = [p for p in gw.workers() if p.pid != worker.pid]
+    async with httpx.AsyncClient(base_url=gw.base_url, limits=httpx.Limits(max_connections=1), timeout=120,
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        for other in others:
+            other.suspend()
+        try:
+            task = asyncio.create_task(client.post("/v1/chat/completions", json={
+                "model": "synth", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}))
+            if started is not None:
+                await started(task)
+            return await task
+        finally:
+            for other in others:
+                other.resume()
+
+
+# How long the test holds the engine host's answer to a new worker once that worker has connected. A
+# worker that waits for its host (await_hosted) passes whatever the hold; a worker that accepts before
+# its host has answered takes the request within milliseconds of connecting and refuses it (503)
+# while the host is held: the hold only has to outlast that.
+HOLD_S = 2.0
+
+
+def test_every_worker_serves_its_first_request_once_the_gateway_is_ready(fresh_pg_database: Any, tmp_path: Path) -> None:
+    """--workers 2: right after /readyz answered 200 (from whichever worker took that connection),
+    each worker's first request is served, no 503 engine_not_ready, and so is the first request
+    of a worker uvicorn starts again while its engine host is slow to answer: a worker accepts
+    only once its connection to the engine host is open (gateway/serving/engine_hosts.py:await_hosted)."""
+    db_url = fresh_pg_database(migrated=True)
+    admin_key = bootstrap(db_url, SECRET)
+    key = customer_key(db_url)
+    gw = start(fresh_pg_database, tmp_path, step_ms=1, db_url=db_url, admin_key=admin_key)
+    try:
+        assert gw.proc is not None
+        workers = gw.workers()
+        assert len(workers) == 2
+        for worker in workers:
+            first = run_coro(first_request(gw, worker, key))
+            assert first.status_code == 200, (worker.pid, first.status_code, first.text)
+            assert first.json()["choices"][0]["message"]["content"]
+
+        # The engine host stopped (SIGSTOP): it accepts no connection, so a new worker's connection
+        # waits unanswered; one worker killed, and uvicorn starts another in its place.
+        host = next(p for p in psutil.Process(gw.proc.pid).children(recursive=True) if "engines.backends.synthetic" in " ".join(p.cmdline()))
+        sock = (gw.data_dir / f"engine-{gw.port}-0.sock").resolve()
+        assert sock.is_socket(), sorted(gw.data_dir.iterdir())
+        kept, killed = workers
+        host.suspend()
+        try:
+            os.kill(killed.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while not (len(gw.workers()) == 2 and killed.pid not in {w.pid for w in gw.workers()}):  # a poll of uvicorn's restart
+                assert time.monotonic() < deadline, "uvicorn started no worker in place of the killed one"
+                time.sleep(0.1)
+            fresh = next(w for w in gw.workers() if w.pid != kept.pid)
+
+            async def hold_the_host(task: asyncio.Task[httpx.Response]) -> None:
+                deadline = time.monotonic() + 120
+                while not connecting_to(sock):  # a poll of the new worker's start: connected, unanswered
+                    assert not task.done(), f"answered before the new worker connected to its engine host: {task.result().status_code}"
+                    assert time.monotonic() < deadline, "the new worker never connected to its engine host"
+                    await asyncio.sleep(0.05)
+                await asyncio.wait([task], timeout=HOLD_S)  # see HOLD_S: ends early if the worker answered
+                host.resume()
+
+            answer = run_coro(first_request(gw, fresh, key, hold_the_host))
+        finally:
+            host.resume()
+        assert answer.status_code == 200, (answer.status_code, answer.text)  # not 503 engine_not_ready
+        assert answer.json()["choices"][0]["message"]["content"]
     finally:
         gw.stop()
