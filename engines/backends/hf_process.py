@@ -33,7 +33,7 @@ from typing import Any
 
 from engines.base import EngineError, EngineOutput, EngineOverloadedError, EngineRequest
 from engines.backends.hf import HFEngine, TokenProgress, drain
-from engines.hosting import accept_workers, host_queue, reader
+from engines.hosting import WorkerSender, accept_workers, host_queue, reader
 
 log = logging.getLogger("tollgate.engines.hf_process")
 
@@ -409,11 +409,13 @@ class _StepRelay:
         # of each worker, and the queue in front of the batch (None: straight in, as with one gateway).
         self._route: dict[str, tuple[Any, str]] = {}
         self._workers: dict[int, set[str]] = {}
+        self._senders: dict[int, WorkerSender] = {}
         self.queue: Any = None
         self._waited: dict[str, tuple[float, int, int]] = {}  # key -> (ms in the host's queue, prompt tokens, max_tokens)
 
     # an engine host's side: commands from several workers -----------------------------------
     def handlers_for(self, worker: int, conn: Any) -> dict[str, Any]:
+        conn = self._senders[worker] = WorkerSender(conn, f"tollgate-engine-send-{worker}")  # every send to it goes through here
         self._workers[worker] = set()
         return {"add": lambda rid, *args: self.add_from(worker, conn, rid, *args),
                 "cancel": lambda rid: self.cancel(f"{worker}/{rid}"),
@@ -446,6 +448,9 @@ class _StepRelay:
     def drop_worker(self, worker: int) -> None:
         for key in list(self._workers.pop(worker, ())):
             self.cancel(key)
+        sender = self._senders.pop(worker, None)
+        if sender is not None:
+            sender.close()
 
     def _forget(self, key: str) -> None:
         conn_rid = self._route.pop(key, None)
@@ -540,10 +545,7 @@ class _StepRelay:
                 if item[2]:
                     self._forget(item[0])
             for conn, part in parts.items():
-                try:
-                    conn.send(part)
-                except (OSError, EOFError):
-                    pass  # that worker is gone; its reader cancels its requests
+                conn.send(part)  # a WorkerSender: queued, never blocks; a gone worker's reader cancels its requests
             return
         try:
             self._conn.send(batch)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.backends.trtllm_shared import ARGS, Call, Logprob, names
-from engines.hosting import accept_workers, host_queue, reader
+from engines.hosting import WorkerSender, accept_workers, host_queue, reader
 
 log = logging.getLogger("tollgate.engines.trtllm_host")
 
@@ -103,8 +103,10 @@ class _Host:
         self.workers: dict[int, set[str]] = {}
         self.outbox: dict[Any, list[tuple[Any, ...]]] = {}
         self.pumps: dict[str, asyncio.Task[None]] = {}
+        self.senders: dict[int, WorkerSender] = {}
 
     def handlers(self, worker: int, conn: Any) -> dict[str, Any]:
+        conn = self.senders[worker] = WorkerSender(conn, f"tollgate-trtllm-send-{worker}")  # every send to it goes through here
         self.workers[worker] = set()
         return {"generate": lambda rid, *args: self.generate(worker, conn, rid, *args), "abort": lambda rid: self.abort(f"{worker}/{rid}")}
 
@@ -194,6 +196,9 @@ class _Host:
         """A worker is gone (stopped, or killed): its requests are aborted."""
         for key in list(self.workers.pop(worker, ())):
             self.abort(key)
+        sender = self.senders.pop(worker, None)
+        if sender is not None:
+            sender.close()
 
     def _forget(self, key: str) -> None:
         self.live.pop(key, None)
@@ -207,10 +212,7 @@ class _Host:
     def _flush(self) -> None:
         outbox, self.outbox = self.outbox, {}
         for conn, items in outbox.items():
-            try:
-                conn.send(items)
-            except (OSError, EOFError):
-                pass  # that worker is gone; its reader aborts its requests
+            conn.send(items)  # a WorkerSender: queued, never blocks; a gone worker's reader aborts its requests
 
 
 def _response(out: Any, sent: list[int], whole: bool) -> tuple[Any, ...]:
