@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +154,18 @@ class Engine(abc.ABC):
         """Whether the engine renders a request's tools into its own prompt (a tool parser is set):
         the gateway then sends the messages as the client wrote them, with `encode_chat(messages, tools)`."""
         return False
+
+    def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]] | None:
+        """The `encode_chat(messages, tools)` that counts a request's tools into its prompt as the
+        model's chat template renders them (what an engine that sends the tools on bills for them),
+        or None: the engine counts the messages only."""
+        return None
+
+    def unwrapped(self) -> Engine:
+        """The engine behind the wrappers that stand in front of one engine (the gateway's
+        scheduler): the backend itself, with its own specifics. Any other engine, a fallback chain
+        and a routing model included, is its own."""
+        return self
 
     def queue_depth(self) -> int | None:
         """Requests waiting in front of the engine for a slot (the gateway's scheduler); None: no queue."""

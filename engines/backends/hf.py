@@ -147,7 +147,8 @@ class TokenProgress:
 
     def __init__(self, tokenizer: Any, request: EngineRequest, prompt_tokens: int, eos_ids: set[int]) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
-        self._stops = StopMatcher(request.sampling.stop)
+        # None without stop strings (most requests): then no stop matcher is called per output.
+        self._stops = StopMatcher(request.sampling.stop) if any(request.sampling.stop) else None
         self._max_tokens = request.max_tokens
         self._prompt_tokens = prompt_tokens
         self._eos_ids = eos_ids
@@ -155,7 +156,8 @@ class TokenProgress:
         self.seen = 0
 
     def _output(self, text: str, ids: list[int], reason: str | None, queue_ms: float | None, error: str | None = None) -> EngineOutput:
-        return EngineOutput(text, ids, reason, self._prompt_tokens, self.seen, error=error, queue_ms=queue_ms, stop_sequence=self._stops.matched)
+        return EngineOutput(text, ids, reason, self._prompt_tokens, self.seen, error=error, queue_ms=queue_ms,
+                            stop_sequence=self._stops.matched if self._stops is not None else None)
 
     def cancelled(self, queue_ms: float | None) -> EngineOutput:
         return self._output("", [], FINISH_CANCELLED, queue_ms)
@@ -166,22 +168,20 @@ class TokenProgress:
         text = self._detok.push(new_ids)
         if engine_done and not error:
             text += self._detok.flush()
-        return self.advance_text(new_ids, text, engine_done, error, queue_ms)
-
-    def advance_text(self, new_ids: list[int], text: str, engine_done: bool, error: str | None, queue_ms: float | None) -> EngineOutput | None:
-        """`advance()` for ids already detokenized (`text`: their final text, and at a clean end
-        what was held back too): the engine process's reader decodes a whole step at once."""
         self.seen += len(new_ids)
         if new_ids:
             self._last_id = new_ids[-1]
-        text = self._stops.push(text)
-        if self._stops.stopped:
-            return self._output(text, new_ids, FINISH_STOP, queue_ms)
+        stops = self._stops
+        if stops is not None:
+            text = stops.push(text)
+            if stops.stopped:
+                return self._output(text, new_ids, FINISH_STOP, queue_ms)
         if not engine_done:
             return self._output(text, new_ids, None, queue_ms) if text or new_ids else None
         if error:
             return self._output(text, new_ids, FINISH_ERROR, queue_ms, error=error)
-        text += self._stops.flush()
+        if stops is not None:
+            text += stops.flush()
         reason = FINISH_STOP if self.seen and self._last_id in self._eos_ids else FINISH_LENGTH
         if self.seen < self._max_tokens and reason == FINISH_LENGTH:
             reason = FINISH_STOP
@@ -247,6 +247,9 @@ class HFEngine(Engine):
     @property
     def renders_tools(self) -> bool:
         return self.tool_parser is not None
+
+    def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]]:
+        return self.encode_chat  # the chat template renders tools with or without a parser
 
     @property
     def ready(self) -> bool:

@@ -456,6 +456,9 @@ class TRTLLMEngine(Engine):
     def renders_tools(self) -> bool:
         return self.tool_parser is not None
 
+    def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]]:
+        return self.encode_chat  # the chat template renders tools with or without a parser
+
     @property
     def ready(self) -> bool:
         # A shared engine host that is gone (SharedLLM.dead) is not ready before any request finds out.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from engines.base import (
@@ -123,6 +123,9 @@ class FallbackEngine(Engine):
     def encoder(self) -> Engine:
         """The engine whose tokenizer counts prompts at admission: the first one loaded."""
         return next((c for c in self.candidates if c.ready), self.primary)
+
+    def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]] | None:
+        return self.encoder().tool_encoder()  # the tokenizer that counts the chain's prompts
 
     @property
     def context_length(self) -> int:  # type: ignore[override]

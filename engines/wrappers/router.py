@@ -207,12 +207,7 @@ def _prompt_text(body: dict[str, Any], kind: str) -> str:
     return ""
 
 
-def router_of(engine: Any) -> RouterEngine | None:
-    """The RouterEngine behind a served engine (the scheduler may have wrapped it)."""
-    for _ in range(3):
-        if isinstance(engine, RouterEngine):
-            return engine
-        engine = getattr(engine, "inner", None)
-        if engine is None:  # not a wrapper: asking None for `inner` again would only raise and catch
-            return None
-    return None
+def router_of(engine: Engine) -> RouterEngine | None:
+    """The RouterEngine a served engine is (behind the scheduler, were it wrapped), or None."""
+    unwrapped = engine.unwrapped()
+    return unwrapped if isinstance(unwrapped, RouterEngine) else None

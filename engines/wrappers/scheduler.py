@@ -19,8 +19,9 @@ gateway, not inside the engine:
                which is then inside the engine when it ends (engines with a hard limit, such as a
                pool, still take it only once they have room)
 
-Time in the queue is added to `EngineOutput.queue_ms` (so the ledger row records it) and told
-to listeners (the per-class histogram in gateway/http/metrics.py).
+Time in the queue is added to `EngineOutput.queue_ms` (so the ledger row records it), recorded
+per class into the metric children the gateway hands over (`count_into`: the histogram and counter
+of gateway/http/metrics.py, which the scheduler only observes and increments) and told to listeners.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engines.base import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Engine, EngineOutput, EngineOverloadedError, EngineRequest
 from engines.wrappers.fallback import FallbackEngine
@@ -73,6 +74,18 @@ def parse_classes(text: str) -> tuple[PriorityClass, ...]:
             raise ValueError(f"class {name!r} is given twice")
         classes.append(PriorityClass(name, max_wait))
     return tuple(classes)
+
+
+class Observer(Protocol):
+    """A histogram's child (prometheus_client's `Histogram.labels(...)`)."""
+
+    def observe(self, amount: float) -> None: ...
+
+
+class Incrementer(Protocol):
+    """A counter's child (prometheus_client's `Counter.labels(...)`)."""
+
+    def inc(self, amount: float = 1) -> None: ...
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__
@@ -142,13 +155,11 @@ class ScheduledEngine(Engine):
         self.hold_s: float | None = None  # running average of how long a request holds its slot
         self._completion: float | None = None  # running average of completion tokens
         self.listeners: list[Callable[[QueueEvent], None]] = []
+        self._waited: tuple[Observer, ...] = ()  # per class: see count_into
+        self._abandoned: tuple[Incrementer, ...] = ()
 
-    # the wrapped engine, as it is --------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)  # backend specifics (a pool's `pool`, hf's `tokenizer`)
-
+    # the wrapped engine, as the gateway asks of it (Engine's declarations; the backend's own
+    # specifics are its own: `unwrapped()`) --------------------------------------------------------
     @property
     def model_id(self) -> str:  # type: ignore[override]
         return self.inner.model_id
@@ -180,6 +191,12 @@ class ScheduledEngine(Engine):
     @property
     def renders_tools(self) -> bool:
         return self.inner.renders_tools
+
+    def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]] | None:
+        return self.inner.tool_encoder()
+
+    def unwrapped(self) -> Engine:
+        return self.inner.unwrapped()
 
     def use_classes(self, names: tuple[str, ...]) -> None:
         self.inner.use_classes(names)
@@ -541,10 +558,29 @@ class ScheduledEngine(Engine):
         keep = set(self._in_flight).union(*(line.keys() for line in self._lines))
         self._served = {a: v for a, v in self._served.items() if a in keep or v > self._vclock}
 
+    def count_into(self, waited: Sequence[Observer], abandoned: Sequence[Incrementer]) -> None:
+        """Where each class (in rank order) records its dispatched requests' wait in seconds and
+        counts those whose client left while queued: metric children owned by whoever reads them
+        (the gateway's /metrics). Plain observe()/inc() calls, so the queue never calls back into
+        the gateway's own code in the middle of a request's start."""
+        if len(waited) != len(self.classes) or len(abandoned) != len(self.classes):
+            raise ValueError(f"one metric per priority class: {len(self.classes)} classes")
+        self._waited = tuple(waited)
+        self._abandoned = tuple(abandoned)
+
     def _emit(self, kind: str, ticket: _Ticket, now: float) -> None:
-        event = QueueEvent(
-            kind, self.model_id, self.classes[ticket.rank].name, max(0.0, now - ticket.enqueued), ticket.request_id, ticket.account
-        )
+        wait_s = max(0.0, now - ticket.enqueued)
+        try:
+            if kind == "dispatched":
+                if self._waited:
+                    self._waited[ticket.rank].observe(wait_s)
+            elif self._abandoned:
+                self._abandoned[ticket.rank].inc()
+        except Exception:  # a metrics bug must not stall the queue
+            log.exception("queue metric failed")
+        if not self.listeners:
+            return
+        event = QueueEvent(kind, self.model_id, self.classes[ticket.rank].name, wait_s, ticket.request_id, ticket.account)
         for listener in self.listeners:
             try:
                 listener(event)

@@ -2,8 +2,8 @@
 
 Per-request figures come from the ledger writer's listener (one call per metered request, the
 same record the ledger gets); gauges of live state (engine queue and in-flight requests, ledger
-backlog and lag, the schedulers' queues) are read at scrape time; time in the queue comes from
-the schedulers' listeners. Labels are model ids, statuses, limit names, route names and priority
+backlog and lag, the schedulers' queues) are read at scrape time; time in the queue is recorded by
+the schedulers themselves into this registry's children (`ScheduledEngine.count_into`). Labels are model ids, statuses, limit names, route names and priority
 class names only: never keys, accounts or anything a client can make up.
 """
 
@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from billing.ledger.writer import LedgerWriter, UsageRecord
 from engines.base import Engine
-from engines.wrappers.scheduler import QueueEvent, ScheduledEngine
+from engines.wrappers.scheduler import ScheduledEngine
 from gateway.http.errors import AuthenticationFailed
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -132,15 +132,13 @@ class Metrics:
 
     def watch_queues(self, schedulers: list[ScheduledEngine]) -> None:
         for scheduler in schedulers:
-            scheduler.listeners.append(self.queue_event)
+            model, names = scheduler.model_id, [c.name for c in scheduler.classes]
+            scheduler.count_into(
+                [self._child(self.queue_wait, model, name) for name in names],
+                [self._child(self.queue_abandoned, model, name) for name in names],
+            )
         self._live.append(_QueueState(schedulers))
         self.registry.register(self._live[-1])
-
-    def queue_event(self, event: QueueEvent) -> None:
-        if event.kind == "dispatched":
-            self._child(self.queue_wait, event.model, event.priority).observe(event.wait_s)
-        elif event.kind == "abandoned":
-            self.queue_abandoned.labels(event.model, event.priority).inc()
 
     def quota_rejected(self, limit_name: str) -> None:
         self.quota_rejections.labels(limit_name).inc()

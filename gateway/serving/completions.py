@@ -8,10 +8,9 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -361,18 +360,11 @@ def renamed(err: APIError, renames: dict[str, str]) -> APIError:
     return err
 
 
-def tool_encoder(engine: Engine) -> Any:
-    """The encode_chat(messages, tools) of the engine that renders tools into its prompts (behind
-    the scheduler and a fallback chain's encoder), or None when it renders none."""
-    while True:
-        if hasattr(engine, "inner"):  # the scheduler's wrapper
-            engine = engine.inner
-        elif hasattr(engine, "encoder"):  # a fallback chain: the engine that counts its prompts
-            engine = engine.encoder()
-        else:
-            break
-    encode = engine.encode_chat
-    return encode if "tools" in inspect.signature(encode).parameters else None
+def tool_encoder(engine: Engine) -> Callable[[list[dict[str, Any]], list[Any]], list[int]] | None:
+    """The encode_chat(messages, tools) that counts a request's tools as the engine bills them, or
+    None when it counts the messages only: what the engine declares (the scheduler answers as the
+    engine it wraps, a fallback chain as its encoder)."""
+    return engine.tool_encoder()
 
 
 def chat_equivalent(body: dict[str, Any], passthrough: bool, renames: dict[str, str]) -> ChatCompletionRequest:

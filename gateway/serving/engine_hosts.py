@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import Engine
-from engines.wrappers.scheduler import ScheduledEngine
 from gateway.config import Settings
 
 # How long a worker's start waits for its engine hosts: each has loaded its model before any worker
@@ -86,7 +85,7 @@ def _hosted_runners(chain: Engine, sockets: dict[str, str]) -> list[Engine]:
     from engines.backends.hf_process import HFProcessEngine
     from engines.backends.trtllm import TRTLLMEngine
 
-    engines = (r.inner if isinstance(r, ScheduledEngine) else r for r in chain.runners())
+    engines = (r.unwrapped() for r in chain.runners())
     return [e for e in engines if isinstance(e, (HFProcessEngine, TRTLLMEngine)) and e.model_id in sockets]
 
 

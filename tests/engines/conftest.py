@@ -77,7 +77,7 @@ class ModelsGateway(Gateway):
 
     def pool(self, model: str) -> Any:
         """The replica pool behind a model (its own engine, the first of its candidates)."""
-        return self.engines()[model].candidates[0].pool  # type: ignore[attr-defined]
+        return self.engines()[model].candidates[0].unwrapped().pool  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")

@@ -357,7 +357,7 @@ async def test_a_failed_health_round_is_reported_and_the_checks_go_on(upstreams:
         health_path: /health
         health_interval: 0.1
     """))
-    engine = gw.engines()["pool"].candidates[0]
+    engine = gw.engines()["pool"].candidates[0].unwrapped()
     pool, real = engine.pool, engine.pool.health_result
 
     def broken_once(*args: Any) -> None:

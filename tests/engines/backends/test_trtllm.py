@@ -320,7 +320,7 @@ async def test_gateway_serves_and_meters_the_trtllm_engine(trtllm_gateway: Any) 
     stream = await client.chat.completions.create(model="llama", messages=QUESTION, stream=True, stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == double.STORY
-    engine = gw.engines()["llama"].primary
+    engine = gw.engines()["llama"].primary.unwrapped()
     result = engine._llm.requests[-1]
     assert result.sampling_params.max_tokens == 2048 - len(result.prompt_token_ids)  # no max_tokens from the client: the room left
     usage = chunks[-1].usage
@@ -343,7 +343,7 @@ async def test_gateway_disconnect_aborts_the_trtllm_request(trtllm_gateway: Any,
                     seen += 1
                     if seen == 2:
                         break
-    llm = gw.engines()["llama"].primary._llm
+    llm = gw.engines()["llama"].primary.unwrapped()._llm
     deadline = time.monotonic() + 2
     while llm.running:
         assert time.monotonic() < deadline, "the engine kept generating after the client left"
@@ -371,14 +371,14 @@ async def test_gateway_answers_400_for_a_prompt_over_max_num_tokens(api: Any, to
             error = resp.json()["error"]
             assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded", "messages")
             assert "at most 6 prompt tokens" in error["message"]
-    assert gw.engines()["llama"].primary._llm.requests == []
+    assert gw.engines()["llama"].primary.unwrapped()._llm.requests == []
 
 
 async def test_gateway_dead_engine_answers_503_and_is_not_ready(trtllm_gateway: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(double.LLM, "step_delay", 0.05)
     gw = trtllm_gateway
     key = (await gw.new_key())["key"]
-    engine = gw.engines()["llama"].primary
+    engine = gw.engines()["llama"].primary.unwrapped()
     async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
         assert (await c.get("/readyz")).status_code == 200
         async with c.stream("POST", "/v1/chat/completions", json={"model": "llama", "messages": QUESTION, "stream": True}) as resp:
@@ -418,7 +418,7 @@ async def test_openai_fields_reach_sampling_params(api: Any, tollgate_with: Any)
     client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
     await client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=7, presence_penalty=0.5, frequency_penalty=-0.25,
                                          seed=42, temperature=0.6, top_p=0.8, response_format={"type": "json_object"})
-    llm = gw.engines()["llama"].primary._llm
+    llm = gw.engines()["llama"].primary.unwrapped()._llm
     p = llm.requests[-1].sampling_params
     assert (p.max_tokens, p.presence_penalty, p.frequency_penalty, p.seed, p.temperature, p.top_p) == (7, 0.5, -0.25, 42, 0.6, 0.8)
     assert p.guided_decoding == double.GuidedDecodingParams(json_object=True) and p.logprobs is None
@@ -432,7 +432,7 @@ async def test_logprobs_reach_the_engine_and_the_client(api: Any, tollgate_with:
     gw = mapped_gateway(tollgate_with)
     client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
     resp = await client.chat.completions.create(model="llama", messages=QUESTION, max_tokens=4, logprobs=True, top_logprobs=2)
-    llm = gw.engines()["llama"].primary._llm
+    llm = gw.engines()["llama"].primary.unwrapped()._llm
     assert llm.requests[-1].sampling_params.logprobs == 2
     content = resp.choices[0].logprobs.content
     assert "".join(e.token for e in content) == resp.choices[0].message.content == " Once upon a time"
@@ -479,7 +479,7 @@ async def test_tools_render_through_the_template_and_calls_come_back(api: Any, t
     gw = mapped_gateway(tollgate_with)
     client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
     resp = await client.chat.completions.create(model="llama", messages=QUESTION, tools=TOOLS)
-    engine = gw.engines()["llama"].primary
+    engine = gw.engines()["llama"].primary.unwrapped()
     assert engine._llm.tokenizer.templates[-1]["tools"] == TOOLS
     choice = resp.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == " Let me check. "
@@ -531,7 +531,7 @@ def story_from(word: int, tokens: int) -> str:
 async def test_gateway_n_choices_streamed_and_not_are_metered_as_their_sum(trtllm_gateway: Any) -> None:
     gw = trtllm_gateway
     client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
-    llm = gw.engines()["llama"].primary._llm
+    llm = gw.engines()["llama"].primary.unwrapped()._llm
     expected = [story_from(i, 5) for i in range(3)]  # three different sequences, each cut at max_tokens
     # not streamed: three choices, indices 0..2
     resp = await client.chat.completions.create(model="llama", messages=QUESTION, n=3, max_tokens=5)
@@ -576,7 +576,7 @@ async def test_gateway_n_choices_streamed_and_not_are_metered_as_their_sum(trtll
 async def test_gateway_best_of_bills_every_generated_sequence(trtllm_gateway: Any) -> None:
     gw = trtllm_gateway
     client = AsyncOpenAI(base_url=gw.v1, api_key=(await gw.new_key())["key"], max_retries=0)
-    llm = gw.engines()["llama"].primary._llm
+    llm = gw.engines()["llama"].primary.unwrapped()._llm
     resp = await client.completions.create(model="llama", prompt="Tell me", n=2, best_of=4, max_tokens=3)
     result = llm.requests[-1]
     assert (result.sampling_params.n, result.sampling_params.best_of) == (2, 4)
@@ -681,7 +681,7 @@ async def test_an_answer_cut_short_by_a_timeout_is_not_cached(api: Any, tollgate
     """)
     key = await gw.new_key()
     client = AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0)
-    llm = gw.engines()["llama"].primary._llm
+    llm = gw.engines()["llama"].primary.unwrapped()._llm
     cache = gw.app.state.response_cache
 
     async def ask() -> Any:

@@ -138,7 +138,7 @@ async def test_a_trtllm_serve_pool_drops_what_it_would_refuse_and_bills_as_befor
     assert (sent["max_tokens"], sent["temperature"], sent["top_k"], sent["messages"]) == (7, 0.2, 3, QUESTION)
     row = await gw.ledger_row(request_id_of(resp.id))
     assert (row["prompt_tokens"], row["completion_tokens"], row["estimated"], row["status"]) == (40, 7, False, "completed")
-    policy = gw.engines()["pool"].candidates[0].params
+    policy = gw.engines()["pool"].candidates[0].unwrapped().params
     assert policy.requests_with_drops == 1 and all(policy.dropped[name] == 1 for name in OPENAI_ONLY)
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "not forwarded" in r.getMessage()]
     assert len(logged) == 1 and all(name in logged[0] for name in OPENAI_ONLY)

@@ -70,7 +70,7 @@ def calls_until_it_has_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def llm_of(gw: Any) -> Any:
-    return gw.engines()["llama"].primary._llm
+    return gw.engines()["llama"].primary.unwrapped()._llm
 
 
 def last_template(gw: Any) -> dict[str, Any]:
