@@ -391,7 +391,7 @@ class GatewayRun:
         # the key, the prices and the quota counters from the database (once per process). With
         # --workers N, 2N - 1 of them so that every worker has served one, most likely (the kernel
         # picks the worker of each fresh connection). None is retried: a worker accepts only once
-        # its engine connection is open (gateway/serving/engine_hosts.py:await_hosted).
+        # its engine connection is open (gateway/serving/engine_hosts.py:await_loads).
         warm_ups = 2 * self.workers - 1
         tokens = 0
         for n in range(warm_ups):

@@ -278,10 +278,10 @@ def lifespan(
             for task in [*loading, state.embeddings_loading]:
                 task.add_done_callback(lambda _task: freeze_heap())
         try:
-            if owns_engines and settings.engines.engine_hosts:  # a worker of `serve --workers N`: connected before it accepts
-                from gateway.serving.engine_hosts import await_hosted
+            if owns_engines and (settings.engines.engine_hosts or settings.http.workers > 1):  # a worker of `serve --workers N`: loaded before it accepts
+                from gateway.serving.engine_hosts import await_loads
 
-                await await_hosted(served, loading, settings.engines.engine_hosts)
+                await await_loads(served, loading, settings.engines.engine_hosts)
             yield
         finally:
             await batches.stop(app)

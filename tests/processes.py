@@ -182,28 +182,14 @@ class GatewayProcess:
     async def client_on_worker(self, worker: Any, **kw: Any) -> httpx.AsyncClient:
         """A client whose one keep-alive connection `worker` accepted; that connection's first
         request, a /readyz, must be answered 200. A worker accepts only once its start has ended,
-        and its start awaits the engine hosts it connects to (gateway/serving/engine_hosts.py:
-        await_hosted), so a worker of hosted engines is ready at its first request. Keep the client
-        busy: uvicorn closes an idle connection after 5 s."""
+        and its start awaits every model's load (gateway/serving/engine_hosts.py:await_loads: the
+        engine host's hello, a remote pool's tokenizer), so a worker is ready at its first request.
+        Keep the client busy: uvicorn closes an idle connection after 5 s."""
         client, ready = await self._pinned(worker, **kw)
         if ready.status_code != 200:
             await client.aclose()
             raise AssertionError(f"worker {worker.pid} answered its /readyz {ready.status_code}: {ready.text}")
         return client
-
-    async def until_worker_ready(self, worker: Any, within: float = 120.0) -> None:
-        """Until `worker`'s own /readyz answers 200, for engines a worker loads after it has begun
-        to accept (an `openai` pool's tokenizer): until then it answers 503 engine_not_ready, while
-        the gateway's /readyz at start may have come from another worker. Hosted engines need no
-        such wait (see client_on_worker)."""
-        deadline = time.monotonic() + within
-        while True:
-            client, ready = await self._pinned(worker, timeout=30)
-            await client.aclose()
-            if ready.status_code == 200:
-                return
-            assert time.monotonic() < deadline, f"worker {worker.pid}: /readyz still {ready.status_code} after {within}s"
-            await asyncio.sleep(0.1)  # a poll of the worker's own load, not a wait standing in for it
 
     async def heavy_then_light(self, heavy: Any, light: Any, regular_slots: int = 3) -> tuple[list[Any], Any]:
         """The reserve across workers: eight connections, four on each of two workers, run

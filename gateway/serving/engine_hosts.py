@@ -17,6 +17,7 @@ own scheduler passes them on. Quotas (Redis) and the ledger (Postgres) were shar
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,12 @@ from gateway.config import Settings
 # How long a worker's start waits for its engine hosts: each has loaded its model before any worker
 # starts, so this is a connection and the host's hello (seconds on a loaded machine), not a load.
 CONNECT_TIMEOUT_S = 60.0
+# How long a worker's start waits for the models it loads itself (an `openai` pool: its tokenizer and
+# its first health round, each bounded by its own timeouts). Past it the worker accepts anyway, and
+# its /readyz says which model is still loading.
+LOAD_WAIT_S = 300.0
+
+log = logging.getLogger("tollgate")
 
 
 def hosted(spec: Any) -> bool:
@@ -96,19 +103,27 @@ def connect_hosted(engines: dict[str, Engine], sockets: dict[str, str]) -> None:
             engine.connect_to = sockets[engine.model_id]
 
 
-async def await_hosted(served: dict[str, Engine], loads: list[asyncio.Task[None]], sockets: dict[str, str],
-                       timeout: float | None = None) -> None:
+async def await_loads(served: dict[str, Engine], loads: list[asyncio.Task[None]], sockets: dict[str, str],
+                     timeout: float | None = None, own_timeout: float | None = None) -> None:
     """In a worker's start, before it accepts a connection (uvicorn accepts once the app's startup
-    has ended): the loads of the models an engine host runs, i.e. their connection to the host and
-    its hello. Otherwise a worker could take requests (503 engine_not_ready) while another worker's
-    /readyz already says ready. A load that fails is the load watcher's to report (/readyz says
-    why); one that has not ended within the timeout stops this worker's start, saying which."""
-    pending = {mid: task for (mid, engine), task in zip(served.items(), loads) if _hosted_runners(engine, sockets)}
-    if not pending:
-        return
+    has ended): every model's load. Otherwise a worker could take requests (503 engine_not_ready)
+    while another worker's /readyz already says ready. For a model an engine host runs that is the
+    connection to the host and its hello: one that has not ended within `timeout` stops this
+    worker's start, saying which. A model the worker loads itself (an `openai` pool's tokenizer and
+    first health round) gets `own_timeout`, then the worker accepts anyway, logging which is still
+    loading. A load that fails is the load watcher's to report (/readyz says why)."""
+    hosted = {mid: task for (mid, engine), task in zip(served.items(), loads) if _hosted_runners(engine, sockets)}
+    own = {mid: task for mid, task in zip(served, loads) if mid not in hosted}
     limit = CONNECT_TIMEOUT_S if timeout is None else timeout
-    await asyncio.wait([asyncio.shield(t) for t in pending.values()], timeout=limit)
-    late = [mid for mid, task in pending.items() if not task.done()]
-    if late:
-        raise RuntimeError(f"the engine host of {', '.join(late)} did not answer this worker's connection within {limit:g} s; "
-                           "is the supervisor's engine host running?")
+    if hosted:
+        await asyncio.wait([asyncio.shield(t) for t in hosted.values()], timeout=limit)
+        late = [mid for mid, task in hosted.items() if not task.done()]
+        if late:
+            raise RuntimeError(f"the engine host of {', '.join(late)} did not answer this worker's connection within {limit:g} s; "
+                               "is the supervisor's engine host running?")
+    if own:
+        own_limit = LOAD_WAIT_S if own_timeout is None else own_timeout
+        await asyncio.wait([asyncio.shield(t) for t in own.values()], timeout=own_limit)
+        late = [mid for mid, task in own.items() if not task.done()]
+        if late:
+            log.warning("this worker accepts before %s has loaded (%g s): its /readyz answers 503 until then", ", ".join(late), own_limit)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,9 @@ class ScriptedUpstream:
         self.requests: list[Seen] = []
         self.healthy = True
         self.health_checks = 0
+        # Cleared: a /health request waits until it is set again (a replica slow to answer its probe).
+        self.health_open = threading.Event()
+        self.health_open.set()
         self.active = 0  # requests being answered right now
         # Like trtllm-serve's request models (pydantic extra="forbid"): when set, a body with a field
         # not listed here ("chat", "text", and "stream_options" for its inner fields) is answered 400.
@@ -78,6 +82,8 @@ class ScriptedUpstream:
         path = scope["path"]
         if path == "/health":
             self.health_checks += 1
+            if not self.health_open.is_set():
+                await asyncio.to_thread(self.health_open.wait)
             await _json(send, 200 if self.healthy else 503, {"status": "ok" if self.healthy else "down"})
         elif path in ("/v1/chat/completions", "/v1/completions") and scope["method"] == "POST":
             await self._completion(scope, receive, send, chat=path.endswith("chat/completions"))

@@ -198,12 +198,10 @@ async def test_sigterm_to_the_master_drains_every_worker(upstreams: Any, fresh_p
         journals = [gw.data_dir / "journal", gw.data_dir / "journal-1"]
         # One long stream on each worker, each on a keep-alive connection that worker accepted
         # (GatewayProcess.client_on_worker: which worker accepts a fresh connection is the kernel's
-        # choice), once that worker's own /readyz says its openai pool has loaded (its tokenizer
-        # loads after the worker accepts).
+        # choice); a worker accepts once its openai pool has loaded (engine_hosts.await_loads).
         streams: list[Stream] = []
         tasks: list[asyncio.Task[None]] = []
         for worker in gw.workers():  # one at a time: each stops the others while it connects
-            await gw.until_worker_ready(worker)
             client = await gw.client_on_worker(worker, headers=auth, timeout=120)
             clients.append(client)
             stream = Stream()

@@ -1,6 +1,6 @@
 """A worker of `tollgate serve --workers N` starts (and so accepts connections: uvicorn accepts once
 the app's startup has ended) only once its hosted engines are connected to the supervisor's engine
-host (gateway/serving/engine_hosts.py:await_hosted). The race is made deterministic with a double in
+host (gateway/serving/engine_hosts.py:await_loads). The race is made deterministic with a double in
 front of the real host's socket: it takes the worker's connection and passes nothing on until the
 test lets it."""
 
@@ -20,6 +20,7 @@ from gateway.config import Settings
 from gateway.serving import engine_hosts
 from gateway.serving.engine_hosts import EngineHosts
 from tests.conftest import SECRET, bootstrap
+from tests.engines.conftest import upstreams  # noqa: F401  (fixture)
 
 MODELS = "models:\n  - id: synth\n    backend: synthetic\n    step_ms: 1\n    max_batch_size: 4\n"
 
@@ -128,5 +129,53 @@ def test_a_host_that_never_answers_stops_the_workers_start_saying_so(fresh_pg_da
         with pytest.raises(RuntimeError, match=r"engine host of synth did not answer this worker's connection within 0.5 s"):
             await asyncio.wait_for(lifespan.__aenter__(), 60)
         assert held.taken.is_set()
+
+    asyncio.run(run())
+
+
+REMOTE = """models:
+  - id: remote
+    backend: openai
+    context_length: 4096
+    replicas: ["{url}"]
+    health_path: /health
+    health_interval: 3600
+    health_timeout: 60
+"""
+
+
+def test_a_worker_of_remote_engines_starts_only_once_they_have_loaded(fresh_pg_database: Any, tmp_path: Path, upstreams: Any) -> None:
+    """--workers 2 over an `openai` pool (no engine host): a worker loads the pool itself (its
+    tokenizer, its first health round), and accepts only once that has ended, so its first request
+    is not refused 503 engine_not_ready while another worker already says ready. The replica holds
+    its health answer until the test lets it."""
+    upstream, url = upstreams()
+    upstream.health_open.clear()
+    models = tmp_path / "remote.yaml"
+    models.write_text(REMOTE.format(url=url))
+    db_url = fresh_pg_database()
+    bootstrap(db_url, SECRET)
+    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp_path / "data").with_overrides(
+        engines={"models_file": str(models)}, embeddings={"enabled": False}, http={"workers": 2})
+    app = create_app(settings)
+
+    async def run() -> None:
+        lifespan = app.router.lifespan_context(app)
+        startup = asyncio.create_task(lifespan.__aenter__())
+        try:
+            while upstream.health_checks == 0:  # a poll of the pool's load reaching its health round
+                assert not startup.done(), "the worker's start ended before its pool's first health round"
+                await asyncio.sleep(0.01)
+            # The probe is held: the pool has not loaded, so the start is still waiting.
+            assert not startup.done(), "the worker's start ended before its pool had loaded"
+            upstream.health_open.set()
+            await asyncio.wait_for(startup, 60)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+                ready = await client.get("/readyz")
+            assert ready.status_code == 200, ready.text
+        finally:
+            upstream.health_open.set()
+            if startup.done() and startup.exception() is None:
+                await lifespan.__aexit__(None, None, None)
 
     asyncio.run(run())

@@ -112,9 +112,6 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
         async def fire(n: int) -> list[tuple[int, str]]:
             # One keep-alive connection on each worker (see GatewayProcess.client_on_worker): which
             # worker accepts a fresh one is the kernel's choice, and one took all 20 in two CI runs.
-            # The openai pool loads its tokenizer after the worker accepts: each worker's own /readyz first.
-            for w in spawned:
-                await gw.until_worker_ready(w)
             clients = [await gw.client_on_worker(w, timeout=60, headers={"Authorization": f"Bearer {key['key']}"})
                        for w in spawned]
             try:

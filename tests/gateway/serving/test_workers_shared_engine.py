@@ -183,7 +183,7 @@ async def first_request(gw: GatewayProcess, worker: psutil.Process, key: str, st
 
 
 # How long the test holds the engine host's answer to a new worker once that worker has connected. A
-# worker that waits for its host (await_hosted) passes whatever the hold; a worker that accepts before
+# worker that waits for its host (await_loads) passes whatever the hold; a worker that accepts before
 # its host has answered takes the request within milliseconds of connecting and refuses it (503)
 # while the host is held: the hold only has to outlast that.
 HOLD_S = 2.0
@@ -193,7 +193,7 @@ def test_every_worker_serves_its_first_request_once_the_gateway_is_ready(fresh_p
     """--workers 2: right after /readyz answered 200 (from whichever worker took that connection),
     each worker's first request is served, no 503 engine_not_ready, and so is the first request
     of a worker uvicorn starts again while its engine host is slow to answer: a worker accepts
-    only once its connection to the engine host is open (gateway/serving/engine_hosts.py:await_hosted)."""
+    only once its connection to the engine host is open (gateway/serving/engine_hosts.py:await_loads)."""
     db_url = fresh_pg_database(migrated=True)
     admin_key = bootstrap(db_url, SECRET)
     key = customer_key(db_url)
