@@ -33,7 +33,7 @@ from typing import Any
 
 from engines.base import EngineError, EngineOutput, EngineOverloadedError, EngineRequest
 from engines.backends.hf import HFEngine, TokenProgress, drain
-from engines.hosting import WorkerSender, accept_workers, host_queue, reader
+from engines.hosting import WorkerSender, accept_workers, freeze_loaded, host_queue, reader
 
 log = logging.getLogger("tollgate.engines.hf_process")
 
@@ -355,6 +355,7 @@ async def _serve(conn: Any, engine: HFEngine, gather_ms: float, host: dict[str, 
     except BaseException as exc:  # the gateway reports it; nothing else would
         conn.send(("failed", f"model {engine.model_id!r} failed to load: {type(exc).__name__}: {exc}"))
         return
+    freeze_loaded()
     info = {"context_length": engine.context_length, "vocab_size": engine.vocab_size, "eos_ids": sorted(engine._eos_ids), "guided": engine.guided}
     conn.send(("ready", info, engine.tokenizer))
     loop = asyncio.get_running_loop()
@@ -377,6 +378,7 @@ def _host(owner: Any, loop: asyncio.AbstractEventLoop, relay: "_StepRelay", engi
     it ends when the process that started it closes `owner` (or says stop)."""
     from multiprocessing.connection import Listener
 
+    relay.hosting = True
     relay.queue = host_queue(engine.model_id, engine._max_batch_size, host.get("scheduler"))
     listener = Listener(host["listen"], "AF_UNIX")
     accept_workers(listener, loop, hello, relay.handlers_for, relay.drop_worker, "tollgate-engine-accept")
@@ -408,6 +410,8 @@ class _StepRelay:
         # An engine host's: key ("worker/rid") -> (that worker's connection, its request id), the keys
         # of each worker, and the queue in front of the batch (None: straight in, as with one gateway).
         self._route: dict[str, tuple[Any, str]] = {}
+        self.hosting = False  # set by _host: outputs go to each worker's part of the step (`_parts`)
+        self._parts: dict[Any, list[tuple[Any, ...]]] = {}
         self._workers: dict[int, set[str]] = {}
         self._senders: dict[int, WorkerSender] = {}
         self.queue: Any = None
@@ -529,24 +533,33 @@ class _StepRelay:
                 self.queue.finish(rid, len(tokens), "error" if error else "length")
         else:
             self._seen[rid] = len(tokens)
-        if not self._outbox:
-            self._loop.call_soon(self._flush)  # after every handler of this step has run
-        self._outbox.append((rid, [int(t) for t in tokens[seen:]], done, error, queue_ms))
+        new = [int(t) for t in tokens[seen:]]
+        if not self.hosting:
+            if not self._outbox:
+                self._loop.call_soon(self._flush)  # after every handler of this step has run
+            self._outbox.append((rid, new, done, error, queue_ms))
+            return
+        # An engine host: straight into its worker's part of this step, with that worker's own id (one
+        # tuple per output: a step's items are most of what this process allocates).
+        conn_rid = self._route.get(rid)
+        if conn_rid is None:
+            return  # its worker is gone
+        if not self._parts:
+            self._loop.call_soon(self._flush)
+        part = self._parts.get(conn_rid[0])
+        if part is None:
+            part = self._parts[conn_rid[0]] = []
+        part.append((conn_rid[1], new, done, error, queue_ms))
+        if done:
+            self._forget(rid)
 
     def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        if self._route:  # an engine host: each worker gets its own streams' part, with its own ids
-            parts: dict[Any, list[tuple[Any, ...]]] = {}
-            for item in batch:
-                conn_rid = self._route.get(item[0])
-                if conn_rid is None:
-                    continue
-                parts.setdefault(conn_rid[0], []).append((conn_rid[1], *item[1:]))
-                if item[2]:
-                    self._forget(item[0])
+        if self.hosting:
+            parts, self._parts = self._parts, {}
             for conn, part in parts.items():
                 conn.send(part)  # a WorkerSender: queued, never blocks; a gone worker's reader cancels its requests
             return
+        batch, self._outbox = self._outbox, []
         try:
             self._conn.send(batch)
         except (OSError, EOFError):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.backends.trtllm_shared import ARGS, Call, Logprob, names
-from engines.hosting import WorkerSender, accept_workers, host_queue, reader
+from engines.hosting import WorkerSender, accept_workers, freeze_loaded, host_queue, reader
 
 log = logging.getLogger("tollgate.engines.trtllm_host")
 
@@ -276,6 +276,7 @@ async def _serve(owner: Connection) -> None:
     except BaseException as exc:  # the supervisor reports it; nothing else would
         owner.send(("failed", f"model {model_id!r} failed to load: {type(exc).__name__}: {exc}"))
         return
+    freeze_loaded()
     listener, hello = listen(engine, host["listen"], host.get("scheduler"))
     owner.send(hello[:2] + (None,))
     loop = asyncio.get_running_loop()
