@@ -144,7 +144,12 @@ def litellm_proxy(upstream: str, workers: int = 1) -> Iterator[tuple[str, str]]:
 
 @contextmanager
 def snapshot(rev: str) -> Iterator[Path]:
-    """The tree of a git revision in a temporary directory (imported ahead of the editable install)."""
+    """The tree of a git revision in a temporary directory (imported ahead of the editable install).
+    A directory instead of a revision is used as it is: an unpacked `git archive`, where no git
+    history is at hand (the device machine gets the working tree without .git)."""
+    if Path(rev).is_dir():
+        yield Path(rev).resolve()
+        return
     with tempfile.TemporaryDirectory(prefix="tollgate-rev-") as tmp:
         archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
@@ -161,7 +166,8 @@ def tollgate_as_in_production(stack: ExitStack, upstream: str, env: dict[str, st
     stack.callback(delete_redis_keys, prefix)
     tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, **env}
     if rev:
-        tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(rev)))
+        # ahead of what PYTHONPATH has already (the device's wheels), so its tree is the one imported
+        tg_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stack.enter_context(snapshot(rev))), os.environ.get("PYTHONPATH")]))
     base, admin = stack.enter_context(gateway(db, upstream, extra_env=tg_env))
     key = make_key(base, admin, limits=LIMITS)
     httpx.post(f"{base}/admin/prices", headers={"Authorization": f"Bearer {admin}"},

@@ -23,6 +23,8 @@ identical gateways come out on this machine.
     python bench/relay.py wt wt+ --rounds 5                         # A/A: the noise floor
     python bench/relay.py HEAD~1 wt --rounds 5                      # before/after a change
     python bench/relay.py wt 'wt+TOLLGATE_WORKERS=2' --rounds 5     # 1 vs 2 workers
+    python bench/relay.py /tmp/tree wt                              # a directory: an unpacked `git archive`
+    python bench/relay.py --pool run1.json run2.json                # several --json runs' rounds, one report
 
 Prints per cell each variant's medians over rounds (tokens/s, per gateway process, ms CPU per
 1,000 tokens, tokens per SSE event, streams finished, and how busy the busiest gateway process,
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -216,7 +219,8 @@ def setup(stack: ExitStack, spec: str, models: Path) -> tuple[str, str, int]:
     # (quota_unavailable) and measure them instead of the relay.
     tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_MODELS": str(models), "TOLLGATE_REDIS_TIMEOUT_MS": "2000", **env}
     if source != "wt":
-        tg_env["PYTHONPATH"] = str(stack.enter_context(snapshot(source)))
+        # ahead of what PYTHONPATH has already (the device's wheels), so its tree is the one imported
+        tg_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stack.enter_context(snapshot(source))), os.environ.get("PYTHONPATH")]))
     base, admin = stack.enter_context(gateway(db, None, extra_env=tg_env))
     key = make_key(base, admin, limits=LIMITS)
     for model in models.read_text().split("id: ")[1:]:
@@ -249,9 +253,34 @@ def report(runs: dict[str, list[dict[str, float]]], variants: list[str], workers
             print(f"  {v} / {first}: tok/s x{tok_m:.3f} (paired {spread(tok)}), CPU per 1k tokens x{cpu_m:.3f} (paired {spread(cpu)})")
 
 
+def pool(files: list[str]) -> None:
+    """The report over the rounds of several --json runs: the variants and cells all of them have
+    (in the first file's order), each run's rounds kept in order, so the paired ratios pair rounds
+    of the same run."""
+    loaded = [json.loads(Path(f).read_text()) for f in files]
+    variants = [v for v in loaded[0]["variants"] if all(v in d["variants"] for d in loaded)]
+    cells = [c for c in loaded[0]["cells"] if all(c in d["cells"] for d in loaded)]
+    if not variants or not cells:
+        raise SystemExit("--pool: the files have no variant and cell in common")
+    runs: dict[str, list[dict[str, float]]] = {}
+    for d in loaded:
+        rounds = {len(d["runs"][f"{c}|{v}"]) for c in cells for v in variants}
+        if len(rounds) != 1:
+            raise SystemExit("--pool: a file whose variants ran different numbers of rounds cannot be paired")
+        for c in cells:
+            for v in variants:
+                runs.setdefault(f"{c}|{v}", []).extend(d["runs"][f"{c}|{v}"])
+    workers = {v: int(parse_variant(v)[1].get("TOLLGATE_WORKERS", "1")) for v in variants}
+    print(f"relay bench, pooled: {len(files)} runs, {len(runs[f'{cells[0]}|{variants[0]}'])} rounds per variant and cell; medians over rounds")
+    report(runs, variants, workers, cells)
+
+
 def main() -> None:
     if len(sys.argv) == 8 and sys.argv[1] == "--drive-one":
         drive_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
+        return
+    if len(sys.argv) > 2 and sys.argv[1] == "--pool":
+        pool(sys.argv[2:])  # python bench/relay.py --pool run1.json run2.json ...
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", help="wt, a git revision, each optionally +NAME=VALUE;...")
