@@ -296,7 +296,9 @@ class RedisLimiter(Limiter):
         return args
 
     def _watch(self) -> None:
-        if not self._closed:  # a settlement during shutdown does not start it again
+        # Started by the first reservation (it needs the running loop); a settlement during shutdown
+        # does not start it again.
+        if not self._closed and not self.watcher.alive:
             self.watcher.start()
 
     async def _watch_round(self) -> None:

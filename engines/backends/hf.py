@@ -382,14 +382,14 @@ class HFEngine(Engine):
             raise EngineRequestRejected(
                 "best_of > n is not supported by this model: choosing the best sequences needs their log probabilities, "
                 "which this engine does not give", param="best_of", code="unsupported_parameter")
-        if request.extra:
+        if request.extra and not structured.FIELDS.isdisjoint(request.extra):
             structured.plan(request.extra, self.tool_parser, self.guided)
 
     def _structured(self, request: EngineRequest) -> tuple[EngineRequest, list[int], structured.Plan | None]:
         """The request's plan, and the prompt the engine prefills: the conversation with its tools as
         this engine renders them (the gateway counted the same at prepare), max_tokens kept in the context."""
         body = request.extra or {}
-        plan = structured.plan(body, self.tool_parser, self.guided) if body else None
+        plan = None if structured.FIELDS.isdisjoint(body) else structured.plan(body, self.tool_parser, self.guided)
         messages = body.get("messages")
         carried = isinstance(messages, list) and any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages)
         if not ((plan is not None and plan.tools) or carried):

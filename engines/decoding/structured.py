@@ -137,8 +137,15 @@ class Plan:
     parser: str | None = None  # the tool parser the answer goes through; None: plain content
     tools: list[dict[str, Any]] | None = None  # the tools the prompt shows
 
+# The fields a plan is made of: a body with none of them is a plain chat, whose plan is None (callers
+# test this before calling plan(), which most requests then never do).
+FIELDS = frozenset({"tools", "tool_choice", "response_format"})
+
+
 def plan(body: dict[str, Any], tool_parser: str | None, guided_decoding: bool) -> Plan | None:
     """The request's plan, or None for a plain chat. Raises EngineRequestRejected naming the field."""
+    if FIELDS.isdisjoint(body):
+        return None
     functions = functions_of(body)
     choice = tool_choice_of(body, functions)
     schema = schema_of(body)
