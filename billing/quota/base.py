@@ -319,9 +319,9 @@ class Limiter(abc.ABC):
         logged, by type only. `drain()` waits for the ones under way."""
         task = asyncio.get_running_loop().create_task(self.settle(hold, tokens, nanos, background=True))
         self._settling.add(task)
-        task.add_done_callback(self._settled)
+        task.add_done_callback(self._settled_later)
 
-    def _settled(self, task: asyncio.Task[Any]) -> None:
+    def _settled_later(self, task: asyncio.Task[Any]) -> None:
         self._settling.discard(task)
         if not task.cancelled() and task.exception() is not None:
             settle_log.error("quota settlement failed: %s", type(task.exception()).__name__)

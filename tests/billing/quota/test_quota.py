@@ -293,3 +293,27 @@ async def test_the_settle_once_marker_lives_as_long_as_a_hold(ledger_url: str) -
         await lim.close()
         await client.aclose()
         await db.dispose()
+
+
+async def test_background_settlements_end_and_their_failures_are_logged(limiter: Limiter, caplog: pytest.LogCaptureFixture,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # settle_later is how every request's hold is settled: each one is forgotten once done (none kept
+    # for the limiter's life), and one that fails is logged by type. The memory limiter's own
+    # `_settled` record once shadowed the done-callback, so neither happened there.
+    key = scope(monthly_tokens=10_000)
+    holds = [await limiter.reserve(rid(), [key], 100, 0, now=NOW) for _ in range(3)]
+    for hold in holds[:2]:
+        limiter.settle_later(hold, 40, 0)
+    await limiter.drain()  # its wait's callback comes after settle_later's own on each task
+    assert not limiter._settling
+    assert (await limiter.counters(key, now=NOW))["month_tokens"] == 80
+
+    async def broken(*args: Any, **kwargs: Any) -> bool:
+        raise ConnectionResetError
+
+    monkeypatch.setattr(limiter, "settle", broken)
+    with caplog.at_level("ERROR", logger="tollgate.metering"):
+        limiter.settle_later(holds[2], 40, 0)
+        await limiter.drain()
+    assert not limiter._settling
+    assert [r.getMessage() for r in caplog.records if r.name == "tollgate.metering"] == ["quota settlement failed: ConnectionResetError"]
