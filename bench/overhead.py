@@ -156,6 +156,12 @@ def snapshot(rev: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def pythonpath_of(stack: ExitStack, rev: str) -> str:
+    """PYTHONPATH for a gateway run from `rev`'s tree (`snapshot`, closed with `stack`): that tree
+    ahead of what PYTHONPATH holds already (the device's wheels), so it is the one imported."""
+    return os.pathsep.join(filter(None, [str(stack.enter_context(snapshot(rev))), os.environ.get("PYTHONPATH")]))
+
+
 def tollgate_as_in_production(stack: ExitStack, upstream: str, env: dict[str, str], rev: str | None = None) -> tuple[str, str, str]:
     """`tollgate serve` in front of `upstream` as this bench runs it: a fresh Postgres database for
     its ledger, Redis quotas under a prefix of its own (deleted when `stack` closes), a key with
@@ -166,8 +172,7 @@ def tollgate_as_in_production(stack: ExitStack, upstream: str, env: dict[str, st
     stack.callback(delete_redis_keys, prefix)
     tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, **env}
     if rev:
-        # ahead of what PYTHONPATH has already (the device's wheels), so its tree is the one imported
-        tg_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stack.enter_context(snapshot(rev))), os.environ.get("PYTHONPATH")]))
+        tg_env["PYTHONPATH"] = pythonpath_of(stack, rev)
     base, admin = stack.enter_context(gateway(db, upstream, extra_env=tg_env))
     key = make_key(base, admin, limits=LIMITS)
     httpx.post(f"{base}/admin/prices", headers={"Authorization": f"Bearer {admin}"},

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import REDIS, delete_redis_keys, fresh_database, gateway, make_key  # noqa: E402
-from bench.overhead import LIMITS, listening_pid, snapshot  # noqa: E402
+from bench.overhead import LIMITS, listening_pid, pythonpath_of  # noqa: E402
 from bench.overhead_ab import parse_variant  # noqa: E402
 
 MAX_TOKENS = 256
@@ -219,8 +218,7 @@ def setup(stack: ExitStack, spec: str, models: Path) -> tuple[str, str, int]:
     # (quota_unavailable) and measure them instead of the relay.
     tg_env = {"REDIS_URL": REDIS, "TOLLGATE_REDIS_PREFIX": prefix, "TOLLGATE_MODELS": str(models), "TOLLGATE_REDIS_TIMEOUT_MS": "2000", **env}
     if source != "wt":
-        # ahead of what PYTHONPATH has already (the device's wheels), so its tree is the one imported
-        tg_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stack.enter_context(snapshot(source))), os.environ.get("PYTHONPATH")]))
+        tg_env["PYTHONPATH"] = pythonpath_of(stack, source)
     base, admin = stack.enter_context(gateway(db, None, extra_env=tg_env))
     key = make_key(base, admin, limits=LIMITS)
     for model in models.read_text().split("id: ")[1:]:
@@ -254,10 +252,12 @@ def report(runs: dict[str, list[dict[str, float]]], variants: list[str], workers
 
 
 def pool(files: list[str]) -> None:
-    """The report over the rounds of several --json runs: the variants and cells all of them have
-    (in the first file's order), each run's rounds kept in order, so the paired ratios pair rounds
+    """The report over the rounds of several --json runs of the same first variant: the variants and
+    cells all of them have (in the first file's order), each run's rounds kept in order, so the paired ratios pair rounds
     of the same run."""
     loaded = [json.loads(Path(f).read_text()) for f in files]
+    if len({d["variants"][0] for d in loaded}) != 1:
+        raise SystemExit("--pool: every run must have the same first variant (the one the others are set against)")
     variants = [v for v in loaded[0]["variants"] if all(v in d["variants"] for d in loaded)]
     cells = [c for c in loaded[0]["cells"] if all(c in d["cells"] for d in loaded)]
     if not variants or not cells:

@@ -215,9 +215,6 @@ class HeadWithBody:
         self._head = None
         self._transport.abort()
 
-    def is_closing(self) -> bool:  # uvicorn asks at every response's end: not through __getattr__
-        return self._transport.is_closing()
-
     def __getattr__(self, name: str) -> Any:  # everything else is the transport's
         return getattr(self._transport, name)
 

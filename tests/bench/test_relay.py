@@ -56,8 +56,8 @@ def test_pool_reports_only_what_every_run_has(tmp_path: Path) -> None:
 
 
 def test_pool_refuses_runs_with_nothing_in_common(tmp_path: Path) -> None:
-    a = _saved(tmp_path / "a.json", {"wt": [100_000], TWO: [180_000]})
-    b = _saved(tmp_path / "b.json", {"abc123": [100_000]})
+    a = _saved(tmp_path / "a.json", {"wt": [100_000], TWO: [180_000]}, cells=(64,))
+    b = _saved(tmp_path / "b.json", {"wt": [100_000], TWO: [180_000]}, cells=(256,))
     done = _pool(a, b)
     assert done.returncode != 0 and "no variant and cell in common" in done.stderr
 
@@ -67,3 +67,10 @@ def test_a_directory_variant_is_that_tree_as_it_is(tmp_path: Path) -> None:
     with snapshot(str(tmp_path)) as tree:
         assert tree == tmp_path.resolve()
     assert (tmp_path / "gateway").is_dir()  # used, not copied or removed
+
+
+def test_pool_refuses_runs_set_against_another_first_variant(tmp_path: Path) -> None:
+    a = _saved(tmp_path / "a.json", {"wt": [100_000], TWO: [180_000]})
+    b = _saved(tmp_path / "b.json", {TWO: [180_000], "wt": [100_000]})  # the same gateways, the ratios the other way
+    done = _pool(a, b)
+    assert done.returncode != 0 and "same first variant" in done.stderr
