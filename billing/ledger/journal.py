@@ -119,17 +119,19 @@ class LedgerJournal:
                 self._lock_fd = None
 
     # writing (event loop thread; never raises) -------------------------------------------------
-    def admitted(self, row: dict[str, Any], hold: dict[str, Any] | None) -> None:
-        line = _dumps({"a": row, "h": hold})
-        rid = row["request_id"]
+    def admitted(self, record: Any, hold: dict[str, Any] | None) -> None:
+        """An admitted request's provisional row (a UsageRecord, status `interrupted`) and its hold."""
+        line = _dumps({"a": fields_of(record), "h": hold})
+        rid = record.request_id
         old = self._admitted.get(rid)
         self._admitted[rid] = line
         self._outstanding_bytes += len(line) - (len(old) if old is not None else 0)
         self._append(line)
 
-    def final(self, row: dict[str, Any]) -> None:
-        line = _dumps({"f": row})
-        rid = row["request_id"]
+    def final(self, record: Any) -> None:
+        """A request's final row (a UsageRecord), to be acknowledged once it is in the database."""
+        line = _dumps({"f": fields_of(record)})
+        rid = record.request_id
         gone = self._admitted.pop(rid, None)
         old = self._unacked.get(rid)
         self._unacked[rid] = line
@@ -243,16 +245,9 @@ class LedgerJournal:
 
 def fields_of(record: Any) -> dict[str, Any]:
     """A UsageRecord's fields to journal, without copying: the journal encodes them into its line
-    at once and keeps no reference (`row_of` for a row to keep)."""
+    at once and keeps no reference."""
     values = getattr(record, "__dict__", None)
     return values if values is not None else asdict(record)
-
-
-def row_of(record: Any) -> dict[str, Any]:
-    """A UsageRecord as a journal row: a shallow copy of its fields (its values are all scalars;
-    `asdict`'s deep copy cost more than the rest of journaling a row)."""
-    values = getattr(record, "__dict__", None)
-    return dict(values) if values is not None else asdict(record)
 
 
 def record_fields(row: dict[str, Any], cls: type) -> Any:

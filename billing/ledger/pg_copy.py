@@ -116,7 +116,10 @@ class CopySession:
         size = max(-(-len(unique) // self.connections), MIN_PART_ROWS)
         parts = [unique[i:i + size] for i in range(0, len(unique), size)]
         try:
-            written = await asyncio.gather(*(self._write_part(driver, part) for (_, driver), part in zip(self._held, parts)))
+            if len(parts) == 1:  # most batches: one part, written here rather than in a task of its own
+                written = [await self._write_part(self._held[0][1], parts[0])]
+            else:
+                written = await asyncio.gather(*(self._write_part(driver, part) for (_, driver), part in zip(self._held, parts)))
         except BaseException:
             await self.close(broken=True)
             raise

@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.ledger.journal import JournalLocked, LedgerJournal, Recovered, fields_of, record_fields
+from billing.ledger.journal import JournalLocked, LedgerJournal, Recovered, record_fields
 from billing.ledger.pg_copy import CopySession
 from billing.ledger.sql import CONFLICT_KEY, LEDGER, PG_BATCH, PG_COLUMNS
 from billing.models import utcnow
@@ -186,7 +186,7 @@ class LedgerWriter:
         so a crash before its final row still leaves a row and a hold to release. Never raises."""
         if self.journal is not None:
             try:
-                self.journal.admitted(fields_of(record), hold)
+                self.journal.admitted(record, hold)
             except Exception:
                 log.exception("ledger journal: admission not journaled")
 
@@ -228,7 +228,7 @@ class LedgerWriter:
         """Queues a row. Synchronous on purpose: safe inside `finally` of a cancelled task."""
         if self.journal is not None:
             try:
-                self.journal.final(fields_of(record))
+                self.journal.final(record)
             except Exception:
                 log.exception("ledger journal: row kept in memory only")
         self._pending.append(record)

@@ -23,10 +23,6 @@ from engines.backends import hf_choices
 from engines.decoding import guided, structured
 from engines.base import (
     MODEL_LOAD_LOCK,
-    FINISH_CANCELLED,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
     Engine,
     EngineError,
     EngineOutput,
@@ -35,7 +31,7 @@ from engines.base import (
     EngineRequestRejected,
     SamplingParams,
 )
-from engines.decoding.text import IncrementalDetokenizer, StopMatcher
+from engines.decoding.text import TokenProgress
 
 log = logging.getLogger("tollgate.engines.hf")
 
@@ -139,53 +135,6 @@ async def drain(queue: asyncio.Queue[Any]) -> list[Any]:
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
-
-
-class TokenProgress:
-    """One request's generated token ids, as they arrive, as engine outputs: text that is final
-    (incremental detokenization), cut at the first stop string, and the finish reason at the end."""
-
-    def __init__(self, tokenizer: Any, request: EngineRequest, prompt_tokens: int, eos_ids: set[int]) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer)
-        # None without stop strings (most requests): then no stop matcher is called per output.
-        self._stops = StopMatcher(request.sampling.stop) if any(request.sampling.stop) else None
-        self._max_tokens = request.max_tokens
-        self._prompt_tokens = prompt_tokens
-        self._eos_ids = eos_ids
-        self._last_id: int | None = None
-        self.seen = 0
-
-    def _output(self, text: str, ids: list[int], reason: str | None, queue_ms: float | None, error: str | None = None) -> EngineOutput:
-        return EngineOutput(text, ids, reason, self._prompt_tokens, self.seen, error=error, queue_ms=queue_ms,
-                            stop_sequence=self._stops.matched if self._stops is not None else None)
-
-    def cancelled(self, queue_ms: float | None) -> EngineOutput:
-        return self._output("", [], FINISH_CANCELLED, queue_ms)
-
-    def advance(self, new_ids: list[int], engine_done: bool, error: str | None, queue_ms: float | None) -> EngineOutput | None:
-        """The output for these new ids (None: nothing to say yet). A finished output whose
-        `engine_done` was false ended at a stop string: the engine request is still running."""
-        text = self._detok.push(new_ids)
-        if engine_done and not error:
-            text += self._detok.flush()
-        self.seen += len(new_ids)
-        if new_ids:
-            self._last_id = new_ids[-1]
-        stops = self._stops
-        if stops is not None:
-            text = stops.push(text)
-            if stops.stopped:
-                return self._output(text, new_ids, FINISH_STOP, queue_ms)
-        if not engine_done:
-            return self._output(text, new_ids, None, queue_ms) if text or new_ids else None
-        if error:
-            return self._output(text, new_ids, FINISH_ERROR, queue_ms, error=error)
-        if stops is not None:
-            text += stops.flush()
-        reason = FINISH_STOP if self.seen and self._last_id in self._eos_ids else FINISH_LENGTH
-        if self.seen < self._max_tokens and reason == FINISH_LENGTH:
-            reason = FINISH_STOP
-        return self._output(text, new_ids, reason, queue_ms)
 
 
 class HFEngine(Engine):

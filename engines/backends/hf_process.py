@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import EngineError, EngineOutput, EngineOverloadedError, EngineRequest
-from engines.backends.hf import HFEngine, TokenProgress, drain
+from engines.backends.hf import HFEngine, drain
+from engines.decoding.text import TokenProgress
 from engines.hosting import WorkerSender, accept_workers, freeze_loaded, host_queue, reader
 
 log = logging.getLogger("tollgate.engines.hf_process")

@@ -180,10 +180,13 @@ class HeadWithBody:
     (docs/performance.md). A head that no write follows in the same event-loop turn goes out alone at
     the start of the next; closing sends it first."""
 
-    __slots__ = ("_transport", "_loop", "_head", "_alone")
+    __slots__ = ("_transport", "_loop", "_head", "_alone", "is_closing")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
+        # The transport's own method, bound here: uvicorn asks it before every send of a response,
+        # and through __getattr__ that was one more Python call each time.
+        self.is_closing = transport.is_closing
         self._loop = loop
         self._head: bytes | None = None
         self._alone: asyncio.Handle | None = None

@@ -207,7 +207,7 @@ class RequestContext:
             await send(message)
 
         try:
-            refused = repeated_query_parameter(scope)
+            refused = repeated_query_parameter(scope) if scope.get("query_string") else None  # most have none
             if refused is not None:
                 await refused.response()(scope, receive, send_with_ids)
             else:

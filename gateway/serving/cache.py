@@ -48,7 +48,6 @@ log = logging.getLogger("tollgate.response_cache")
 HEADER = "x-tollgate-cache"
 HEADER_NAME = HEADER.encode()  # as the ASGI scope spells it
 _IGNORED_FIELDS = ("model", "stream", "stream_options", "user")
-_STATE_KEY = "tollgate_cache_key"
 
 
 @dataclass
@@ -204,9 +203,21 @@ class Hit:
         return int(self.entry["completion_tokens"])
 
 
-async def lookup(request: Request, gen: Generation) -> Hit | None:
-    """The stored completion for this request, or None: run it (a cacheable miss is then stored
-    by `recording`)."""
+@dataclass(frozen=True)
+class Miss:
+    """A cacheable request with nothing stored for it: its completion is stored as it streams."""
+
+    cache: ResponseCache
+    key: str
+
+    def recording(self, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+        """The metered stream, storing its completion when it ends as a cacheable one."""
+        return _recorded(self.cache, self.key, gen, outputs)
+
+
+async def lookup(request: Request, gen: Generation) -> Hit | Miss | None:
+    """The stored completion for this request (Hit), or what stores this one (Miss: run it), or
+    None: the cache does not apply to it."""
     cache: ResponseCache | None = request.app.state.response_cache
     if cache is None or not cache.applies(request, gen):
         return None
@@ -214,8 +225,7 @@ async def lookup(request: Request, gen: Generation) -> Hit | None:
     entry = await cache.get(key)
     cache.count(gen.model, entry is not None)
     if entry is None:
-        setattr(request.state, _STATE_KEY, key)
-        return None
+        return Miss(cache, key)
     return Hit(entry, cache.config.hit_price)
 
 
@@ -242,21 +252,6 @@ async def replayed(gen: Generation, hit: Hit, admission: Admission) -> AsyncIter
             yield EngineOutput(text, [], gen.finish_reason, prompt, completion)
     finally:
         admission.settle()  # a no-op once delivered
-
-
-def records(request: Request) -> bool:
-    """Whether this request's completion is to be stored (a cacheable miss: `replay` left its key).
-    `request.state` keeps its values in the scope's "state" dict: read there, a request that set
-    nothing costs no AttributeError."""
-    marks = request.scope.get("state")
-    return bool(marks) and marks.get(_STATE_KEY) is not None and request.app.state.response_cache is not None
-
-
-def recording(request: Request, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
-    """The metered stream, storing its completion when this request was a cacheable miss."""
-    if not records(request):
-        return outputs
-    return _recorded(request.app.state.response_cache, request.scope["state"][_STATE_KEY], gen, outputs)
 
 
 async def _recorded(cache: ResponseCache, key: str, gen: Generation, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:

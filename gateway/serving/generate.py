@@ -1,7 +1,7 @@
 """A prepared generation from here to its response, the same for every API that generates:
 chat and text completions, Anthropic Messages, OpenAI Responses.
 
-    response_cache.lookup()  a stored completion for it, or None
+    response_cache.lookup()  a stored completion for it (Hit), what stores its own (Miss), or None
     admit() / admit_hit()    one Admission: what the request holds (gateway/serving/admission.py)
     the response             streamed or one body, in the API's shapes; its `finally` settles the admission
 """
@@ -31,7 +31,9 @@ async def answer(
     line = batch_line(request.scope)
     if line is not None:  # a line of a batch: its own row (api = batch), never a cache hit
         gen.api, gen.batch_id = "batch", line.batch_id
-    hit = await response_cache.lookup(request, gen) if line is None else None
+    found = await response_cache.lookup(request, gen) if line is None else None
+    hit = found if isinstance(found, response_cache.Hit) else None
+    miss = found if isinstance(found, response_cache.Miss) else None
     if hit is not None:  # never reaches the engine: no place in it is taken
         refused = gen.engine.refusal(gen.engine_request)  # but an engine that turns work away refuses hits too
         if refused is not None:
@@ -47,9 +49,10 @@ async def answer(
         if hit is not None:
             head[response_cache.HEADER] = "hit"
             return streamed(response_cache.replayed(gen, hit, admission), head, admission)
-        if not gen.stream and gen.engine.completes and not response_cache.records(request):
+        if miss is None and not gen.stream and gen.engine.completes:
             return completed(head, admission)  # one body from a chain that answers as one coroutine
-        return streamed(response_cache.recording(request, gen, service.metered(gen, admission)), head, admission)
+        outputs = service.metered(gen, admission)
+        return streamed(miss.recording(gen, outputs) if miss is not None else outputs, head, admission)
     except BaseException:
         admission.settle("error")
         raise

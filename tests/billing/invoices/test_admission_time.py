@@ -201,7 +201,7 @@ def test_migration_backfills_admission_and_moves_aggregates(dialect: str, fresh_
 
 def test_the_journal_keeps_the_admission_instant(tmp_path: Path) -> None:
     """A crash between admission and the row: the replayed row keeps the instant that prices it."""
-    from billing.ledger.journal import LedgerJournal, record_fields, row_of
+    from billing.ledger.journal import LedgerJournal, record_fields
     from tests.billing.ledger.test_journal import crash
 
     journal = LedgerJournal(tmp_path)
@@ -209,7 +209,7 @@ def test_the_journal_keeps_the_admission_instant(tmp_path: Path) -> None:
     admitted = datetime(2026, 10, 31, 23, 59, 59, 900_000, tzinfo=timezone.utc)
     running = UsageRecord(request_id="r-1", account_id=1, key_id=1, model="m", prompt_tokens=5, completion_tokens=0,
                           status="interrupted", finish_reason=None, total_ms=0.0, created_at=admitted, admitted_at=admitted)
-    journal.admitted(row_of(running), None)
+    journal.admitted(running, None)
     crash(journal)  # what SIGKILL leaves
     again = LedgerJournal(tmp_path)
     [(row, _)] = again.open().interrupted

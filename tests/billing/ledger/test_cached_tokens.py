@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from billing.ledger import writer as ledger_module
 from billing import migrate
 from billing.db import create_engine
-from billing.ledger.journal import LedgerJournal, row_of
+from billing.ledger.journal import LedgerJournal
 from billing.ledger.writer import LedgerWriter, UsageRecord, usage_rows, usage_totals, write_records
 from billing.ledger.aggregates import Period, usage_groups
 from billing.models import utcnow
@@ -78,10 +78,10 @@ async def test_a_crash_recovered_row_keeps_its_cached_tokens(fresh_pg_database: 
         journal = LedgerJournal(tmp_path)
         journal.open()
         finished = record(cached_tokens=48, created_at=utcnow())
-        journal.admitted(row_of(record(request_id=finished.request_id, status="interrupted")), None)
-        journal.final(row_of(finished))  # recorded, never written: the process dies here
+        journal.admitted(record(request_id=finished.request_id, status="interrupted"), None)
+        journal.final(finished)  # recorded, never written: the process dies here
         running = record(status="interrupted", completion_tokens=0, cached_tokens=32)
-        journal.admitted(row_of(running), None)
+        journal.admitted(running, None)
         crash(journal)
 
         writer = LedgerWriter(db, journal=LedgerJournal(tmp_path))

@@ -16,7 +16,6 @@ import sqlalchemy as sa
 from billing import migrate
 from billing.db import create_engine
 from billing.ledger.journal import JournalLocked, LedgerJournal
-from billing.ledger.journal import row_of
 from billing.ledger.writer import LedgerWriter, UsageRecord, release_interrupted, write_records
 from billing.quota.limits import Limits
 from billing.quota import Hold, Scope
@@ -46,10 +45,10 @@ def test_unacknowledged_rows_and_unfinished_admissions_come_back(tmp_path: Path)
     done, written, running = record(), record(), record(status="interrupted", completion_tokens=0)
     hold = {"request_id": running.request_id, "scopes": [["key", 1]], "tokens": 99, "nanos": 5, "minute": 1, "month": "202611"}
     for r in (done, written):
-        j.admitted(row_of(record(request_id=r.request_id, status="interrupted")), None)
-        j.final(row_of(r))
+        j.admitted(record(request_id=r.request_id, status="interrupted"), None)
+        j.final(r)
     j.acknowledged([written.request_id])
-    j.admitted(row_of(running), hold)
+    j.admitted(running, hold)
     crash(j)
 
     again = LedgerJournal(tmp_path)
@@ -72,7 +71,7 @@ def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
     j = LedgerJournal(tmp_path)
     j.open()
     r = record()
-    j.final(row_of(r))
+    j.final(r)
     crash(j)
     segment = next(tmp_path.glob("ledger-*.jsonl"))
     with open(segment, "ab") as fh:
@@ -96,10 +95,10 @@ def test_segments_rotate_and_keep_only_outstanding_rows(tmp_path: Path) -> None:
     j = LedgerJournal(tmp_path, segment_bytes=4096)
     j.open()
     pending = record()
-    j.final(row_of(pending))
+    j.final(pending)
     for _ in range(200):
         r = record()
-        j.final(row_of(r))
+        j.final(r)
         j.acknowledged([r.request_id])
     segments = list(tmp_path.glob("ledger-*.jsonl"))
     assert len(segments) == 1 and segments[0].stat().st_size < 4 * 4096  # rotated, old segments deleted
@@ -112,7 +111,7 @@ def test_lines_are_fsynced_in_batches(tmp_path: Path) -> None:
     j = LedgerJournal(tmp_path, fsync_interval=0.05)
     j.open()
     for _ in range(500):
-        j.final(row_of(record()))
+        j.final(record())
     end = time.monotonic() + 5
     while j.fsyncs == 0:
         assert time.monotonic() < end, "the fsync thread never ran"
@@ -135,13 +134,13 @@ def test_a_failed_fsync_is_counted_and_the_fsync_thread_goes_on(tmp_path: Path, 
     j = LedgerJournal(tmp_path, fsync_interval=0.01)
     j.open()
     monkeypatch.setattr("billing.ledger.journal.os.fsync", fsync_once_broken)
-    j.final(row_of(record()))
+    j.final(record())
     end = time.monotonic() + 5
     while j.write_errors == 0:
         assert time.monotonic() < end, "the failed fsync was not reported"
         time.sleep(0.01)
     assert isinstance(j.fsyncer.pulse.last_error, ValueError) and j.fsyncs == 0
-    j.final(row_of(record()))
+    j.final(record())
     while j.fsyncs == 0:
         assert time.monotonic() < end, "the fsync thread stopped after a failed round"
         time.sleep(0.01)
@@ -170,11 +169,11 @@ async def test_writer_replays_a_crashed_run_exactly_once(fresh_pg_database: Any,
         await first.flush(timeout=10)
         # Rows the database got but whose acknowledgement the crash lost, rows it never got, one in flight.
         lost_ack = record()
-        first.journal.final(row_of(lost_ack))  # type: ignore[union-attr]
+        first.journal.final(lost_ack)  # type: ignore[union-attr]
         await write_records(db, [lost_ack])
         unwritten = [record() for _ in range(3)]
         for r in unwritten:
-            first.journal.final(row_of(r))  # type: ignore[union-attr]
+            first.journal.final(r)  # type: ignore[union-attr]
         in_flight = record(status="interrupted", completion_tokens=0, prompt_tokens=17, cost_nanos=17)
         hold = Hold(in_flight.request_id, (Scope("key", 1, Limits()), Scope("account", 1, Limits())), 40, 9, 1, "202611")
         first.admitted(in_flight, hold.to_json())
@@ -244,10 +243,10 @@ async def test_a_journal_no_worker_claims_is_finished_and_removed(fresh_pg_datab
         gone.open()
         unwritten = [record() for _ in range(3)]
         for r in unwritten:
-            gone.final(row_of(r))
+            gone.final(r)
         in_flight = record(status="interrupted", completion_tokens=0, prompt_tokens=11, cost_nanos=11)
         hold = Hold(in_flight.request_id, (Scope("key", 1, Limits()),), 30, 5, 1, "202611")
-        gone.admitted(row_of(in_flight), hold.to_json())
+        gone.admitted(in_flight, hold.to_json())
         crash(gone)
 
         live = LedgerJournal(tmp_path / "journal-1")

@@ -1,4 +1,4 @@
-"""TokenProgress: one request's token ids as engine outputs (engines/backends/hf.py), with and
+"""TokenProgress: one request's token ids as engine outputs (engines/decoding/text.py), with and
 without stop strings. Without any, no stop matcher is built; the text and finish reasons are the
 same as a matcher that never matches would give."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engines.backends.hf import TokenProgress
+from engines.decoding.text import TokenProgress
 from engines.base import FINISH_LENGTH, FINISH_STOP, EngineRequest, SamplingParams
 
 EOS = 0
