@@ -161,6 +161,14 @@ class Engine(abc.ABC):
         or None: the engine counts the messages only."""
         return None
 
+    @property
+    def renderer(self) -> Engine:
+        """What the gateway asks for a request's prompt ids and for its verdict on the request's
+        fields (`encode_chat`, `encode_text`, `check_request`): the engine itself. A wrapper that only
+        stands in front of one engine (the gateway's scheduler) names that engine's, so those calls
+        go to the engine that answers them rather than through the wrapper's forwarding."""
+        return self
+
     def unwrapped(self) -> Engine:
         """The engine behind the wrappers that stand in front of one engine (the gateway's
         scheduler): the backend itself, with its own specifics. Any other engine, a fallback chain

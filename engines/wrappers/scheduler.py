@@ -195,6 +195,10 @@ class ScheduledEngine(Engine):
     def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]] | None:
         return self.inner.tool_encoder()
 
+    @property
+    def renderer(self) -> Engine:
+        return self.inner.renderer
+
     def unwrapped(self) -> Engine:
         return self.inner.unwrapped()
 

@@ -158,8 +158,9 @@ class CompletionService:
         # tools shown to the model: the prompt counted here is the one it prefills.
         renders_tools = not engine.passthrough and request.uses_tools() and engine.renders_tools
         messages = request.raw_messages() if engine.passthrough or renders_tools else request.chat_messages()
+        renderer = engine.renderer
         try:
-            prompt_ids = engine.encode_chat(messages, request.prompt_tools()) if renders_tools else engine.encode_chat(messages)
+            prompt_ids = renderer.encode_chat(messages, request.prompt_tools()) if renders_tools else renderer.encode_chat(messages)
         except Exception as exc:  # a template may reject a role order
             raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.requested_max_tokens(), "chat")
@@ -168,7 +169,7 @@ class CompletionService:
         engine = self.engine_for(request.model, principal, engine)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = engine.encode_text(prompt)
+            prompt_ids = engine.renderer.encode_text(prompt)
             if not prompt_ids:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
         else:
@@ -204,10 +205,11 @@ class CompletionService:
         renders_tools = not engine.passthrough and chat.uses_tools() and engine.renders_tools  # as prepare_chat
         messages = chat.raw_messages() if engine.passthrough or renders_tools else chat.chat_messages()
         bills_tools = tool_encoder(engine) if tools and engine.passthrough and chat.prompt_tools() else None
+        renderer = engine.renderer
         try:
             if renders_tools:
-                return engine.encode_chat(messages, chat.prompt_tools())  # type: ignore[call-arg]
-            return bills_tools(messages, chat.prompt_tools()) if bills_tools is not None else engine.encode_chat(messages)
+                return renderer.encode_chat(messages, chat.prompt_tools())  # type: ignore[call-arg]
+            return bills_tools(messages, chat.prompt_tools()) if bills_tools is not None else renderer.encode_chat(messages)
         except Exception as exc:  # a template may reject a role order
             raise InvalidRequest(f"{param} could not be rendered with the model's chat template: {exc}", param=param) from None
 
@@ -251,7 +253,7 @@ class CompletionService:
             best_of=best_of,
         )
         try:
-            engine.check_request(engine_request)  # tools, response_format: what this engine honours
+            engine.renderer.check_request(engine_request)  # tools, response_format: what this engine honours
         except EngineRequestRejected as exc:
             raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from None
         # The engine's refusal is not asked here: admission asks it once as its first step (Meter.admit:

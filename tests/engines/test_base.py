@@ -70,6 +70,17 @@ def test_a_chain_counts_tools_with_its_encoder() -> None:
     assert chain.unwrapped() is chain  # a chain is a model of its own, not a wrapper of one engine
 
 
+def test_the_renderer_is_the_engine_that_encodes_and_checks() -> None:
+    """The gateway encodes a prompt and has its fields judged by `engine.renderer`: an engine is its
+    own; the scheduler names its engine's (through every scheduler in front of it), a chain is its own
+    (it encodes with its encoder and checks every candidate)."""
+    plain = FakeEngine("plain")
+    assert plain.renderer is plain
+    assert ScheduledEngine(plain).renderer is plain and ScheduledEngine(ScheduledEngine(plain)).renderer is plain
+    chain = FallbackEngine("chain", [ScheduledEngine(plain), FakeEngine("backup")])
+    assert chain.renderer is chain and ScheduledEngine(chain).renderer is chain
+
+
 def test_router_of_sees_a_routing_model_through_the_scheduler() -> None:
     auto = RouterEngine("auto", [], "plain", {"plain": FakeEngine("plain")})
     assert router_of(auto) is auto and router_of(ScheduledEngine(auto)) is auto
