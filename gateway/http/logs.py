@@ -207,7 +207,8 @@ class RequestContext:
             await send(message)
 
         try:
-            refused = repeated_query_parameter(scope) if scope.get("query_string") else None  # most have none
+            query = scope.get("query_string")
+            refused = repeated_query_parameter(query) if query else None
             if refused is not None:
                 await refused.response()(scope, receive, send_with_ids)
             else:

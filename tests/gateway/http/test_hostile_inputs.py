@@ -1,6 +1,6 @@
 """Hostile clients get a clear 4xx and the server keeps serving: oversized bodies and headers,
-slowloris (slow headers, slow bodies, idle sockets), invalid UTF-8, deeply nested JSON, huge
-max_tokens, bad admin limits and ids, path traversal in invoice downloads."""
+slowloris (slow headers, slow bodies, idle sockets), invalid UTF-8, deeply nested JSON, repeated
+query parameters, huge max_tokens, bad admin limits and ids, path traversal in invoice downloads."""
 
 from __future__ import annotations
 
@@ -169,6 +169,18 @@ async def test_invalid_utf8_and_deep_nesting_are_400(client: httpx.AsyncClient, 
     clear_error(await client.post("/v1/chat/completions", json={**CHAT, "stop": nested}), 400)
     clear_error(await client.post("/v1/chat/completions", content=b"", headers=headers), 400)
     clear_error(await client.post("/v1/chat/completions", content=b"null", headers=headers), 400)
+    await still_serving(hostile_gw, customer_key["key"])
+
+
+async def test_a_repeated_query_parameter_is_400_naming_it(client: httpx.AsyncClient, hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
+    # Parameter pollution: with `account_id` twice a handler would read whichever copy it reads; the
+    # request is refused before any handler sees it. One copy, or none, is served as before.
+    own = customer_key["account_id"]
+    for query in (f"account_id={own}&account_id={own + 1}", f"account_id={own}&group_by=model&account_id={own}"):
+        err = clear_error(await client.get(f"/v1/usage?{query}"), 400)
+        assert err["param"] == "account_id" and "more than once" in err["message"], err
+    assert (await client.get(f"/v1/usage?account_id={own}&group_by=model")).status_code == 200
+    assert (await client.get("/v1/usage")).status_code == 200
     await still_serving(hostile_gw, customer_key["key"])
 
 
