@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -449,8 +449,13 @@ class OpenAIPoolEngine(Engine):
         self.pool.health_result(replica, response.status_code < 300, f"HTTP {response.status_code}")
 
     # tokens -----------------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.counter.encode_chat(messages)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        return self.counter.encode_chat(messages, tools)
+
+    def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]]:
+        # The tools go upstream with the body: counted through the tokenizer's chat template where it
+        # has one, else as their JSON (TokenCounter), so the reservation holds them before the prefill.
+        return self.encode_chat
 
     def encode_text(self, prompt: str) -> list[int]:
         return self.counter.encode_text(prompt)
@@ -494,6 +499,10 @@ class OpenAIPoolEngine(Engine):
             if dropped:
                 log.debug("model %s: request %s: fields not forwarded to the upstream: %s",
                           self.model_id, request.request_id, ", ".join(dropped))
+            if not chat and "max_tokens" not in body:
+                # OpenAI's default for a text completion (16) is what the gateway reserved; trtllm-serve
+                # has none (it generates to the end of its context), so the bound goes up with the body.
+                body["max_tokens"] = request.max_tokens
         else:
             s = request.sampling
             body = {"max_tokens": request.max_tokens, "temperature": s.temperature, "top_p": s.top_p}

@@ -740,8 +740,10 @@ class TRTLLMEngine(Engine):
         self.check_fields(request)
         body = request.extra or {}
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        if tools and isinstance(body.get("messages"), list):
-            try:  # the prompt the gateway counted had no tools: render them through the chat template
+        if body.get("tools") and isinstance(body.get("messages"), list):
+            # The gateway reserved for the prompt with every tool (what a pass-through server may show);
+            # this template shows them unless tool_choice is "none": rendered as it is prefilled.
+            try:
                 prompt = self.encode_chat(body["messages"], tools)
             except Exception as exc:
                 raise _rejected(f"messages and tools could not be rendered with the model's chat template: {exc}", "tools", "invalid_value") from None

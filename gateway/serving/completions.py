@@ -154,15 +154,7 @@ class CompletionService:
 
     def prepare_chat(self, principal: Principal, request: ChatCompletionRequest, request_id: str, engine: Engine | None = None) -> Generation:
         engine = self.engine_for(request.model, principal, engine)
-        # An engine that renders tools itself (hf: it has a tool parser) gets the messages as sent and the
-        # tools shown to the model: the prompt counted here is the one it prefills.
-        renders_tools = not engine.passthrough and request.uses_tools() and engine.renders_tools
-        messages = request.raw_messages() if engine.passthrough or renders_tools else request.chat_messages()
-        renderer = engine.renderer
-        try:
-            prompt_ids = renderer.encode_chat(messages, request.prompt_tools()) if renders_tools else renderer.encode_chat(messages)
-        except Exception as exc:  # a template may reject a role order
-            raise InvalidRequest(f"messages could not be rendered with the model's chat template: {exc}", param="messages") from None
+        prompt_ids = self.chat_prompt(engine, request, "messages")
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.requested_max_tokens(), "chat")
 
     def prepare_text(self, principal: Principal, request: CompletionRequest, request_id: str, engine: Engine | None = None) -> Generation:
@@ -195,21 +187,31 @@ class CompletionService:
         except InvalidRequest as err:  # the engine's refusal of a chat field: named as the Responses API names it
             raise renamed(err, RESPONSES_PARAMS) from None
 
-    def prompt_of(self, engine: Engine, body: dict[str, Any], param: str, renames: dict[str, str], *, tools: bool = False) -> list[int]:
+    def prompt_of(self, engine: Engine, body: dict[str, Any], param: str, renames: dict[str, str]) -> list[int]:
         """The prompt ids of another API's request translated to a chat completion `body`, which
         this engine must take as it takes a chat completion (the same checks, the same messages);
         a refusal names the field of the API the client spoke (`renames`). Counted as prepare_chat
-        counts; `tools`: with the tools also where the engine renders them itself (a pass-through
-        one: what it will bill), as count_tokens wants."""
-        chat = chat_equivalent(body, engine.passthrough, renames)
-        renders_tools = not engine.passthrough and chat.uses_tools() and engine.renders_tools  # as prepare_chat
+        counts (`chat_prompt`)."""
+        return self.chat_prompt(engine, chat_equivalent(body, engine.passthrough, renames), param)
+
+    @staticmethod
+    def chat_prompt(engine: Engine, chat: ChatCompletionRequest, param: str) -> list[int]:
+        """A chat completion's prompt ids as this engine prefills and bills them: what its
+        reservation holds and, where the engine reports no usage, what its row is billed.
+
+        An engine that renders tools itself (hf with a tool parser) gets the messages as sent and
+        is counted with the tools shown to the model. A pass-through engine gets the body as sent,
+        tools and all, and its chat template may show every tool (vLLM shows them even with
+        tool_choice "none"): they are counted where the engine can count them (`tool_encoder`), so
+        a long tool list is reserved for before the engine prefills it."""
+        renders_tools = not engine.passthrough and chat.uses_tools() and engine.renders_tools
         messages = chat.raw_messages() if engine.passthrough or renders_tools else chat.chat_messages()
-        bills_tools = tool_encoder(engine) if tools and engine.passthrough and chat.prompt_tools() else None
         renderer = engine.renderer
         try:
             if renders_tools:
                 return renderer.encode_chat(messages, chat.prompt_tools())  # type: ignore[call-arg]
-            return bills_tools(messages, chat.prompt_tools()) if bills_tools is not None else renderer.encode_chat(messages)
+            bills_tools = tool_encoder(engine) if engine.passthrough and chat.tools else None
+            return bills_tools(messages, chat.tools) if bills_tools is not None else renderer.encode_chat(messages)
         except Exception as exc:  # a template may reject a role order
             raise InvalidRequest(f"{param} could not be rendered with the model's chat template: {exc}", param=param) from None
 

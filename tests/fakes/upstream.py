@@ -13,7 +13,7 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -36,6 +36,10 @@ class Behaviour:
     error_event_after: int | None = None  # after this many chunks, send an `error` event and end
     ending: str = "done"  # after the finish (and usage): "done" sends [DONE], "eof" just ends the body, "drop" breaks it
     error_body: dict[str, Any] | None = None  # with a status: this body as it is (e.g. trtllm-serve's ErrorResponse)
+    # Generate at most the body's max_tokens (chat: max_completion_tokens, else max_tokens) of `tokens`,
+    # as vLLM and trtllm-serve do; a body without one gets all of them, as trtllm-serve's None does
+    # (it generates to the end of its context). False: `tokens` whatever the body asks.
+    bounded: bool = False
 
 
 @dataclass
@@ -174,7 +178,7 @@ class ScriptedUpstream:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         if chat:
             await emit([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        pieces = self._chunks(behaviour, chat, bool(seen.body.get("logprobs")))
+        pieces = self._chunks(_bounded(behaviour, seen.body, chat), chat, bool(seen.body.get("logprobs")))
         for n, piece in enumerate(pieces):
             if seen.disconnected_at is not None:
                 return
@@ -213,6 +217,7 @@ class ScriptedUpstream:
         return usage
 
     async def _whole(self, send: Send, seen: Seen, behaviour: Behaviour, chat: bool) -> None:
+        behaviour = _bounded(behaviour, seen.body, chat)
         text = "".join(behaviour.tokens)
         finish = behaviour.finish_reason or "stop"
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat else \
@@ -221,6 +226,15 @@ class ScriptedUpstream:
                 "choices": [choice], "usage": self._usage(behaviour, len(behaviour.tokens), seen.body)}
         await _json(send, 200, body)
         seen.finished = True
+
+
+def _bounded(behaviour: Behaviour, body: dict[str, Any], chat: bool) -> Behaviour:
+    """`behaviour` with its tokens cut to the body's bound where it honours one."""
+    if not behaviour.bounded:
+        return behaviour
+    bound = body.get("max_completion_tokens") if chat else None
+    bound = bound if bound is not None else body.get("max_tokens")
+    return behaviour if bound is None else replace(behaviour, tokens=behaviour.tokens[:bound])
 
 
 async def _sleep_unless(seen: Seen, seconds: float) -> None:

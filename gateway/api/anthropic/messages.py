@@ -233,7 +233,7 @@ async def _count_tokens(request: Request, request_id: str) -> Response:
     body = parse(CountTokensRequest, await read_json(request, state.settings.http.max_body_bytes))
     service: CompletionService = state.service
     engine = service.engine_for(body.model, principal)
-    tokens = len(service.prompt_of(engine, body.chat_body(), "messages", {}, tools=True))  # what the engine bills
+    tokens = len(service.prompt_of(engine, body.chat_body(), "messages", {}))  # what the engine bills
     return json_response({"input_tokens": tokens}, headers={"request-id": request_id})
 
 

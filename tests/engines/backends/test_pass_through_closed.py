@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -53,6 +54,15 @@ async def rows_of(gw: Any, key_id: int) -> list[dict[str, Any]]:
             return [dict(r._mapping) for r in rows]
     finally:
         await db.dispose()
+
+
+async def limited_key(gw: Any, account_id: int, limits: dict[str, Any]) -> dict[str, Any]:
+    """A new key of the account with these limits (PATCH /admin/keys/{id})."""
+    key = await gw.new_key(account_id)
+    async with gw.admin_client() as admin:
+        r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": limits})
+        assert r.status_code == 200 and r.json()["limits"] == limits, r.text
+    return key
 
 
 # the policy on its own ---------------------------------------------------------------------------
@@ -126,7 +136,7 @@ async def test_a_tenant_cannot_spend_past_its_reservation_through_engine_fields(
         params: {{allow: [prompt_token_ids]}}
     """)
     account = await gw.new_account()
-    key = await gw.new_key(account["id"], limits={"monthly_tokens": 1000})
+    key = await limited_key(gw, account["id"], {"monthly_tokens": 1000})
     client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
     for name, value in [*ENGINE_INTERNAL.items(), ("best_of", 8)]:
         with pytest.raises(openai.BadRequestError) as refused:
@@ -148,6 +158,65 @@ async def test_a_tenant_cannot_spend_past_its_reservation_through_engine_fields(
     assert up.requests[-1].body["prompt_token_ids"] == ENGINE_INTERNAL["prompt_token_ids"]
     row = await gw.ledger_row(request_id_of(trusted.id))
     assert row["prompt_tokens"] == 5000 > 1000
+
+
+async def test_a_text_completion_without_max_tokens_goes_up_bounded_by_what_was_reserved(upstreams: Any, tollgate_with: Any) -> None:
+    """OpenAI's text completions default to 16 tokens, which the gateway reserves; trtllm-serve's
+    CompletionRequest.max_tokens defaults to None (openai_protocol.py at TRTLLM_SERVE_COMMIT): it
+    generates to the end of its context. The bound goes upstream, so the key's limit holds."""
+    up, url = upstreams()
+    up.default = Behaviour(tokens=["w"] * 40, bounded=True)  # trtllm-serve: without a max_tokens, all 40
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null\nparams: {policy: drop, upstream: trtllm-serve}"))
+    account = await gw.new_account()
+    for stream in (False, True):
+        key = await limited_key(gw, account["id"], {"monthly_tokens": 50})
+        client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+        if stream:
+            chunks = [c async for c in await client.completions.create(model="pool", prompt="hi", stream=True)]
+            text, rid = "".join(c.choices[0].text for c in chunks if c.choices), request_id_of(chunks[0].id)
+        else:
+            resp = await client.completions.create(model="pool", prompt="hi")
+            text, rid = resp.choices[0].text, request_id_of(resp.id)
+        assert up.requests[-1].body["max_tokens"] == 16 and text == "w" * 16
+        row = await gw.ledger_row(rid)
+        assert row["completion_tokens"] == 16 and row["prompt_tokens"] + row["completion_tokens"] <= 50, row
+    # what the client sets goes up as it is: a bound it chose, or none at all (the rest of the context, reserved)
+    client = await client_of(gw)
+    await client.completions.create(model="pool", prompt="hi", max_tokens=3)
+    assert up.requests[-1].body["max_tokens"] == 3
+    await client.completions.create(model="pool", prompt="hi", extra_body={"max_tokens": None})
+    assert up.requests[-1].body["max_tokens"] is None
+    # chat leaves the bound as the client set it (none: the rest of the context, reserved as such)
+    await client.chat.completions.create(model="pool", messages=QUESTION)
+    assert "max_tokens" not in up.requests[-1].body and "max_completion_tokens" not in up.requests[-1].body
+
+
+async def test_a_pass_through_prompts_tools_are_reserved_before_the_upstream_prefills_them(upstreams: Any, tollgate_with: Any) -> None:
+    """The tools go upstream with the body, and its chat template shows them to the model (vLLM even
+    with tool_choice "none"): the prompt it bills holds them. The reservation counts them, so a key
+    cannot spend past its limit with a long tool list and a small max_tokens."""
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null"))
+    account = await gw.new_account()
+    key = await limited_key(gw, account["id"], {"monthly_tokens": 1000})
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+    long_tool = [{"type": "function", "function": {"name": "lookup", "description": "a word " * 2500,
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+    for choice in ("auto", "none"):
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=5, tools=long_tool, tool_choice=choice)  # type: ignore[arg-type]
+    claude = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=key["key"], max_retries=0, timeout=30)
+    tool = {"name": "lookup", "description": "a word " * 2500, "input_schema": {"type": "object", "properties": {}}}
+    with pytest.raises(anthropic.RateLimitError):
+        await claude.messages.create(model="pool", max_tokens=5, messages=[{"role": "user", "content": "hi"}], tools=[tool])  # type: ignore[list-item]
+    assert up.requests == []  # refused at admission: nothing prefilled, nothing held
+    assert await rows_of(gw, key["id"]) == []
+    counted = await claude.messages.count_tokens(model="pool", messages=[{"role": "user", "content": "hi"}], tools=[tool])  # type: ignore[list-item]
+    assert counted.input_tokens > 5000
+    # the same question with a short tool goes through
+    short = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=5, tools=short)  # type: ignore[arg-type]
+    assert len(up.requests) == 1
 
 
 async def test_the_account_class_goes_upstream_as_each_server_ranks_it(upstreams: Any, tollgate_with: Any) -> None:
