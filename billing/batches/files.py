@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.batches.models import StoredFile
+from billing.batches.store import matchable
 from billing.models import utcnow
 
 FILES = StoredFile.__table__
@@ -74,17 +75,23 @@ class SqlFileStore:
         return info
 
     async def get(self, account_id: int, file_id: str) -> FileInfo | None:
+        if not matchable(file_id):
+            return None
         async with self._db.connect() as conn:
             row = (await conn.execute(sa.select(*_META).where(FILES.c.id == file_id, FILES.c.account_id == account_id))).first()
         return None if row is None else _info(row)
 
     async def content(self, account_id: int, file_id: str) -> bytes | None:
+        if not matchable(file_id):
+            return None
         async with self._db.connect() as conn:
             value = (await conn.execute(
                 sa.select(FILES.c.content).where(FILES.c.id == file_id, FILES.c.account_id == account_id))).scalar()
         return None if value is None else bytes(value)
 
     async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None) -> list[FileInfo]:
+        if not matchable(purpose, after):
+            return []  # as for any purpose or cursor naming no file
         query = sa.select(*_META).where(FILES.c.account_id == account_id)
         if purpose:
             query = query.where(FILES.c.purpose == purpose)
@@ -96,6 +103,8 @@ class SqlFileStore:
             return [_info(r) for r in (await conn.execute(query)).all()]
 
     async def delete(self, account_id: int, file_id: str) -> bool:
+        if not matchable(file_id):
+            return False
         async with self._db.begin() as conn:
             done = await conn.execute(FILES.delete().where(FILES.c.id == file_id, FILES.c.account_id == account_id))
         return bool(done.rowcount)

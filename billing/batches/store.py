@@ -28,6 +28,13 @@ class LeaseHeld(RuntimeError):
     """Another runner drives this batch now."""
 
 
+def matchable(*values: str | None) -> bool:
+    """Whether these ids, cursors or filters from a caller could name a row: none holds a NUL (no id
+    or name made here has one, and Postgres refuses one in a text parameter, failing the query), so
+    a value with one is answered as one that names nothing, without asking the database."""
+    return not any(v and "\x00" in v for v in values)
+
+
 def new_batch_id(prefix: str = "batch_") -> str:
     return prefix + secrets.token_hex(12)
 
@@ -78,6 +85,8 @@ class BatchStore:
         return found
 
     async def get(self, batch_id: str, account_id: int | None = None) -> dict[str, Any] | None:
+        if not matchable(batch_id):
+            return None
         query = sa.select(BATCHES).where(BATCHES.c.id == batch_id)
         if account_id is not None:
             query = query.where(BATCHES.c.account_id == account_id)
@@ -86,6 +95,8 @@ class BatchStore:
         return None if row is None else {k: _aware(v) if isinstance(v, datetime) else v for k, v in row.items()}
 
     async def list(self, account_id: int, api: str, *, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+        if not matchable(after):
+            return []  # as for any cursor naming no batch
         query = sa.select(BATCHES.c.id).where(BATCHES.c.account_id == account_id, BATCHES.c.api == api)
         if after:
             since = sa.select(BATCHES.c.created_at).where(BATCHES.c.id == after).scalar_subquery()

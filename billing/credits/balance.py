@@ -39,6 +39,7 @@ LEDGER = LedgerEntry.__table__
 MARKS = CreditUsageMark.__table__
 DEFAULT_SETTLE_SECONDS = 120.0  # > any ledger write transaction (statements time out after 60 s)
 MAX_NANOS = 2**53 - 1  # exact in the limiter's Lua numbers
+MAX_USD = Decimal(MAX_NANOS).scaleb(-9)  # the largest amount in USD (9007199.254740991): fits every BIGINT nanos column
 BILLING_MODES = ("postpaid", "prepaid")
 
 
@@ -60,8 +61,11 @@ def parse_usd(value: Any, field: str = "amount", *, signed: bool = False) -> int
         amount = Decimal(str(value))
     except InvalidOperation:
         raise CreditError(f"{field} must be a decimal number of USD", field) from None
-    if not amount.is_finite() or abs(amount) * NANOS_PER_USD > MAX_NANOS:
-        raise CreditError(f"{field} is out of range", field)
+    if not amount.is_finite():
+        raise CreditError(f"{field} must be a decimal number of USD", field)
+    # Bounded before any arithmetic (copy_abs and comparisons are exact): "1e999999" * 10**9 would overflow.
+    if amount.copy_abs() > MAX_USD:
+        raise CreditError(f"{field} must be between -{MAX_USD} and {MAX_USD} USD" if signed else f"{field} must be at most {MAX_USD} USD", field)
     if amount != amount.quantize(Decimal("1e-9")):
         raise CreditError(f"{field} may have at most 9 decimal places", field)
     nanos = int(amount * NANOS_PER_USD)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import MAXYEAR, MINYEAR, datetime, timedelta, timezone
 
 _PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
 
@@ -34,6 +34,8 @@ class Period:
     def month(cls, year: int, month: int) -> "Period":
         if not 1 <= month <= 12:
             raise InvalidPeriod(f"month {month} is not 1 to 12")
+        if not MINYEAR <= year or (year, month) > (MAXYEAR, 11):  # 9999-12 would end in the year 10000
+            raise InvalidPeriod(f"month {year:04d}-{month:02d} is out of range (0001-01 to {MAXYEAR}-11)")
         start = datetime(year, month, 1, tzinfo=timezone.utc)
         return cls(start, datetime(start.year + start.month // 12, start.month % 12 + 1, 1, tzinfo=timezone.utc))
 
@@ -56,8 +58,12 @@ class Period:
     @property
     def is_month(self) -> bool:
         start = self.start
-        return (start.day, start.hour, start.minute, start.second, start.microsecond) == (1, 0, 0, 0, 0) \
-            and self.end == Period.month(start.year, start.month).end
+        if (start.day, start.hour, start.minute, start.second, start.microsecond) != (1, 0, 0, 0, 0):
+            return False
+        try:
+            return self.end == Period.month(start.year, start.month).end
+        except InvalidPeriod:  # 9999-12: no month ends in the year 10000
+            return False
 
     @property
     def year(self) -> int:
@@ -86,12 +92,16 @@ class Period:
     # spans of whole hours (the aggregates' resolution) -------------------------------------------
     @classmethod
     def covering(cls, start: datetime, end: datetime) -> "Period":
-        """The whole hours that cover [start, end): at least one."""
-        first = _hour(start)
-        last = _hour(end)
-        if last < end.astimezone(timezone.utc):
-            last += timedelta(hours=1)
-        return cls(first, max(last, first + timedelta(hours=1)))
+        """The whole hours that cover [start, end): at least one. InvalidPeriod when they are not all
+        representable (from 0001-01-01 to 9999-12-31 UTC)."""
+        try:
+            first = _hour(start)
+            last = _hour(end)
+            if last < end.astimezone(timezone.utc):
+                last += timedelta(hours=1)
+            return cls(first, max(last, first + timedelta(hours=1)))
+        except OverflowError:
+            raise InvalidPeriod(f"the hours covering {start.isoformat()} to {end.isoformat()} are out of range") from None
 
     @classmethod
     def last_days(cls, days: int, now: datetime | None = None) -> "Period":

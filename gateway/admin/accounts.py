@@ -15,9 +15,10 @@ from billing.ledger.writer import usage_rows, usage_totals
 from billing.quota.limits import InvalidLimits, Limits
 from billing.prices.book import InvalidPrice
 from billing.quota import Scope
+from gateway.api.account.usage import parse_time
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.requests import MAX_ID, path_id, read_json
-from gateway.api.openai.protocol import StrictInt, _Model, parse
+from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
 from gateway.http.json_response import json_response
 
 StrictStr = Annotated[str, Field(strict=True)]
@@ -25,7 +26,7 @@ StrictStr = Annotated[str, Field(strict=True)]
 
 
 
-class CreateAccount(_Model):
+class CreateAccount(_StrictModel):
     name: str = Field(min_length=1, max_length=200)
 
     def check_supported(self) -> None:
@@ -33,7 +34,7 @@ class CreateAccount(_Model):
             raise InvalidRequest("name must not start or end with whitespace", param="name")
 
 
-class CreateKey(_Model):
+class CreateKey(_StrictModel):
     account_id: int = Field(strict=True, ge=1, le=MAX_ID)
     name: str | None = Field(default=None, max_length=200)
     models: list[str] | None = None
@@ -44,14 +45,14 @@ class CreateKey(_Model):
             self.expires_at = self.expires_at.replace(tzinfo=timezone.utc)
 
 
-class PatchLimits(_Model):
+class PatchLimits(_StrictModel):
     limits: dict[str, Any]
 
     def check_supported(self) -> None:
         return None
 
 
-class PatchAccount(_Model):
+class PatchAccount(_StrictModel):
     limits: dict[str, Any] | None = None
     priority: str | None = Field(default=None, max_length=32)  # the scheduling class; null: the top class
 
@@ -62,7 +63,7 @@ class PatchAccount(_Model):
             raise InvalidRequest("limits must be an object", param="limits", code="invalid_value")
 
 
-class AddPrice(_Model):
+class AddPrice(_StrictModel):
     model: str = Field(min_length=1, max_length=128)
     input_per_million: StrictStr | StrictInt  # strict: JSON true is no price
     output_per_million: StrictStr | StrictInt
@@ -89,20 +90,27 @@ def _int_param(request: Request, name: str) -> int | None:
 
 
 def _time_param(request: Request, name: str) -> datetime | None:
-    raw = request.query_params.get(name)
-    if not raw:
-        return None
-    try:
-        if raw.isdigit():
-            return datetime.fromtimestamp(int(raw), tz=timezone.utc)
-        value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except (ValueError, OverflowError, OSError):
-        raise InvalidRequest(f"{name} must be an ISO 8601 time or a Unix timestamp", param=name) from None
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    """As GET /v1/usage reads its times: within the range the database and datetime both hold."""
+    return parse_time(request.query_params.get(name), name)
 
 
 def _path_id(request: Request, name: str = "key_id", what: str = "key") -> int:
     return path_id(request, name, what)
+
+
+def _computable_limits(limits: Any) -> None:
+    """A 400 naming the limit whose value the limit parser cannot even compute with (a USD amount such
+    as "1e999999" overflows the decimal context where it is scaled to nanos); any other bad value is
+    left to that parser's own InvalidLimits."""
+    if not isinstance(limits, dict):
+        return
+    for name, value in limits.items():
+        try:
+            Limits().patched({name: value})
+        except InvalidLimits:
+            pass
+        except ArithmeticError:  # decimal.Overflow and its kin
+            raise InvalidRequest(f"{name} is too large", param=f"limits.{name}", code="invalid_value") from None
 
 
 async def _patched_limits(
@@ -111,6 +119,7 @@ async def _patched_limits(
     state = request.app.state
     if body is None:
         body = parse(PatchLimits, await read_json(request, state.settings.http.max_body_bytes))
+    _computable_limits(body.limits)
     try:
         updated = await apply(scope_id, body.limits)
     except InvalidLimits as exc:

@@ -15,13 +15,13 @@ from billing.alerts.spend import AlertService
 from billing.credits.balance import CreditError, parse_usd
 from gateway.admin.accounts import StrictStr
 from gateway.admin.credits import account_id_param
-from gateway.api.openai.protocol import StrictInt, _Model, parse
+from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
 from gateway.http.errors import InvalidRequest, NotFound
 from gateway.http.json_response import json_response
 from gateway.http.requests import read_json
 
 
-class AddAlert(_Model):
+class AddAlert(_StrictModel):
     metric: str = Field(min_length=1, max_length=16)
     threshold: StrictStr | StrictInt | None = None  # USD for spend and balance, tokens for monthly_tokens
     percent: StrictInt | None = Field(default=None, ge=1, le=1000)

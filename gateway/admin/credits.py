@@ -29,13 +29,13 @@ from billing.stripe.checkout import CheckoutService
 from gateway.admin.accounts import StrictStr
 from gateway.admin.guard import admin_principal
 from gateway.api.account.credits import cents, checkout_service, credit_book, statement_for, statement_id, statement_response
-from gateway.api.openai.protocol import StrictInt, _Model, parse
+from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
 from gateway.http.errors import InvalidRequest, NotFound
 from gateway.http.json_response import json_response
 from gateway.http.requests import id_value, path_id, read_json
 
 
-class AddCredit(_Model):
+class AddCredit(_StrictModel):
     kind: str = Field(min_length=1, max_length=16)
     amount: StrictStr | StrictInt  # USD; a refund may be given positive (it is debited)
     reason: str | None = Field(default=None, max_length=2000)
@@ -46,7 +46,7 @@ class AddCredit(_Model):
             self.expires_at = self.expires_at.replace(tzinfo=timezone.utc)
 
 
-class BillingMode(_Model):
+class BillingMode(_StrictModel):
     billing_mode: str = Field(min_length=1, max_length=16)
 
     def check_supported(self, passthrough: bool = False) -> None:
@@ -121,7 +121,7 @@ async def admin_billing_mode(request: Request) -> Response:
     return json_response(result)
 
 
-class Recharge(_Model):
+class Recharge(_StrictModel):
     recharge_below: StrictStr | StrictInt | None = None
     recharge_amount: StrictStr | StrictInt | None = None
 

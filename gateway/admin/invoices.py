@@ -35,7 +35,7 @@ from billing.prices.book import InvalidPrice, PriceConflict
 from billing.stripe.sync import StripeSyncError, StripeTotalMismatch
 from gateway.admin.accounts import StrictStr
 from gateway.api.account.documents import billing_of, credit_note_response, document_format, invoice_response, period_param, query_id
-from gateway.api.openai.protocol import StrictInt, _Model, parse
+from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
 from gateway.billing import StripeFailed
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.json_response import json_response
@@ -65,7 +65,7 @@ async def admin_invoice(request: Request) -> Response:
     return invoice_response(invoice, fmt)
 
 
-class CloseRequest(_Model):
+class CloseRequest(_StrictModel):
     period: str
     wait: bool = True
 
@@ -139,7 +139,7 @@ async def admin_account_prices(request: Request) -> Response:
     return json_response({"object": "list", "account_id": account["id"], "data": [o.view() for o in overrides], "effective": effective})
 
 
-class AddOverride(_Model):
+class AddOverride(_StrictModel):
     model: str = Field(min_length=1, max_length=128)
     input_per_million: StrictStr | StrictInt | None = None  # strict: JSON true is no price
     output_per_million: StrictStr | StrictInt | None = None
@@ -223,7 +223,7 @@ async def admin_delete_tax_rate(request: Request) -> Response:
     return json_response({"object": "tax_rate", "country": request.path_params["country"].upper(), "deleted": True})
 
 
-class CreditNoteBody(_Model):
+class CreditNoteBody(_StrictModel):
     amount_cents: StrictInt | None = None
     reason: str | None = None
     memo: str | None = Field(default=None, max_length=500)

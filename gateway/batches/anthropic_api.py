@@ -103,7 +103,7 @@ async def _results(request: Request, request_id: str) -> Response:
 async def _list(request: Request, request_id: str) -> Response:
     state, principal = await _caller(request)
     raw = request.query_params.get("limit") or "20"
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= 1000:  # not '²', nor 5,000 digits
         raise InvalidRequest("limit: must be an integer from 1 to 1000", param="limit")
     limit = int(raw)
     found = await state.batch_store.list(principal.account_id, "anthropic", limit=limit + 1, after=request.query_params.get("after_id") or None)

@@ -32,7 +32,7 @@ def _limit(request: Request, default: int, most: int) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:  # not '²', nor 5,000 digits
         raise InvalidRequest(f"limit must be an integer from 1 to {most}", param="limit")
     return int(raw)
 
@@ -123,7 +123,7 @@ async def create_batch(request: Request) -> Response:
         raise InvalidRequest("input_file_id is required", param="input_file_id")
     if endpoint not in OPENAI_ENDPOINTS:
         raise InvalidRequest(f"endpoint must be one of {list(OPENAI_ENDPOINTS)}", param="endpoint", code="invalid_value")
-    if window not in WINDOWS:
+    if not isinstance(window, str) or window not in WINDOWS:  # a list or object is no key of WINDOWS
         raise InvalidRequest(f"completion_window must be one of {list(WINDOWS)}", param="completion_window", code="invalid_value")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
                                  or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512

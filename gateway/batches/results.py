@@ -35,7 +35,10 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str
         raise BadInput("the file is not UTF-8 text") from None
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), 1):
+    # Lines end at "\n" (or "\r\n") only: str.splitlines() would also split at U+2028, U+2029, U+0085...,
+    # which a JSON string may hold unescaped.
+    for number, raw in enumerate(text.split("\n"), 1):
+        raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         try:
@@ -47,6 +50,8 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str
         custom_id = item.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255:
             raise BadInput("custom_id must be a string of 1 to 255 characters", number)
+        if "\x00" in custom_id:  # no database text column can hold one
+            raise BadInput("custom_id must not contain NUL characters (\\u0000)", number)
         if custom_id in seen:
             raise BadInput(f"custom_id {custom_id!r} is used twice; each must be unique", number)
         seen.add(custom_id)

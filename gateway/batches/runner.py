@@ -234,6 +234,8 @@ class BatchRunner:
         """The line as a request to its route in this app; (status, body, Retry-After seconds)."""
         raw = orjson.loads(body)
         if isinstance(raw, dict) and "stream" in raw:
+            if raw["stream"]:
+                raw.pop("stream_options", None)  # the options of a stream it no longer is (the route refuses them then)
             raw["stream"] = False  # a batch line's answer is one body
         payload = orjson.dumps(raw)
         scope: dict[str, Any] = {

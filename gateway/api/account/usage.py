@@ -25,8 +25,11 @@ from gateway.http.json_response import json_response
 
 DEFAULT_DAYS = 30
 MAX_DAYS = 3 * 366
-
-
+# The instants a usage query may name: from the Unix epoch (no usage is older) to well before the
+# end of datetime's range, so the whole hours covering them (and a default start 30 days before an
+# end) can always be computed.
+EARLIEST = datetime(1970, 1, 1, tzinfo=timezone.utc)
+LATEST = datetime(9999, 12, 1, tzinfo=timezone.utc)
 
 
 async def caller(request: Request) -> Principal:
@@ -48,7 +51,15 @@ def parse_time(raw: str | None, name: str) -> datetime | None:
             value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
     except (ValueError, OverflowError, OSError):
         raise InvalidRequest(f"{name} must be an ISO 8601 date or time, or a Unix timestamp", param=name) from None
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    value = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    try:
+        in_range = EARLIEST <= value.astimezone(timezone.utc) <= LATEST
+    except OverflowError:  # 0001-01-01T00:00:00+01:00 is before the first UTC instant datetime holds
+        in_range = False
+    if not in_range:
+        raise InvalidRequest(f"{name} must be between {EARLIEST.isoformat()} and {LATEST.isoformat()}", param=name,
+                             code="invalid_value")
+    return value
 
 
 def parse_period(request: Request) -> Period:

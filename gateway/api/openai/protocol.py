@@ -18,6 +18,13 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _StrictModel(_Model):
+    """A body of Tollgate's own admin API: a field it does not know is a 400 naming it, never dropped
+    in silence (a misplaced `limits` on a new key would leave that key unlimited)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class StreamOptions(_Model):
     include_usage: StrictBool | None = None
 
@@ -213,9 +220,12 @@ def parse(model: type[_Model], body: Any, *, passthrough: bool = False) -> Any:
         kind = first.get("type", "")
         if kind == "missing":
             message = f"missing required parameter: {param!r}"
+        elif kind == "extra_forbidden":
+            message = f"unknown parameter: {param!r}"
         else:
             message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
-        raise InvalidRequest(message, param=param or None, code="invalid_value" if kind != "missing" else "missing_required_parameter") from None
+        code = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}.get(kind, "invalid_value")
+        raise InvalidRequest(message, param=param or None, code=code) from None
     if isinstance(request, _SamplingFields):  # only generation requests keep the body they came as
         request.__pydantic_private__["_raw"] = body  # type: ignore[index]  # `request._raw = body`, minus pydantic's __setattr__
     if passthrough:

@@ -119,3 +119,22 @@ async def test_keys_never_appear_in_logs(gateway: Gateway, caplog: pytest.LogCap
         await c.post("/chat/completions", headers={"Authorization": f"Bearer {key['key']}"}, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
     text = caplog.text
     assert key["key"] not in text and wrong not in text
+
+
+async def test_an_admin_body_field_the_api_does_not_know_is_a_400_naming_it(gateway: Gateway) -> None:
+    """A misplaced or mistyped field is refused, not dropped: `limits` given when a key is created
+    (limits are set with PATCH /admin/keys/{id}) would otherwise leave the new key unlimited."""
+    async with gateway.admin_client() as admin:
+        account = (await admin.post("/admin/accounts", json={"name": "strict-bodies"})).json()
+        r = await admin.post("/admin/keys", json={"account_id": account["id"], "limits": {"monthly_tokens": 10}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": "unknown parameter: 'limits'", "type": "invalid_request_error",
+                                     "param": "limits", "code": "unknown_parameter"}
+        assert (await admin.get("/admin/keys", params={"account_id": account["id"]})).json()["data"] == []  # no key made
+        key = (await admin.post("/admin/keys", json={"account_id": account["id"]})).json()
+        r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"monthly_tokens": 10}, "limit": {"rpm": 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+        r = await admin.post(f"/admin/accounts/{account['id']}/credits", json={"amount": "5", "kind": "grant", "note": "y"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "note", r.text
+        r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"monthly_tokens": 10}})
+        assert r.status_code == 200 and r.json()["limits"] == {"monthly_tokens": 10}

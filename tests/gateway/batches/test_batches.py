@@ -343,3 +343,162 @@ async def test_a_failed_round_of_the_runner_is_reported_and_the_next_ones_run(ba
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert (await ended(client, batch.id)).status == "completed"
     assert runner.loop.alive
+
+
+def openai_error(r: httpx.Response, param: str) -> dict[str, Any]:
+    """A 400 in OpenAI's shape that names `param`."""
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", error
+    assert error["param"] == param, error
+    return dict(error)
+
+
+async def test_an_unhashable_completion_window_is_a_400_naming_it(batch_gateway: Gateway) -> None:
+    gw = batch_gateway
+    key = (await gw.new_key())["key"]
+    client = openai_client(gw, key)
+    good = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1))), purpose="batch")
+    async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key}"}) as raw:
+        for window in ([], {}, ["24h"], {"24h": 1}):
+            r = await raw.post("/v1/batches", json={"input_file_id": good.id, "endpoint": "/v1/chat/completions",
+                                                    "completion_window": window})
+            assert "completion_window" in openai_error(r, "completion_window")["message"]
+    batch = await client.batches.create(input_file_id=good.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert (await ended(client, batch.id)).status == "completed"  # the server still serves
+
+
+async def test_a_limit_of_unicode_digits_is_a_400_in_each_api(batch_gateway: Gateway) -> None:
+    gw = batch_gateway
+    key = (await gw.new_key())["key"]
+    async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key}"}) as raw:
+        for path in ("/v1/batches", "/v1/files"):
+            for limit in ("²", "١٢", "𝟓", "9" * 5000):  # str.isdigit() holds for each; int() refuses '²' and 5,000 digits
+                openai_error(await raw.get(path, params={"limit": limit}), "limit")
+            assert (await raw.get(path, params={"limit": "2"})).status_code == 200
+    async with httpx.AsyncClient(base_url=gw.base_url, headers={"x-api-key": key, "anthropic-version": "2023-06-01"}) as raw:
+        for limit in ("²", "³", "9" * 5000):
+            r = await raw.get("/v1/messages/batches", params={"limit": limit})
+            assert r.status_code == 400, r.text
+            body = r.json()
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+            assert "limit" in body["error"]["message"], body
+        assert (await raw.get("/v1/messages/batches", params={"limit": "2"})).status_code == 200
+
+
+async def test_a_nul_in_an_input_line_is_refused_with_its_line_number(batch_gateway: Gateway) -> None:
+    import openai
+
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+
+    def line(custom_id: str, content: str) -> bytes:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}}).encode() + b"\n"
+
+    for custom_id in ("a\u0000b", "\u0000"):  # a text column (custom_id) cannot hold a NUL
+        bad = line(custom_id, "Hi")
+        assert b"\\u0000" in bad
+        uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2) + bad)), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        body = caught.value.body  # type: ignore[attr-defined]
+        assert (body["param"], body["code"]) == ("input_file_id", "invalid_jsonl"), body
+        assert "line 3" in body["message"] and "NUL" in body["message"], body
+    # A NUL in a line's body is stored escaped (the body is JSON text): the line runs and its route
+    # refuses it as it refuses any request body with one, a 400 in the error file.
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1) + line("nul", "H\u0000i"))), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = await ended(client, batch.id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 1), batch
+    [bad_line] = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).content.splitlines()]
+    assert bad_line["custom_id"] == "nul" and bad_line["response"]["status_code"] == 400, bad_line
+    assert "NUL" in bad_line["response"]["body"]["error"]["message"], bad_line
+
+
+async def test_line_separators_inside_json_strings_do_not_split_lines(batch_gateway: Gateway) -> None:
+    import openai
+
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+    texts = ["one\u2028two", "three\u2029four", "five\u0085six"]  # unescaped with ensure_ascii=False: legal JSON
+    content = "".join(json.dumps({"custom_id": f"s-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": {"model": MODEL, "messages": [{"role": "user", "content": t}], "max_tokens": 2}},
+                                 ensure_ascii=False) + ("\r\n" if i % 2 else "\n") for i, t in enumerate(texts)).encode()
+    assert "\u2028".encode() in content and "\u0085".encode() in content
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.request_counts.total == 3
+    batch = await ended(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    output = [json.loads(x) for x in (await client.files.content(batch.output_file_id)).content.split(b"\n") if x]
+    assert sorted(x["custom_id"] for x in output) == ["s-0", "s-1", "s-2"]
+    # A bad line after them is named by its own number.
+    broken = await client.files.create(file=("in.jsonl", io.BytesIO(content + b"{not json\n")), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.batches.create(input_file_id=broken.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert "line 4: not valid JSON" in caught.value.body["message"], caught.value.body  # type: ignore[attr-defined]
+
+
+async def test_a_streaming_line_with_stream_options_is_answered_in_one_body(batch_gateway: Gateway) -> None:
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(lines_for("/v1/chat/completions", [body]))), purpose="batch")
+    batch = await ended(client, (await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                             completion_window="24h")).id)
+    errors = (await client.files.content(batch.error_file_id)).content if batch.error_file_id else b""
+    assert batch.status == "completed" and batch.request_counts.completed == 1, (batch, errors)
+    [ok] = [json.loads(x) for x in (await client.files.content(batch.output_file_id)).content.splitlines()]
+    assert ok["response"]["status_code"] == 200 and ok["response"]["body"]["object"] == "chat.completion", ok
+    assert ok["response"]["body"]["usage"]["completion_tokens"] >= 1
+
+
+OPENAI_NOT_FOUND = {"batch": ("batch_id", "batch_not_found"), "file": ("id", "file_not_found")}
+
+
+@pytest.mark.parametrize("method, path, params, expect", [
+    ("GET", "/v1/batches/a%00b", {}, "batch"),
+    ("POST", "/v1/batches/a%00b/cancel", {}, "batch"),
+    ("GET", "/v1/files/a%00b", {}, "file"),
+    ("GET", "/v1/files/a%00b/content", {}, "file"),
+    ("DELETE", "/v1/files/a%00b", {}, "file"),
+    ("GET", "/v1/batches", {"after": "a\x00b"}, "as_unknown"),
+    ("GET", "/v1/files", {"after": "a\x00b"}, "as_unknown"),
+    ("GET", "/v1/files", {"purpose": "a\x00b"}, "as_unknown"),
+    ("GET", "/v1/messages/batches/a%00b", {}, "anthropic"),
+    ("GET", "/v1/messages/batches/a%00b/results", {}, "anthropic"),
+    ("POST", "/v1/messages/batches/a%00b/cancel", {}, "anthropic"),
+    ("GET", "/v1/messages/batches", {"after_id": "a\x00b"}, "as_unknown"),
+    ("GET", "/v1/messages/batches", {"before_id": "a\x00b"}, "as_unknown"),
+])
+async def test_a_nul_in_an_id_or_cursor_is_answered_as_an_unknown_one(batch_gateway: Gateway, method: str, path: str,
+                                                                       params: dict[str, str], expect: str) -> None:
+    """Postgres refuses a NUL in a text parameter: such an id matches nothing (404 in the API's shape),
+    such a cursor or filter answers as an unknown one does, and the server goes on serving."""
+    gw = batch_gateway
+    key = (await gw.new_key())["key"]
+    client = openai_client(gw, key)
+    own = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1))), purpose="batch")  # a page to skip past
+    anthropic = path.startswith("/v1/messages/")
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"} if anthropic else {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=30) as raw:
+        r = await raw.request(method, path, params=params)
+        if expect == "as_unknown":  # the same answer as for a cursor or filter naming nothing
+            unknown = await raw.request(method, path, params={k: "nope" for k in params})
+            assert (r.status_code, r.json()) == (unknown.status_code, unknown.json()), r.text
+            assert r.status_code == 200 and r.json()["data"] == [], r.text
+        elif expect == "anthropic":
+            assert r.status_code == 404, r.text
+            body = r.json()
+            assert body["type"] == "error" and body["error"]["type"] == "not_found_error", body
+            assert isinstance(body["error"]["message"], str), body
+        else:
+            assert r.status_code == 404, r.text
+            error = r.json()["error"]
+            assert set(error) >= {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", error
+            assert (error["param"], error["code"]) == OPENAI_NOT_FOUND[expect], error
+    # The server still serves, on this connection pool and with the database.
+    assert (await client.files.retrieve(own.id)).id == own.id
+    assert own.id in [f.id for f in (await client.files.list(purpose="batch")).data]
