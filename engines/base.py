@@ -101,7 +101,10 @@ class EngineOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # set on the last output only
     prompt_tokens: int = 0
-    completion_tokens: int = 0  # cumulative
+    # Cumulative. An estimate (`estimated`) may be raised after the output was yielded, once only: by
+    # an engine whose stream is closed before its final output (the client left, a write failed), to
+    # the count of everything it relayed, which is what the request's row is then billed.
+    completion_tokens: int = 0
     estimated: bool = False  # counts not from the engine's own token ids
     error: str | None = None
     queue_ms: float | None = None  # time the request waited (gateway queue + inside the engine) before running

@@ -88,7 +88,9 @@ def _parse(name: str, value: Any) -> int | Decimal:
         raise InvalidLimits(f"{name} must be a decimal number of USD", param) from None
     if not amount.is_finite() or amount < 0:
         raise InvalidLimits(f"{name} must be a non-negative amount of USD", param)
-    if amount * NANOS_PER_USD > MAX_INT_LIMIT:  # before quantizing: 1e400 cannot be quantized at all
+    # Compared in USD, before any arithmetic: "1e999999" * 10**9 overflows the decimal context, and
+    # 1e400 cannot be quantized at all.
+    if amount > Decimal(MAX_INT_LIMIT).scaleb(-9):
         raise InvalidLimits(f"{name} is too large", param)
     if amount != amount.quantize(Decimal("1e-9")):
         raise InvalidLimits(f"{name} may have at most 9 decimal places", param)

@@ -633,6 +633,7 @@ class OpenAIPoolEngine(Engine):
         batch: list[EngineOutput] = []  # outputs read, not yet yielded: they leave together as one
         deadline = loop.time() + self.first_token_timeout
         clean_end = False
+        relayed: EngineOutput | None = None  # the latest output yielded
         try:
             while True:
                 try:
@@ -642,6 +643,7 @@ class OpenAIPoolEngine(Engine):
                         # About to wait for the network: what arrived so far leaves now, as one output.
                         out = batch.pop()
                         out.before, batch = batch or None, []
+                        relayed = out
                         yield out
                         continue
                     else:
@@ -725,6 +727,11 @@ class OpenAIPoolEngine(Engine):
                 yield final
                 return
         finally:
+            if not clean_end and relayed is not None and relayed.estimated and relayed.finish_reason is None:
+                # Closed before the end (the client left, a write failed): the row is billed from the
+                # latest output, whose count is of chunks (a server may stream several tokens a chunk:
+                # vLLM's stream_interval, speculative decoding). Counted instead: the text relayed.
+                relayed.completion_tokens = max(relayed.completion_tokens, self.counter.count(merged.generated_text()))
             self.pool.release(replica)
             live.exchange = None
             await exchange.close(grace=1.0 if clean_end else 0.0)

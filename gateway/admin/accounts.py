@@ -98,28 +98,12 @@ def _path_id(request: Request, name: str = "key_id", what: str = "key") -> int:
     return path_id(request, name, what)
 
 
-def _computable_limits(limits: Any) -> None:
-    """A 400 naming the limit whose value the limit parser cannot even compute with (a USD amount such
-    as "1e999999" overflows the decimal context where it is scaled to nanos); any other bad value is
-    left to that parser's own InvalidLimits."""
-    if not isinstance(limits, dict):
-        return
-    for name, value in limits.items():
-        try:
-            Limits().patched({name: value})
-        except InvalidLimits:
-            pass
-        except ArithmeticError:  # decimal.Overflow and its kin
-            raise InvalidRequest(f"{name} is too large", param=f"limits.{name}", code="invalid_value") from None
-
-
 async def _patched_limits(
     request: Request, apply: Any, scope_kind: str, scope_id: int, what: str, body: Any = None
 ) -> Response:
     state = request.app.state
     if body is None:
         body = parse(PatchLimits, await read_json(request, state.settings.http.max_body_bytes))
-    _computable_limits(body.limits)
     try:
         updated = await apply(scope_id, body.limits)
     except InvalidLimits as exc:

@@ -276,11 +276,13 @@ class CompletionService:
         """The engine's outputs; whatever happens, the admission is settled (its one ledger row)."""
         status: str | None = None
         last: EngineOutput | None = None
+        seen: EngineOutput | None = None
         try:
             async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
                 async for out in outputs:
                     if last is not None:
                         break  # an engine that goes on after its final output: nothing after it counts
+                    seen = out
                     # The engine's stream has the request: the place admit() took is the stream's now,
                     # freed when it ends; settling has none left to give back.
                     admission.slot = None
@@ -300,6 +302,9 @@ class CompletionService:
             gen.error = failure_text(exc)
             raise
         finally:
+            if last is None and seen is not None and seen.estimated:
+                # Closed early: the engine, closed by now, may have raised its estimate (EngineOutput).
+                gen.completion_tokens = max(gen.completion_tokens, seen.completion_tokens)
             admission.settle(status)  # on completion, on engine failure, and when the consumer closes us early
         if last is not None:
             yield last

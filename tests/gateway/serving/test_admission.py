@@ -20,6 +20,7 @@ from billing.keys.store import Principal
 from billing.ledger.writer import LedgerWriter, UsageRecord
 from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, MemoryLimiter
+from engines.backends.openai_pool import OpenAIPoolEngine
 from engines.base import EngineOverloadedError, EngineRequest
 from engines.wrappers.scheduler import ScheduledEngine
 from gateway.http.errors import RateLimited
@@ -27,7 +28,9 @@ from gateway.serving.generate import answer
 from gateway.api.openai.protocol import ChatCompletionRequest, parse
 from gateway.serving.generation_response import GenerationResponse
 from gateway.serving.completions import CompletionService
+from tests.conftest import ServerThread
 from tests.fakes.engine import FakeEngine
+from tests.fakes.upstream import Behaviour, ScriptedUpstream
 
 MODEL = "fake"
 
@@ -162,3 +165,34 @@ async def test_a_stream_read_to_its_end_settles_once_before_its_last_output(setu
     assert [(r.request_id, r.status, r.completion_tokens) for r in setup.rows] == [("r5", "completed", 3)]
     assert [rid for rid, _ in setup.settled] == ["r5"] and setup.place_is_free()
     await setup.close()
+
+
+async def test_a_pass_through_stream_closed_early_is_billed_the_text_it_relayed(setup: Setup) -> None:
+    """A pool's outputs count a token a chunk until the upstream's usage comes; a server may stream
+    several tokens a chunk (vLLM's stream_interval, speculative decoding). A stream closed before its
+    end (the response's write failed: it closes the stream) is billed the count of the text relayed."""
+    up = ScriptedUpstream()
+    up.default = Behaviour(tokens=[" one two three four"] * 8, stall_after=3)  # 3 chunks, then silence
+    server = ServerThread(up).__enter__()
+    pool = OpenAIPoolEngine(model_id="pool", replicas=[f"http://127.0.0.1:{server.port}/v1"], context_length=4096,
+                            health_path=None, retries=0)
+    await pool.start()
+    try:
+        service = CompletionService({"pool": ScheduledEngine(pool, capacity=2, reserve=0, max_queue=2)}, setup.ledger, limiter=setup.limiter)
+        body = parse(ChatCompletionRequest, {"model": "pool", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+                                             "stream": True}, passthrough=True)
+        gen = service.prepare_chat(principal(), body, "r9")
+        outputs = service.metered(gen, await service.admit(gen))
+        relayed = ""
+        async for out in outputs:
+            relayed += "".join(p.text for p in out.before or ()) + out.text
+            if relayed.count("four") == 3:
+                break
+        await outputs.aclose()  # what GenerationResponse does when a write fails
+        await service.drain()
+        [row] = setup.rows
+        assert row.estimated and row.completion_tokens == pool.counter.count(relayed) == 12, row
+    finally:
+        await pool.stop()
+        server.__exit__()
+        await setup.close()
