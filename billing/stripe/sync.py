@@ -7,12 +7,15 @@
                 subtotal, shared over the lines so they sum to it exactly)
              -> total compared with ours -> finalized -> sent (per config) -> total compared again
     credit note -> a Stripe credit note on the invoice: pre-payment while it is open, else to the
-                customer's balance (which Stripe applies to the next invoice)
+                customer's balance (which Stripe applies to the next invoice); one that has not
+                reached Stripe goes with the next push of its invoice or push_pending, whatever our
+                invoice's status is now (a void or paid one included)
 
 Every create carries a deterministic idempotency key, and every Stripe id is stored as soon as it
 is known. Stripe keeps idempotency keys for about 24 hours only, so a re-run also looks for what
 an interrupted run made before creating anything: the customer by metadata (search), the invoice
-among the customer's invoices, the items among the invoice's items (both by metadata). A total
+among the customer's invoices, the items among the invoice's items, a credit note among the
+invoice's credit notes (all by metadata). A total
 that differs from ours is an error (recorded on the invoice and raised), never silent.
 """
 
@@ -157,8 +160,11 @@ class StripeSync:
     # invoices ----------------------------------------------------------------------------------
     async def push(self, invoice_id: int) -> dict[str, Any]:
         """Makes the Stripe side of one invoice complete. Safe to repeat at any point."""
+        invoice, lines = await self._load(invoice_id)
+        if invoice.status != "open" or invoice.total_cents <= 0:
+            return await self._push_notes_only(invoice)
         try:
-            return await self._push(invoice_id)
+            return await self._push(invoice, lines)
         except StripeError as exc:
             await self._record(invoice_id, stripe_error=f"{type(exc).__name__}: {exc.user_message or exc}")
             raise
@@ -166,10 +172,19 @@ class StripeSync:
             await self._record(invoice_id, stripe_error=str(exc))
             raise
 
-    async def _push(self, invoice_id: int) -> dict[str, Any]:
-        invoice, lines = await self._load(invoice_id)
-        if invoice.status != "open" or invoice.total_cents <= 0:
-            return self._result(invoice, "skipped: nothing to collect")
+    async def _push_notes_only(self, invoice: Any) -> dict[str, Any]:
+        """Nothing to collect (void, paid, zero): only its credit notes that have not reached Stripe
+        (a void's note whose push failed: without it Stripe would still collect the invoice). A
+        note's failure is recorded on the note and raised; the invoice's own Stripe state is kept."""
+        notes = await self._push_waiting_credit_notes(invoice.id) if invoice.stripe_invoice_id else []
+        synced = any(n["result"] == "synced" for n in notes)
+        result = self._result(invoice, "credit notes synced" if synced else "skipped: nothing to collect")
+        if notes:
+            result["credit_notes"] = notes
+        return result
+
+    async def _push(self, invoice: Any, lines: list[Any]) -> dict[str, Any]:
+        invoice_id = int(invoice.id)
         if len(lines) > MAX_ITEMS:
             raise StripeSyncError(f"invoice {invoice.number} has {len(lines)} lines; a Stripe invoice holds at most {MAX_ITEMS}")
         customer = await self.ensure_customer(invoice.account_id)
@@ -200,16 +215,18 @@ class StripeSync:
             stripe_synced_at=utcnow(),
             stripe_error=None,
         )
-        await self._push_waiting_credit_notes(invoice_id)  # issued before the invoice reached Stripe
+        notes = await self._push_waiting_credit_notes(invoice_id)  # issued before the invoice reached Stripe, or failed
         invoice, _ = await self._load(invoice_id)
-        return self._result(invoice, "synced")
+        result = self._result(invoice, "synced")
+        if notes:
+            result["credit_notes"] = notes
+        return result
 
-    async def _push_waiting_credit_notes(self, invoice_id: int) -> None:
+    async def _push_waiting_credit_notes(self, invoice_id: int) -> list[dict[str, Any]]:
         async with self._db.connect() as conn:
             ids = [int(i) for i in (await conn.execute(sa.select(CREDIT_NOTES.c.id).where(
                 CREDIT_NOTES.c.invoice_id == invoice_id, CREDIT_NOTES.c.stripe_credit_note_id.is_(None)).order_by(CREDIT_NOTES.c.id))).scalars()]
-        for note_id in ids:
-            await self.push_credit_note(note_id)
+        return [await self.push_credit_note(note_id) for note_id in ids]
 
     def _should_send(self, invoice: Any, remote: dict[str, Any]) -> bool:
         return (
@@ -314,7 +331,9 @@ class StripeSync:
             )
 
     async def push_pending(self) -> list[dict[str, Any]]:
-        """Pushes every open invoice whose Stripe side is unfinished; a mismatch waits for a person."""
+        """Pushes every open invoice whose Stripe side is unfinished (a mismatch waits for a person),
+        then every credit note not yet on Stripe whose invoice is there, whatever our invoice's
+        status now (a void's note whose push failed would otherwise leave Stripe collecting it)."""
         query = sa.select(INVOICES.c.id).where(
             INVOICES.c.status == "open",
             INVOICES.c.total_cents > 0,
@@ -330,31 +349,51 @@ class StripeSync:
             except (StripeError, StripeSyncError) as exc:
                 log.error("Stripe sync of invoice %s failed: %s", invoice_id, exc)
                 results.append({"id": invoice_id, "result": f"error: {exc}"})
+        notes = sa.select(CREDIT_NOTES.c.id).join(INVOICES, INVOICES.c.id == CREDIT_NOTES.c.invoice_id).where(
+            CREDIT_NOTES.c.stripe_credit_note_id.is_(None), INVOICES.c.stripe_invoice_id.is_not(None)).order_by(CREDIT_NOTES.c.id)
+        async with self._db.connect() as conn:
+            note_ids = [int(i) for i in (await conn.execute(notes)).scalars()]
+        for note_id in note_ids:
+            try:
+                results.append(await self.push_credit_note(note_id))
+            except StripeError as exc:
+                log.error("Stripe sync of credit note %s failed: %s", note_id, exc)
+                results.append({"id": note_id, "object": "credit_note", "result": f"error: {exc}"})
         return results
 
     # credit notes --------------------------------------------------------------------------------
     async def push_credit_note(self, note_id: int) -> dict[str, Any]:
-        """The Stripe credit note of one of ours; skipped while its invoice has no Stripe invoice."""
+        """The Stripe credit note of one of ours, exactly once: an earlier run's note (its response
+        lost, maybe more than the ~24 hours Stripe keeps an idempotency key) is found among the
+        invoice's credit notes by metadata and adopted. Skipped while its invoice has no Stripe
+        invoice, or one that takes no credit note (a draft: the invoice's push finalizes it first;
+        a void)."""
         async with self._db.connect() as conn:
             note = (await conn.execute(sa.select(CREDIT_NOTES).where(CREDIT_NOTES.c.id == note_id))).one()
             invoice = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.id == note.invoice_id))).one()
+        result: dict[str, Any] = {"id": note.id, "object": "credit_note", "number": note.number}
         if note.stripe_credit_note_id:
-            return {"id": note.id, "result": "synced", "stripe_credit_note_id": note.stripe_credit_note_id}
+            return {**result, "result": "synced", "stripe_credit_note_id": note.stripe_credit_note_id}
         if not invoice.stripe_invoice_id:
-            return {"id": note.id, "result": "skipped: the invoice is not on Stripe", "stripe_credit_note_id": None}
+            return {**result, "result": "skipped: the invoice is not on Stripe", "stripe_credit_note_id": None}
         try:
             remote = _plain(await self._stripe.v1.invoices.retrieve_async(invoice.stripe_invoice_id))
-            params: dict[str, Any] = {
-                "invoice": invoice.stripe_invoice_id, "amount": int(note.total_cents),
-                "memo": note.memo or f"Credit note {note.number} for invoice {invoice.number}",
-                "metadata": {"tollgate_credit_note": note.number, "tollgate_invoice": invoice.number},
-            }
-            if note.reason:
-                params["reason"] = note.reason
-            post = int(note.total_cents) - (min(int(note.total_cents), int(remote["amount_remaining"])) if remote["status"] == "open" else 0)
-            if post:
-                params["credit_amount"] = post  # to the customer's balance: Stripe applies it to the next invoice
-            created = await self._stripe.v1.credit_notes.create_async(params, {"idempotency_key": f"tollgate-credit-note-{note.number}"})
+            made = await self._find_credit_note(note.number, invoice.stripe_invoice_id)
+            if made is None and remote["status"] in ("draft", "void"):
+                return {**result, "result": f"skipped: the Stripe invoice is {remote['status']}", "stripe_credit_note_id": None}
+            if made is None:
+                params: dict[str, Any] = {
+                    "invoice": invoice.stripe_invoice_id, "amount": int(note.total_cents),
+                    "memo": note.memo or f"Credit note {note.number} for invoice {invoice.number}",
+                    "metadata": {"tollgate_credit_note": note.number, "tollgate_invoice": invoice.number},
+                }
+                if note.reason:
+                    params["reason"] = note.reason
+                post = int(note.total_cents) - (min(int(note.total_cents), int(remote["amount_remaining"])) if remote["status"] == "open" else 0)
+                if post:
+                    params["credit_amount"] = post  # to the customer's balance: Stripe applies it to the next invoice
+                created = await self._stripe.v1.credit_notes.create_async(params, {"idempotency_key": f"tollgate-credit-note-{note.number}"})
+                made = str(created.id)
         except StripeError as exc:
             async with self._db.begin() as conn:
                 await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
@@ -362,8 +401,16 @@ class StripeSync:
             raise
         async with self._db.begin() as conn:
             await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
-                stripe_credit_note_id=str(created.id), stripe_error=None))
-        return {"id": note.id, "result": "synced", "stripe_credit_note_id": str(created.id)}
+                stripe_credit_note_id=made, stripe_error=None))
+        return {**result, "result": "synced", "stripe_credit_note_id": made}
+
+    async def _find_credit_note(self, number: str, stripe_invoice: str) -> str | None:
+        """The Stripe credit note an earlier run made for our note `number` (listing is strongly consistent)."""
+        page = await self._stripe.v1.credit_notes.list_async({"invoice": stripe_invoice, "limit": 100})
+        async for remote in page.auto_paging_iter():
+            if (_plain(remote).get("metadata") or {}).get("tollgate_credit_note") == number:
+                return str(remote.id)
+        return None
 
     # storage -----------------------------------------------------------------------------------
     async def _load(self, invoice_id: int) -> tuple[Any, list[Any]]:

@@ -129,7 +129,9 @@ class WebhookHandler:
             return None
         status = remote.get("status")
         values: dict[str, Any] = {"stripe_status": status, "stripe_invoice_id": remote["id"]}
-        if status == "paid":
+        # ours stays void: a credit note for all of an open invoice takes its balance to 0, and Stripe
+        # then marks it paid with nothing collected (docs.stripe.com/invoicing/dashboard/credit-notes)
+        if status == "paid" and ours.status != "void":
             paid = (remote.get("status_transitions") or {}).get("paid_at")
             values.update(status="paid", paid_at=ours.paid_at or (datetime.fromtimestamp(paid, tz=timezone.utc) if paid else created))
         elif status == "void":

@@ -3,9 +3,15 @@ batch through the route of their endpoint, as the app's own request: the same au
 result (the batch's key), parsing, admission (gateway/serving/admission.py: Meter.admit), engine and ledger
 row as any request, in the scheduler's lowest class and at the batch price (gateway/batches/line.py).
 
-One runner drives a batch at a time, on a lease in its row that it renews (TOLLGATE_BATCH_LEASE_SECONDS):
-another process (a worker, another instance, the same server restarted) takes it over only once
-the lease has lapsed, so the lines it finds claimed are not running anywhere.
+One runner drives a batch at a time, on a lease in its row (TOLLGATE_BATCH_LEASE_SECONDS) that a
+task of its own renews every third of the lease for as long as the runner drives it, whatever the
+runner waits on (lines in flight, the ledger's flush, the files): another process (a worker,
+another instance, the same server restarted) takes it over only once the lease has lapsed, so the
+lines it finds claimed are not running anywhere. A runner that finds its lease taken stops at once.
+
+A line's run never strands it: an exception while it runs ends it `errored` (500, code
+`line_failed`; not run again: if it was admitted its row exists), and an answer whose storing
+failed is kept and stored again; the batch is not finalized while a line is claimed.
 
 Restart safety: a line is claimed durably before it runs, and its request id (so its ledger row's)
 is `<batch id>-<line index>`. A run that stopped leaves claimed lines; the next one, once the
@@ -47,6 +53,26 @@ INTERRUPTED = {"error": {"message": "The gateway restarted while this request ra
 ANSWER_LOST = {"error": {"message": "The gateway restarted after this request finished but before its answer was stored; "
                          "it was not run again (its usage is in the ledger).",
                          "type": "server_error", "param": None, "code": "answer_lost"}}
+KEY_REVOKED = {"error": {"message": "The batch's API key is no longer valid.", "type": "invalid_request_error",
+                         "param": None, "code": "key_revoked"}}
+
+
+def line_failed(admitted: bool) -> bytes:
+    """The answer of a line whose run raised: it is not run again (admitted, it has its one row)."""
+    billed = "its usage is in the ledger" if admitted else "it was not admitted: nothing was billed"
+    return orjson.dumps({"error": {"message": f"The gateway failed while running this request; it was not run again ({billed}).",
+                                   "type": "server_error", "param": None, "code": "line_failed"}})
+
+
+End = tuple[str, int, str] | None  # what ends a line: (outcome, status code, body); None: back to pending
+
+
+class Unstored(Exception):
+    """A line's run ended (`end`) but storing that failed: the line is still claimed."""
+
+    def __init__(self, line: Line, end: End) -> None:
+        super().__init__(f"line {line.line}")
+        self.line, self.end = line, end
 
 
 def _round_failed(exc: Exception) -> None:  # the database is out: the next round tries again
@@ -131,45 +157,79 @@ class BatchRunner:
         return float(batch["expires_at"].timestamp())
 
     async def _drive(self, batch_id: str) -> None:
-        """Runs the batch while this runner holds its lease; no line of it is in flight anywhere
-        when this starts (a lapsed lease, or this process's own earlier job, which awaited its lines)."""
+        """Drives the batch while this runner holds its lease, renewed meanwhile by `_keep_lease`;
+        the lease taken by another runner cancels the drive."""
+        lost = asyncio.Event()
+        driver = asyncio.current_task()
+        assert driver is not None
+        keeper = asyncio.get_running_loop().create_task(self._keep_lease(batch_id, driver, lost), name=f"lease-{batch_id}")
+        try:
+            let_go = await self._run_batch(batch_id)
+        except asyncio.CancelledError:
+            if not lost.is_set():
+                raise
+            driver.uncancel()
+            log.warning("batch %s: lease lost; leaving it to the runner that took it", batch_id)
+            return
+        finally:
+            keeper.cancel()  # before an unlease, so no renewal comes after it
+            await asyncio.gather(keeper, return_exceptions=True)
+        if let_go:
+            await self._store.unlease(batch_id, self.runner_id)
+
+    async def _keep_lease(self, batch_id: str, driver: asyncio.Task[Any], lost: asyncio.Event) -> None:
+        """Renews the lease every third of it until cancelled; another runner holding it (ours
+        lapsed) cancels `driver`. A failed renewal is tried again at the next third."""
+        seconds = self._settings.lease_seconds
+        while True:
+            await asyncio.sleep(seconds / 3)  # the renewal's cadence
+            try:
+                await self._store.lease(batch_id, self.runner_id, seconds)
+            except LeaseHeld:
+                lost.set()
+                driver.cancel()
+                return
+            except Exception as exc:
+                log.warning("batch %s: could not renew its lease: %s; trying again", batch_id, type(exc).__name__)
+
+    async def _run_batch(self, batch_id: str) -> bool:
+        """Runs the batch; no line of it is in flight anywhere when this starts (a lapsed lease, or
+        this process's own earlier job, which awaited its lines). True: halting, let go of the lease."""
         await self._recover(batch_id)
         await self._store.move(batch_id, "in_progress", from_=("validating",))
         running: dict[asyncio.Task[float | None], Line] = {}
+        owed: dict[int, Unstored] = {}  # lines whose run ended but whose end is not stored yet
         retry_at = 0.0
-        renewed = time.monotonic()
         try:
             while True:
-                if time.monotonic() - renewed > self._settings.lease_seconds / 3:
-                    try:
-                        await self._store.lease(batch_id, self.runner_id, self._settings.lease_seconds)
-                    except LeaseHeld:  # it lapsed (this process stalled) and another runner took it
-                        log.warning("batch %s: lease lost; leaving it to the runner that took it", batch_id)
-                        return
-                    renewed = time.monotonic()
                 batch = await self._store.get(batch_id)
                 if batch is None:
-                    return
+                    return False
                 status = batch["status"]
                 ending = "cancelled" if status == "cancelling" else "expired" if time.time() >= self.window_end(batch) else None
                 if status == "finalizing":
                     ending = "completed"
                 if ending is not None or self.halting:
                     if running:
-                        await asyncio.wait(list(running))
+                        await asyncio.wait(list(running))  # the lease is renewed meanwhile
+                        for task, line in running.items():
+                            self._ended(batch_id, task, line, owed)
                         running.clear()
                     if self.halting:
-                        await self._store.unlease(batch_id, self.runner_id)
-                        return
+                        await self._store_owed(batch_id, owed)  # those it cannot store the next job judges
+                        return True
+                    if not await self._all_ended(batch_id, owed):  # none is left claimed when it ends
+                        await asyncio.sleep(self._settings.poll_seconds)
+                        continue
                     if ending != "completed":
                         await self._store.end_pending(batch_id, "canceled" if ending == "cancelled" else "expired")
                     await self._finalize(batch, ending or "completed")
-                    return
+                    return False
                 principal = await self._principal(batch)
                 free = self._settings.concurrency - len(running)
                 if free > 0 and time.time() >= retry_at:
                     lines = await self._store.pending(batch_id, free)
-                    if not lines and not running:
+                    if not lines and not running and await self._all_ended(batch_id, owed):
                         if await self._store.move(batch_id, "finalizing", from_=("in_progress",)):
                             continue
                     for line in lines:
@@ -181,16 +241,47 @@ class BatchRunner:
                     continue
                 done, _ = await asyncio.wait(list(running), timeout=self._settings.poll_seconds, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    running.pop(task)
-                    if not task.cancelled() and task.exception() is not None:
-                        log.error("batch %s: a line failed: %s", batch_id, type(task.exception()).__name__)
-                    elif not task.cancelled() and task.result() is not None:
-                        retry_at = max(retry_at, time.time() + (task.result() or 1.0))
+                    wait = self._ended(batch_id, task, running.pop(task), owed)
+                    if wait is not None:
+                        retry_at = max(retry_at, time.time() + (wait or 1.0))
         finally:
             for task in running:
                 task.cancel()
             if running:  # their rows are recorded before the next job judges their lines
                 await asyncio.gather(*running, return_exceptions=True)
+
+    def _ended(self, batch_id: str, task: asyncio.Task[float | None], line: Line, owed: dict[int, Unstored]) -> float | None:
+        """A line's task is done: the seconds to wait before claiming more (it was refused before
+        admission), else None. One whose end could not be stored is kept in `owed`."""
+        if task.cancelled():
+            return None
+        exc = task.exception()
+        if isinstance(exc, Unstored):
+            log.error("batch %s: line %d ended but storing it failed: %r; stored again before the batch ends",
+                      batch_id, line.line, exc.__cause__)
+            owed[line.line] = exc
+        elif exc is not None:  # still claimed: `_all_ended` judges it by the ledger, as a restart does
+            log.error("batch %s: line %d failed: %r", batch_id, line.line, exc, exc_info=exc)
+        return None if exc is not None else task.result()
+
+    async def _store_owed(self, batch_id: str, owed: dict[int, Unstored]) -> bool:
+        """Stores the ends it owes; whether none is left (one that fails again is kept)."""
+        for number, unstored in list(owed.items()):
+            try:
+                await self._store_end(unstored.line, unstored.end)
+            except Exception as exc:
+                log.warning("batch %s: line %d's end still could not be stored: %s", batch_id, number, type(exc).__name__)
+                return False
+            del owed[number]
+        return True
+
+    async def _all_ended(self, batch_id: str, owed: dict[int, Unstored]) -> bool:
+        """With no line of it in flight here: stores what it owes and judges any line left claimed
+        (a run that raised) by the ledger; whether no line is claimed any more and none went back
+        to pending."""
+        if not await self._store_owed(batch_id, owed):
+            return False
+        return await self._recover(batch_id) == 0
 
     async def _principal(self, batch: dict[str, Any]) -> Any:
         principal = await self._keys.principal_of_key(batch["key_id"])
@@ -198,11 +289,12 @@ class BatchRunner:
             return None
         return dataclasses.replace(principal, priority=self._lowest) if self._lowest else principal
 
-    async def _recover(self, batch_id: str) -> None:
-        """Lines a stopped run had claimed: done if their ledger row exists, else pending again."""
+    async def _recover(self, batch_id: str) -> int:
+        """Lines a stopped run had claimed: done if their ledger row exists, else pending again;
+        how many there were."""
         claimed = await self._store.claimed(batch_id)
         if not claimed:
-            return
+            return 0
         await self._flush()
         ran = await self._store.in_ledger([line.request_id for line in claimed])
         for line in claimed:
@@ -212,23 +304,40 @@ class BatchRunner:
             else:
                 await self._store.release(line)
         log.info("batch %s: %d claimed lines had run, %d go back to pending", batch_id, len(ran), len(claimed) - len(ran))
+        return len(claimed)
 
     async def _run_line(self, batch: dict[str, Any], line: Line, principal: Any) -> float | None:
         """Runs one claimed line; returns seconds to wait before claiming more when it was refused
-        before admission (it is pending again), else None (it is done)."""
+        before admission (it is pending again), else None (it is done). Its run raising ends it as
+        an error (not run again); storing its end failing raises Unstored, which carries the end."""
+        end: End
+        retry: float | None = None
         if principal is None or principal.revoked or principal.expired():
-            err = {"error": {"message": "The batch's API key is no longer valid.", "type": "invalid_request_error",
-                             "param": None, "code": "key_revoked"}}
-            await self._store.finish(line, "errored", 403, orjson.dumps(err).decode())
-            return None
-        context = BatchLine(batch["id"], line.request_id, principal)
-        async with self._slots:
-            status, body, retry_after = await self._dispatch(batch["endpoint"], line.body, context)
-        if not context.admitted and status in RETRIED:
+            end = ("errored", 403, orjson.dumps(KEY_REVOKED).decode())
+        else:
+            context = BatchLine(batch["id"], line.request_id, principal)
+            try:
+                async with self._slots:
+                    status, body, wait = await self._dispatch(batch["endpoint"], line.body, context)
+            except Exception:
+                log.exception("batch %s: line %d raised while it ran (%s); it ends as an error", batch["id"], line.line,
+                              "admitted" if context.admitted else "not admitted")
+                status, body, wait = 500, line_failed(context.admitted), 1.0
+            if not context.admitted and status in RETRIED:
+                end, retry = None, wait
+            else:
+                end = ("succeeded" if 200 <= status < 300 else "errored", status, body.decode("utf-8", "replace"))
+        try:
+            await self._store_end(line, end)
+        except Exception as exc:
+            raise Unstored(line, end) from exc
+        return retry
+
+    async def _store_end(self, line: Line, end: End) -> None:
+        if end is None:
             await self._store.release(line)
-            return retry_after
-        await self._store.finish(line, "succeeded" if 200 <= status < 300 else "errored", status, body.decode("utf-8", "replace"))
-        return None
+        else:
+            await self._store.finish(line, *end)
 
     async def _dispatch(self, path: str, body: str, line: BatchLine) -> tuple[int, bytes, float]:
         """The line as a request to its route in this app; (status, body, Retry-After seconds)."""

@@ -237,6 +237,11 @@ class FakeStripe:
             inv.update(attempted=True, attempt_count=inv["attempt_count"] + 1, next_payment_attempt=int(time.time()) + 86400)
             return self._event("invoice.payment_failed", inv)
 
+    def invoice_event(self, kind: str, invoice_id: str) -> dict[str, Any]:
+        """An `invoice.*` event carrying the invoice as it is now (e.g. a late or re-sent delivery)."""
+        with self._lock:
+            return self._event(kind, self._get(self.invoices, "invoice", invoice_id))
+
     def set_subscription(self, customer: str, status: str, subscription_id: str | None = None) -> dict[str, Any]:
         with self._lock:
             if subscription_id is None:
