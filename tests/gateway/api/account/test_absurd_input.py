@@ -6,33 +6,17 @@ request is served."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from billing.db import create_engine
 from billing.keys.store import KeyStore
 from tests.billing.invoice_helpers import serve
+from tests.billing.stripe.test_checkout import fake, stripe_env  # noqa: F401  (fake: the fixture)
 from tests.conftest import SECRET, run_coro
 from tests.fakes.stripe_checkout import FakeStripePayments
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeStripePayments]:
-    server = FakeStripePayments().start()
-    try:
-        yield server  # type: ignore[misc]
-    finally:
-        server.stop()
-
-
-def stripe_env(fake: FakeStripePayments) -> dict[str, str]:
-    return {"TOLLGATE_STRIPE_API_KEY": fake.api_key, "TOLLGATE_STRIPE_API_BASE": fake.url,
-            "TOLLGATE_STRIPE_WEBHOOK_SECRET": fake.webhook_secret, "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE": "0",
-            "TOLLGATE_CREDITS_CHECK_SECONDS": "0"}
 
 
 def account_and_key(url: str) -> tuple[int, dict[str, Any]]:
