@@ -13,6 +13,12 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def as_utc(dt: datetime) -> datetime:
+    """A time given to be stored, in UTC: one without an offset is taken as UTC. SQLite keeps a
+    time's clock reading and drops its offset, so a time is converted before it is stored."""
+    return dt.replace(tzinfo=timezone.utc) if dt.tzinfo is None else dt.astimezone(timezone.utc)
+
+
 class Account(SQLModel, table=True):
     __tablename__ = "accounts"
 

@@ -296,12 +296,20 @@ def usage_lines(usage: dict[PriceKey, PricedTokens], period: Period) -> list[Lin
 
 def _line(kind: str, key: PriceKey, tokens: int, price: EffectivePrice | None, period: Period,
           hits: PricedTokens | None = None, billed_cents: int = 0) -> LineDraft:
+    """`tokens`: what this line adds (shown on it); `hits`: all the key's usage so far (its tokens,
+    and for cache hits their nanos); `billed_cents`: what earlier lines of the key already billed.
+    The amount is the key's total rounded once less what was billed, so late usage split over
+    several invoices is never rounded twice (an adjustment of 500 tokens worth half a cent after
+    500 billed as one cent at close adds 0, not 1)."""
     if key.direction == HIT:  # the hits' cost_nanos, less what earlier lines of the key billed, rounded once
         amount = (nanos_cents(hits.nanos) if hits is not None else 0) - billed_cents
         split = (hits.prompt, hits.completion) if hits is not None and kind == "usage" else None
         description = _describe(kind, key, tokens, price, period, split, hits is None or hits.nanos == 0)
     else:
-        amount, description = line_amount_cents(tokens, key.unit_price), _describe(kind, key, tokens, price, period)
+        so_far = hits.tokens if hits is not None else tokens
+        # never below 0: an older invoice that rounded a late delta up is made good by later usage of the key
+        amount = max(0, line_amount_cents(so_far, key.unit_price) - billed_cents)
+        description = _describe(kind, key, tokens, price, period)
     return LineDraft(
         kind=kind,
         usage_period=key.usage_period,

@@ -210,6 +210,12 @@ class KeyStore:
         self._invalidate()
         return await self.get_key(key_id)
 
+    async def set_key_models(self, key_id: int, models: list[str] | None) -> None:
+        """Sets the models a key may use (None: every model); the next request here sees them."""
+        async with self._engine.begin() as conn:
+            await conn.execute(KEYS.update().where(KEYS.c.id == key_id).values(models=json.dumps(models) if models is not None else None))
+        self._invalidate()
+
     async def set_key_limits(self, key_id: int, changes: Any) -> dict[str, Any] | None:
         """Applies a PATCH of limits (null removes one); raises InvalidLimits on bad values."""
         current = await self.get_key(key_id)

@@ -15,6 +15,7 @@ from billing.ledger.writer import usage_rows, usage_totals
 from billing.quota.limits import InvalidLimits, Limits
 from billing.prices.book import InvalidPrice
 from billing.quota import Scope
+from billing.models import as_utc
 from gateway.api.account.usage import parse_time
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.requests import MAX_ID, path_id, read_json
@@ -41,8 +42,8 @@ class CreateKey(_StrictModel):
     expires_at: datetime | None = None
 
     def check_supported(self) -> None:
-        if self.expires_at is not None and self.expires_at.tzinfo is None:
-            self.expires_at = self.expires_at.replace(tzinfo=timezone.utc)
+        if self.expires_at is not None:  # in UTC: SQLite keeps a time's clock reading and drops its offset
+            self.expires_at = as_utc(self.expires_at)
 
 
 class PatchLimits(_StrictModel):

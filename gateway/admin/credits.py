@@ -14,7 +14,7 @@ its auto-recharge, and the periodic credit work run now.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 
 from pydantic import Field
 from starlette.requests import Request
@@ -26,6 +26,7 @@ from billing.invoices.periods import InvalidPeriod, Period
 from billing.invoices.statements import get_statement, list_statements
 from billing.quota import Scope
 from billing.stripe.checkout import CheckoutService
+from billing.models import as_utc
 from gateway.admin.accounts import StrictStr
 from gateway.admin.guard import admin_principal
 from gateway.api.account.credits import cents, checkout_service, credit_book, statement_for, statement_id, statement_response
@@ -42,8 +43,8 @@ class AddCredit(_StrictModel):
     expires_at: datetime | None = None
 
     def check_supported(self, passthrough: bool = False) -> None:
-        if self.expires_at is not None and self.expires_at.tzinfo is None:
-            self.expires_at = self.expires_at.replace(tzinfo=timezone.utc)
+        if self.expires_at is not None:  # in UTC: SQLite keeps a time's clock reading and drops its offset
+            self.expires_at = as_utc(self.expires_at)
 
 
 class BillingMode(_StrictModel):

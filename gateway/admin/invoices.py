@@ -33,6 +33,7 @@ from billing.invoices.credit_notes import CreditNoteRefused, CreditRequest, get_
 from billing.invoices.views import get_invoice, list_invoices
 from billing.prices.book import InvalidPrice, PriceConflict
 from billing.stripe.sync import StripeSyncError, StripeTotalMismatch
+from billing.models import as_utc
 from gateway.admin.accounts import StrictStr
 from gateway.api.account.documents import billing_of, credit_note_response, document_format, invoice_response, period_param, query_id
 from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
@@ -149,8 +150,8 @@ class AddOverride(_StrictModel):
     effective_from: datetime | None = None
 
     def check_supported(self, passthrough: bool = False) -> None:
-        if self.effective_from is not None and self.effective_from.tzinfo is None:
-            self.effective_from = self.effective_from.replace(tzinfo=timezone.utc)
+        if self.effective_from is not None:  # in UTC: SQLite keeps a time's clock reading and drops its offset
+            self.effective_from = as_utc(self.effective_from)
 
 
 async def admin_add_override(request: Request) -> Response:

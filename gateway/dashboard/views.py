@@ -14,7 +14,6 @@ from `GET /v1/usage`. Every POST carries the session's CSRF token; HTML errors a
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import secrets
 from datetime import datetime, timedelta, timezone
@@ -31,7 +30,6 @@ from starlette.staticfiles import StaticFiles
 from billing.invoices.billing_details import FIELDS, InvalidBillingDetails, set_details
 from billing.keys.store import AccountExists, UnknownAccount
 from billing.quota.limits import Limits
-from billing.models import ApiKey
 from billing.quota import Scope
 from billing.prices.cached_costs import cached_input_costs, with_cached_costs
 from billing.ledger.aggregates import Period, latency_percentiles, usage_groups
@@ -328,15 +326,10 @@ async def set_key_models(request: Request) -> Response:
     key = await _key_in_path(request, session)
     if isinstance(key, Response):
         return key
-    await update_key_models(request, key["id"], _models_field(form))
+    await request.app.state.keys.set_key_models(key["id"], _models_field(form))
     return RedirectResponse(f"/dashboard/admin/accounts/{key['account_id']}", status_code=303)
 
 
-async def update_key_models(request: Request, key_id: int, models: list[str] | None) -> None:
-    """Sets a key's allowed models (None: every model). Takes effect within the key cache time."""
-    table = ApiKey.__table__
-    async with request.app.state.db.begin() as conn:
-        await conn.execute(table.update().where(table.c.id == key_id).values(models=json.dumps(models) if models is not None else None))
 
 
 def _limits_from_form(form: FormData) -> dict[str, Any]:

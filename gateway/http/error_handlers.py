@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from billing.keys.format import mask_keys
 from gateway.http.errors import APIError, MethodNotAllowed, NotFound, ServiceUnavailable
 
 log = logging.getLogger("tollgate")
@@ -41,10 +42,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:
     if database_unreachable(exc):  # an outage, not a bug: say so, and that a retry may work
-        log.warning("database unreachable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        log.warning("database unreachable on %s %s: %s", request.method, mask_keys(request.url.path), type(exc).__name__)
         return ServiceUnavailable("The database is unavailable; retry shortly.", code="database_unavailable",
                                   headers={"Retry-After": "1"}).response()
-    log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+    log.error("unhandled %s on %s %s", type(exc).__name__, request.method, mask_keys(request.url.path), exc_info=exc)  # a key pasted into a path
     return APIError("The server had an error while processing your request.").response()
 
 

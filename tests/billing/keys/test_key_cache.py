@@ -174,3 +174,14 @@ async def test_a_stale_price_book_prices_with_what_it_has_while_it_rereads(db: A
     gate.set()
     await asyncio.wait_for(book._loading, 5.0)
     assert str((await book.current_for(1, "m")).input_per_million) == "3.000"
+
+
+async def test_a_change_of_a_keys_models_is_seen_by_the_next_request(db: Any) -> None:
+    store = KeyStore(db, SECRET, cache_seconds=30.0)
+    account = await store.create_account("models-change")
+    created = await store.create_key(account["id"])
+    assert (await store.authenticate(created["key"])).models is None  # cached: every model
+    await store.set_key_models(created["id"], ["small"])  # the dashboard's form
+    assert (await store.authenticate(created["key"])).models == frozenset({"small"})
+    await store.set_key_models(created["id"], None)
+    assert (await store.authenticate(created["key"])).models is None

@@ -361,3 +361,20 @@ def test_the_cli_renders_a_pdf_without_fonttools_lines_on_stderr(tmp_path: Path)
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, timeout=120)
     assert run.returncode == 0 and run.stdout == b"%PDF", run.stderr.decode()[-2000:]
     assert b"fontTools" not in run.stderr, run.stderr.decode()[-2000:]
+
+
+async def test_a_key_pasted_into_a_path_is_masked_in_the_error_handlers_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """The access log masks a key in a path; so do the lines the error handlers write for an outage and
+    for an unexpected error on that path (a dashboard document's URL with a key pasted into it)."""
+    from starlette.requests import Request
+
+    from gateway.http.error_handlers import unexpected_error
+
+    key = "sk-" + "Zq3_" * 11
+    request = Request({"type": "http", "method": "GET", "path": f"/dashboard/invoices/{key}/pdf", "headers": [], "query_string": b""})
+    with caplog.at_level(logging.WARNING, logger="tollgate"):
+        outage = await unexpected_error(request, ConnectionRefusedError("database down"))
+        bug = await unexpected_error(request, RuntimeError("a bug"))
+    assert (outage.status_code, bug.status_code) == (503, 500)
+    assert len(caplog.records) == 2 and all("sk-***" in r.getMessage() for r in caplog.records)
+    assert key not in caplog.text
