@@ -50,7 +50,7 @@ class APIError(Exception):
         message = redact(message)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = redact(param) if param else param  # a field named by the caller: `metadata.sk-...`
         if code is not None:
             self.code = code
         self.headers = headers or {}

@@ -173,15 +173,21 @@ class CompletionService:
 
     def prepare_messages(self, principal: Principal, request: MessagesRequest, request_id: str) -> Generation:
         """An Anthropic Messages request, as the chat completion it translates to (`chat_body`)."""
-        engine = self.engine_for(request.model, principal)
-        prompt_ids = self.prompt_of(engine, request.chat_body(), "messages", {})
+        body = request.chat_body()  # also the request's raw_body from here on
+        routed, engine = self.resolve(body, "chat")
+        body["model"] = routed["model"]  # a routing model (`auto`) names the one it chooses
+        engine = self.engine_for(body["model"], principal, engine)
+        prompt_ids = self.prompt_of(engine, body, "messages", {})
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "chat", api="messages")
 
     def prepare_responses(self, principal: Principal, request: ResponsesRequest, request_id: str, history: list[dict[str, Any]]) -> Generation:
         """An OpenAI Responses request (its instructions, earlier turns from previous_response_id and
         input), as the chat completion it translates to (`chat_body`)."""
-        engine = self.engine_for(request.model, principal)
-        prompt_ids = self.prompt_of(engine, request.chat_body(history), "input", RESPONSES_PARAMS)
+        body = request.chat_body(history)  # also the request's raw_body from here on
+        routed, engine = self.resolve(body, "chat")
+        body["model"] = routed["model"]  # a routing model (`auto`) names the one it chooses
+        engine = self.engine_for(body["model"], principal, engine)
+        prompt_ids = self.prompt_of(engine, body, "input", RESPONSES_PARAMS)
         try:
             return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_output_tokens, "chat", api="responses")
         except InvalidRequest as err:  # the engine's refusal of a chat field: named as the Responses API names it

@@ -232,8 +232,9 @@ async def _count_tokens(request: Request, request_id: str) -> Response:
     principal = await authenticate(request, state.keys, api_key(request), states=state.billing.states)
     body = parse(CountTokensRequest, await read_json(request, state.settings.http.max_body_bytes))
     service: CompletionService = state.service
-    engine = service.engine_for(body.model, principal)
-    tokens = len(service.prompt_of(engine, body.chat_body(), "messages", {}))  # what the engine bills
+    chat, engine = service.resolve(body.chat_body(), "chat")  # a routing model (`auto`): the one it would choose
+    engine = service.engine_for(chat["model"], principal, engine)
+    tokens = len(service.prompt_of(engine, chat, "messages", {}))  # what the engine bills
     return json_response({"input_tokens": tokens}, headers={"request-id": request_id})
 
 

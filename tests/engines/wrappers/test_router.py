@@ -142,3 +142,27 @@ async def test_routed_request_names_and_bills_the_chosen_model(routed_gw: Gatewa
     assert models == {"small"}
     listed = {m.id for m in (await client.models.list()).data}
     assert "auto" in listed
+
+
+async def test_messages_and_responses_are_routed_as_chat_completions_are(routed_gw: Gateway) -> None:
+    """`auto` on /v1/messages and /v1/responses: the router chooses as for the chat completion they
+    translate to; the answer names, and the row bills, the chosen model (not the router, which
+    serves nothing)."""
+    import anthropic
+    import openai
+
+    key = (await routed_gw.new_key())["key"]
+    claude = anthropic.AsyncAnthropic(base_url=routed_gw.base_url, api_key=key, max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=routed_gw.v1, api_key=key, max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Say hello."}]
+    for max_tokens, expected in ((8, "small"), (24, "large")):
+        raw = await claude.messages.with_raw_response.create(model="auto", max_tokens=max_tokens, messages=msgs)  # type: ignore[arg-type]
+        message = await raw.parse()  # the anthropic SDK's async raw response parses asynchronously
+        assert message.model == expected and message.content, message
+        assert (await routed_gw.ledger_row(raw.headers["request-id"]))["model"] == expected
+        raw = await client.responses.with_raw_response.create(model="auto", input="Say hello.", max_output_tokens=max_tokens)
+        response = raw.parse()
+        assert response.model == expected and response.status in ("completed", "incomplete"), response
+        assert (await routed_gw.ledger_row(raw.headers["x-request-id"]))["model"] == expected
+    counted = await claude.messages.count_tokens(model="auto", messages=msgs)  # type: ignore[arg-type]
+    assert counted.input_tokens > 0

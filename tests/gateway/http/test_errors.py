@@ -234,3 +234,15 @@ async def test_a_key_pasted_into_a_path_or_model_is_never_echoed(gateway: Gatewa
     for r in (r1, r2):
         assert r.status_code == 404
         assert secret not in r.text and secret[3:20] not in r.text
+
+
+async def test_a_key_in_a_field_name_the_error_names_is_masked(gateway: Gateway) -> None:
+    """A 400 names the field it refuses; a field named after a key (`metadata.sk-...`) is masked there
+    as in the message."""
+    key = (await gateway.new_key())["key"]
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+        r = await http.post("/responses", json={"model": MODEL, "input": "x", "metadata": {key: 1}})
+    assert r.status_code == 400, r.status_code
+    err = assert_openai_shape(r.json())
+    assert key not in r.text and err["param"].startswith("metadata.sk-***"), err["param"]
+    await still_serving(gateway, key)
