@@ -30,6 +30,7 @@ from billing.periodic import Periodic
 from engines.base import (
     FINISH_CANCELLED,
     FINISH_ERROR,
+    FINISH_STOP,
     Engine,
     EngineError,
     EngineOutput,
@@ -715,6 +716,10 @@ class OpenAIPoolEngine(Engine):
                     final = self._final(reason, text, raw, prompt_estimate, merged, usage)
                     final.before, final.first_token_at = batch or None, first_at
                     final.recorded_finish = recorded_finish(finish.get("finish_reason")) if finish else None
+                    # vLLM and trtllm-serve name the stop string that ended it in the choice's `stop_reason`
+                    # (a token id there is a stop token): Anthropic's stop_sequence.
+                    stop = finish.get("stop_reason") if finish and reason == FINISH_STOP else None
+                    final.stop_sequence = stop if isinstance(stop, str) else None
                     yield final
                     return
                 # an error: retry elsewhere while no output has come from this replica, else end the

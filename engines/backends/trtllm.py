@@ -967,6 +967,8 @@ class TRTLLMEngine(Engine):
         # and trimmed the ids of one it matched on tokens (the text keeps what streamed before).
         text = stops.push(step.text)
         by_stop_string = stops.stopped or isinstance(step.stop_reason, str)
+        # Which stop string ended it (Anthropic's stop_sequence): the one Tollgate found, else TensorRT-LLM's.
+        matched = stops.matched or (step.stop_reason if isinstance(step.stop_reason, str) else None)
         if by_stop_string:
             reason = FINISH_STOP
             # Held-back text is the stop string's head: never flushed. A stop TensorRT-LLM found in
@@ -977,7 +979,8 @@ class TRTLLMEngine(Engine):
                 self._abort_after_finish(result)
         else:
             text += stops.flush()
-        return EngineOutput(text, step.token_ids, reason, step.prompt_tokens, step.count, recorded_finish=early)
+        return EngineOutput(text, step.token_ids, reason, step.prompt_tokens, step.count, recorded_finish=early,
+                            stop_sequence=matched if by_stop_string else None)
 
     @staticmethod
     def _abort_after_finish(result: Any) -> None:

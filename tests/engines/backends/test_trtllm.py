@@ -98,6 +98,7 @@ async def test_stop_string_trimmed_by_the_engine(api: Any) -> None:
     text = "".join(o.text for o in outs)
     assert text == double.STORY.split(" Paris.")[0]
     assert outs[-1].finish_reason == FINISH_STOP and result.outputs[0].stop_reason == " Paris."
+    assert outs[-1].stop_sequence == " Paris."  # which one ended it: Anthropic's stop_sequence
     assert outs[-1].completion_tokens == len(result.outputs[0].token_ids)  # trimmed count
     assert result.outputs[0].token_ids == [t for o in outs for t in o.token_ids]  # the stop token was never streamed
 
@@ -109,7 +110,7 @@ async def test_stop_string_the_engine_cannot_see_is_cut_here(api: Any) -> None:
     outs = await collect(engine, request(engine, stop=("Paris",)))
     result = last_request(engine)
     assert "".join(o.text for o in outs) == double.STORY.split("Paris")[0]
-    assert outs[-1].finish_reason == FINISH_STOP
+    assert outs[-1].finish_reason == FINISH_STOP and outs[-1].stop_sequence == "Paris"
     assert result.request_id in engine._llm.aborts
     assert outs[-1].completion_tokens == sum(len(o.token_ids) for o in outs)
 

@@ -396,6 +396,23 @@ async def test_responses_and_messages_on_the_pool_model(vllm: VLLMServer, pool: 
     assert dm.content[0].type == "text" and dm.content[0].text == msg.content[0].text  # type: ignore[union-attr]
 
 
+async def test_the_stop_string_vllm_stopped_at_is_anthropics_stop_sequence(vllm: VLLMServer, pool: ModelsGateway, tenant_key: str) -> None:
+    """vLLM names the stop string that ended a request in the finish choice's `stop_reason`: through
+    the pool, a Messages answer says `stop_reason: stop_sequence` and which one, streamed or not."""
+    answer = (await direct(vllm).chat.completions.create(model=SERVED, messages=HI, max_tokens=16, temperature=0)).choices[0].message.content
+    assert answer
+    word = next(w for w in answer.split()[1:] if w.strip(".,").isalpha()).strip(".,")  # a word after the first
+    ac = anthropic.AsyncAnthropic(base_url=pool.base_url, api_key=tenant_key, max_retries=0, timeout=60)
+    for stream in (False, True):
+        if stream:
+            async with ac.messages.stream(model=POOL, max_tokens=16, messages=HI, stop_sequences=["zzz", word], extra_body=GREEDY) as s:  # type: ignore[arg-type]
+                msg = await s.get_final_message()
+        else:
+            msg = await ac.messages.create(model=POOL, max_tokens=16, messages=HI, stop_sequences=["zzz", word], extra_body=GREEDY)  # type: ignore[arg-type]
+        assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", word), (stream, msg)
+        assert msg.content[0].type == "text" and word not in msg.content[0].text and answer.startswith(msg.content[0].text.rstrip())
+
+
 # a client that leaves: vLLM aborts, the row has what was delivered --------------------------------
 async def test_client_disconnect_aborts_the_request_in_vllm(vllm: VLLMServer, pool: ModelsGateway, tenant_key: str) -> None:
     # ignore_eos is vLLM's own field (passed through): without the abort it would run all 200 tokens
