@@ -28,7 +28,7 @@ from typing import Any
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.anthropic.errors import error_response as anthropic_error_response
+from gateway.api.anthropic.errors import in_the_apis_shape
 from gateway.http.errors import ServiceUnavailable
 
 log = logging.getLogger("tollgate.drain")
@@ -45,12 +45,7 @@ def draining_error(retry_after: int = 1) -> ServiceUnavailable:
 
 async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
     """The answer to a request that arrives while draining, in the shape of the API it called."""
-    err = draining_error()
-    if scope["path"].startswith("/v1/messages"):
-        response = anthropic_error_response(err, scope.get("state", {}).get("request_id", ""))
-    else:
-        response = err.response()
-    await response(scope, receive, send)
+    await in_the_apis_shape(draining_error(), scope)(scope, receive, send)
 
 
 class Drain:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from billing.keys.format import mask_keys
+from gateway.api.anthropic.errors import in_the_apis_shape
 from gateway.http.errors import APIError, MethodNotAllowed, NotFound, ServiceUnavailable
 
 log = logging.getLogger("tollgate")
@@ -31,13 +32,14 @@ async def api_error(request: Request, exc: Exception) -> Response:
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        return MethodNotAllowed(f"Method {request.method} is not allowed for {request.url.path}.").response()
-    if exc.status_code == 404:
-        return NotFound(f"Unknown path {request.url.path}.").response()
-    err = APIError(str(exc.detail))
-    err.status_code = exc.status_code
-    err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return err.response()
+        err: APIError = MethodNotAllowed(f"Method {request.method} is not allowed for {request.url.path}.")
+    elif exc.status_code == 404:
+        err = NotFound(f"Unknown path {request.url.path}.")
+    else:
+        err = APIError(str(exc.detail))
+        err.status_code = exc.status_code
+        err.error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return in_the_apis_shape(err, request.scope)
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from billing.keys.format import mask_keys
+from gateway.api.anthropic.errors import in_the_apis_shape
 from gateway.http.hardening import WATCH_KEY, repeated_query_parameter, secure
 
 request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
@@ -210,7 +211,7 @@ class RequestContext:
             query = scope.get("query_string")
             refused = repeated_query_parameter(query) if query else None
             if refused is not None:
-                await refused.response()(scope, receive, send_with_ids)
+                await in_the_apis_shape(refused, scope)(scope, receive, send_with_ids)
             else:
                 await self.app(scope, receive, send_with_ids)
         except Exception as exc:

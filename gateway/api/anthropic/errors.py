@@ -1,6 +1,7 @@
 """Anthropic's error shape for the gateway's errors: `{"type": "error", "error": {"type", "message"}}`
 with Anthropic's status codes. Apart from the Messages routes (gateway/api/anthropic/messages.py) so that
-what answers before a route runs (the drain's refusal, gateway/http/drain.py) can speak it too.
+what answers before a route runs (the drain's refusal, an unknown path or method, a repeated query
+parameter: `in_the_apis_shape`) can speak it too.
 """
 
 from __future__ import annotations
@@ -38,3 +39,11 @@ def error_response(err: APIError, request_id: str) -> Response:
     status, body = error_shape(err)
     headers = {**err.headers, "request-id": request_id, "x-request-id": request_id}
     return json_response(body, status, headers)
+
+
+def in_the_apis_shape(err: APIError, scope: Any) -> Response:
+    """`err` in the shape of the API the request called, for what answers before (or instead of) its
+    route: Anthropic's on the Messages routes (its SDKs read `error.type`), else OpenAI's."""
+    if scope.get("path", "").startswith("/v1/messages"):
+        return error_response(err, scope.get("state", {}).get("request_id", ""))
+    return err.response()

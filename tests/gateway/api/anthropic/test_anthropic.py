@@ -256,3 +256,24 @@ async def test_each_row_says_which_api(gateway: Gateway, customer: dict[str, Any
     text = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
     assert (await gateway.ledger_row(raw.headers["x-request-id"]))["api"] == "embeddings"
     assert (await gateway.ledger_row(text.id.split("-", 1)[1]))["api"] == "completions"
+
+
+async def test_what_answers_before_the_route_speaks_anthropics_shape_on_its_paths(gateway: Gateway, customer: dict[str, Any]) -> None:
+    """An unknown method or path under /v1/messages and a repeated query parameter are refused before
+    any route runs: in Anthropic's shape there (its SDKs read error.type), OpenAI's elsewhere."""
+    headers = {"x-api-key": customer["key"], "anthropic-version": "2023-06-01"}
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=30) as http:
+        for method, path, status, kind in (("GET", "/v1/messages", 405, "invalid_request_error"),
+                                           ("POST", "/v1/messages/nope", 404, "not_found_error"),
+                                           ("POST", "/v1/messages/count_tokens?beta=1&beta=2", 400, "invalid_request_error")):
+            r = await http.request(method, path, json={})
+            assert r.status_code == status, (path, r.text)
+            body = r.json()
+            assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], (path, body)
+            assert r.headers["request-id"], path
+        r = await http.get("/v1/nope")  # not Anthropic's: OpenAI's shape
+        assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    claude = anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=customer["key"], max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await claude.post("/v1/messages/nope", cast_to=httpx.Response, body={})
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
