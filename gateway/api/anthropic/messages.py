@@ -37,8 +37,10 @@ log = logging.getLogger("tollgate.anthropic")
 def stop_reason(gen: Generation, called: bool = False) -> str | None:
     if gen.finish_reason == FINISH_LENGTH:
         return "max_tokens"
-    if gen.finish_reason == "tool_calls":  # a pass-through engine's upstream says it
+    if gen.finish_reason in ("tool_calls", "function_call"):  # a pass-through engine's upstream says it
         return "tool_use"
+    if gen.finish_reason == "content_filter":  # the upstream's filter withheld the answer: Anthropic's refusal
+        return "refusal"
     if gen.finish_reason == FINISH_STOP:
         if called:
             return "tool_use"

@@ -320,3 +320,17 @@ def test_an_upstream_with_policy_pass_names_the_priority_scale_only() -> None:
     assert "upstream applies only" in (check_params({"policy": "pass", "upstream": "vllm"}) or "")
     assert check_params({"policy": "pass", "upstream": "vllm", "priority": {"batch": 3}}) is None
     assert "integer" in (check_params({"policy": "pass", "upstream": "vllm", "priority": {"batch": 0.5}}) or "")
+
+
+async def test_an_upstreams_filter_or_function_call_finish_is_a_stop_reason_anthropic_knows(upstreams: Any, tollgate_with: Any) -> None:
+    """An upstream's `content_filter` is Anthropic's `refusal`, its legacy `function_call` a `tool_use`:
+    never the null a finished message does not carry."""
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null"))
+    claude = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=(await gw.new_key())["key"], max_retries=0, timeout=30)
+    for finish, expected in (("content_filter", "refusal"), ("function_call", "tool_use")):
+        up.script += [Behaviour(finish_reason=finish), Behaviour(finish_reason=finish)]
+        message = await claude.messages.create(model="pool", max_tokens=16, messages=[{"role": "user", "content": "hi"}])
+        async with claude.messages.stream(model="pool", max_tokens=16, messages=[{"role": "user", "content": "hi"}]) as stream:
+            streamed = await stream.get_final_message()
+        assert (message.stop_reason, streamed.stop_reason) == (expected, expected), finish
