@@ -72,6 +72,10 @@ class HttpSettings:
     max_header_bytes: int = 64 * 1024
     workers: int = 1  # server processes on one port (remote engines, Postgres and Redis only)
     drain_seconds: float = 30.0  # on SIGTERM, running generations get this long before they are cut (gateway/http/drain.py)
+    # The origin clients and browsers reach this server at (https://api.example.com) when a proxy in
+    # front terminates TLS: the dashboard's cookies are Secure and its same-origin check passes for it,
+    # and URLs the API hands out (a message batch's results_url) name it. None: the request's own.
+    public_url: str | None = None
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -307,6 +311,20 @@ class Settings:
 GROUPS = frozenset(f.name for f in fields(Settings) if is_dataclass(f.default) or f.name == "billing")
 
 
+def _public_url(raw: str | None) -> str | None:
+    """TOLLGATE_PUBLIC_URL: an origin, http(s)://host[:port] (a trailing slash is dropped); anything
+    else stops the start with the reason."""
+    if not raw:
+        return None
+    from urllib.parse import urlsplit
+
+    url = raw.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.path or parts.query or parts.fragment or "@" in parts.netloc:
+        raise SystemExit(f"TOLLGATE_PUBLIC_URL must be an origin such as https://api.example.com (no path), got {raw!r}")
+    return url
+
+
 def _redis_url(raw: str | None) -> str | None:
     """REDIS_URL: one Redis, redis+cluster://host:port,... or redis+sentinel://host:port,.../service
     (billing/quota/redis_url.py); a malformed one stops the start with the reason."""
@@ -391,6 +409,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             host=env.get("TOLLGATE_HOST", "127.0.0.1"),
             port=env_int(env, "TOLLGATE_PORT", 8000),
             max_body_bytes=env_int(env, "TOLLGATE_MAX_BODY_BYTES", 1 << 20),
+            public_url=_public_url(env.get("TOLLGATE_PUBLIC_URL")),
             request_read_timeout=env_float(env, "TOLLGATE_REQUEST_READ_SECONDS", 30.0),
             max_header_bytes=env_int(env, "TOLLGATE_MAX_HEADER_BYTES", 64 * 1024),
             workers=max(1, env_int(env, "TOLLGATE_WORKERS", 1)),
@@ -498,7 +517,7 @@ TOLLGATE_HOST TOLLGATE_PORT TOLLGATE_DATA_DIR TOLLGATE_SECRET TOLLGATE_ADMIN_KEY
 TOLLGATE_ENGINE TOLLGATE_MODELS TOLLGATE_DEVICE TOLLGATE_ENGINE_PROCESS TOLLGATE_ENGINE_GATHER_MS TOLLGATE_MAX_BATCH_SIZE
 TOLLGATE_MAX_QUEUE TOLLGATE_KV_CACHE_TOKENS TOLLGATE_MAX_BATCH_TOKENS TOLLGATE_CUDA_GRAPHS TOLLGATE_WARMUP
 TOLLGATE_SCHEDULER TOLLGATE_SCHEDULER_CAPACITY TOLLGATE_SCHEDULER_CAPACITY_TOKENS TOLLGATE_SCHEDULER_RESERVE
-TOLLGATE_SCHEDULER_CLASSES TOLLGATE_SCHEDULER_MAX_QUEUE TOLLGATE_MAX_BODY_BYTES TOLLGATE_KEY_CACHE_SECONDS
+TOLLGATE_SCHEDULER_CLASSES TOLLGATE_SCHEDULER_MAX_QUEUE TOLLGATE_MAX_BODY_BYTES TOLLGATE_PUBLIC_URL TOLLGATE_KEY_CACHE_SECONDS
 TOLLGATE_KEY_STALE_SECONDS TOLLGATE_REDIS_PREFIX TOLLGATE_REDIS_TIMEOUT_MS TOLLGATE_QUOTA_FAIL_MODE
 TOLLGATE_QUOTA_HOLD_SECONDS TOLLGATE_LEDGER_JOURNAL TOLLGATE_LEDGER_FSYNC_MS TOLLGATE_LEDGER_MAX_BACKLOG
 TOLLGATE_LEDGER_LINGER_MS TOLLGATE_LEDGER_COPY_CONNECTIONS TOLLGATE_REQUEST_READ_SECONDS TOLLGATE_MAX_HEADER_BYTES

@@ -18,7 +18,7 @@ from billing.models import utcnow
 from gateway.api.anthropic.messages import _answered, api_key
 from gateway.batches.results import WINDOWS, anthropic_line, anthropic_view
 from gateway.http.errors import InvalidRequest, NotFound, ServiceUnavailable
-from gateway.http.requests import authenticate, read_json
+from gateway.http.requests import authenticate, public_origin, read_json
 from gateway.http.json_response import json_response
 
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -33,7 +33,7 @@ async def _caller(request: Request, *, spends: bool = False) -> tuple[Any, Any]:
 
 
 def _view(request: Request, batch: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
-    return anthropic_view(batch, counts, str(request.base_url))
+    return anthropic_view(batch, counts, public_origin(request))  # results_url: where the SDK fetches the results, with its key
 
 
 async def _create(request: Request, request_id: str) -> Response:

@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from billing.keys.store import KeyStore, Principal, looks_like_key
 from billing.ledger.aggregate_models import DashboardSession
+from gateway.http.requests import public_origin
 
 SESSIONS = DashboardSession.__table__
 SESSION_COOKIE = "tollgate_session"
@@ -115,12 +116,12 @@ async def current_session(request: Request) -> Session | None:
 def set_cookie(response: Response, request: Request, name: str, value: str, max_age: int | None) -> None:
     response.set_cookie(
         name, value, max_age=max_age, path="/", httponly=True, samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=public_origin(request).startswith("https://"),
     )
 
 
 def clear_cookie(response: Response, request: Request, name: str) -> None:
-    response.delete_cookie(name, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    response.delete_cookie(name, path="/", httponly=True, samesite="strict", secure=public_origin(request).startswith("https://"))
 
 
 def same_origin(request: Request) -> bool:
@@ -128,4 +129,4 @@ def same_origin(request: Request) -> bool:
     origin = request.headers.get("origin")
     if origin is None or origin == "null":
         return origin is None
-    return origin == f"{request.url.scheme}://{request.url.netloc}"
+    return origin in (public_origin(request), f"{request.url.scheme}://{request.url.netloc}")

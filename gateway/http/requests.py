@@ -133,3 +133,10 @@ async def authenticate_admin(request: Request, keys: KeyStore) -> Principal:
     if not principal.is_admin:
         raise PermissionDenied("This endpoint needs an admin key.", code="admin_required")
     return principal
+
+
+def public_origin(request: Request) -> str:
+    """The origin this request reached the server at: TOLLGATE_PUBLIC_URL when a proxy in front
+    terminates TLS (the request itself then says http), else the request's own scheme and host."""
+    configured = request.app.state.settings.http.public_url
+    return configured or f"{request.url.scheme}://{request.url.netloc}"

@@ -7,9 +7,10 @@ import re
 import uuid
 from typing import Any
 
+import anthropic
 import httpx
 
-from tests.conftest import Gateway
+from tests.conftest import MODEL, Gateway, run_coro, until
 
 TOKEN = re.compile(r'name="csrf_token" value="([^"]+)"')
 
@@ -106,3 +107,60 @@ def test_logout_ends_the_session(gateway: Gateway) -> None:
     assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
     assert replay.get("/v1/usage").status_code == 401
     assert replay.post("/dashboard/admin/accounts", data={"name": "x", "csrf_token": token}).status_code == 303
+
+
+def test_behind_a_tls_proxy_the_public_url_makes_cookies_secure_and_its_origin_same(
+    engine: Any, fresh_pg_database: Any, tmp_path: Any
+) -> None:
+    """A proxy in front terminates TLS, so the server sees http: with TOLLGATE_PUBLIC_URL the session
+    cookie is Secure, a POST from the public origin passes the same-origin check (another origin does
+    not), and a message batch's results_url names the public origin."""
+    from tests.conftest import start_gateway, stop_server
+
+    public = "https://tollgate.example"
+    server, gw = start_gateway(fresh_pg_database(migrated=True), engine, tmp_path, http={"public_url": public})
+    try:
+        c = browser(gw)
+
+        def as_the_proxy_forwards(response: httpx.Response) -> None:
+            """The browser sends a Secure cookie to the proxy over TLS, which forwards it; httpx, on plain
+            http here, would keep it to itself: carried by hand."""
+            for name, value in response.cookies.items():
+                c.cookies.set(name, value)
+
+        form = c.get("/dashboard/login")
+        assert all("Secure" in h for h in form.headers.get_list("set-cookie")), form.headers.get_list("set-cookie")
+        as_the_proxy_forwards(form)
+        ok = c.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": gw.admin_key},
+                    headers={"origin": public})
+        assert ok.status_code == 303, ok.text
+        cookie = next(h for h in ok.headers.get_list("set-cookie") if h.startswith("tollgate_session="))
+        assert "Secure" in cookie and "HttpOnly" in cookie
+        as_the_proxy_forwards(ok)
+        token = TOKEN.search(c.get("/dashboard/admin/accounts").text).group(1)
+        name = f"proxied-{uuid.uuid4().hex[:6]}"
+        evil = c.post("/dashboard/admin/accounts", data={"name": name, "csrf_token": token}, headers={"origin": "https://evil.example"})
+        assert evil.status_code == 403
+        made = c.post("/dashboard/admin/accounts", data={"name": name, "csrf_token": token}, headers={"origin": public})
+        assert made.status_code == 303, made.text
+        # the URL the anthropic SDK fetches a batch's results from, with the key: the public (TLS) one
+        claude = anthropic.Anthropic(base_url=gw.base_url, api_key=(run_coro(gw.new_key()))["key"], max_retries=0, timeout=60)
+        batch = claude.messages.batches.create(requests=[{"custom_id": "a", "params": {  # type: ignore[list-item]
+            "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}}])
+        claude.messages.batches.cancel(batch.id)
+        run_coro(until(lambda: claude.messages.batches.retrieve(batch.id).processing_status == "ended", "the batch ended", timeout=60))
+        assert claude.messages.batches.retrieve(batch.id).results_url == f"{public}/v1/messages/batches/{batch.id}/results"
+    finally:
+        stop_server(server)
+
+
+def test_a_public_url_must_be_an_origin() -> None:
+    import pytest
+
+    from gateway.config import load_settings
+
+    assert load_settings({"TOLLGATE_PUBLIC_URL": "https://api.example.com/"}).http.public_url == "https://api.example.com"
+    assert load_settings({}).http.public_url is None
+    for bad in ("api.example.com", "https://api.example.com/v1", "ftp://x", "https://user@api.example.com"):
+        with pytest.raises(SystemExit, match="TOLLGATE_PUBLIC_URL"):
+            load_settings({"TOLLGATE_PUBLIC_URL": bad})
