@@ -2,7 +2,9 @@
 issued against it instead (the same seller's sequence, without gaps), and pushed to Stripe.
 
     open invoice   the credit reduces what is still due on it (Stripe: pre-payment credit note);
-                   credited in full, the invoice is void
+                   credited in full, the invoice is void; what exceeds what was due (the balance
+                   credit the invoice applied) goes back to the customer's balance, as on Stripe
+                   (post-payment: credit_amount)
     paid invoice   the credit goes to the customer's balance (Stripe: credit_amount), and the
                    account's next invoice shows the note and applies the balance to its amount due
 

@@ -59,7 +59,7 @@ async def invoice_fields(
     subtotal = sum(line_amounts)
     tax_amount = tax_cents(subtotal, tax.rate)  # once, on the subtotal: never per line
     total = subtotal + tax_amount
-    applied = min(total, await _balance_credit(conn, account_id))
+    applied = min(total, await balance_credit(conn, account_id))
     if seller.identified:
         number = f"{seller.invoice_prefix}-{await next_number(conn, seller.key, 'invoice'):06d}"
     else:
@@ -82,13 +82,28 @@ async def invoice_fields(
     return DocumentFields(values, total - applied)
 
 
-async def _balance_credit(conn: AsyncConnection, account_id: int) -> int:
-    """Credit notes on paid invoices credit the customer's balance; what earlier invoices have not used yet."""
-    credited = (await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDIT_NOTES.c.total_cents), 0)).where(
-        CREDIT_NOTES.c.account_id == account_id, CREDIT_NOTES.c.applies_to == "balance"))).scalar_one()
+async def balance_credit(conn: AsyncConnection, account_id: int) -> int:
+    """The customer's balance credit that earlier invoices have not used yet. Credited to it, as on
+    Stripe: credit notes on paid invoices, all of them; credit notes on an open invoice, what
+    exceeds what was still due on it (a credit note first reduces the amount due, never below 0;
+    the rest is the balance credit that invoice applied, given back)."""
+    credited = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDIT_NOTES.c.total_cents), 0)).where(
+        CREDIT_NOTES.c.account_id == account_id, CREDIT_NOTES.c.applies_to == "balance"))).scalar_one())
+    notes = (
+        sa.select(CREDIT_NOTES.c.invoice_id, sa.func.sum(CREDIT_NOTES.c.total_cents).label("credited"))
+        .where(CREDIT_NOTES.c.account_id == account_id, CREDIT_NOTES.c.applies_to == "invoice")
+        .group_by(CREDIT_NOTES.c.invoice_id)
+        .subquery()
+    )
+    returned = (await conn.execute(
+        sa.select(INVOICES.c.total_cents, INVOICES.c.credit_applied_cents, notes.c.credited)
+        .join(notes, notes.c.invoice_id == INVOICES.c.id)
+        .where(INVOICES.c.account_id == account_id, INVOICES.c.credit_applied_cents > 0)
+    )).all()
+    credited += sum(max(0, int(r.credited) - (int(r.total_cents) - int(r.credit_applied_cents))) for r in returned)
     used = (await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(INVOICES.c.credit_applied_cents), 0)).where(
         INVOICES.c.account_id == account_id))).scalar_one()
-    return max(0, int(credited) - int(used))
+    return max(0, credited - int(used))
 
 
 async def list_credit_notes_on(conn: AsyncConnection, account_id: int, invoice_id: int) -> None:

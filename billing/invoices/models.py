@@ -203,7 +203,8 @@ class CreditNote(SQLModel, table=True):
     tax_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
     total_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))
     # balance: the invoice was paid, so the credit goes to the customer's balance and the next
-    # invoice applies it; invoice: it reduces what is still due on the invoice.
+    # invoice applies it; invoice: it reduces what is still due on the invoice (what exceeds that,
+    # the balance credit the invoice applied, goes back to the balance: documents.balance_credit).
     applies_to: str = Field(sa_column=sa.Column(sa.String(16), nullable=False))
     seller: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
     buyer: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))

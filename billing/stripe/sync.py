@@ -5,11 +5,24 @@
     invoice  -> draft Stripe invoice (id stored) -> one invoice item per line (ids stored)
              -> the tax line as manual tax amounts on the lines (our tax, computed once on the
                 subtotal, shared over the lines so they sum to it exactly)
-             -> total compared with ours -> finalized -> sent (per config) -> total compared again
+             -> total compared with ours -> the customer's balance made to apply exactly our
+                credit_applied_cents -> finalized -> sent (per config) -> total compared again
     credit note -> a Stripe credit note on the invoice: pre-payment while it is open, else to the
                 customer's balance (which Stripe applies to the next invoice); one that has not
                 reached Stripe goes with the next push of its invoice or push_pending, whatever our
                 invoice's status is now (a void or paid one included)
+
+The customer's balance. Invoices go to Stripe gross (our total); the credit our invoice applied
+(`credit_applied_cents`, from credit notes: billing/invoices/documents.py) reaches it as Stripe's
+customer balance, which Stripe applies, all of it up to the total, to the next invoice it finalizes
+(`starting_balance` / `ending_balance`). So every invoice with something to collect goes to Stripe,
+one our balance paid in full included (ours is `paid` at once; Stripe's finalize takes the credit
+and marks it paid), and right before finalizing, the push reads the customer's balance: if Stripe
+would apply anything but our credit_applied_cents (a credit note still on its way, one posted
+after our invoice was made, a balance left by earlier drift), one customer balance transaction
+sets it to exactly that credit, so the two sides apply the same credit, each once. A debit on the
+customer (an amount Stripe itself carried over) is left for Stripe to collect. After finalizing,
+the credit Stripe applied (ending less starting balance) is checked: a difference is an error.
 
 Every create carries a deterministic idempotency key, and every Stripe id is stored as soon as it
 is known. Stripe keeps idempotency keys for about 24 hours only, so a re-run also looks for what
@@ -55,6 +68,13 @@ class StripeTotalMismatch(StripeSyncError):
     pass
 
 
+class StripeCreditMismatch(StripeTotalMismatch):
+    """Stripe's finalize applied another customer balance than our invoice's credit."""
+
+
+WAITS_FOR_A_PERSON = ("total mismatch", "credit mismatch")  # push_pending leaves these invoices alone
+
+
 def stripe_client(config: BillingConfig) -> StripeClient:
     if not config.stripe_api_key:
         raise StripeSyncError("Stripe is not configured (TOLLGATE_STRIPE_API_KEY)")
@@ -95,6 +115,20 @@ def _differs(want: dict[str, Any], have: dict[str, Any]) -> bool:
         elif (value or None) != (have.get(key) or None):
             return True
     return False
+
+
+def _collects(invoice: Any) -> bool:
+    """An invoice Stripe has something to do for: open, or paid in full by our balance credit at
+    issue (Stripe's finalize must take that credit from the customer's balance too)."""
+    total = int(invoice.total_cents)
+    return total > 0 and (invoice.status == "open"
+                          or (invoice.status == "paid" and int(invoice.credit_applied_cents or 0) >= total))
+
+
+def _collects_clause() -> Any:
+    return sa.and_(INVOICES.c.total_cents > 0, sa.or_(
+        INVOICES.c.status == "open",
+        sa.and_(INVOICES.c.status == "paid", INVOICES.c.credit_applied_cents >= INVOICES.c.total_cents)))
 
 
 def upsert(db: AsyncEngine, table: Any) -> Any:
@@ -161,7 +195,7 @@ class StripeSync:
     async def push(self, invoice_id: int) -> dict[str, Any]:
         """Makes the Stripe side of one invoice complete. Safe to repeat at any point."""
         invoice, lines = await self._load(invoice_id)
-        if invoice.status != "open" or invoice.total_cents <= 0:
+        if not _collects(invoice):
             return await self._push_notes_only(invoice)
         try:
             return await self._push(invoice, lines)
@@ -194,12 +228,14 @@ class StripeSync:
             await self._push_tax(invoice, remote["id"])
             remote = _plain(await self._stripe.v1.invoices.retrieve_async(remote["id"]))
             self._compare(invoice, remote, "draft")
+            debit = await self._set_balance(invoice, customer, remote)
             remote = _plain(
                 await self._stripe.v1.invoices.finalize_invoice_async(
                     remote["id"], {"auto_advance": True}, {"idempotency_key": f"tollgate-finalize-{remote['id']}"}
                 )
             )
             await self._record(invoice_id, stripe_status=remote["status"])
+            self._compare_credit(invoice, remote, debit)
         if self._should_send(invoice, remote):
             remote = _plain(
                 await self._stripe.v1.invoices.send_invoice_async(
@@ -221,6 +257,42 @@ class StripeSync:
         if notes:
             result["credit_notes"] = notes
         return result
+
+    async def _set_balance(self, invoice: Any, customer: str, remote: dict[str, Any]) -> int:
+        """Makes Stripe's finalize apply exactly our credit_applied_cents: one balance transaction
+        when the customer's balance would apply anything else. Returns the debit left on the
+        customer for Stripe to collect (0 but for an amount Stripe carried over itself). A re-run
+        reads the balance again, so it adds nothing once the balance is right."""
+        credit, total = int(invoice.credit_applied_cents or 0), int(invoice.total_cents)
+        balance = int(_plain(await self._stripe.v1.customers.retrieve_async(customer)).get("balance") or 0)
+        if balance > 0:  # a debit: Stripe adds it to the amount due; ours goes on top of it
+            target = balance - credit
+        elif min(total, -balance) == credit:  # applies exactly our credit already (the usual case)
+            return 0
+        else:  # too little (a credit note not on Stripe yet) or too much (posted after our invoice was made)
+            target = -credit
+        if target != balance:
+            await self._stripe.v1.customers.balance_transactions.create_async(
+                customer,
+                {"amount": target - balance, "currency": invoice.currency,
+                 "description": f"Tollgate: invoice {invoice.number} applies {format_cents(credit)} of credit",
+                 "metadata": {"tollgate_invoice": invoice.number, "tollgate_credit_applied_cents": str(credit)}},
+                {"idempotency_key": f"tollgate-balance-{remote['id']}-{balance}"},
+            )
+            log.info("Stripe customer %s: balance %s -> %s so that invoice %s applies %s of credit",
+                     customer, balance, target, invoice.number, credit)
+        return max(0, balance)
+
+    def _compare_credit(self, invoice: Any, remote: dict[str, Any], debit: int) -> None:
+        if remote.get("ending_balance") is None:  # not finalized (Stripe sets it when it finalizes)
+            return
+        applied = int(remote["ending_balance"]) - int(remote.get("starting_balance") or 0)
+        want = int(invoice.credit_applied_cents or 0) - debit
+        if applied != want:
+            raise StripeCreditMismatch(
+                f"credit mismatch on {invoice.number} (finalized): Stripe applied {format_cents(applied)} of the customer's "
+                f"balance, Tollgate {format_cents(want)} {invoice.currency.upper()}"
+            )
 
     async def _push_waiting_credit_notes(self, invoice_id: int) -> list[dict[str, Any]]:
         async with self._db.connect() as conn:
@@ -331,28 +403,33 @@ class StripeSync:
             )
 
     async def push_pending(self) -> list[dict[str, Any]]:
-        """Pushes every open invoice whose Stripe side is unfinished (a mismatch waits for a person),
-        then every credit note not yet on Stripe whose invoice is there, whatever our invoice's
-        status now (a void's note whose push failed would otherwise leave Stripe collecting it)."""
+        """Pushes every credit note not yet on Stripe whose invoice is there, whatever our invoice's
+        status now (a void's note whose push failed would otherwise leave Stripe collecting it),
+        then every invoice with something to collect whose Stripe side is unfinished (a mismatch
+        waits for a person; one our balance paid in full included). Notes first: a credit reaches
+        the customer's balance before the next invoice's finalize would have to add it itself."""
+        results = await self._push_notes_on_stripe()
         query = sa.select(INVOICES.c.id).where(
-            INVOICES.c.status == "open",
-            INVOICES.c.total_cents > 0,
+            _collects_clause(),
             sa.or_(INVOICES.c.stripe_status.is_(None), INVOICES.c.stripe_status == "draft", INVOICES.c.stripe_total_cents.is_(None)),
-            sa.or_(INVOICES.c.stripe_error.is_(None), ~INVOICES.c.stripe_error.startswith("total mismatch")),
+            sa.or_(INVOICES.c.stripe_error.is_(None), sa.and_(*[~INVOICES.c.stripe_error.startswith(p) for p in WAITS_FOR_A_PERSON])),
         ).order_by(INVOICES.c.id)
         async with self._db.connect() as conn:
             ids = [int(i) for i in (await conn.execute(query)).scalars()]
-        results = []
         for invoice_id in ids:
             try:
                 results.append(await self.push(invoice_id))
             except (StripeError, StripeSyncError) as exc:
                 log.error("Stripe sync of invoice %s failed: %s", invoice_id, exc)
                 results.append({"id": invoice_id, "result": f"error: {exc}"})
+        return results
+
+    async def _push_notes_on_stripe(self) -> list[dict[str, Any]]:
         notes = sa.select(CREDIT_NOTES.c.id).join(INVOICES, INVOICES.c.id == CREDIT_NOTES.c.invoice_id).where(
             CREDIT_NOTES.c.stripe_credit_note_id.is_(None), INVOICES.c.stripe_invoice_id.is_not(None)).order_by(CREDIT_NOTES.c.id)
         async with self._db.connect() as conn:
             note_ids = [int(i) for i in (await conn.execute(notes)).scalars()]
+        results = []
         for note_id in note_ids:
             try:
                 results.append(await self.push_credit_note(note_id))

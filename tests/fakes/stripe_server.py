@@ -13,9 +13,16 @@ Faithful to Stripe's documented behaviour where Tollgate depends on it:
   subtotal is the sum of the items, the total adds the lines' exclusive tax amounts (set per line
   with `tax_amounts` while a draft, as Stripe's manual tax amounts; Stripe uses the amounts as
   given and reuses one tax rate per identical `tax_rate_data`); finalizing copies the customer's
-  name, email, address and tax ids onto the invoice and applies the customer's balance
-  (`starting_balance`, `amount_due`); list endpoints page with `limit`/`starting_after`;
+  name, email, address and tax ids onto the invoice and applies the customer's balance, all of
+  it, as Stripe documents (docs.stripe.com/billing/customer/balance; the SDK's Invoice fields): a
+  credit (negative) up to the invoice's total, a debit (positive) whole, added to `amount_due`;
+  `starting_balance` is the customer's balance before finalizing (a draft shows the current one),
+  `ending_balance` after it, and an invoice left with nothing due is paid; list endpoints page
+  with `limit`/`starting_after`;
 - customers carry name, email, address, balance; tax ids are their own objects (`txi_`, typed);
+  every change of a balance is a customer balance transaction (`cbtxn_`: `adjustment` made by
+  `POST /v1/customers/{id}/balance_transactions`, `credit_note`, `applied_to_invoice`), listed
+  newest first, each with the balance after it (`ending_balance`);
 - credit notes: on open or paid invoices only, at most what is left; first reduce the invoice's
   `amount_remaining` (pre-payment; an invoice left with nothing due is paid), the rest must be
   split exactly into `credit_amount` (to the customer's balance), `refund_amount` and
@@ -155,6 +162,7 @@ class FakeStripe:
         self.tax_ids: dict[str, dict[str, Any]] = {}
         self.tax_rates: dict[str, dict[str, Any]] = {}
         self.credit_notes: dict[str, dict[str, Any]] = {}
+        self.balance_transactions: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.sent: dict[str, int] = {}  # invoice id -> emails sent
         self.requests: list[tuple[str, str, str | None, int]] = []  # method, path, idempotency key, status
@@ -352,6 +360,8 @@ class FakeStripe:
             ("POST", r"/v1/customers/(?P<id>[^/]+)", self._update_customer),
             ("POST", r"/v1/customers/(?P<id>[^/]+)/tax_ids", self._create_tax_id),
             ("GET", r"/v1/customers/(?P<id>[^/]+)/tax_ids", self._list_tax_ids),
+            ("POST", r"/v1/customers/(?P<id>[^/]+)/balance_transactions", self._create_balance_transaction),
+            ("GET", r"/v1/customers/(?P<id>[^/]+)/balance_transactions", self._list_balance_transactions),
             ("GET", r"/v1/invoices/(?P<id>[^/]+)/lines", self._list_lines),
             ("POST", r"/v1/invoices/(?P<id>[^/]+)/lines/(?P<line>[^/]+)", self._update_line),
             ("POST", r"/v1/credit_notes", self._create_credit_note),
@@ -431,6 +441,40 @@ class FakeStripe:
     def _list_tax_ids(self, params: dict[str, Any], id: str) -> dict[str, Any]:
         self._get(self.customers, "customer", id)
         return self._list(f"/v1/customers/{id}/tax_ids", self.tax_ids, {**params, "customer": id}, "customer")
+
+    def _create_balance_transaction(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        customer = self._get(self.customers, "customer", id)
+        amount = _int(params, "amount", required=True)
+        currency = params.get("currency")
+        if not currency:
+            raise StripeFailure(400, "Missing required param: currency.", param="currency", code="parameter_missing")
+        if amount == 0:
+            raise StripeFailure(400, "The amount must be a non-zero integer.", param="amount")
+        return self._balance(customer, int(amount), "adjustment", currency=currency, description=params.get("description"),
+                             metadata=_metadata(params))
+
+    def _list_balance_transactions(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        self._get(self.customers, "customer", id)
+        return self._list(f"/v1/customers/{id}/balance_transactions", self.balance_transactions, {**params, "customer": id}, "customer")
+
+    def _balance(self, customer: dict[str, Any], amount: int, kind: str, *, currency: str = "usd", invoice: str | None = None,
+                 credit_note: str | None = None, description: str | None = None,
+                 metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        """One change of a customer's balance (negative: a credit), recorded as Stripe records it."""
+        customer["balance"] += amount
+        if customer["currency"] is None:  # set by the first transaction, as on Stripe
+            customer["currency"] = currency
+        txn = {
+            "id": self._id("cbtxn"), "object": "customer_balance_transaction", "amount": amount, "checkout_session": None,
+            "created": int(time.time()), "credit_note": credit_note, "currency": currency, "customer": customer["id"],
+            "customer_account": None, "description": description, "ending_balance": customer["balance"], "invoice": invoice,
+            "livemode": False, "metadata": metadata or {}, "type": kind,
+        }
+        self.balance_transactions[txn["id"]] = txn
+        for draft in self.invoices.values():  # a draft's starting_balance is the customer's balance now
+            if draft["customer"] == customer["id"] and draft["status"] == "draft":
+                draft["starting_balance"] = customer["balance"]
+        return txn
 
     def _list_lines(self, params: dict[str, Any], id: str) -> dict[str, Any]:
         invoice = self._get(self.invoices, "invoice", id)
@@ -526,7 +570,8 @@ class FakeStripe:
             "auto_advance": _bool(params, "auto_advance", False), "currency": params.get("currency", "usd"),
             "description": params.get("description"), "metadata": _metadata(params),
             "subtotal": 0, "total": 0, "amount_due": 0, "amount_paid": 0, "amount_remaining": 0,
-            "subtotal_excluding_tax": 0, "total_excluding_tax": 0, "total_taxes": [], "starting_balance": 0,
+            "subtotal_excluding_tax": 0, "total_excluding_tax": 0, "total_taxes": [],
+            "starting_balance": self.customers[customer]["balance"],
             "ending_balance": None, "pre_payment_credit_notes_amount": 0, "post_payment_credit_notes_amount": 0,
             "customer_name": None, "customer_email": None, "customer_address": None, "customer_tax_ids": [],
             "attempted": False, "attempt_count": 0, "next_payment_attempt": None,
@@ -587,9 +632,12 @@ class FakeStripe:
         invoice.update(customer_name=customer["name"], customer_email=customer["email"], customer_address=customer["address"],
                        customer_tax_ids=[{"type": t["type"], "value": t["value"]} for t in self.tax_ids.values()
                                          if t["customer"] == customer["id"]])
-        applied = min(invoice["total"], max(0, -customer["balance"]))  # a credit balance pays part of it
-        customer["balance"] += applied
-        invoice.update(starting_balance=-applied, ending_balance=customer["balance"],
+        # The whole balance applies: a credit up to the total (the rest stays on the customer), a debit whole.
+        starting = customer["balance"]
+        applied = min(invoice["total"], -starting) if starting < 0 else -starting  # credit used (negative: a debit)
+        if applied:
+            self._balance(customer, applied, "applied_to_invoice", currency=invoice["currency"], invoice=invoice["id"])
+        invoice.update(starting_balance=starting, ending_balance=customer["balance"],
                        amount_due=invoice["total"] - applied, amount_remaining=invoice["total"] - applied)
         invoice["hosted_invoice_url"] = f"https://invoice.stripe.test/{invoice['id']}"
         if invoice["collection_method"] == "send_invoice":
@@ -631,7 +679,7 @@ class FakeStripe:
             "id": self._id("cn"), "object": "credit_note", "invoice": invoice_id, "customer": customer["id"],
             "amount": amount, "subtotal": amount, "total": amount, "currency": invoice["currency"], "number": number,
             "pre_payment_amount": pre, "post_payment_amount": post, "_credit_amount": credit, "_refund_amount": refund,
-            "customer_balance_transaction": self._id("cbtxn") if credit else None,
+            "customer_balance_transaction": None,
             "out_of_band_amount": out_of_band, "reason": reason, "memo": params.get("memo"), "metadata": _metadata(params),
             "status": "issued", "type": "pre_payment" if post == 0 else ("post_payment" if pre == 0 else "mixed"),
             "created": int(time.time()), "livemode": False,
@@ -644,7 +692,9 @@ class FakeStripe:
         if invoice["status"] == "open" and invoice["amount_remaining"] == 0:
             invoice["status"] = "paid"
             invoice["status_transitions"]["paid_at"] = int(time.time())
-        customer["balance"] -= credit  # negative: credit the customer holds
+        if credit:  # negative: credit the customer holds
+            note["customer_balance_transaction"] = self._balance(customer, -credit, "credit_note", currency=invoice["currency"],
+                                                                 invoice=invoice_id, credit_note=note["id"])["id"]
         return note
 
     def _send(self, params: dict[str, Any], id: str) -> dict[str, Any]:

@@ -146,7 +146,9 @@ def run_flows(fake: FakeStripePayments) -> None:
     line = client.v1.invoices.line_items.list(invoice.id).data[0]
     client.v1.invoices.line_items.update(invoice.id, line.id, {"tax_amounts": [{"amount": 190, "taxable_amount": 1000,
         "tax_rate_data": {"display_name": "VAT", "inclusive": False, "percentage": "19", "country": "DE"}}]})
-    client.v1.invoices.finalize_invoice(invoice.id)
+    client.v1.customers.balance_transactions.create(customer.id, {"amount": -300, "currency": "usd", "description": "credit",
+                                                                  "metadata": {"tollgate_invoice": "INV-1"}})
+    client.v1.invoices.finalize_invoice(invoice.id)  # takes the balance: applied_to_invoice
     client.v1.invoices.send_invoice(invoice.id)
     client.v1.credit_notes.create({"invoice": invoice.id, "amount": 100})
     fake.fail_payment(invoice.id)
@@ -154,6 +156,8 @@ def run_flows(fake: FakeStripePayments) -> None:
     client.v1.credit_notes.create({"invoice": invoice.id, "amount": 50, "credit_amount": 50})
     fake.set_subscription(customer.id, "past_due")
     assert item.invoice == invoice.id
+    kinds = [t.type for t in client.v1.customers.balance_transactions.list(customer.id).data]
+    assert kinds == ["credit_note", "applied_to_invoice", "adjustment"]  # newest first
 
 
 def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
@@ -163,7 +167,7 @@ def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
         objects = [*fake.sessions.values(), *fake.payment_intents.values(), *fake.charges.values(), *fake.refunds.values(),
                    *fake.customers.values(), *fake.tax_ids.values(), *fake.invoices.values(), *fake.items.values(),
                    *(line for i in fake.invoices.values() for line in i["lines"]["data"]), *fake.tax_rates.values(),
-                   *fake.credit_notes.values(), *fake.subscriptions.values()]
+                   *fake.credit_notes.values(), *fake.subscriptions.values(), *fake.balance_transactions.values()]
         found = [p for o in objects for p in check_object(public(o), o["id"])]
         found += [p for e in fake.events for p in check_event(e)]
         kinds = {e["type"] for e in fake.events}
