@@ -9,33 +9,19 @@ was made is not taken by that invoice, and one that reaches Stripe late is appli
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from billing.invoices.documents import balance_credit
 from billing.prices.book import PriceBook
 from tests.billing.invoice_helpers import App, at, new_account, serve, usage
+from tests.billing.stripe.test_credit_note_sync import env_for, fake  # noqa: F401  (fake: the fixture)
 from tests.fakes.stripe_server import FakeStripe
 
 NOTES = r"/v1/credit_notes"
 BALANCE = r"/v1/customers/[^/]+/balance_transactions"
 TOKENS_PER_CENT = 100  # omega costs $100 per million tokens: 100 tokens = 1 cent
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeStripe]:
-    server = FakeStripe().start()
-    yield server
-    server.stop()
-
-
-def env_for(fake: FakeStripe) -> dict[str, str]:
-    return {"TOLLGATE_STRIPE_API_KEY": fake.api_key, "TOLLGATE_STRIPE_API_BASE": fake.url,
-            "TOLLGATE_STRIPE_WEBHOOK_SECRET": fake.webhook_secret, "TOLLGATE_STRIPE_MAX_RETRIES": "0",
-            "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE": "1"}
 
 
 async def customer_of(db: Any) -> int:
