@@ -6,7 +6,10 @@
     refund.failed (or canceled)      -> that row, and one that gives it back (external_id `<refund id>:failed`)
     recharge_due()                   balance below the account's threshold -> one off-session PaymentIntent
                                      (at most one in flight: a conditional update claims it), credited by its
-                                     id; a decline leaves recharge_state `failed` with Stripe's message
+                                     id; a decline leaves recharge_state `failed` with Stripe's message; a
+                                     charge whose answer was lost (network, 5xx) is sent again, with the same
+                                     idempotency key and parameters, RESEND_AFTER later, until the key
+                                     may have expired at Stripe (RESEND_WITHIN): then it is `failed` for a person
     payment_intent.succeeded/failed  the same outcome for a recharge, when it arrives by webhook
 
 Webhooks are hints (billing/stripe/webhooks.py): each object is re-read from Stripe, and the credit row
@@ -19,11 +22,12 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from stripe import CardError, StripeClient
+from stripe import CardError, IdempotencyError, StripeClient
 
 from billing.credits.models import CreditEntry, CreditSettings
 from billing.credits.balance import CreditBook, CreditError
@@ -36,6 +40,13 @@ SETTINGS = CreditSettings.__table__
 NANOS_PER_CENT = 10_000_000
 MIN_CENTS = 50  # Stripe's minimum charge in USD
 MAX_CENTS = 99_999_999  # Stripe's maximum amount for USD
+# A recharge claim still `pending` with no PaymentIntent id this long after it was made: its create got
+# no answer (a connection error after the SDK's retries, a 5xx), and no webhook settled it. recharge_due
+# sends the same create again, same idempotency key: Stripe answers with the intent it stored, or makes it.
+RESEND_AFTER = timedelta(minutes=5)
+# Stripe may prune an idempotency key once it is 24 hours old; after that the same key could charge
+# again. The key is younger than its claim, and an hour is kept as a margin: older claims go to a person.
+RESEND_WITHIN = timedelta(hours=23)
 
 Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
 
@@ -104,9 +115,13 @@ class CheckoutService:
         return await self.settings(account_id)
 
     async def _upsert(self, conn: AsyncConnection, account_id: int, **values: Any) -> None:
-        values["updated_at"] = utcnow()
-        await conn.execute(upsert(self._db, SETTINGS).values(account_id=account_id, **values)
-                           .on_conflict_do_update(index_elements=["account_id"], set_=values))
+        now = utcnow()
+        changes = {**values, "updated_at": now}
+        if "recharge_state" not in values:  # a pending claim's updated_at stays its claim time (recharge_due measures it)
+            changes["updated_at"] = sa.case((SETTINGS.c.recharge_state == "pending", SETTINGS.c.updated_at),
+                                            else_=sa.literal(now, SETTINGS.c.updated_at.type))
+        await conn.execute(upsert(self._db, SETTINGS).values(account_id=account_id, **values, updated_at=now)
+                           .on_conflict_do_update(index_elements=["account_id"], set_=changes))
 
     # webhooks ----------------------------------------------------------------------------------
     def webhook_handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Apply | None]]]:
@@ -186,13 +201,21 @@ class CheckoutService:
                 updated_at=utcnow()))
 
     # auto-recharge -----------------------------------------------------------------------------
-    async def recharge_due(self) -> list[int]:
-        """Charges, off-session, every account below its threshold that has no charge in flight."""
+    async def recharge_due(self, now: datetime | None = None) -> list[int]:
+        """Charges, off-session, every account below its threshold that has no charge in flight, and
+        sends again each charge whose answer from Stripe was lost (RESEND_AFTER)."""
+        now = now or utcnow()
         async with self._db.connect() as conn:
+            lost = (await conn.execute(sa.select(SETTINGS).where(
+                SETTINGS.c.recharge_state == "pending", SETTINGS.c.recharge_payment_intent.is_(None),
+                SETTINGS.c.updated_at <= now - RESEND_AFTER))).all()
             rows = (await conn.execute(sa.select(SETTINGS).where(
                 SETTINGS.c.recharge_below_nanos.is_not(None), SETTINGS.c.payment_method_id.is_not(None),
                 SETTINGS.c.recharge_state == "idle"))).all()
         charged = []
+        for row in lost:
+            if await self._resend(row, now):
+                charged.append(int(row.account_id))
         for row in rows:
             balance = await self._credits.balance(row.account_id)
             if balance is None or balance["billing_mode"] != "prepaid" or balance["balance_nanos"] >= row.recharge_below_nanos:
@@ -207,12 +230,39 @@ class CheckoutService:
             claimed = await conn.execute(SETTINGS.update().where(
                 SETTINGS.c.account_id == row.account_id, SETTINGS.c.recharge_state == "idle",
                 SETTINGS.c.recharge_count == row.recharge_count,
-            ).values(recharge_state="pending", recharge_count=attempt, recharge_error=None, updated_at=utcnow()))
+            ).values(recharge_state="pending", recharge_count=attempt, recharge_error=None, recharge_payment_intent=None,
+                     updated_at=utcnow()))
             if claimed.rowcount != 1:
                 return False
+        return await self._send(row, attempt)
+
+    async def _resend(self, row: Any, now: datetime) -> bool:
+        """The create of a claim that got no answer, again: same key, same parameters."""
+        attempt = int(row.recharge_count)
+        if row.updated_at > now - RESEND_WITHIN:
+            log.warning("auto-recharge %s of account %s got no answer from Stripe: sending it again", attempt, row.account_id)
+            return await self._send(row, attempt)
+        await self._give_up(row.account_id, attempt, "its charge got no answer from Stripe and is too old to send again "
+                                                     "safely (Stripe keeps idempotency keys 24 hours)")
+        return False
+
+    async def _give_up(self, account_id: int, attempt: int, why: str) -> None:
+        async with self._db.begin() as conn:
+            await conn.execute(SETTINGS.update().where(
+                SETTINGS.c.account_id == account_id, SETTINGS.c.recharge_state == "pending", SETTINGS.c.recharge_count == attempt,
+                SETTINGS.c.recharge_payment_intent.is_(None),
+            ).values(recharge_state="failed", updated_at=utcnow(), recharge_error=(
+                f"auto-recharge {attempt} needs a person: {why}. Look in the Stripe dashboard for a PaymentIntent with "
+                f"metadata tollgate_recharge={attempt} (tollgate_account={account_id}); if one succeeded and is not in the "
+                f"credit ledger (external_id = its id), credit it, then set auto-recharge again")))
+        log.error("auto-recharge %s of account %s: %s; marked failed", attempt, account_id, why)
+
+    async def _send(self, row: Any, attempt: int) -> bool:
+        """The off-session charge of claim `attempt` and its outcome; its key and parameters depend only on the claim."""
         params = {"amount": row.recharge_amount_cents, "currency": "usd", "customer": row.stripe_customer_id,
                   "payment_method": row.payment_method_id, "off_session": True, "confirm": True,
                   "metadata": {"tollgate_account": str(row.account_id), "tollgate_recharge": str(attempt)}}
+        this_claim = sa.and_(SETTINGS.c.account_id == row.account_id, SETTINGS.c.recharge_count == attempt)
         try:
             intent = _plain(await self._stripe.v1.payment_intents.create_async(
                 params, {"idempotency_key": f"tollgate-recharge-{row.account_id}-{attempt}"}))  # type: ignore[arg-type]
@@ -220,18 +270,21 @@ class CheckoutService:
             intent = dict((exc.json_body or {}).get("error", {}).get("payment_intent") or {})
             message = exc.user_message or str(exc)
             async with self._db.begin() as conn:
-                await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == row.account_id).values(
+                await conn.execute(SETTINGS.update().where(this_claim, SETTINGS.c.recharge_state == "pending").values(
                     recharge_state="failed", recharge_payment_intent=intent.get("id"),
                     recharge_error=f"auto-recharge declined: {message}", updated_at=utcnow()))
             log.warning("auto-recharge of account %s declined", row.account_id)
             return False
+        except IdempotencyError:
+            # the account's card or customer changed since the first send: this key cannot be answered
+            await self._give_up(row.account_id, attempt, "its payment details changed before Stripe's answer to the charge came")
+            return False
         except Exception:
-            # Unknown outcome (network): stays pending; the PaymentIntent's webhook settles it.
+            # Unknown outcome (network, 5xx): stays pending; its webhook settles it, or recharge_due sends it again.
             log.warning("auto-recharge of account %s: no answer from Stripe; waiting for its webhook", row.account_id)
             return False
         async with self._db.begin() as conn:
-            await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == row.account_id)
-                               .values(recharge_payment_intent=intent["id"]))
+            await conn.execute(SETTINGS.update().where(this_claim).values(recharge_payment_intent=intent["id"]))
             await self._recharge_outcome(conn, int(row.account_id), intent)
         await self._credits.sync_recent()
         return intent.get("status") == "succeeded"

@@ -217,7 +217,17 @@ def cmd_invoices_credit(settings: Settings, args: argparse.Namespace) -> int:
         except CreditNoteRefused as exc:
             raise CommandError(str(exc)) from None
         if config.stripe_enabled:
-            note["stripe"] = await _stripe(db, config).push_credit_note(note["id"])
+            from stripe import StripeError
+
+            from billing.stripe.sync import StripeSyncError
+
+            try:
+                note["stripe"] = await _stripe(db, config).push_credit_note(note["id"])
+            except (StripeError, StripeSyncError) as exc:  # the note stands: a second `credit` would issue another
+                message = " ".join(str(getattr(exc, "user_message", None) or exc).split())
+                raise CommandError(f"credit note {note['number']} (id {note['id']}) is issued but did not reach Stripe "
+                                   f"({type(exc).__name__}: {message}); do not issue it again: `tollgate invoices sync {args.id}` "
+                                   f"sends it") from None
         return note
 
     _print(_run(settings, credit))
