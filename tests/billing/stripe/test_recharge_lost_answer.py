@@ -9,7 +9,6 @@ again: it is `failed`, for a person."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -24,20 +23,12 @@ from billing.keys.store import KeyStore
 from billing.models import utcnow
 from billing.stripe import checkout
 from billing.stripe.checkout import RESEND_AFTER, CheckoutService
+from tests.billing.stripe.test_checkout import fake  # noqa: F401  (the fixture)
 from tests.conftest import SECRET, run_coro
 from tests.fakes.stripe_checkout import FakeStripePayments
 
 CENT = 10_000_000
 INTENTS = r"/v1/payment_intents"
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeStripePayments]:
-    server = FakeStripePayments().start()
-    try:
-        yield server  # type: ignore[misc]
-    finally:
-        server.stop()
 
 
 async def _pay_checkout(service: CheckoutService, fake: FakeStripePayments, db: Any, account: int, cents: int) -> None:
