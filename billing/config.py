@@ -136,6 +136,12 @@ class BillingConfig:
         return f"Net {self.days_until_due} days" if self.days_until_due else "Due on receipt"
 
     @property
+    def sends_for_payment(self) -> bool:
+        """Invoices are sent to be paid by a due date (no payment attempt that could fail): an
+        unpaid one past it makes the account delinquent."""
+        return self.collection_method == "send_invoice"
+
+    @property
     def stripe_enabled(self) -> bool:
         return bool(self.stripe_api_key)
 

@@ -52,7 +52,10 @@ class Billing:
         client = stripe_client(config) if config.stripe_enabled else None
         self.stripe = StripeSync(db, client, config) if client is not None else None
         self.webhooks = (
-            WebhookHandler(db, client, config.stripe_webhook_secret, grace_seconds=config.grace_seconds, on_change=self._changed)
+            WebhookHandler(
+                db, client, config.stripe_webhook_secret, grace_seconds=config.grace_seconds, overdue=config.sends_for_payment,
+                on_change=self._changed,
+            )
             if client is not None and config.stripe_webhook_secret
             else None
         )

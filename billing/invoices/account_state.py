@@ -1,12 +1,17 @@
 """An account's billing state, derived from facts rather than from the order events came in:
 
     delinquent_since = earliest of: a failed payment on an invoice still open, a subscription
-                       past_due/unpaid (NULL when neither)
-    state            = active     when delinquent_since is NULL
+                       past_due/unpaid, and (invoices sent for payment, collection method
+                       send_invoice) the due date of an invoice still open on Stripe (NULL when none)
+    state            = active     when delinquent_since is NULL or still ahead
                        past_due   while now < delinquent_since + grace (keys keep working)
                        suspended  afterwards (keys get 403 naming the unpaid invoices)
 
-Paying (invoice.paid) clears the invoice's failure, so the state returns to active by itself.
+A sent invoice gets no payment attempt that could fail: without its due date, a customer who never
+pays it would never be suspended. Its due date is known when it reaches Stripe, so it is stored
+ahead of time and the state turns by the clock alone (the monthly job stores it each round).
+Paying (invoice.paid) clears the invoice's failure and its due date, so the state returns to
+active by itself.
 `AccountStates` keeps the delinquent accounts in memory (refreshed every second or so), so the
 request path checks a key without any I/O.
 """
@@ -44,15 +49,21 @@ def _aware(value: datetime | None) -> datetime | None:
 
 
 def derive_state(delinquent_since: datetime | None, now: datetime, grace_seconds: float) -> str:
-    if delinquent_since is None:
+    if delinquent_since is None or now < _aware(delinquent_since):  # type: ignore[operator]
         return ACTIVE
     if now < _aware(delinquent_since) + timedelta(seconds=grace_seconds):  # type: ignore[operator]
         return PAST_DUE
     return SUSPENDED
 
 
-async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, grace_seconds: float) -> str:
-    """Re-derives and stores one account's state from its invoices and subscription."""
+def on_stripe_unpaid() -> Any:
+    """Invoices the customer was asked to pay through Stripe and has not: open on both sides."""
+    return sa.and_(INVOICES.c.status == "open", INVOICES.c.stripe_status == "open", INVOICES.c.due_at.is_not(None))
+
+
+async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, grace_seconds: float, overdue: bool = False) -> str:
+    """Re-derives and stores one account's state from its invoices and subscription; `overdue`:
+    invoices are sent for payment by a due date (collection method send_invoice), which counts."""
     failed = (
         await conn.execute(
             sa.select(sa.func.min(INVOICES.c.payment_failed_at)).where(
@@ -63,7 +74,12 @@ async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, gr
     subscription = (
         await conn.execute(sa.select(BILLING.c.subscription_delinquent_since).where(BILLING.c.account_id == account_id))
     ).scalar_one_or_none()
-    candidates = [t for t in (_aware(failed), _aware(subscription)) if t is not None]
+    due = None
+    if overdue:
+        due = (
+            await conn.execute(sa.select(sa.func.min(INVOICES.c.due_at)).where(INVOICES.c.account_id == account_id, on_stripe_unpaid()))
+        ).scalar_one_or_none()
+    candidates = [t for t in (_aware(failed), _aware(subscription), _aware(due)) if t is not None]
     since = min(candidates) if candidates else None
     state = derive_state(since, now, grace_seconds)
     values = dict(state=state, delinquent_since=since, updated_at=now)
@@ -78,12 +94,14 @@ async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: f
         row = (await conn.execute(sa.select(BILLING).where(BILLING.c.account_id == account_id))).first()
         unpaid = (
             await conn.execute(
-                sa.select(INVOICES.c.id, INVOICES.c.number, INVOICES.c.total_cents, INVOICES.c.payment_failed_at)
+                sa.select(INVOICES.c.id, INVOICES.c.number, INVOICES.c.total_cents, INVOICES.c.payment_failed_at, INVOICES.c.due_at)
                 .where(INVOICES.c.account_id == account_id, INVOICES.c.status == "open")
                 .order_by(INVOICES.c.period)
             )
         ).all()
     since = _aware(row.delinquent_since) if row else None
+    if since is not None and now < since:  # an unpaid invoice's due date still ahead: not delinquent yet
+        since = None
     return {
         "object": "billing_account",
         "account_id": account_id,
@@ -94,7 +112,9 @@ async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: f
         "subscription_status": row.subscription_status if row else None,
         "unpaid_invoices": [
             {"id": u.id, "number": u.number, "total_cents": int(u.total_cents), "total": format_cents(int(u.total_cents)),
-             "payment_failed": u.payment_failed_at is not None}
+             "payment_failed": u.payment_failed_at is not None,
+             "due_at": _aware(u.due_at).isoformat() if u.due_at else None,  # type: ignore[union-attr]
+             "overdue": u.due_at is not None and now >= _aware(u.due_at)}  # type: ignore[operator]
             for u in unpaid
         ],
     }

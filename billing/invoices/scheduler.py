@@ -15,9 +15,9 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.invoices.account_state import recompute
+from billing.invoices.account_state import on_stripe_unpaid, recompute
 from billing.config import BillingConfig
-from billing.invoices.models import BillingAccount
+from billing.invoices.models import BillingAccount, Invoice
 from billing.invoices.close import CloseInProgress, CloseResult, close_lock, close_period_locked, period_status
 from billing.models import utcnow
 from billing.periodic import Periodic
@@ -27,6 +27,7 @@ from billing.stripe.sync import StripeSync
 
 log = logging.getLogger("tollgate.billing_scheduler")
 BILLING = BillingAccount.__table__
+INVOICES = Invoice.__table__
 
 
 def due_period(now: datetime, close_delay_seconds: float) -> Period:
@@ -34,12 +35,17 @@ def due_period(now: datetime, close_delay_seconds: float) -> Period:
     return Period.containing(now - timedelta(seconds=close_delay_seconds)).prev()
 
 
-async def store_states(db: AsyncEngine, *, now: datetime, grace_seconds: float) -> None:
+async def store_states(db: AsyncEngine, *, now: datetime, grace_seconds: float, overdue: bool = False) -> None:
+    """Stores the states that time changes: delinquent accounts', and (`overdue`) those of accounts
+    with invoices open on Stripe, whose due dates count without any event."""
+    query = sa.select(BILLING.c.account_id).where(BILLING.c.delinquent_since.is_not(None))
+    if overdue:
+        query = query.union(sa.select(INVOICES.c.account_id).where(on_stripe_unpaid()))
     async with db.connect() as conn:
-        ids = [int(i) for i in (await conn.execute(sa.select(BILLING.c.account_id).where(BILLING.c.delinquent_since.is_not(None)))).scalars()]
+        ids = [int(i) for i in (await conn.execute(query)).scalars()]
     for account_id in ids:
         async with db.begin() as conn:
-            await recompute(conn, account_id, now=now, grace_seconds=grace_seconds)
+            await recompute(conn, account_id, now=now, grace_seconds=grace_seconds, overdue=overdue)
 
 
 class MonthlyClose:
@@ -75,7 +81,7 @@ class MonthlyClose:
                     await self._stripe.push_pending()
         except CloseInProgress:
             log.debug("another instance holds the close lock; skipping this tick")
-        await store_states(self._db, now=now, grace_seconds=self._config.grace_seconds)
+        await store_states(self._db, now=now, grace_seconds=self._config.grace_seconds, overdue=self._config.sends_for_payment)
         return result
 
     def start(self) -> None:

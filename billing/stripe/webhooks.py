@@ -29,7 +29,7 @@ INVOICES = Invoice.__table__
 BILLING = BillingAccount.__table__
 EVENTS = StripeEvent.__table__
 INVOICE_EVENTS = ("invoice.paid", "invoice.payment_failed", "invoice.payment_succeeded", "invoice.voided",
-                  "invoice.marked_uncollectible", "invoice.finalized", "invoice.updated")
+                  "invoice.marked_uncollectible", "invoice.finalized", "invoice.updated", "invoice.overdue")
 SUBSCRIPTION_EVENTS = ("customer.subscription.updated", "customer.subscription.deleted", "customer.subscription.created")
 
 
@@ -48,12 +48,14 @@ class WebhookHandler:
         secret: str,
         *,
         grace_seconds: float,
+        overdue: bool = False,
         on_change: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._db = db
         self._stripe = client
         self._secret = secret
         self._grace = grace_seconds
+        self._overdue = overdue  # unpaid invoices past their due date count (BillingConfig.sends_for_payment)
         self._on_change = on_change
         # Other event kinds (prepaid top-ups, billing/stripe/checkout.py): kind -> re-read -> apply in the event's transaction
         self.extra: dict[str, Callable[[dict[str, Any]], Awaitable[Apply | None]]] = {}
@@ -84,7 +86,7 @@ class WebhookHandler:
                 return {"received": True, "id": event_id, "duplicate": True}
             account_id = await apply(conn) if apply is not None else None
             if account_id is not None:
-                state = await recompute(conn, account_id, now=utcnow(), grace_seconds=self._grace)
+                state = await recompute(conn, account_id, now=utcnow(), grace_seconds=self._grace, overdue=self._overdue)
         if account_id is not None and self._on_change is not None:
             await self._on_change(account_id)
         for hook in self.after if account_id is not None else []:
@@ -119,11 +121,7 @@ class WebhookHandler:
         return None
 
     async def _apply_invoice(self, conn: AsyncConnection, remote: dict[str, Any], kind: str, created: datetime) -> int | None:
-        number = (remote.get("metadata") or {}).get("tollgate_invoice")
-        match = INVOICES.c.stripe_invoice_id == remote["id"]
-        if isinstance(number, str) and number:
-            match = sa.or_(match, INVOICES.c.number == number)
-        ours = (await conn.execute(sa.select(INVOICES).where(match))).first()
+        ours = await self._ours(conn, remote)
         if ours is None:
             log.info("webhook for Stripe invoice %s, which is none of ours", remote["id"])
             return None
@@ -142,6 +140,22 @@ class WebhookHandler:
             values.update(payment_failed_at=ours.payment_failed_at or created)
         await conn.execute(INVOICES.update().where(INVOICES.c.id == ours.id).values(**values))
         return int(ours.account_id)
+
+    async def _ours(self, conn: AsyncConnection, remote: dict[str, Any]) -> Any:
+        """Our invoice that this Stripe invoice is: the one that stored its id; else (a push that made
+        it and stopped before storing the id) the one its metadata names, when that one has no Stripe
+        invoice yet and belongs to the remote's customer. Another Stripe invoice carrying our number
+        (a copy made by hand, another customer's) changes nothing of ours."""
+        ours = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.stripe_invoice_id == remote["id"]))).first()
+        number = (remote.get("metadata") or {}).get("tollgate_invoice")
+        if ours is not None or not isinstance(number, str) or not number:
+            return ours
+        query = (
+            sa.select(INVOICES)
+            .join(BILLING, BILLING.c.account_id == INVOICES.c.account_id)
+            .where(INVOICES.c.number == number, INVOICES.c.stripe_invoice_id.is_(None), BILLING.c.stripe_customer_id == remote.get("customer"))
+        )
+        return (await conn.execute(query)).first()
 
     async def _apply_subscription(self, conn: AsyncConnection, remote: dict[str, Any], created: datetime) -> int | None:
         customer = remote.get("customer")

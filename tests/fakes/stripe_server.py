@@ -371,6 +371,7 @@ class FakeStripe:
             ("GET", r"/v1/invoices/(?P<id>[^/]+)", lambda p, id: self._get(self.invoices, "invoice", id)),
             ("POST", r"/v1/invoices/(?P<id>[^/]+)/finalize", self._finalize),
             ("POST", r"/v1/invoices/(?P<id>[^/]+)/send", self._send),
+            ("POST", r"/v1/invoices/(?P<id>[^/]+)/void", self._void),
             ("POST", r"/v1/invoiceitems", self._create_item),
             ("GET", r"/v1/invoiceitems", lambda p: self._list("/v1/invoiceitems", self.items, p, "invoice")),
             ("GET", r"/v1/subscriptions/(?P<id>[^/]+)", lambda p, id: self._get(self.subscriptions, "subscription", id)),
@@ -647,6 +648,16 @@ class FakeStripe:
             invoice["status_transitions"]["paid_at"] = now
         else:
             invoice["status"] = "open"
+        return invoice
+
+    def _void(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        """Only a finalized invoice not paid can be voided (docs.stripe.com/api/invoices/void)."""
+        invoice = self._get(self.invoices, "invoice", id)
+        if invoice["status"] not in ("open", "uncollectible"):
+            raise StripeFailure(400, f"You can only void open or uncollectible invoices; {id} is {invoice['status']}.",
+                                code="invoice_not_editable")
+        invoice["status"] = "void"
+        invoice["status_transitions"]["voided_at"] = int(time.time())
         return invoice
 
     def _create_credit_note(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -170,7 +170,10 @@ async def test_webhooks_drive_billing_state(db_url: str, db: Any, fake: FakeStri
     principal = await KeyStore(db, SECRET.encode()).authenticate(key)
     assert principal is not None
     invoice_id = invoices[ids["a"]]["id"]
-    with serve(db_url, tmp_path, **env_for(fake, TOLLGATE_BILLING_GRACE_SECONDS="3")) as app:
+    # Stripe charges the invoice (its failed payment is what counts: a sent invoice's due date,
+    # a month after these tests' past dates, would count too: tests/billing/stripe/test_overdue.py)
+    env = env_for(fake, TOLLGATE_BILLING_GRACE_SECONDS="3", TOLLGATE_STRIPE_COLLECTION_METHOD="charge_automatically")
+    with serve(db_url, tmp_path, **env) as app:
         hook = app.base_url + "/webhooks/stripe"
         async with app.admin() as admin:
             assert (await admin.post(f"/admin/invoices/{invoice_id}/sync")).json()["stripe_status"] == "open"

@@ -158,6 +158,11 @@ def run_flows(fake: FakeStripePayments) -> None:
     assert item.invoice == invoice.id
     kinds = [t.type for t in client.v1.customers.balance_transactions.list(customer.id).data]
     assert kinds == ["credit_note", "applied_to_invoice", "adjustment"]  # newest first
+    voided = client.v1.invoices.create({"customer": customer.id, "collection_method": "send_invoice", "days_until_due": 30})
+    client.v1.invoice_items.create({"customer": customer.id, "invoice": voided.id, "amount": 500, "currency": "usd"})
+    client.v1.invoices.finalize_invoice(voided.id)
+    assert client.v1.invoices.void_invoice(voided.id).status == "void"
+    fake.invoice_event("invoice.voided", voided.id)
 
 
 def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
@@ -178,7 +183,7 @@ def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
         "checkout.session.completed", "checkout.session.async_payment_succeeded", "checkout.session.async_payment_failed",
         "payment_intent.created", "payment_intent.processing", "payment_intent.succeeded", "payment_intent.payment_failed",
         "charge.pending", "charge.succeeded", "charge.failed", "charge.refunded", "charge.refund.updated",
-        "refund.created", "refund.updated", "refund.failed", "invoice.payment_failed", "invoice.paid",
+        "refund.created", "refund.updated", "refund.failed", "invoice.payment_failed", "invoice.paid", "invoice.voided",
         "customer.subscription.updated",
     }
 
