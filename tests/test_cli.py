@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import cli_runner
 
 
 def tollgate(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TOLLGATE_SECRET")}
     env["TOLLGATE_DATA_DIR"] = str(tmp)
-    exe = Path(sys.executable).with_name("tollgate")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=120)
+    return cli_runner.tollgate(args, env)
 
 
 @pytest.fixture
@@ -28,6 +28,19 @@ def test_help_on_every_command(tmp_path: Path) -> None:
     for args in (["--help"], ["serve", "--help"], ["migrate", "--help"], ["accounts", "--help"], ["keys", "create", "--help"]):
         result = tollgate(tmp_path, *args)
         assert result.returncode == 0 and "usage:" in result.stdout
+
+
+def test_the_installed_console_script_runs_the_cli(tmp_path: Path) -> None:
+    """The entry point pip installed (the other tests fork the same `main` from a warm process)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TOLLGATE_SECRET")}
+    env["TOLLGATE_DATA_DIR"] = str(tmp_path)
+    helped = cli_runner.console_script(["--help"], env)
+    assert helped.returncode == 0 and "usage:" in helped.stdout and "accounts" in helped.stdout
+    assert cli_runner.console_script(["migrate"], env).returncode == 0
+    created = cli_runner.console_script(["accounts", "create", "acme"], env)
+    assert created.returncode == 0 and json.loads(created.stdout)["name"] == "acme", created.stderr
+    again = cli_runner.console_script(["accounts", "create", "acme"], env)
+    assert again.returncode == 1 and "already exists" in again.stderr
 
 
 def test_accounts_and_keys(data_dir: Path) -> None:

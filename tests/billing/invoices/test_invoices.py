@@ -8,8 +8,6 @@ import asyncio
 import io
 import json
 import os
-import subprocess
-import sys
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -27,6 +25,7 @@ from billing.invoices.periods import InvalidPeriod, Period
 from billing.prices.book import EffectivePrice, InvalidPrice, PriceBook
 from billing.config import BillingConfig
 from billing.invoices.scheduler import MonthlyClose, due_period
+from tests import cli_runner
 from tests.billing.invoice_helpers import at, new_account, new_key, price_history, serve, usage
 
 SEPT, OCT, NOV = Period.month(2026, 9), Period.month(2026, 10), Period.month(2026, 11)
@@ -328,8 +327,7 @@ async def test_price_override_api(db_url: str, db: Any, tmp_path: Path) -> None:
 def tollgate(data_dir: Path, *args: str) -> Any:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TOLLGATE_SECRET") and not k.startswith("TOLLGATE_STRIPE")}
     env["TOLLGATE_DATA_DIR"] = str(data_dir)
-    exe = Path(sys.executable).with_name("tollgate")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=120)
+    return cli_runner.tollgate(args, env)
 
 
 async def test_cli_close_with_progress_on_sqlite(tmp_path: Path) -> None:

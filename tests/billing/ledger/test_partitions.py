@@ -10,7 +10,6 @@ import gzip
 import hashlib
 import os
 import subprocess
-import sys
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -25,6 +24,7 @@ from billing.invoices.close import close_period
 from billing.ledger.writer import UsageRecord, write_records
 from billing.invoices.periods import Period
 from billing.prices.book import PriceBook
+from tests import cli_runner
 from tests.billing.invoice_helpers import at, new_account, price_history
 
 BEFORE = "0011_billing_details"  # the revision before partitioning
@@ -146,9 +146,7 @@ async def test_job_creates_months_ahead(fresh_pg_database: Any) -> None:
 
 
 def tollgate(url: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name("tollgate")
-    env = {**os.environ, "DATABASE_URL": url}
-    return subprocess.run([str(exe), "ledger", *argv], env=env, capture_output=True, text=True, timeout=120)
+    return cli_runner.tollgate(["ledger", *argv], {**os.environ, "DATABASE_URL": url})
 
 
 async def invoices_digest(db: Any) -> str:

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import httpx
 
 from billing.alerts.spend import verify
+from tests import cli_runner
 from tests.billing.invoice_helpers import new_account, new_key, serve
 from tests.billing.alerts.test_alerts import Receiver
 from tests.conftest import run_coro
@@ -99,7 +99,7 @@ def test_admin_api_customer_view_alerts_and_dashboard(fresh_pg_database: Any, tm
 def tollgate(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TOLLGATE_SECRET", "REDIS_URL")}
     env["TOLLGATE_DATA_DIR"] = str(data_dir)
-    return subprocess.run([str(Path(sys.executable).with_name("tollgate")), *args], capture_output=True, text=True, env=env, timeout=120)
+    return cli_runner.tollgate(args, env)
 
 
 def test_cli_on_sqlite(tmp_path: Path) -> None:
