@@ -1,9 +1,18 @@
 """Stripe top-ups of prepaid credit: Checkout Sessions, their webhooks, refunds and auto-recharge.
 
     create_session(account, cents)   a Checkout Session (mode=payment) for that amount; the hosted page's URL
-    checkout.session.completed       paid -> one `topup` credit row, external_id = the session id
+    checkout.session.completed       paid -> one `topup` credit row, external_id = the session id; the first
+                                     time only, its card is saved for auto-recharge
     refund.created/updated           -> one `refund` row (negative), external_id = the refund id
     refund.failed (or canceled)      -> that row, and one that gives it back (external_id `<refund id>:failed`)
+    charge.dispute.*                 a chargeback on a top-up's or recharge's charge (created, updated, closed,
+                                     funds_withdrawn, funds_reinstated: all alike; the Dispute is re-read and its
+                                     status decides): funds withdrawn -> one negative `refund` row, external_id =
+                                     the dispute id, reason `Stripe dispute (<reason>)`; the saved card is dropped
+                                     (no off-session charge until a Checkout saves one). `won` -> also one row
+                                     giving it back (external_id `<dispute id>:won`); `lost` -> the debit stays.
+                                     An inquiry (`warning_*`: the bank asks, nothing is withdrawn) and a
+                                     `prevented` one write nothing, unless it escalates to a chargeback
     recharge_due()                   balance below the account's threshold -> one off-session PaymentIntent
                                      (at most one in flight: a conditional update claims it), credited by its
                                      id; a decline leaves recharge_state `failed` with Stripe's message; a
@@ -14,7 +23,8 @@
 
 Webhooks are hints (billing/stripe/webhooks.py): each object is re-read from Stripe, and the credit row
 is written in the same transaction that records the event id, so a repeat of the event, or
-another event about the same session, credits nothing more (the unique external_id).
+another event about the same session, refund or dispute, credits nothing more (the unique external_id),
+and events in any order end at the same rows.
 """
 
 from __future__ import annotations
@@ -47,6 +57,18 @@ RESEND_AFTER = timedelta(minutes=5)
 # Stripe may prune an idempotency key once it is 24 hours old; after that the same key could charge
 # again. The key is younger than its claim, and an hour is kept as a margin: older claims go to a person.
 RESEND_WITHIN = timedelta(hours=23)
+
+# Dispute statuses with no money taken from us (docs.stripe.com/disputes/how-disputes-work): an inquiry
+# (warning_*: the bank asks first; it escalates to needs_response, the same dispute, if it becomes a
+# chargeback) and `prevented` (stopped before a chargeback was filed; a refund that prevented it is a
+# Refund of its own, debited by its own events). Every other status, also one Stripe adds later, means the
+# disputed amount was withdrawn: needs_response, under_review, the appeal_* ones, won (and then given
+# back), lost.
+NOTHING_WITHDRAWN = ("warning_needs_response", "warning_under_review", "warning_closed", "prevented")
+# The ledger's kinds (billing/credits/models.py CREDIT_KINDS) have no `dispute`: a chargeback is money
+# that went back to the customer's bank like a refund; its reason and external_id (`du_...`) tell them apart.
+DISPUTE_KIND = "refund"
+CARD_STOPPED = "auto-recharge stopped after a chargeback, no saved card is charged:"  # recharge_error until a Checkout saves one
 
 Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
 
@@ -104,14 +126,18 @@ class CheckoutService:
         return {k: v for k, v in row._mapping.items() if k != "updated_at"}
 
     async def set_recharge(self, account_id: int, below_nanos: int | None, amount_cents: int | None) -> dict[str, Any]:
-        """Sets (or with None, turns off) auto-recharge; also clears a failed state."""
+        """Sets (or with None, turns off) auto-recharge; also clears a failed state (not a chargeback's stop)."""
         if (below_nanos is None) != (amount_cents is None):
             raise CreditError("give both recharge_below and recharge_amount, or neither", "recharge_amount")
         if amount_cents is not None and not MIN_CENTS <= amount_cents <= MAX_CENTS:
             raise CreditError("recharge_amount must be between $0.50 and $999,999.99", "recharge_amount")
         async with self._db.begin() as conn:
+            # a chargeback's stop stays until a Checkout saves a card (the reason no charge comes)
+            stopped = (await conn.execute(sa.select(SETTINGS.c.recharge_error).where(
+                SETTINGS.c.account_id == account_id, SETTINGS.c.payment_method_id.is_(None),
+                SETTINGS.c.recharge_error.startswith(CARD_STOPPED)))).scalar_one_or_none()
             await self._upsert(conn, account_id, recharge_below_nanos=below_nanos, recharge_amount_cents=amount_cents,
-                               recharge_state="idle", recharge_error=None)
+                               recharge_state="idle", recharge_error=stopped)
         return await self.settings(account_id)
 
     async def _upsert(self, conn: AsyncConnection, account_id: int, **values: Any) -> None:
@@ -131,6 +157,11 @@ class CheckoutService:
             "refund.created": self._refund,
             "refund.updated": self._refund,
             "refund.failed": self._refund,
+            "charge.dispute.created": self._dispute,
+            "charge.dispute.updated": self._dispute,
+            "charge.dispute.closed": self._dispute,
+            "charge.dispute.funds_withdrawn": self._dispute,
+            "charge.dispute.funds_reinstated": self._dispute,
             "payment_intent.succeeded": self._intent_event,
             "payment_intent.payment_failed": self._intent_event,
         }
@@ -143,10 +174,14 @@ class CheckoutService:
         intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(session["payment_intent"]))
 
         async def apply(conn: AsyncConnection) -> int | None:
-            await insert_credit(conn, self._db, account_id, "topup", int(session["amount_total"]) * NANOS_PER_CENT, session["id"],
-                                "Stripe Checkout")
-            await self._upsert(conn, account_id, stripe_customer_id=session.get("customer"),
-                               payment_method_id=intent.get("payment_method") if intent.get("setup_future_usage") else None)
+            if not await insert_credit(conn, self._db, account_id, "topup", int(session["amount_total"]) * NANOS_PER_CENT,
+                                       session["id"], "Stripe Checkout"):
+                return account_id  # applied before: a late repeat saves no card (a newer one, or none after a dispute, stays)
+            card = intent.get("payment_method") if intent.get("setup_future_usage") else None
+            await self._upsert(conn, account_id, stripe_customer_id=session.get("customer"), payment_method_id=card)
+            if card:  # a card saved again after a dispute stopped the last one
+                await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == account_id,
+                                                           SETTINGS.c.recharge_error.startswith(CARD_STOPPED)).values(recharge_error=None))
             return account_id
 
         return apply
@@ -167,6 +202,42 @@ class CheckoutService:
             if status in ("failed", "canceled"):  # the money stayed with us: the debit is given back, whichever event came first
                 await insert_credit(conn, self._db, account_id, "refund", nanos, f"{refund['id']}:failed",
                                     f"Stripe refund {status}: {refund.get('failure_reason') or 'no reason given'}")
+            return account_id
+
+        return apply
+
+    async def _dispute(self, obj: dict[str, Any]) -> Apply | None:
+        """Every charge.dispute.* event alike: what the Dispute's status says now decides, so the
+        events in any order, or repeated, end at the same rows."""
+        dispute = _plain(await self._stripe.v1.disputes.retrieve_async(obj["id"]))
+        status = dispute.get("status")
+        if not isinstance(status, str) or status in NOTHING_WITHDRAWN:
+            return None
+        intent_id = dispute.get("payment_intent")
+        if not intent_id and dispute.get("charge"):  # null for a charge made without a PaymentIntent (none of ours)
+            intent_id = _plain(await self._stripe.v1.charges.retrieve_async(dispute["charge"])).get("payment_intent")
+        if not isinstance(intent_id, str) or not intent_id:
+            return None
+        intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(intent_id))
+        account_id = _account_of(intent)
+        if account_id is None:
+            return None
+        reason = f"Stripe dispute ({dispute.get('reason') or 'no reason given'})"
+
+        async def apply(conn: AsyncConnection) -> int | None:
+            taken = await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -int(dispute["amount"]) * NANOS_PER_CENT,
+                                        dispute["id"], reason)
+            if status == "won":  # the funds came back: exactly what was debited (its row may be from an earlier event)
+                debit = (await conn.execute(sa.select(CREDITS.c.amount_nanos).where(CREDITS.c.external_id == dispute["id"]))).scalar_one()
+                await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -int(debit), f"{dispute['id']}:won",
+                                    f"{reason} won: funds reinstated")
+            elif taken:
+                # No off-session charge after a chargeback: the next one would likely be disputed too (another
+                # fee), and the same card saved by a later Checkout has another PaymentMethod id. Auto-recharge
+                # stops until the customer pays by Checkout again, which saves the card it used.
+                await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == account_id, SETTINGS.c.payment_method_id.is_not(None))
+                                   .values(payment_method_id=None, recharge_error=f"{CARD_STOPPED} {reason} on {intent_id}; "
+                                           "a top-up by Checkout saves a card again"))  # updated_at: a pending claim's time stays
             return account_id
 
         return apply

@@ -35,6 +35,21 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
   refund.created, charge.refunded. GET /v1/refunds/{id}. `fail_refund` (the card was closed: the
   money comes back to the merchant's balance): status `failed` with failure_reason, the Charge's
   amount_refunded shrinks back. Events: refund.updated, refund.failed, charge.refund.updated.
+- `dispute` (the cardholder's bank disputes a succeeded payment; Stripe's API only reads disputes:
+  GET /v1/disputes/{id}): a Dispute (`du_...`) of what is left of the charge (or `amount`), with
+  its charge and payment_intent, the Charge `disputed`. A chargeback is `needs_response`, its
+  amount and the dispute fee withdrawn at once (one balance transaction); events
+  charge.dispute.created, charge.dispute.funds_withdrawn. An inquiry (`inquiry=True`: the bank asks
+  first, as American Express and Discover do) is `warning_needs_response` and withdraws nothing:
+  charge.dispute.created only. `escalate_dispute`: the inquiry becomes a chargeback, the same
+  dispute (`needs_response`, funds withdrawn): charge.dispute.updated,
+  charge.dispute.funds_withdrawn. `review_dispute` (evidence submitted): `under_review`
+  (`warning_under_review`): charge.dispute.updated. `close_dispute(won=)`: a chargeback `won` (the
+  amount reinstated: a second balance transaction; charge.dispute.closed,
+  charge.dispute.funds_reinstated) or `lost` (charge.dispute.closed); an inquiry closes
+  `warning_closed` (charge.dispute.closed).
+- `payment(amount)`: a card payment made on the same Stripe account without Tollgate (no
+  `tollgate_account` metadata), to dispute a charge that is not ours.
 """
 
 from __future__ import annotations
@@ -53,6 +68,16 @@ DECLINES = {
     "authentication_required": ("authentication_required", "Your card was declined. This transaction requires authentication."),
 }
 
+# Dispute.Evidence's fields (the SDK's class); the fake stages none but a text in review_dispute
+EVIDENCE_FIELDS = (
+    "access_activity_log", "appeal", "billing_address", "cancellation_policy", "cancellation_policy_disclosure", "cancellation_rebuttal",
+    "customer_communication", "customer_email_address", "customer_name", "customer_purchase_ip", "customer_signature",
+    "duplicate_charge_documentation", "duplicate_charge_explanation", "duplicate_charge_id", "product_description", "receipt",
+    "refund_policy", "refund_policy_disclosure", "refund_refusal_explanation", "service_date", "service_documentation",
+    "shipping_address", "shipping_carrier", "shipping_date", "shipping_documentation", "shipping_tracking_number",
+    "uncategorized_file", "uncategorized_text",
+)
+
 
 class FakeStripePayments(FakeStripe):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -61,6 +86,7 @@ class FakeStripePayments(FakeStripe):
         self.payment_intents: dict[str, dict[str, Any]] = {}
         self.charges: dict[str, dict[str, Any]] = {}
         self.refunds: dict[str, dict[str, Any]] = {}
+        self.disputes: dict[str, dict[str, Any]] = {}
         self.payment_methods: dict[str, str] = {}  # id -> customer it is attached to
         self._declines: list[str] = []  # error codes of the next off-session charges
         self._refund_status = "succeeded"
@@ -143,6 +169,93 @@ class FakeStripePayments(FakeStripe):
             self._create_refund({"payment_intent": payment_intent, **({"amount": str(amount)} if amount is not None else {})})
             return self.events[before:]
 
+    def payment(self, amount: int, metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        """A succeeded card payment made on this Stripe account by something other than Tollgate."""
+        with self._lock:
+            customer = self._create_customer({"metadata": {}})["id"]
+            return public(self._intent(amount, "usd", customer, f"pm_card_visa_{self._id('pm')}", dict(metadata or {})))
+
+    def dispute(self, payment_intent: str, amount: int | None = None, reason: str = "fraudulent", *,
+                inquiry: bool = False) -> list[dict[str, Any]]:
+        """The cardholder's bank disputes the payment: a chargeback (funds withdrawn at once) or an
+        inquiry (nothing withdrawn unless it escalates). Returns its events."""
+        with self._lock:
+            intent = self.payment_intents[payment_intent]
+            charge = self.charges[intent["latest_charge"]]
+            assert charge["status"] == "succeeded" and not charge["disputed"], (charge["status"], charge["disputed"])
+            left = charge["amount_captured"] - charge["amount_refunded"]
+            amount = left if amount is None else amount
+            assert 0 < amount <= left, (amount, left)
+            now = int(time.time())
+            did = self._id("du")
+            code = {"fraudulent": "10.4", "product_not_received": "13.1", "duplicate": "12.6.1"}.get(reason, "13.7")
+            dispute = {
+                "id": did, "object": "dispute", "amount": amount, "balance_transactions": [], "charge": charge["id"],
+                "created": now, "currency": charge["currency"], "enhanced_eligibility_types": [],
+                "evidence": {**dict.fromkeys(EVIDENCE_FIELDS), "enhanced_evidence": {}},
+                "evidence_details": {"due_by": now + 7 * 86400, "enhanced_eligibility": {}, "has_evidence": False, "past_due": False,
+                                     "submission_count": 0, "submission_method": "not_submitted"},
+                "intended_submission_method": None, "is_charge_refundable": inquiry, "livemode": False, "metadata": {},
+                "network_reason_code": code, "payment_intent": payment_intent,
+                "payment_method_details": {"card": {"brand": "visa", "case_type": "inquiry" if inquiry else "chargeback",
+                                                    "network": "visa", "network_reason_code": code}, "type": "card"},
+                "reason": reason, "status": "warning_needs_response" if inquiry else "needs_response",
+            }
+            self.disputes[did] = dispute
+            charge["disputed"] = True
+            created = self._event("charge.dispute.created", dispute)
+            return [created] if inquiry else [created, self._withdraw(dispute)]
+
+    def escalate_dispute(self, dispute_id: str) -> list[dict[str, Any]]:
+        """An inquiry becomes a chargeback: the same dispute, its funds withdrawn now."""
+        with self._lock:
+            dispute = self.disputes[dispute_id]
+            assert dispute["status"] in ("warning_needs_response", "warning_under_review"), dispute["status"]
+            dispute.update(status="needs_response", is_charge_refundable=False)
+            dispute["payment_method_details"]["card"]["case_type"] = "chargeback"
+            return [self._event("charge.dispute.updated", dispute), self._withdraw(dispute)]
+
+    def review_dispute(self, dispute_id: str) -> list[dict[str, Any]]:
+        """The merchant submitted evidence: the bank reviews it."""
+        with self._lock:
+            dispute = self.disputes[dispute_id]
+            review = {"needs_response": "under_review", "warning_needs_response": "warning_under_review"}[dispute["status"]]
+            dispute["evidence"]["uncategorized_text"] = "The customer bought prepaid API credit and used it."
+            dispute["evidence_details"].update(has_evidence=True, submission_count=1, submission_method="manual")
+            dispute["status"] = review
+            return [self._event("charge.dispute.updated", dispute)]
+
+    def close_dispute(self, dispute_id: str, won: bool) -> list[dict[str, Any]]:
+        """The bank decides: a chargeback won (its amount reinstated) or lost; an inquiry just closes
+        (`won` must be true: an inquiry is not lost, it escalates)."""
+        with self._lock:
+            dispute = self.disputes[dispute_id]
+            if dispute["status"].startswith("warning_"):
+                assert won, "an inquiry is not lost: escalate_dispute first"
+                dispute["status"] = "warning_closed"
+                return [self._event("charge.dispute.closed", dispute)]
+            assert dispute["status"] in ("needs_response", "under_review"), dispute["status"]
+            dispute.update(status="won" if won else "lost")
+            dispute["evidence_details"]["due_by"] = None
+            if not won:
+                return [self._event("charge.dispute.closed", dispute)]
+            dispute["balance_transactions"].append(self._dispute_transaction(dispute, dispute["amount"], 0, "Chargeback reversal"))
+            return [self._event("charge.dispute.closed", dispute), self._event("charge.dispute.funds_reinstated", dispute)]
+
+    def _withdraw(self, dispute: dict[str, Any]) -> dict[str, Any]:
+        dispute["balance_transactions"].append(self._dispute_transaction(dispute, -dispute["amount"], 1500, "Chargeback withdrawal"))
+        return self._event("charge.dispute.funds_withdrawn", dispute)
+
+    def _dispute_transaction(self, dispute: dict[str, Any], amount: int, fee: int, what: str) -> dict[str, Any]:
+        now = int(time.time())
+        return {"id": self._id("txn"), "object": "balance_transaction", "amount": amount, "available_on": now,
+                "balance_type": "payments", "created": now, "currency": dispute["currency"],
+                "description": f"{what} for {dispute['charge']}", "exchange_rate": None, "fee": fee,
+                "fee_details": [{"amount": fee, "application": None, "currency": dispute["currency"], "description": "Dispute fee",
+                                 "type": "stripe_fee"}] if fee else [],
+                "net": amount - fee, "reporting_category": "dispute" if amount < 0 else "dispute_reversal", "source": dispute["id"],
+                "status": "available", "type": "adjustment"}
+
     def hold_charges(self) -> tuple[threading.Event, threading.Event]:
         """Off-session charges wait, outside the fake's lock, until the returned `release` is set;
         `arrived` is set once one waits: a test holds a charge in flight at Stripe (the real
@@ -190,6 +303,7 @@ class FakeStripePayments(FakeStripe):
             ("GET", r"/v1/charges/(?P<id>[^/]+)", lambda p, id: public(self._get(self.charges, "charge", id))),
             ("POST", r"/v1/refunds", lambda p: self._create_refund(p)),
             ("GET", r"/v1/refunds/(?P<id>[^/]+)", lambda p, id: public(self._get(self.refunds, "refund", id))),
+            ("GET", r"/v1/disputes/(?P<id>[^/]+)", lambda p, id: public(self._get(self.disputes, "dispute", id))),
         ]
         for verb, pattern, handler in routes:
             match = re.fullmatch(pattern, path)

@@ -3,7 +3,7 @@ object definitions (the `stripe` package pins API version 2026-10-28): every obj
 answers and every event it sends has only fields the SDK's class for that object declares, each
 value of the declared type (a documented enum value where the SDK lists them), every event type is
 one of the SDK's `Event.type` values and its `data.object` is the kind of object that type names.
-The flows are the ones tests/billing/stripe/test_checkout.py drives the gateway through."""
+The flows are the ones tests/billing/stripe/test_checkout.py and test_disputes.py drive the gateway through."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.fakes.stripe_server import public
 
 # event type prefix -> the `object` of its data.object (the longest prefix wins)
 EVENT_OBJECTS = {
-    "checkout.session.": "checkout.session", "payment_intent.": "payment_intent", "charge.refund.": "refund",
+    "checkout.session.": "checkout.session", "payment_intent.": "payment_intent", "charge.refund.": "refund", "charge.dispute.": "dispute",
     "charge.": "charge", "refund.": "refund", "invoice.": "invoice", "customer.subscription.": "subscription",
 }
 
@@ -128,7 +128,19 @@ def run_flows(fake: FakeStripePayments) -> None:
     pi = fake.payment_intents[intent]
     charge: Any = {"amount": 500, "currency": "usd", "customer": pi["customer"], "payment_method": pi["payment_method"],
                    "off_session": True, "confirm": True, "metadata": {"tollgate_recharge": "1"}}
-    client.v1.payment_intents.create(charge)
+    recharged = client.v1.payment_intents.create(charge)
+    # disputes (billing/stripe/checkout.py re-reads each one): won, lost, an inquiry closed and one escalated and won
+    won, lost = fake.dispute(intent, reason="product_not_received")[0], fake.dispute(recharged.id)[0]
+    fake.review_dispute(won["data"]["object"]["id"])
+    fake.close_dispute(won["data"]["object"]["id"], won=True)
+    fake.close_dispute(lost["data"]["object"]["id"], won=False)
+    asked = fake.dispute(fake.sessions[bank.id]["payment_intent"], 500, "unrecognized", inquiry=True)[0]["data"]["object"]["id"]
+    fake.review_dispute(asked)
+    fake.close_dispute(asked, won=True)
+    escalated = fake.dispute(fake.payment(700)["id"], inquiry=True)[0]["data"]["object"]["id"]
+    fake.escalate_dispute(escalated)
+    fake.close_dispute(escalated, won=True)
+    assert client.v1.disputes.retrieve(escalated).status == "won" and fake.charges[recharged.latest_charge]["disputed"] is True
     for decline in (fake.decline_next, fake.require_authentication_next):
         decline()
         try:
@@ -170,6 +182,7 @@ def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
     try:
         run_flows(fake)
         objects = [*fake.sessions.values(), *fake.payment_intents.values(), *fake.charges.values(), *fake.refunds.values(),
+                   *fake.disputes.values(),
                    *fake.customers.values(), *fake.tax_ids.values(), *fake.invoices.values(), *fake.items.values(),
                    *(line for i in fake.invoices.values() for line in i["lines"]["data"]), *fake.tax_rates.values(),
                    *fake.credit_notes.values(), *fake.subscriptions.values(), *fake.balance_transactions.values()]
@@ -183,7 +196,8 @@ def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
         "checkout.session.completed", "checkout.session.async_payment_succeeded", "checkout.session.async_payment_failed",
         "payment_intent.created", "payment_intent.processing", "payment_intent.succeeded", "payment_intent.payment_failed",
         "charge.pending", "charge.succeeded", "charge.failed", "charge.refunded", "charge.refund.updated",
-        "refund.created", "refund.updated", "refund.failed", "invoice.payment_failed", "invoice.paid", "invoice.voided",
+        "refund.created", "refund.updated", "refund.failed", "charge.dispute.created", "charge.dispute.updated",
+        "charge.dispute.closed", "charge.dispute.funds_withdrawn", "charge.dispute.funds_reinstated", "invoice.payment_failed", "invoice.paid", "invoice.voided",
         "customer.subscription.updated",
     }
 
