@@ -83,7 +83,7 @@ async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
     billing = request.app.state.billing
     standing = await account_standing(request.app.state.read_db, account_id, grace_seconds=billing.config.grace_seconds)
     reasons = [f"invoice {u['number']} (${u['total']}) unpaid" + (", payment failed" if u["payment_failed"] else "")
-               for u in standing["unpaid_invoices"]]
+               + (f", due {_date(u['due_at'])}" if u["overdue"] else "") for u in standing["unpaid_invoices"]]
     return {
         "state": STATE_LABELS.get(standing["state"], standing["state"]),
         "state_code": standing["state"],
