@@ -137,9 +137,10 @@ class BillingConfig:
 
     @property
     def sends_for_payment(self) -> bool:
-        """Invoices are sent to be paid by a due date (no payment attempt that could fail): an
-        unpaid one past it makes the account delinquent."""
-        return self.collection_method == "send_invoice"
+        """Invoices are sent to be paid by a due date (no payment attempt that could fail), and
+        their payments reach us (Stripe's webhooks): an unpaid one past it makes the account
+        delinquent. Without webhooks a paid invoice would stay open here, so due dates count not."""
+        return self.collection_method == "send_invoice" and self.stripe_enabled and bool(self.stripe_webhook_secret)
 
     @property
     def stripe_enabled(self) -> bool:

@@ -24,6 +24,7 @@ from billing.periodic import Periodic
 from billing.invoices.periods import Period
 from billing.prices.book import PriceBook
 from billing.stripe.sync import StripeSync
+from billing.stripe.webhooks import apply_stripe_invoice
 
 log = logging.getLogger("tollgate.billing_scheduler")
 BILLING = BillingAccount.__table__
@@ -81,8 +82,25 @@ class MonthlyClose:
                     await self._stripe.push_pending()
         except CloseInProgress:
             log.debug("another instance holds the close lock; skipping this tick")
+        if self._stripe is not None and self._config.sends_for_payment:
+            await self._reread_overdue(now)
         await store_states(self._db, now=now, grace_seconds=self._config.grace_seconds, overdue=self._config.sends_for_payment)
         return result
+
+    async def _reread_overdue(self, now: datetime) -> None:
+        """Invoices past their due date that Stripe still had open when we last heard: asked again
+        before their due dates count, so a payment whose webhook never came (an endpoint down past
+        Stripe's retries) suspends nobody. One that cannot be read now counts as it stands."""
+        query = sa.select(INVOICES.c.id, INVOICES.c.stripe_invoice_id).where(on_stripe_unpaid(), INVOICES.c.due_at <= now)
+        async with self._db.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        for row in rows:
+            try:
+                remote = await self._stripe.remote_invoice(row.stripe_invoice_id)  # type: ignore[union-attr]
+                async with self._db.begin() as conn:
+                    await apply_stripe_invoice(conn, remote, now)
+            except Exception as exc:
+                log.warning("could not read overdue invoice %s from Stripe: %s", row.id, type(exc).__name__)
 
     def start(self) -> None:
         self._loop.start()

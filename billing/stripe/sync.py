@@ -402,6 +402,9 @@ class StripeSync:
                 f"Tollgate {format_cents(int(invoice.total_cents))} {invoice.currency.upper()}"
             )
 
+    async def remote_invoice(self, stripe_invoice_id: str) -> dict[str, Any]:
+        return _plain(await self._stripe.v1.invoices.retrieve_async(stripe_invoice_id))
+
     async def push_pending(self) -> list[dict[str, Any]]:
         """Pushes every credit note not yet on Stripe whose invoice is there, whatever our invoice's
         status now (a void's note whose push failed would otherwise leave Stripe collecting it),

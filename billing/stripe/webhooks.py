@@ -108,7 +108,7 @@ class WebhookHandler:
         try:
             if kind in INVOICE_EVENTS:
                 invoice = _plain(await self._stripe.v1.invoices.retrieve_async(object_id))
-                return lambda conn: self._apply_invoice(conn, invoice, kind, created)
+                return lambda conn: apply_stripe_invoice(conn, invoice, created)
             if kind in SUBSCRIPTION_EVENTS:
                 subscription = _plain(await self._stripe.v1.subscriptions.retrieve_async(object_id))
                 return lambda conn: self._apply_subscription(conn, subscription, created)
@@ -119,43 +119,6 @@ class WebhookHandler:
                 return None
             raise
         return None
-
-    async def _apply_invoice(self, conn: AsyncConnection, remote: dict[str, Any], kind: str, created: datetime) -> int | None:
-        ours = await self._ours(conn, remote)
-        if ours is None:
-            log.info("webhook for Stripe invoice %s, which is none of ours", remote["id"])
-            return None
-        status = remote.get("status")
-        values: dict[str, Any] = {"stripe_status": status, "stripe_invoice_id": remote["id"]}
-        # ours stays void: a credit note for all of an open invoice takes its balance to 0, and Stripe
-        # then marks it paid with nothing collected (docs.stripe.com/invoicing/dashboard/credit-notes)
-        if status == "paid" and ours.status != "void":
-            paid = (remote.get("status_transitions") or {}).get("paid_at")
-            values.update(status="paid", paid_at=ours.paid_at or (datetime.fromtimestamp(paid, tz=timezone.utc) if paid else created))
-        elif status == "void":
-            values.update(status="void")
-        elif status in ("open", "uncollectible") and (
-            remote.get("attempted") or int(remote.get("attempt_count") or 0) > 0 or status == "uncollectible"
-        ):
-            values.update(payment_failed_at=ours.payment_failed_at or created)
-        await conn.execute(INVOICES.update().where(INVOICES.c.id == ours.id).values(**values))
-        return int(ours.account_id)
-
-    async def _ours(self, conn: AsyncConnection, remote: dict[str, Any]) -> Any:
-        """Our invoice that this Stripe invoice is: the one that stored its id; else (a push that made
-        it and stopped before storing the id) the one its metadata names, when that one has no Stripe
-        invoice yet and belongs to the remote's customer. Another Stripe invoice carrying our number
-        (a copy made by hand, another customer's) changes nothing of ours."""
-        ours = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.stripe_invoice_id == remote["id"]))).first()
-        number = (remote.get("metadata") or {}).get("tollgate_invoice")
-        if ours is not None or not isinstance(number, str) or not number:
-            return ours
-        query = (
-            sa.select(INVOICES)
-            .join(BILLING, BILLING.c.account_id == INVOICES.c.account_id)
-            .where(INVOICES.c.number == number, INVOICES.c.stripe_invoice_id.is_(None), BILLING.c.stripe_customer_id == remote.get("customer"))
-        )
-        return (await conn.execute(query)).first()
 
     async def _apply_subscription(self, conn: AsyncConnection, remote: dict[str, Any], created: datetime) -> int | None:
         customer = remote.get("customer")
@@ -172,3 +135,44 @@ class WebhookHandler:
             .values(subscription_id=remote["id"], subscription_status=status, subscription_delinquent_since=since)
         )
         return int(row.account_id)
+
+
+async def apply_stripe_invoice(conn: AsyncConnection, remote: dict[str, Any], created: datetime) -> int | None:
+    """Stores what Stripe says of an invoice now (`remote`, re-read) on ours; the account changed, or
+    None when it is none of ours. `created`: when Stripe said so (a payment's time when Stripe gives none)."""
+    ours = await _ours(conn, remote)
+    if ours is None:
+        log.info("Stripe invoice %s is none of ours", remote["id"])
+        return None
+    status = remote.get("status")
+    values: dict[str, Any] = {"stripe_status": status, "stripe_invoice_id": remote["id"]}
+    # ours stays void: a credit note for all of an open invoice takes its balance to 0, and Stripe
+    # then marks it paid with nothing collected (docs.stripe.com/invoicing/dashboard/credit-notes)
+    if status == "paid" and ours.status != "void":
+        paid = (remote.get("status_transitions") or {}).get("paid_at")
+        values.update(status="paid", paid_at=ours.paid_at or (datetime.fromtimestamp(paid, tz=timezone.utc) if paid else created))
+    elif status == "void":
+        values.update(status="void")
+    elif status in ("open", "uncollectible") and (
+        remote.get("attempted") or int(remote.get("attempt_count") or 0) > 0 or status == "uncollectible"
+    ):
+        values.update(payment_failed_at=ours.payment_failed_at or created)
+    await conn.execute(INVOICES.update().where(INVOICES.c.id == ours.id).values(**values))
+    return int(ours.account_id)
+
+
+async def _ours(conn: AsyncConnection, remote: dict[str, Any]) -> Any:
+    """Our invoice that this Stripe invoice is: the one that stored its id; else (a push that made
+    it and stopped before storing the id) the one its metadata names, when that one has no Stripe
+    invoice yet and belongs to the remote's customer. Another Stripe invoice carrying our number
+    (a copy made by hand, another customer's) changes nothing of ours."""
+    ours = (await conn.execute(sa.select(INVOICES).where(INVOICES.c.stripe_invoice_id == remote["id"]))).first()
+    number = (remote.get("metadata") or {}).get("tollgate_invoice")
+    if ours is not None or not isinstance(number, str) or not number:
+        return ours
+    query = (
+        sa.select(INVOICES)
+        .join(BILLING, BILLING.c.account_id == INVOICES.c.account_id)
+        .where(INVOICES.c.number == number, INVOICES.c.stripe_invoice_id.is_(None), BILLING.c.stripe_customer_id == remote.get("customer"))
+    )
+    return (await conn.execute(query)).first()

@@ -106,3 +106,30 @@ async def test_an_invoice_that_never_reached_stripe_does_not_suspend(db: Any) ->
     later = AFTER_OCT + timedelta(days=90)
     await MonthlyClose(db, PriceBook(db), BillingConfig(grace_seconds=GRACE), clock=lambda: later).tick()
     assert (await _state(db, ids["a"], later))["state"] == "active"  # the customer had no way to pay it
+
+
+async def test_a_payment_whose_webhook_never_came_suspends_nobody(db: Any, fake: FakeStripe) -> None:
+    """Paid on Stripe, no event delivered (an endpoint down past Stripe's retries): past its due date
+    the monthly job asks Stripe before the date counts, and stores the payment."""
+    ids = await september(db)
+    config = config_for(fake, close_delay_seconds=3600, grace_seconds=GRACE)
+    clock = [CLOSED]
+    job = MonthlyClose(db, PriceBook(db), config, stripe=StripeSync(db, stripe_client(config), config), clock=lambda: clock[0])
+    await job.tick()
+    (invoice,) = [i for i in await list_invoices(db, period="2026-09") if i["account_id"] == ids["a"]]
+    fake.pay(invoice["stripe"]["invoice_id"])  # the event is made, never delivered
+    clock[0] = datetime.fromisoformat(invoice["due_at"]) + timedelta(seconds=GRACE + 1)
+    await job.tick()
+    assert (await _state(db, ids["a"], clock[0]))["state"] == "active"
+    paid = [i for i in await list_invoices(db, period="2026-09") if i["account_id"] == ids["a"]][0]
+    assert (paid["status"], paid["stripe"]["status"]) == ("paid", "paid")
+    assert (await _state(db, ids["b"], clock[0]))["state"] == "suspended"  # b's, not paid, still counts
+
+
+def test_due_dates_count_only_where_payments_reach_us() -> None:
+    """Without Stripe's webhooks a paid invoice would stay open here: due dates do not count."""
+    assert BillingConfig(stripe_api_key="sk_test_x", stripe_webhook_secret="whsec_x").sends_for_payment
+    assert not BillingConfig(stripe_api_key="sk_test_x").sends_for_payment
+    assert not BillingConfig().sends_for_payment
+    assert not BillingConfig(stripe_api_key="sk_test_x", stripe_webhook_secret="whsec_x",
+                             collection_method="charge_automatically").sends_for_payment
