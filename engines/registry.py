@@ -187,6 +187,9 @@ BACKEND_FIELDS: dict[str, dict[str, Field]] = {
         "cooldown": Field(_number(0.0)),
         "max_connections": Field(_int(1)),
         "params": Field(_params),  # which client fields go upstream: engines/backends/upstream_params.py
+        # tokens counted (context check, reservation) for each content part that is not text (an image,
+        # audio, a file, a video); unset: such parts are refused (engines/backends/openai_pool.py check_parts)
+        "tokens_per_non_text_part": Field(_int(1)),
     },
 }
 
@@ -356,6 +359,10 @@ def _parse_entry(
         except TensorRTLLMMissing as exc:
             problem(path + ("backend",), str(exc))
             ok = False
+    bound, context = entry.get("tokens_per_non_text_part"), entry.get("context_length")
+    if backend == "openai" and _int(1)(bound) is None and _int(16)(context) is None and bound > context:
+        problem(path + ("tokens_per_non_text_part",), f"must be at most context_length ({context}), got {bound}")
+        ok = False
     if backend == "openai" and isinstance(entry.get("api_key_env"), str) and entry["api_key_env"] not in environ:
         problem(path + ("api_key_env",), f"environment variable {entry['api_key_env']} is not set")
         ok = False

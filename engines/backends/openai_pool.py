@@ -40,11 +40,13 @@ from engines.base import (
     collect,
 )
 from engines.backends.openai_stream import (
+    CALLER_SIZED_PARTS,
     DONE,
     ChoiceAccumulator,
     SSEDecoder,
     TokenCounter,
     delta_is_empty,
+    non_text_parts,
     normalized_finish,
     recorded_finish,
 )
@@ -344,14 +346,20 @@ class OpenAIPoolEngine(Engine):
         keepalive_expiry: float = 30.0,
         lean_client: bool = True,
         params: dict[str, Any] | None = None,
+        tokens_per_non_text_part: int | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("an openai pool needs at least one replica URL")
+        bound = tokens_per_non_text_part
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or not 1 <= bound <= context_length):
+            raise ValueError(f"tokens_per_non_text_part must be an integer from 1 to context_length ({context_length}), got {bound!r}")
         self.model_id = model_id
         self.context_length = context_length
         self.upstream_model = upstream_model or model_id
         self._api_key = api_key
-        self.counter = TokenCounter(tokenizer)
+        # Non-text content parts (images, audio, files, video) go upstream as sent and are billed there;
+        # each is counted at this bound (models.yaml `tokens_per_non_text_part`), or refused without one.
+        self.counter = TokenCounter(tokenizer, tokens_per_part=tokens_per_non_text_part)
         # Which client fields go upstream (models.yaml `params:`, engines/backends/upstream_params.py).
         self.params = ParamPolicy.from_config(params)
         self.params.use_classes(tuple(c.name for c in DEFAULT_CLASSES))  # the gateway's, once wired
@@ -451,7 +459,25 @@ class OpenAIPoolEngine(Engine):
 
     # tokens -----------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        self.check_parts(messages)
         return self.counter.encode_chat(messages, tools)
+
+    def check_parts(self, messages: list[dict[str, Any]]) -> None:
+        """Refuses a content part the count cannot bound (EngineRequestRejected naming it, a 400 at
+        prepare, before anything is reserved): any non-text part when models.yaml sets no
+        `tokens_per_non_text_part`, and embeddings given as content (their length is the caller's)."""
+        for i, j, part in non_text_parts(messages):
+            kind = part.get("type") if isinstance(part, dict) else None
+            param = f"messages[{i}].content[{j}].type"
+            if kind in CALLER_SIZED_PARTS:
+                raise EngineRequestRejected(
+                    f"content part type {kind!r} is not accepted by {self.model_id}: its length is set by the request, "
+                    "so no reservation can bound it", param=param)
+            if self.counter.tokens_per_part is None:
+                raise EngineRequestRejected(
+                    f"content part type {kind!r} is not accepted by {self.model_id}: the model's configuration does not "
+                    "bound the tokens of non-text content parts (tokens_per_non_text_part in models.yaml); "
+                    "only 'text' parts are", param=param)
 
     def tool_encoder(self) -> Callable[[list[dict[str, Any]], list[Any]], list[int]]:
         # The tools go upstream with the body: counted through the tokenizer's chat template where it

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,35 @@ def content_text(content: Any) -> str:
     return ""
 
 
+# Content parts an upstream reads text from besides `text` parts (vLLM's chat parser: input_text and
+# output_text carry `text`, refusal `refusal`, thinking `thinking`): that text is counted as well.
+PART_TEXT_FIELDS = ("text", "refusal", "thinking")
+# Content parts whose size the caller sets (vLLM's embeddings as content: any number of positions),
+# which no per-part bound holds: refused by the pool whatever its models.yaml says.
+CALLER_SIZED_PARTS = frozenset({"prompt_embeds", "image_embeds", "audio_embeds", "video_embeds"})
+
+
+def non_text_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, Any]]:
+    """(message index, part index, part) of every content part that is not a `text` part: an image,
+    audio, a file, a video, or any type an upstream may know and the gateway cannot count."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"):
+                    yield i, j, part
+
+
+def _text_only(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with non-text parts as the counter sees it: its content the text of its parts, as
+    one string (what any chat template renders), the rest left out (reserved at the per-part bound)."""
+    pieces = []
+    for part in message["content"]:
+        if isinstance(part, dict):
+            pieces += [part[k] for k in PART_TEXT_FIELDS if isinstance(part.get(k), str)]
+    return {**message, "content": "".join(pieces)}
+
+
 class TokenCounter:
     """Estimated token ids for prompts and generated text, for an upstream that reports no usage.
 
@@ -204,8 +234,11 @@ class TokenCounter:
     PER_MESSAGE = 3
     REPLY_PRIMING = 3
 
-    def __init__(self, spec: str = "cl100k_base") -> None:
+    def __init__(self, spec: str = "cl100k_base", tokens_per_part: int | None = None) -> None:
         self.spec = spec
+        # Tokens counted for each content part that is not text (models.yaml `tokens_per_non_text_part`):
+        # what the upstream may bill for an image, audio, a file or a video, which no tokenizer here counts.
+        self.tokens_per_part = tokens_per_part
         self._tiktoken: Any = None
         self._hf: Any = None
 
@@ -237,11 +270,24 @@ class TokenCounter:
         return len(self.encode_text(text)) if text else 0
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+        """The messages' ids, through the tokenizer's chat template where it has one, else flattened.
+        Each non-text content part counts `tokens_per_part` (0 when unset: the pool refuses such
+        parts before counting) in place of whatever a template would render for it: the parts are
+        taken out, their text kept, before either way of counting, so that no template fails on
+        them or renders their data as text."""
+        parts = sum(1 for _ in non_text_parts(messages))
+        bound = [0] * (parts * (self.tokens_per_part or 0))
+        if parts:
+            touched = {i for i, _, _ in non_text_parts(messages)}
+            messages = [_text_only(m) if i in touched else m for i, m in enumerate(messages)]
+        return self._encode_chat(messages, tools) + bound
+
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
         if self._hf is not None and getattr(self._hf, "chat_template", None):
             try:
                 encoded = self._hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
                 return list(encoded if isinstance(encoded, list) else encoded["input_ids"])
-            except Exception:  # tool or multimodal messages the template cannot render: flatten below
+            except Exception:  # tool messages the template cannot render: flatten below
                 log.debug("chat template could not render the messages; counting them flattened")
         ids: list[int] = []
         for message in messages:

@@ -134,6 +134,9 @@ INTERNAL: dict[str, str] = {
     "injected_chat_template_kwargs": "server-populated (trtllm-serve): exempts template kwargs from its checks",
     "chat_template": "a Jinja template of the caller's: the prompt it renders is not the one the gateway counted",
     "documents": "text the chat template adds to the prompt, which the gateway does not count",
+    "mm_processor_kwargs": "media processing sizes (vLLM: max_pixels, frames per video) that set what a media part "
+                           "costs upstream, past the per-part bound the gateway reserved (tokens_per_non_text_part)",
+    "media_io_kwargs": "media loading options (vLLM: video frames read) that change what a media part costs upstream",
 }
 # Fields that multiply the sequences generated past the `n` the gateway reserved for (chat).
 MULTIPLIERS = ("best_of",)

@@ -218,6 +218,8 @@ class CompletionService:
                 return renderer.encode_chat(messages, chat.prompt_tools())  # type: ignore[call-arg]
             bills_tools = tool_encoder(engine) if engine.passthrough and chat.tools else None
             return bills_tools(messages, chat.tools) if bills_tools is not None else renderer.encode_chat(messages)
+        except EngineRequestRejected as exc:  # a part the engine cannot count (a pool's non-text parts): named
+            raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from None
         except Exception as exc:  # a template may reject a role order
             raise InvalidRequest(f"{param} could not be rendered with the model's chat template: {exc}", param=param) from None
 

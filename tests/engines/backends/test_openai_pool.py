@@ -138,7 +138,7 @@ async def test_fields_pass_through_untouched_and_only_model_is_rewritten(upstrea
 
 async def test_messages_go_upstream_verbatim(upstreams: Any, tollgate_with: Any) -> None:
     up, url = upstreams()
-    gw = tollgate_with(pool_yaml(url))
+    gw = tollgate_with(pool_yaml(url, extra=FAST + "    tokens_per_non_text_part: 1000\n"))  # the image part is bounded
     client = await client_of(gw)
     messages: list[dict[str, Any]] = [
         {"role": "developer", "content": "Answer briefly."},

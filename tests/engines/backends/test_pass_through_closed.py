@@ -39,6 +39,8 @@ ENGINE_INTERNAL = {
     "injected_chat_template_kwargs": ["enable_thinking"],  # trtllm-serve, server-populated
     "chat_template": "{% for i in range(100000) %}x{% endfor %}",  # a prompt the gateway did not count
     "documents": [{"title": "t", "text": "long " * 1000}],  # added to the prompt by the template
+    "mm_processor_kwargs": {"max_pixels": 12845056},  # vLLM (and trtllm-serve chat): a larger image costs more tokens
+    "media_io_kwargs": {"video": {"num_frames": 1024}},  # vLLM (and trtllm-serve chat): more frames, more tokens
 }
 TRTLLM_ERROR = {"object": "error", "message": "LLM is shutting down", "type": "BadRequestError", "param": None, "code": 400}
 
@@ -334,3 +336,165 @@ async def test_an_upstreams_filter_or_function_call_finish_is_a_stop_reason_anth
         async with claude.messages.stream(model="pool", max_tokens=16, messages=[{"role": "user", "content": "hi"}]) as stream:
             streamed = await stream.get_final_message()
         assert (message.stop_reason, streamed.stop_reason) == (expected, expected), finish
+
+
+# non-text content parts (images, audio, files, video) -----------------------------------------------------
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "iVBORw0KGgo" * 400}}  # data: ~1,200 cl100k tokens as text
+LOOK = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, IMAGE]}]
+OTHER_PARTS = [
+    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    {"type": "file", "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "a.pdf"}},
+    {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}},
+]
+
+
+def bounded_pool(url: str, model: str = "pool", bound: int | None = 2000) -> str:
+    return pool_yaml(url, model=model, extra="health_path: null" + (f"\ntokens_per_non_text_part: {bound}" if bound else ""))
+
+
+async def test_a_non_text_part_without_a_bound_is_refused_before_admission(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(bounded_pool(url, bound=None))
+    account = await gw.new_account()
+    key = await limited_key(gw, account["id"], {"monthly_tokens": 100_000})
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+    asked = [(LOOK, "messages[0].content[1].type", "image_url")]
+    for part in OTHER_PARTS:  # behind a system message and a text-only turn: the indexes are the part's own
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                    {"role": "user", "content": [{"type": "text", "text": "and this?"}, {"type": "text", "text": "look"}, part]}]
+        asked.append((messages, "messages[2].content[2].type", part["type"]))
+    for messages, param, kind in asked:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="pool", messages=messages, max_tokens=5, stream=stream)  # type: ignore[arg-type]
+            error = refused.value.body
+            assert refused.value.status_code == 400 and error["type"] == "invalid_request_error", error
+            assert error["param"] == param, error
+            assert kind in error["message"] and "does not bound the tokens" in error["message"], error
+            assert "tokens_per_non_text_part" in error["message"], error
+    # vLLM's embeddings given as content are sized by the caller: refused even where the model has a bound
+    embeds = [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": "AAAA"}]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="pool", messages=embeds, max_tokens=5)  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "messages[0].content[0].type"
+    assert up.requests == []  # nothing reached the upstream
+    assert await rows_of(gw, key["id"]) == []  # refused before admission: no row, nothing reserved or billed
+    # the other APIs refuse their image blocks and parts themselves, in their own shape (they never reach a pool)
+    claude = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=key["key"], max_retries=0, timeout=30)
+    image_block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    with pytest.raises(anthropic.BadRequestError) as blocked:
+        await claude.messages.create(model="pool", max_tokens=5, messages=[{"role": "user", "content": [image_block]}])  # type: ignore[list-item]
+    assert blocked.value.body["error"]["type"] == "invalid_request_error" and "'image'" in blocked.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as responses:
+        await client.responses.create(model="pool", max_output_tokens=16, input=[  # type: ignore[list-item]
+            {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=", "detail": "auto"}]}])
+    assert responses.value.body["param"] == "input[0].content[0].type"
+    assert up.requests == [] and await rows_of(gw, key["id"]) == []
+
+
+async def test_a_non_text_part_is_reserved_at_the_models_bound(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(bounded_pool(url, bound=2000))
+    pool = gw.engines()["pool"]
+    text = len(pool.encode_chat([{"role": "user", "content": "What is in this picture?"}]))
+    assert len(pool.encode_chat(LOOK)) == text + 2000  # the bound in place of the part (its data not counted as text)
+    account = await gw.new_account()
+
+    # a key whose limit is below the bound + the text: refused at admission, nothing sent, nothing held
+    short = await limited_key(gw, account["id"], {"monthly_tokens": 2000 + text})
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=short["key"], max_retries=0, timeout=30)
+    for stream in (False, True):
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="pool", messages=LOOK, max_tokens=5, stream=stream)  # type: ignore[arg-type]
+    assert up.requests == [] and await rows_of(gw, short["id"]) == []
+    # the same key takes the question without the picture (what is refused is the picture's bound)
+    await client.chat.completions.create(model="pool", messages=[{"role": "user", "content": "What is in this picture?"}], max_tokens=5)
+    assert len(up.requests) == 1
+
+    # a key within its limit: served, the part goes upstream unchanged, and the reservation held the bound
+    roomy = await limited_key(gw, account["id"], {"tpm": 10_000, "monthly_tokens": 100_000})
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=roomy["key"], max_retries=0, timeout=30)
+    raw = await client.chat.completions.with_raw_response.create(model="pool", messages=LOOK, max_tokens=5)  # type: ignore[arg-type]
+    assert raw.parse().choices[0].message.content
+    assert up.requests[-1].body["messages"] == LOOK
+    reserved = 10_000 - int(raw.headers["x-ratelimit-remaining-tokens"])  # this key's first request this minute
+    assert reserved == text + 2000 + 5
+    # an upstream that reports no usage: the row is billed what was counted, the bound included
+    up.script.append(Behaviour(usage=False))
+    resp = await client.chat.completions.create(model="pool", messages=LOOK, max_tokens=5)  # type: ignore[arg-type]
+    row = await gw.ledger_row(request_id_of(resp.id))
+    assert row["estimated"] is True and row["prompt_tokens"] == text + 2000
+
+
+async def test_text_parts_count_as_before(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(bounded_pool(url, bound=None) + f"""
+      - id: bounded
+        backend: openai
+        context_length: 8192
+        replicas: [{url}]
+        health_path: null
+        tokens_per_non_text_part: 2000
+    """)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
+    counts = {name: len(gw.engines()[name].encode_chat(parts)) for name in ("pool", "bounded")}
+    assert counts["pool"] == counts["bounded"] == len(gw.engines()["pool"].encode_chat(QUESTION))  # the same text as one string
+    client = await client_of(gw)
+    for model in ("pool", "bounded"):
+        up.script.append(Behaviour(usage=False))
+        resp = await client.chat.completions.create(model=model, messages=parts, max_tokens=5)  # type: ignore[arg-type]
+        assert up.requests[-1].body["messages"] == parts
+        assert resp.usage is not None and resp.usage.prompt_tokens == counts[model]
+
+
+def test_the_template_path_counts_the_bound_whatever_the_template_does_with_the_part(tmp_path: Any) -> None:
+    """A local HF tokenizer with a chat template: a template that only takes string content, or one
+    that would render a list as its text (the image's data), counts the text and the bound."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from engines.backends.openai_stream import TokenCounter
+
+    strict = ("{% for m in messages %}{% if m['content'] is not string %}{{ raise_exception('string content only') }}{% endif %}"
+              "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    verbatim = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    question = [{"role": "user", "content": "What is in this picture?"}]
+    for name, template in (("strict", strict), ("verbatim", verbatim)):
+        words = Tokenizer(models.WordLevel(vocab={"[UNK]": 0}, unk_token="[UNK]"))
+        words.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(tmp_path / name)
+        counter = TokenCounter(str(tmp_path / name), tokens_per_part=300)
+        counter.load()
+        rendered = counter._hf.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+        assert len(counter.encode_chat(question)) == len(counter.encode_text(rendered))  # through the template, not flattened
+        assert len(counter.encode_chat(LOOK)) == len(counter.encode_chat(question)) + 300, name
+        assert len(counter.encode_chat(LOOK * 2)) == len(counter.encode_chat(question * 2)) + 600, name
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("0", "must be at least 1, got 0"),
+    ("-5", "must be at least 1, got -5"),
+    ("1.5", "must be an integer, got 1.5"),
+    ("true", "must be an integer, got True"),
+    ("lots", "must be an integer, got 'lots'"),
+    ("9000", "must be at most context_length (8192), got 9000"),
+])
+def test_a_bad_bound_fails_at_start_naming_its_line(value: str, problem: str, tmp_path: Any) -> None:
+    from engines.registry import ModelsConfigError, parse_models
+    from gateway.config import EngineSettings, Settings
+    from gateway.wiring import build_engines
+
+    text = pool_yaml("http://127.0.0.1:9/v1", extra=f"health_path: null\ntokens_per_non_text_part: {value}")
+    with pytest.raises(ModelsConfigError) as err:
+        parse_models(text, "models.yaml")
+    [line] = err.value.problems
+    number = next(n for n, row in enumerate(text.splitlines(), 1) if "tokens_per_non_text_part" in row)
+    assert line == f"models.yaml:{number}: models[0].tokens_per_non_text_part: {problem}"
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=r"tokens_per_non_text_part: " + problem.replace("(", r"\(").replace(")", r"\)")):
+        build_engines(Settings(engines=EngineSettings(models_file=str(path))))
+    good = parse_models(pool_yaml("http://127.0.0.1:9/v1", extra="tokens_per_non_text_part: 8192"), "models.yaml")
+    assert good.build()["pool"].candidates[0].counter.tokens_per_part == 8192  # type: ignore[attr-defined]
