@@ -90,13 +90,15 @@ async def test_outputs_read_together_leave_as_one_before_a_wait() -> None:
 
 
 async def test_a_non_streamed_answer_leaves_once_and_says_when_it_began() -> None:
-    started = time.perf_counter()
     seen = await _run(stream=False)
     assert len(seen) == 1
     out, at = seen[0]
+    arrived = time.perf_counter()  # the answer came at the end: after the upstream's pause
     assert out.finish_reason == FINISH_STOP and at >= PAUSE and out.before is None
     assert out.raw_choice is not None and out.raw_choice["message"]["content"] == "abcd"
-    assert out.first_token_at is not None and out.first_token_at - started < PAUSE / 2  # the TTFT, not the total
+    # the TTFT, not the total: the first tokens came a pause before the answer (measured from the
+    # answer, not from the engine's start, which a loaded machine makes slow)
+    assert out.first_token_at is not None and arrived - out.first_token_at >= PAUSE / 2
     assert (out.prompt_tokens, out.completion_tokens) == (3, 4)
 
 
