@@ -49,11 +49,10 @@ def _aware(value: datetime | None) -> datetime | None:
 
 
 def derive_state(delinquent_since: datetime | None, now: datetime, grace_seconds: float) -> str:
-    if delinquent_since is None or now < _aware(delinquent_since):  # type: ignore[operator]
+    since = _aware(delinquent_since)
+    if since is None or now < since:
         return ACTIVE
-    if now < _aware(delinquent_since) + timedelta(seconds=grace_seconds):  # type: ignore[operator]
-        return PAST_DUE
-    return SUSPENDED
+    return PAST_DUE if now < since + timedelta(seconds=grace_seconds) else SUSPENDED
 
 
 def on_stripe_unpaid() -> Any:

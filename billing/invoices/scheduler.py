@@ -80,10 +80,10 @@ class MonthlyClose:
                     )
                 if self._stripe is not None and self._config.sync_after_close:
                     await self._stripe.push_pending()
+                if self._stripe is not None and self._config.sends_for_payment:  # one instance asks Stripe
+                    await self._reread_overdue(now)
         except CloseInProgress:
             log.debug("another instance holds the close lock; skipping this tick")
-        if self._stripe is not None and self._config.sends_for_payment:
-            await self._reread_overdue(now)
         await store_states(self._db, now=now, grace_seconds=self._config.grace_seconds, overdue=self._config.sends_for_payment)
         return result
 

@@ -275,12 +275,12 @@ class TokenCounter:
         parts before counting) in place of whatever a template would render for it: the parts are
         taken out, their text kept, before either way of counting, so that no template fails on
         them or renders their data as text."""
-        parts = sum(1 for _ in non_text_parts(messages))
-        bound = [0] * (parts * (self.tokens_per_part or 0))
-        if parts:
-            touched = {i for i, _, _ in non_text_parts(messages)}
-            messages = [_text_only(m) if i in touched else m for i, m in enumerate(messages)]
-        return self._encode_chat(messages, tools) + bound
+        found = list(non_text_parts(messages))
+        if not found:
+            return self._encode_chat(messages, tools)
+        touched = {i for i, _, _ in found}
+        messages = [_text_only(m) if i in touched else m for i, m in enumerate(messages)]
+        return self._encode_chat(messages, tools) + [0] * (len(found) * (self.tokens_per_part or 0))
 
     def _encode_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
         if self._hf is not None and getattr(self._hf, "chat_template", None):
