@@ -323,7 +323,10 @@ MESSAGE_BATCH_REQUEST = _obj({"requests": {"type": "array", "minItems": 1, "item
 def _batch_paths() -> dict[str, Any]:
     """OpenAI's Files and Batch APIs and Anthropic's Message Batches (gateway/batches/)."""
     file_id, batch_id = [_path("file_id", STR)], [_path("batch_id", STR)]
-    listed = [_query("limit", {"type": "integer", "minimum": 1, "maximum": 100}), _query("after", STR)]
+    # Each list's own bounds (gateway/batches/openai_api.py, anthropic_api.py): files take up to 10,000 as OpenAI's do.
+    def listed(most: int, after: str = "after") -> list[Any]:
+        return [_query("limit", {"type": "integer", "minimum": 1, "maximum": most}), _query(after, STR)]
+
     upload = {"required": True, "content": {"multipart/form-data": {"schema": _obj(
         {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}})}}}
     results = {"200": {"description": "JSONL: one result a line", "content": {"application/binary": {"schema": STR}}}}
@@ -339,7 +342,7 @@ def _batch_paths() -> dict[str, Any]:
     return {
         "/v1/files": {
             "post": {**_op("Upload a batch input file (JSONL)", {"200": _json(OBJECT)}, *WITH_BODY), "requestBody": upload},
-            "get": _op("The account's files", {"200": _json(OBJECT)}, *AUTHED, params=[*listed, _query("purpose", STR)]),
+            "get": _op("The account's files", {"200": _json(OBJECT)}, *AUTHED, params=[*listed(10_000), _query("purpose", STR)]),
         },
         "/v1/files/{file_id}": {
             "get": _op("One of the account's files", {"200": _json(OBJECT)}, *AUTHED, 404, params=file_id),
@@ -349,13 +352,13 @@ def _batch_paths() -> dict[str, Any]:
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}, *AUTHED, 404, params=file_id)},
         "/v1/batches": {
             "post": _op("Create a batch from an input file", {"200": _json(OBJECT)}, *WITH_BODY, 404, body="BatchRequest"),
-            "get": _op("The account's batches", {"200": _json(OBJECT)}, *AUTHED, params=listed),
+            "get": _op("The account's batches", {"200": _json(OBJECT)}, *AUTHED, params=listed(100)),
         },
         "/v1/batches/{batch_id}": {"get": _op("A batch", {"200": _json(OBJECT)}, *AUTHED, 404, params=batch_id)},
         "/v1/batches/{batch_id}/cancel": {"post": _op("Cancel a batch", {"200": _json(OBJECT)}, *AUTHED, 404, params=batch_id)},
         "/v1/messages/batches": {
             "post": anthropic("Create an Anthropic Message Batch", _json(OBJECT), "MessageBatchRequest"),
-            "get": anthropic("The account's Message Batches (`limit`, `after_id`)", _json(OBJECT)),
+            "get": anthropic("The account's Message Batches", _json(OBJECT), params=listed(1000, "after_id")),
         },
         "/v1/messages/batches/{batch_id}": {"get": anthropic("A Message Batch", _json(OBJECT), params=batch_id)},
         "/v1/messages/batches/{batch_id}/cancel": {"post": anthropic("Cancel a Message Batch", _json(OBJECT), params=batch_id)},

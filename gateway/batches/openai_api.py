@@ -30,7 +30,7 @@ def _state(request: Request) -> Any:
 
 def _limit(request: Request, default: int, most: int) -> int:
     raw = request.query_params.get("limit")
-    if raw is None:
+    if not raw:  # absent, or empty (`?limit=`)
         return default
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:  # not '²', nor 5,000 digits
         raise InvalidRequest(f"limit must be an integer from 1 to {most}", param="limit")

@@ -77,3 +77,24 @@ def test_no_5xx_and_no_schema_violations(case: Any, api: tuple[Gateway, dict[int
     if case.path == "/webhooks/stripe":
         headers = {}
     case.call_and_validate(base_url=gw.base_url, headers=headers, checks=CHECKS)
+
+
+def test_each_lists_documented_limit_is_the_one_it_keeps(api: tuple[Gateway, dict[int, int]]) -> None:
+    """The document's `limit` bounds are the routes' own: the documented maximum and an empty value
+    are answered, one more than the maximum and 0 are 400s naming `limit` (the files list once
+    documented 100 and served up to 10,000)."""
+    gw, _ = api
+    headers = {"Authorization": f"Bearer {gw.admin_key}"}
+    lists = {
+        path: next(p["schema"]["anyOf"][0] for p in ops["get"]["parameters"] if p["name"] == "limit")
+        for path, ops in document()["paths"].items()
+        if path.startswith(("/v1/files", "/v1/batches", "/v1/messages/batches")) and "get" in ops
+        and any(p["name"] == "limit" for p in ops["get"].get("parameters", []))
+    }
+    assert set(lists) == {"/v1/files", "/v1/batches", "/v1/messages/batches"}
+    for path, bounds in lists.items():
+        for limit, status in ((bounds["maximum"], 200), ("", 200), (bounds["maximum"] + 1, 400), (bounds["minimum"] - 1, 400)):
+            answer = httpx.get(gw.base_url + path, params={"limit": limit}, headers=headers)
+            assert answer.status_code == status, (path, limit, answer.text)
+            if status == 400:
+                assert "limit" in answer.text, (path, limit, answer.text)
