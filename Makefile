@@ -45,7 +45,7 @@ services:
 
 test: setup vllm browser services
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PY=$(BIN)/python bash scripts/test.sh $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python bench/engine_scaling.py

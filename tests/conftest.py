@@ -7,6 +7,8 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -94,6 +96,49 @@ def run_coro(coro: Any, timeout: float = JOIN_TIMEOUT) -> Any:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "optional: needs something CI does not provide (a live secret): may skip in strict mode")
+    config.addinivalue_line("markers", "solo: compares wall-clock times against a bound: `make test` runs it after the parallel "
+                                       "part, alone on the machine (scripts/test.sh); so are tests that share a node id")
+
+
+# The files whose tests take longest (a minute or more of processes: chaos, workers, vLLM on the CPU, drain),
+# the longest first, measured with --durations under `make test`'s workers. `make test` hands files to its
+# workers in collection order, one at a time (scripts/test.sh: --dist loadfile): started first, the long ones
+# end together instead of one running on alone after the rest. Only the order changes; a file missing here
+# runs after these, in its usual place.
+LONGEST_FIRST = (
+    "tests/engines/backends/test_vllm_replica.py",
+    "tests/gateway/serving/test_workers_shared_engine.py",
+    "tests/gateway/serving/test_chaos_cluster.py",
+    "tests/gateway/serving/test_chaos.py",
+    "tests/gateway/serving/test_durable_metering.py",
+    "tests/gateway/batches/test_batch_restart.py",
+    "tests/gateway/serving/test_workers_shared_trtllm.py",
+    "tests/gateway/serving/test_quota_redis_failures.py",
+    "tests/gateway/http/test_drain.py",
+    "tests/gateway/serving/test_quotas.py",
+    "tests/gateway/serving/test_workers.py",
+    "tests/billing/credits/test_credits.py",
+    "tests/engines/backends/test_hf_process.py",
+    "tests/gateway/batches/test_batches.py",
+    "tests/gateway/test_request_path.py",
+    "tests/gateway/serving/test_model_load_failure.py",
+    "tests/engines/decoding/test_guided.py",
+    "tests/gateway/api/openai/test_completions.py",
+    "tests/gateway/dashboard/test_dashboard.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # schemathesis gives every operation it generates a test for the same node id (its function's); the
+    # workers' scheduler (--dist loadfile) keys tests by node id and would run one of them: they run in
+    # `make test`'s one-process part, with the `solo` tests.
+    ids = Counter(item.nodeid for item in items)
+    for item in items:
+        if ids[item.nodeid] > 1:
+            item.add_marker(pytest.mark.solo)
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -187,8 +232,10 @@ def fresh_pg_database() -> Iterator[Any]:
         return pg_url(create(head[0]))
 
     yield make
-    for name in made:
-        run_coro(_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    if made:  # dropped by a process of its own: each DROP waits for a checkpoint (tests/drop_databases.py)
+        subprocess.Popen([sys.executable, "-m", "tests.drop_databases", PG_HOST, str(PG_PORT), PG_USER, *made],
+                         cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ import pytest
 
 from bench.soak import parse_args, run, summary
 
+pytestmark = pytest.mark.solo  # load calibrated to the machine's measured capacity, then held to it: alone on the machine (tests/conftest.py)
+
 SECONDS = float(os.environ.get("TOLLGATE_SOAK_SECONDS", "15"))
 
 

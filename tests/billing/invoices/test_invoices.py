@@ -376,6 +376,7 @@ async def test_cli_close_with_progress_on_sqlite(tmp_path: Path) -> None:
         assert result.returncode == 1 and message in result.stderr, (args, result.stderr)
 
 
+@pytest.mark.solo  # /healthz's slowest answer during the close is held to 1 s
 async def test_close_in_background_while_serving(db_url: str, db: Any, tmp_path: Path) -> None:
     """A long run (here 200 accounts) reports progress and never holds up other requests."""
     await price_history(PriceBook(db))

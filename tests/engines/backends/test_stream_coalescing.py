@@ -11,11 +11,14 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 
 from engines.base import EngineOutput, EngineRequest, FINISH_STOP
 from engines.backends.openai_pool import OpenAIPoolEngine
 from gateway.serving.generation_response import GenerationResponse
 from gateway.serving.completions import Generation
+
+pytestmark = pytest.mark.solo  # when outputs leave, against a 0.4 s pause: alone on the machine (tests/conftest.py)
 
 PAUSE = 0.4
 

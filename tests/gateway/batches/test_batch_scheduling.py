@@ -19,6 +19,8 @@ from tests.gateway.serving.test_scheduling import (
     body, client_of, scheduler_of, sequential_ttfts, steps_of, timed_stream, wait_for, warm_up, xfail_if_unsteady,
 )
 
+pytestmark = pytest.mark.solo  # queue waits and TTFTs beside a batch compared against bounds: alone on the machine (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def busy_gateway(engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:

@@ -27,6 +27,8 @@ from engines.base import Engine, EngineOutput, EngineRequest
 from engines.wrappers.scheduler import ScheduledEngine
 from tests.conftest import MODEL, Gateway, run_coro, start_gateway
 
+pytestmark = pytest.mark.solo  # TTFTs beside a flood and queue waits compared against bounds: alone on the machine (tests/conftest.py)
+
 
 class Recording(Engine):
     """The real engine, noting every request id that reaches it."""
