@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.solo  # its load generator's connection was closed unanswered once with other tests running beside it
 def test_the_floor_server_does_the_work_and_the_comparison_runs(tmp_path: Path) -> None:
     out = tmp_path / "floor.json"
     run = subprocess.run(

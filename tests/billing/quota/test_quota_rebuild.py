@@ -293,6 +293,7 @@ async def test_a_restarted_gateway_strikes_off_what_its_crashed_run_filed(make: 
     assert await restarted._redis.hlen(f"{restarted.group(account.tag)}unc") == 0
 
 
+@pytest.mark.solo  # the re-registration's wait (up to 3 s) once dropped a live hold with other tests running beside it
 async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_settled_ones(redis_cluster: Any, ledger_url: str) -> None:
     """On Cluster and Sentinel, where a failover can lose writes (one Redis keeps no `scopes` set)."""
     async with limiters(ledger_url, redis_cluster.url) as make:
