@@ -34,7 +34,7 @@ from billing.db import create_engine
 from billing.ledger.writer import UsageRecord, write_records
 from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
-from tests.conftest import REDIS_URL, require_redis
+from tests.conftest import REDIS_URL, require_redis, until
 
 NOW = 1_795_000_000.0  # 2026-11, a fixed instant
 AT = month_start(NOW).replace(day=2)
@@ -293,19 +293,24 @@ async def test_a_restarted_gateway_strikes_off_what_its_crashed_run_filed(make: 
     assert await restarted._redis.hlen(f"{restarted.group(account.tag)}unc") == 0
 
 
-@pytest.mark.solo  # the re-registration's wait (up to 3 s) once dropped a live hold with other tests running beside it
 async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_settled_ones(redis_cluster: Any, ledger_url: str) -> None:
-    """On Cluster and Sentinel, where a failover can lose writes (one Redis keeps no `scopes` set)."""
+    """On Cluster and Sentinel, where a failover can lose writes (one Redis keeps no `scopes` set).
+    At the clock's time, not NOW: the live process's hold watch re-registers its holds at the clock's
+    time too, and drops those whose expiry has passed (at NOW, all of them): the test waits for one of
+    its rounds, so the holds are re-registered by the watch or by the reservation, either way."""
     async with limiters(ledger_url, redis_cluster.url) as make:
         key, account = scopes()
         live, dead = make(), make()
-        running = await live.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW)
-        settled = await live.reserve(uuid.uuid4().hex, [key, account], 200, 200, now=NOW)
+        now = time.time()
+        running = await live.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=now)
+        settled = await live.reserve(uuid.uuid4().hex, [key, account], 200, 200, now=now)
         live._live.pop(settled.request_id)  # settled, and the settlement lost with the old master
-        await dead.reserve(uuid.uuid4().hex, [key, account], 400, 400, now=NOW)  # its process then dies
+        await dead.reserve(uuid.uuid4().hex, [key, account], 400, 400, now=now)  # its process then dies
         await make().recover_groups({account.tag})  # a third one restarted with replayed rows
+        rounds = live.watcher.pulse.rounds
+        await until(lambda: live.watcher.pulse.rounds > rounds, "a round of the live process's hold watch")
         with pytest.raises(QuotaUnavailable):  # re-registers, then waits for the dead one (up to 3 s)
-            await live.reserve(uuid.uuid4().hex, [key, account], 1, 1, now=NOW)
-        counters = await live.counters(account, now=NOW)
+            await live.reserve(uuid.uuid4().hex, [key, account], 1, 1, now=now)
+        counters = await live.counters(account, now=now)
         assert (counters["in_flight"], counters["held_tokens"]) == (2, 100 + 400)
         assert running.request_id in live._live
