@@ -4,9 +4,9 @@
 #      taking whole files, the longest first (tests/conftest.py:LONGEST_FIRST);
 #   2. the tests marked `solo` (they hold wall-clock times to bounds: TTFTs, queue waits, the soak's
 #      calibrated load) and schemathesis' generated tests, one after the other, nothing else running.
-# Two workers on two cores: three were faster (much of the suite waits on processes, Postgres and Redis) but
-# made timing-bound tests fail beside them in two runs of three. Arguments go to both parts (a path, -k,
-# -x); a part they select nothing of passes.
+# Two workers on two cores: in fresh-clone CI runs three took as long (the parallel part 910 s, two: 914 s)
+# and made tests fail beside them. Arguments go to both parts (a path, -k, -x); a part they select nothing
+# of passes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
