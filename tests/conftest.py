@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import asyncpg
 import httpx
 import pytest
 import sqlalchemy as sa
@@ -30,6 +29,7 @@ from billing.keys.store import KeyStore
 from engines.backends.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_ID, Settings, default_cache_dir
+from tests.drop_databases import admin_sql
 from tests.engine_ids import EngineIds
 
 PG_HOST = os.environ.get("TOLLGATE_TEST_PGHOST", "127.0.0.1")
@@ -199,11 +199,7 @@ def pg_url(db: str) -> str:
 
 
 async def _admin_sql(sql: str) -> None:
-    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres")
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
+    await admin_sql(PG_HOST, PG_PORT, PG_USER, [sql])
 
 
 @pytest.fixture(scope="session")

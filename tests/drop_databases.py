@@ -1,6 +1,8 @@
-"""Drops the test session's Postgres databases, in a process of its own after the session
+"""Statements on the test Postgres' `postgres` database (tests/conftest.py:_admin_sql), and the
+session's databases dropped in a process of their own after the session
 (tests/conftest.py:fresh_pg_database): each DROP DATABASE waits for a checkpoint (~0.3 s here),
-which for a session's few dozen databases is time the suite need not wait for.
+time the suite need not wait for. scripts/test.sh waits for these processes before the tests that
+run alone on the machine.
 
     python -m tests.drop_databases HOST PORT USER NAME...
 """
@@ -13,15 +15,15 @@ import sys
 import asyncpg
 
 
-async def drop(host: str, port: int, user: str, names: list[str]) -> None:
+async def admin_sql(host: str, port: int, user: str, statements: list[str]) -> None:
     conn = await asyncpg.connect(host=host, port=port, user=user, database="postgres")
     try:
-        for name in names:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        for sql in statements:
+            await conn.execute(sql)
     finally:
         await conn.close()
 
 
 if __name__ == "__main__":
     host, port, user, *names = sys.argv[1:]
-    asyncio.run(drop(host, int(port), user, names))
+    asyncio.run(admin_sql(host, int(port), user, [f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' for name in names]))
