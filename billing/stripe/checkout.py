@@ -2,7 +2,9 @@
 
     create_session(account, cents)   a Checkout Session (mode=payment) for that amount; the hosted page's URL
     checkout.session.completed       paid -> one `topup` credit row, external_id = the session id; the first
-                                     time only, its card is saved for auto-recharge
+                                     time only, its card is saved for auto-recharge, unless its payment was
+                                     charged back already (a dispute heard first): then the card is stopped
+                                     as the dispute would have stopped it (GET /v1/disputes?payment_intent=)
     refund.created/updated           -> one `refund` row (negative), external_id = the refund id
     refund.failed (or canceled)      -> that row, and one that gives it back (external_id `<refund id>:failed`)
     charge.dispute.*                 a chargeback on a top-up's or recharge's charge (created, updated, closed,
@@ -80,6 +82,14 @@ async def insert_credit(conn: AsyncConnection, engine: AsyncEngine, account_id: 
         account_id=account_id, kind=kind, amount_nanos=nanos, external_id=external_id, reason=reason, created_at=utcnow(),
     ).on_conflict_do_nothing(index_elements=["external_id"]))
     return bool(done.rowcount)
+
+
+def _dispute_reason(dispute: dict[str, Any]) -> str:
+    return f"Stripe dispute ({dispute.get('reason') or 'no reason given'})"
+
+
+def _card_stopped(reason: str, intent_id: str) -> str:
+    return f"{CARD_STOPPED} {reason} on {intent_id}; a top-up by Checkout saves a card again"
 
 
 def _account_of(obj: dict[str, Any]) -> int | None:
@@ -172,12 +182,19 @@ class CheckoutService:
         if account_id is None or session.get("mode") != "payment" or session.get("payment_status") != "paid":
             return None  # not ours, or not paid yet (async payment methods complete later)
         intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(session["payment_intent"]))
+        card = intent.get("payment_method") if intent.get("setup_future_usage") else None
+        # A chargeback can be heard before its payment's Checkout (webhooks come in any order, a
+        # session's can be retried for days): its card is not saved then, as if the dispute came after.
+        charged_back = await self._charged_back(intent["id"]) if card else None
 
         async def apply(conn: AsyncConnection) -> int | None:
             if not await insert_credit(conn, self._db, account_id, "topup", int(session["amount_total"]) * NANOS_PER_CENT,
                                        session["id"], "Stripe Checkout"):
                 return account_id  # applied before: a late repeat saves no card (a newer one, or none after a dispute, stays)
-            card = intent.get("payment_method") if intent.get("setup_future_usage") else None
+            if charged_back is not None:
+                await self._upsert(conn, account_id, stripe_customer_id=session.get("customer"), payment_method_id=None,
+                                   recharge_error=_card_stopped(charged_back, intent["id"]))
+                return account_id
             await self._upsert(conn, account_id, stripe_customer_id=session.get("customer"), payment_method_id=card)
             if card:  # a card saved again after a dispute stopped the last one
                 await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == account_id,
@@ -185,6 +202,15 @@ class CheckoutService:
             return account_id
 
         return apply
+
+    async def _charged_back(self, intent_id: str) -> str | None:
+        """The reason (as the dispute's rows give it) of a chargeback on this payment, or None: an
+        inquiry, or a `prevented` dispute, takes no money and stops no card."""
+        found = _plain(await self._stripe.v1.disputes.list_async({"payment_intent": intent_id, "limit": 100}))
+        for dispute in found.get("data") or []:
+            if isinstance(dispute.get("status"), str) and dispute["status"] not in NOTHING_WITHDRAWN:
+                return _dispute_reason(dispute)
+        return None
 
     async def _refund(self, obj: dict[str, Any]) -> Apply | None:
         refund = _plain(await self._stripe.v1.refunds.retrieve_async(obj["id"]))
@@ -222,7 +248,7 @@ class CheckoutService:
         account_id = _account_of(intent)
         if account_id is None:
             return None
-        reason = f"Stripe dispute ({dispute.get('reason') or 'no reason given'})"
+        reason = _dispute_reason(dispute)
 
         async def apply(conn: AsyncConnection) -> int | None:
             taken = await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -int(dispute["amount"]) * NANOS_PER_CENT,
@@ -236,8 +262,7 @@ class CheckoutService:
                 # fee), and the same card saved by a later Checkout has another PaymentMethod id. Auto-recharge
                 # stops until the customer pays by Checkout again, which saves the card it used.
                 await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == account_id, SETTINGS.c.payment_method_id.is_not(None))
-                                   .values(payment_method_id=None, recharge_error=f"{CARD_STOPPED} {reason} on {intent_id}; "
-                                           "a top-up by Checkout saves a card again"))  # updated_at: a pending claim's time stays
+                                   .values(payment_method_id=None, recharge_error=_card_stopped(reason, intent_id)))  # updated_at: a pending claim's time stays
             return account_id
 
         return apply

@@ -37,7 +37,8 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
   amount_refunded shrinks back. Events: refund.updated, refund.failed, charge.refund.updated.
 - `dispute` (the cardholder's bank disputes a succeeded payment; Stripe's API only reads disputes:
   GET /v1/disputes/{id}): a Dispute (`du_...`) of what is left of the charge (or `amount`), with
-  its charge and payment_intent, the Charge `disputed`. A chargeback is `needs_response`, its
+  its charge and payment_intent, the Charge `disputed`; GET /v1/disputes lists them (newest first),
+  filtered by `payment_intent` or `charge`. A chargeback is `needs_response`, its
   amount and the dispute fee withdrawn at once (one balance transaction); events
   charge.dispute.created, charge.dispute.funds_withdrawn. An inquiry (`inquiry=True`: the bank asks
   first, as American Express and Discover do) is `warning_needs_response` and withdraws nothing:
@@ -304,12 +305,19 @@ class FakeStripePayments(FakeStripe):
             ("POST", r"/v1/refunds", lambda p: self._create_refund(p)),
             ("GET", r"/v1/refunds/(?P<id>[^/]+)", lambda p, id: public(self._get(self.refunds, "refund", id))),
             ("GET", r"/v1/disputes/(?P<id>[^/]+)", lambda p, id: public(self._get(self.disputes, "dispute", id))),
+            ("GET", r"/v1/disputes", lambda p: self._list_disputes(p)),
         ]
         for verb, pattern, handler in routes:
             match = re.fullmatch(pattern, path)
             if verb == method and match:
                 return handler(params, **match.groupdict())  # type: ignore[no-any-return]
         return super()._route(method, path, params)
+
+    def _list_disputes(self, params: dict[str, Any]) -> dict[str, Any]:
+        """GET /v1/disputes, newest first, filtered by `charge` or `payment_intent` (Stripe's list takes both)."""
+        field = next((f for f in ("payment_intent", "charge") if f in params), "payment_intent")
+        found = self._list("/v1/disputes", self.disputes, params, field)
+        return {**found, "data": [public(d) for d in found["data"]]}
 
     @staticmethod
     def _public(obj: dict[str, Any]) -> dict[str, Any]:

@@ -272,3 +272,42 @@ def test_an_account_a_dispute_left_below_zero_is_refused_and_its_card_not_rechar
         assert [pi["payment_method"] for pi in charged] == [state["payment_method_id"]]
 
     scenario(fake, fresh_pg_database, tmp_path, body, alpha=FakeEngine("alpha"))
+
+
+def test_a_chargeback_heard_before_its_checkout_saves_no_card(fake: FakeStripePayments, fresh_pg_database: Any,
+                                                               tmp_path: Path) -> None:
+    """Webhooks come in any order and a Checkout's can be retried for days: the chargeback of a top-up
+    arrives before the top-up's own events. The top-up is credited and the dispute debited (net
+    zero), and the card is not saved: auto-recharge stays stopped, as when the dispute came after. An
+    inquiry heard first withdraws nothing and stops no card: that top-up's card is saved."""
+    async def body(p: Prepaid) -> None:
+        r = await p.admin.put(f"/admin/accounts/{p.account}/recharge", json={"recharge_below": "100.00", "recharge_amount": "5.00"})
+        assert r.status_code == 200, r.text
+
+        async def paid_unheard(cents: int) -> tuple[list[dict[str, Any]], str]:
+            r = await p.customer.post("/v1/billing/checkout", json={"amount": f"{cents // 100}.{cents % 100:02d}"})
+            assert r.status_code == 200, r.text
+            events = fake.complete_session(r.json()["id"])  # paid on Stripe; nothing delivered yet
+            return events, str(fake.sessions[r.json()["id"]]["payment_intent"])
+
+        checkout, disputed = await paid_unheard(1000)
+        opened = fake.dispute(disputed)
+        await p.deliver(opened, "shuffled")
+        assert await p.balance() == -1000 * CENT
+        await p.deliver(checkout, "shuffled")
+        assert await p.balance() == 0
+        state = (await p.admin.get(f"/admin/accounts/{p.account}/credits")).json()["recharge"]
+        assert state["payment_method_id"] is None, state
+        assert state["recharge_error"].startswith("auto-recharge stopped after a chargeback") and disputed in state["recharge_error"], state
+        r = await p.admin.post("/admin/credits/housekeeping")
+        assert r.status_code == 200 and r.json()["recharged"] == [], r.text
+        assert not [pi for pi in fake.payment_intents.values() if pi["metadata"].get("tollgate_recharge")]
+
+        checkout, asked = await paid_unheard(700)
+        await p.deliver(fake.dispute(asked, inquiry=True))
+        await p.deliver(checkout, "shuffled")
+        state = (await p.admin.get(f"/admin/accounts/{p.account}/credits")).json()["recharge"]
+        assert state["payment_method_id"] == fake.payment_intents[asked]["payment_method"] and state["recharge_error"] is None, state
+        assert await p.balance() == 700 * CENT
+
+    scenario(fake, fresh_pg_database, tmp_path, body)

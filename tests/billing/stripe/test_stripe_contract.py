@@ -141,6 +141,9 @@ def run_flows(fake: FakeStripePayments) -> None:
     fake.escalate_dispute(escalated)
     fake.close_dispute(escalated, won=True)
     assert client.v1.disputes.retrieve(escalated).status == "won" and fake.charges[recharged.latest_charge]["disputed"] is True
+    listed = client.v1.disputes.list({"payment_intent": intent})  # billing/stripe/checkout.py:_charged_back
+    assert [d.id for d in listed.data] == [won["data"]["object"]["id"]] and listed.object == "list"
+    assert check_object(listed.data[0].to_dict(), "listed dispute") == []
     for decline in (fake.decline_next, fake.require_authentication_next):
         decline()
         try:
