@@ -466,9 +466,14 @@ class OpenAIPoolEngine(Engine):
         """Refuses a content part the count cannot bound (EngineRequestRejected naming it, a 400 at
         prepare, before anything is reserved): any non-text part when models.yaml sets no
         `tokens_per_non_text_part`, and embeddings given as content (their length is the caller's)."""
-        for i, j, part in non_text_parts(messages):
-            kind = part.get("type") if isinstance(part, dict) else None
-            param = f"messages[{i}].content[{j}].type"
+        for _, param, kind in non_text_parts(messages):
+            if param.endswith(".audio"):
+                if self.counter.tokens_per_part is None:
+                    raise EngineRequestRejected(
+                        f"an assistant message's audio is not accepted by {self.model_id}: the model's configuration does not "
+                        "bound the tokens of non-text content (tokens_per_non_text_part in models.yaml); send the "
+                        "answer's transcript as text instead", param=param)
+                continue
             if kind in CALLER_SIZED_PARTS:
                 raise EngineRequestRejected(
                     f"content part type {kind!r} is not accepted by {self.model_id}: its length is set by the request, "

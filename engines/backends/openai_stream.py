@@ -202,25 +202,43 @@ PART_TEXT_FIELDS = ("text", "refusal", "thinking")
 CALLER_SIZED_PARTS = frozenset({"prompt_embeds", "image_embeds", "audio_embeds", "video_embeds"})
 
 
-def non_text_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, Any]]:
-    """(message index, part index, part) of every content part that is not a `text` part: an image,
-    audio, a file, a video, or any type an upstream may know and the gateway cannot count."""
+# Message fields an upstream hands its chat template besides role and content (vLLM's
+# _parse_chat_message_content: an assistant's tool_calls and `reasoning`; a tool result's
+# tool_call_id; name; task; a developer message's tools), and a template may render any of them:
+# the template count sees them as sent (transformers gives a `reasoning` to templates also as
+# `reasoning_content` and `thinking`), the flattened count counts every field's text. These are the
+# fields it reads itself (`audio` is counted as a non-text part instead).
+FLATTENED_FIELDS = frozenset({"role", "content", "name", "tool_calls", "audio"})
+
+
+def non_text_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, str, str | None]]:
+    """(message index, where in the request, its type) of everything in the messages that no
+    tokenizer here counts: every content part that is not a `text` part (an image, audio, a file, a
+    video, or any type an upstream may know), and an assistant message's `audio` (`{"id": ...}`: the
+    audio of an earlier answer, which OpenAI's API gives the model again)."""
     for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not (isinstance(part, dict) and part.get("type") == "text"):
-                    yield i, j, part
+                    yield i, f"messages[{i}].content[{j}].type", part.get("type") if isinstance(part, dict) else None
+        if message.get("audio") is not None:
+            yield i, f"messages[{i}].audio", None
 
 
 def _text_only(message: dict[str, Any]) -> dict[str, Any]:
     """A message with non-text parts as the counter sees it: its content the text of its parts, as
-    one string (what any chat template renders), the rest left out (reserved at the per-part bound)."""
-    pieces = []
-    for part in message["content"]:
-        if isinstance(part, dict):
-            pieces += [part[k] for k in PART_TEXT_FIELDS if isinstance(part.get(k), str)]
-    return {**message, "content": "".join(pieces)}
+    one string (what any chat template renders), its `audio` left out (both reserved at the per-part bound)."""
+    seen = {k: v for k, v in message.items() if k != "audio"}
+    if isinstance(message.get("content"), list):
+        pieces = []
+        for part in message["content"]:
+            if isinstance(part, dict):
+                pieces += [part[k] for k in PART_TEXT_FIELDS if isinstance(part.get(k), str)]
+        seen["content"] = "".join(pieces)
+    return seen
 
 
 class TokenCounter:
@@ -270,8 +288,9 @@ class TokenCounter:
         return len(self.encode_text(text)) if text else 0
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
-        """The messages' ids, through the tokenizer's chat template where it has one, else flattened.
-        Each non-text content part counts `tokens_per_part` (0 when unset: the pool refuses such
+        """The messages' ids, through the tokenizer's chat template where it has one, else flattened
+        (every field of a message counted as text: an upstream's template may render any of them).
+        Each non-text content part (and an assistant's `audio`) counts `tokens_per_part` (0 when unset: the pool refuses such
         parts before counting) in place of whatever a template would render for it: the parts are
         taken out, their text kept, before either way of counting, so that no template fails on
         them or renders their data as text."""
@@ -296,6 +315,9 @@ class TokenCounter:
                 text += f"\n{message['name']}"
             if message.get("tool_calls"):
                 text += "\n" + json.dumps(message["tool_calls"], separators=(",", ":"))
+            for field, value in message.items():  # reasoning, tool_call_id, task, a developer's tools, ...
+                if field not in FLATTENED_FIELDS and value is not None:
+                    text += "\n" + (value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
             ids += self.encode_text(text) + [0] * self.PER_MESSAGE
         if tools:
             ids += self.encode_text(json.dumps(tools, separators=(",", ":")))

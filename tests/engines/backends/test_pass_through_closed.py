@@ -473,6 +473,74 @@ def test_the_template_path_counts_the_bound_whatever_the_template_does_with_the_
         assert len(counter.encode_chat(LOOK * 2)) == len(counter.encode_chat(question * 2)) + 600, name
 
 
+# message fields a template may render, and an assistant's audio ---------------------------------------------
+THOUGHT = "Let me weigh every capital of Europe in turn before I answer. " * 40  # ~520 cl100k tokens
+SAID = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Spain?"}]
+
+
+def with_fields(**fields: Any) -> list[dict[str, Any]]:
+    return [SAID[0], {**SAID[1], **fields}, SAID[2]]
+
+
+async def test_fields_a_template_may_render_are_counted_and_reserved(upstreams: Any, tollgate_with: Any) -> None:
+    """vLLM hands its chat template an assistant's `reasoning` (also as `reasoning_content`), a tool
+    result's `tool_call_id`, `name`, `task` and a developer message's `tools`, and a template may render
+    them: a long reasoning sent back is counted (flattened: cl100k here) and the reservation holds it,
+    so a key whose limit only covers the visible text is refused before anything goes upstream."""
+    up, url = upstreams()
+    gw = tollgate_with(bounded_pool(url, bound=None))
+    pool = gw.engines()["pool"]
+    plain, thought = len(pool.encode_chat(SAID)), len(pool.encode_text(THOUGHT))
+    for name in ("reasoning", "reasoning_content"):
+        assert len(pool.encode_chat(with_fields(**{name: THOUGHT}))) >= plain + thought, name
+    developer = [{"role": "developer", "content": "Use tools.", "tools": [{"type": "function", "function": {"name": "x" * 300}}]}]
+    assert len(pool.encode_chat(developer)) > len(pool.encode_chat([{"role": "developer", "content": "Use tools."}])) + 30
+    assert len(pool.encode_chat(with_fields(task=THOUGHT))) >= plain + thought
+
+    account = await gw.new_account()
+    short = await limited_key(gw, account["id"], {"monthly_tokens": plain + thought})
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=short["key"], max_retries=0, timeout=30)
+    for stream in (False, True):
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="pool", messages=with_fields(reasoning=THOUGHT), max_tokens=5,  # type: ignore[arg-type]
+                                                 stream=stream)
+    assert up.requests == [] and await rows_of(gw, short["id"]) == []
+    await client.chat.completions.create(model="pool", messages=SAID, max_tokens=5)  # type: ignore[arg-type]
+    assert len(up.requests) == 1  # the same key takes the conversation without the reasoning
+
+
+async def test_an_assistants_audio_is_refused_without_a_bound_and_reserved_at_it(upstreams: Any, tollgate_with: Any) -> None:
+    """An assistant message's `audio: {id}` (an earlier answer's audio, which OpenAI's API gives the model
+    again) is content no tokenizer here counts: refused before admission without
+    `tokens_per_non_text_part` (param messages[1].audio), counted at the bound with it."""
+    up, url = upstreams()
+    gw = tollgate_with(bounded_pool(url, bound=None) + f"""
+      - id: bounded
+        backend: openai
+        context_length: 8192
+        replicas: [{url}]
+        health_path: null
+        tokens_per_non_text_part: 2000
+    """)
+    heard = with_fields(audio={"id": "audio_abc123"})
+    heard[1].pop("content")  # an audio answer has no text content
+    client = await client_of(gw)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="pool", messages=heard, max_tokens=5, stream=stream)  # type: ignore[arg-type]
+        error = refused.value.body
+        assert refused.value.status_code == 400 and error["param"] == "messages[1].audio", error
+        assert "tokens_per_non_text_part" in error["message"], error
+    assert up.requests == []
+    bounded = gw.engines()["bounded"]
+    assert len(bounded.encode_chat(heard)) == len(bounded.encode_chat([SAID[0], {"role": "assistant"}, SAID[2]])) + 2000
+    up.script.append(Behaviour(usage=False))
+    resp = await client.chat.completions.create(model="bounded", messages=heard, max_tokens=5)  # type: ignore[arg-type]
+    assert up.requests[-1].body["messages"] == heard  # sent as given
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(bounded.encode_chat(heard))
+
+
 @pytest.mark.parametrize(("value", "problem"), [
     ("0", "must be at least 1, got 0"),
     ("-5", "must be at least 1, got -5"),
