@@ -12,7 +12,10 @@
                                      status decides): funds withdrawn -> one negative `refund` row, external_id =
                                      the dispute id, reason `Stripe dispute (<reason>)`; the saved card is dropped
                                      (no off-session charge until a Checkout saves one). `won` -> also one row
-                                     giving it back (external_id `<dispute id>:won`); `lost` -> the debit stays.
+                                     giving it back (external_id `<dispute id>:won`); `lost` -> the debit stays,
+                                     but for what came back ("partially won": a dispute of a charge's
+                                     full amount after a partial refund): the balance transactions of
+                                     the dispute say what was withdrawn and reinstated (_dispute_money).
                                      An inquiry (`warning_*`: the bank asks, nothing is withdrawn) and a
                                      `prevented` one write nothing, unless it escalates to a chargeback
     recharge_due()                   balance below the account's threshold -> one off-session PaymentIntent
@@ -86,6 +89,23 @@ async def insert_credit(conn: AsyncConnection, engine: AsyncEngine, account_id: 
 
 def _dispute_reason(dispute: dict[str, Any]) -> str:
     return f"Stripe dispute ({dispute.get('reason') or 'no reason given'})"
+
+
+def _dispute_money(dispute: dict[str, Any]) -> tuple[int, int]:
+    """(cents withdrawn, cents reinstated) by a dispute that took money. Its balance transactions say
+    what moved, when they are in its currency: a bank may dispute a charge's full amount after a
+    partial refund, and such a dispute "partially won" is `lost` with the refunded part reinstated
+    (support.stripe.com, "Dispute for full charge amount after a partial refund was issued").
+    Otherwise (none yet, or converted into another settlement currency) its amount, all of it
+    reinstated when `won`."""
+    amount = int(dispute["amount"])
+    moved = [t.get("amount") for t in dispute.get("balance_transactions") or [] if isinstance(t, dict)]
+    same = all(isinstance(t, dict) and t.get("currency") == dispute.get("currency") for t in dispute.get("balance_transactions") or [])
+    withdrawn = -sum(m for m in moved if isinstance(m, int) and m < 0)
+    if not same or not withdrawn:
+        return amount, amount if dispute.get("status") == "won" else 0
+    reinstated = sum(m for m in moved if isinstance(m, int) and m > 0)
+    return withdrawn, withdrawn if dispute.get("status") == "won" and not reinstated else reinstated
 
 
 def _card_stopped(reason: str, intent_id: str) -> str:
@@ -249,18 +269,21 @@ class CheckoutService:
         if account_id is None:
             return None
         reason = _dispute_reason(dispute)
+        withdrawn, reinstated = _dispute_money(dispute)
 
         async def apply(conn: AsyncConnection) -> int | None:
-            taken = await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -int(dispute["amount"]) * NANOS_PER_CENT,
-                                        dispute["id"], reason)
-            if status == "won":  # the funds came back: exactly what was debited (its row may be from an earlier event)
+            taken = await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -withdrawn * NANOS_PER_CENT, dispute["id"], reason)
+            if reinstated:  # funds came back: at most what was debited (its row may be from an earlier event)
                 debit = (await conn.execute(sa.select(CREDITS.c.amount_nanos).where(CREDITS.c.external_id == dispute["id"]))).scalar_one()
-                await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -int(debit), f"{dispute['id']}:won",
-                                    f"{reason} won: funds reinstated")
-            elif taken:
-                # No off-session charge after a chargeback: the next one would likely be disputed too (another
-                # fee), and the same card saved by a later Checkout has another PaymentMethod id. Auto-recharge
-                # stops until the customer pays by Checkout again, which saves the card it used.
+                back = min(-int(debit), reinstated * NANOS_PER_CENT)
+                cents = back // NANOS_PER_CENT
+                outcome = "won: funds reinstated" if status == "won" else f"partially won: ${cents // 100}.{cents % 100:02d} reinstated"
+                await insert_credit(conn, self._db, account_id, DISPUTE_KIND, back, f"{dispute['id']}:won", f"{reason} {outcome}")
+            if taken:
+                # No off-session charge after a chargeback, also one first heard of already won (as when its
+                # events come in order): the next one would likely be disputed too (another fee), and the
+                # same card saved by a later Checkout has another PaymentMethod id. Auto-recharge stops
+                # until the customer pays by Checkout again, which saves the card it used.
                 await conn.execute(SETTINGS.update().where(SETTINGS.c.account_id == account_id, SETTINGS.c.payment_method_id.is_not(None))
                                    .values(payment_method_id=None, recharge_error=_card_stopped(reason, intent_id)))  # updated_at: a pending claim's time stays
             return account_id

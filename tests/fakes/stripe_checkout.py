@@ -36,7 +36,8 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
   money comes back to the merchant's balance): status `failed` with failure_reason, the Charge's
   amount_refunded shrinks back. Events: refund.updated, refund.failed, charge.refund.updated.
 - `dispute` (the cardholder's bank disputes a succeeded payment; Stripe's API only reads disputes:
-  GET /v1/disputes/{id}): a Dispute (`du_...`) of what is left of the charge (or `amount`), with
+  GET /v1/disputes/{id}): a Dispute (`du_...`) of what is left of the charge (or `amount`, up to
+  the charge's full amount after a partial refund, as banks sometimes dispute), with
   its charge and payment_intent, the Charge `disputed`; GET /v1/disputes lists them (newest first),
   filtered by `payment_intent` or `charge`. A chargeback is `needs_response`, its
   amount and the dispute fee withdrawn at once (one balance transaction); events
@@ -47,7 +48,9 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
   charge.dispute.funds_withdrawn. `review_dispute` (evidence submitted): `under_review`
   (`warning_under_review`): charge.dispute.updated. `close_dispute(won=)`: a chargeback `won` (the
   amount reinstated: a second balance transaction; charge.dispute.closed,
-  charge.dispute.funds_reinstated) or `lost` (charge.dispute.closed); an inquiry closes
+  charge.dispute.funds_reinstated) or `lost` (charge.dispute.closed); `lost` with `reinstated=`:
+  "partially won" (a full-amount dispute after a partial refund: the refunded part comes back, a
+  second balance transaction, charge.dispute.funds_reinstated, the status still `lost`); an inquiry closes
   `warning_closed` (charge.dispute.closed).
 - `payment(amount)`: a card payment made on the same Stripe account without Tollgate (no
   `tollgate_account` metadata), to dispute a charge that is not ours.
@@ -184,9 +187,11 @@ class FakeStripePayments(FakeStripe):
             intent = self.payment_intents[payment_intent]
             charge = self.charges[intent["latest_charge"]]
             assert charge["status"] == "succeeded" and not charge["disputed"], (charge["status"], charge["disputed"])
+            # What is left of the charge by default; a bank may dispute the full amount of a charge partly
+            # refunded already (Stripe support: "Dispute for full charge amount after a partial refund").
             left = charge["amount_captured"] - charge["amount_refunded"]
             amount = left if amount is None else amount
-            assert 0 < amount <= left, (amount, left)
+            assert 0 < amount <= charge["amount_captured"], (amount, charge["amount_captured"])
             now = int(time.time())
             did = self._id("du")
             code = {"fraudulent": "10.4", "product_not_received": "13.1", "duplicate": "12.6.1"}.get(reason, "13.7")
@@ -226,9 +231,11 @@ class FakeStripePayments(FakeStripe):
             dispute["status"] = review
             return [self._event("charge.dispute.updated", dispute)]
 
-    def close_dispute(self, dispute_id: str, won: bool) -> list[dict[str, Any]]:
+    def close_dispute(self, dispute_id: str, won: bool, reinstated: int = 0) -> list[dict[str, Any]]:
         """The bank decides: a chargeback won (its amount reinstated) or lost; an inquiry just closes
-        (`won` must be true: an inquiry is not lost, it escalates)."""
+        (`won` must be true: an inquiry is not lost, it escalates). `reinstated` on a lost one: a
+        dispute of a charge's full amount after a partial refund, "partially won" (Stripe support):
+        its status `lost`, the refunded part returned (a balance transaction, funds_reinstated)."""
         with self._lock:
             dispute = self.disputes[dispute_id]
             if dispute["status"].startswith("warning_"):
@@ -236,11 +243,13 @@ class FakeStripePayments(FakeStripe):
                 dispute["status"] = "warning_closed"
                 return [self._event("charge.dispute.closed", dispute)]
             assert dispute["status"] in ("needs_response", "under_review"), dispute["status"]
+            assert not (won and reinstated) and 0 <= reinstated < dispute["amount"], (won, reinstated)
             dispute.update(status="won" if won else "lost")
             dispute["evidence_details"]["due_by"] = None
-            if not won:
+            back = dispute["amount"] if won else reinstated
+            if not back:
                 return [self._event("charge.dispute.closed", dispute)]
-            dispute["balance_transactions"].append(self._dispute_transaction(dispute, dispute["amount"], 0, "Chargeback reversal"))
+            dispute["balance_transactions"].append(self._dispute_transaction(dispute, back, 0, "Chargeback reversal"))
             return [self._event("charge.dispute.closed", dispute), self._event("charge.dispute.funds_reinstated", dispute)]
 
     def _withdraw(self, dispute: dict[str, Any]) -> dict[str, Any]:

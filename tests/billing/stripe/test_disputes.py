@@ -311,3 +311,29 @@ def test_a_chargeback_heard_before_its_checkout_saves_no_card(fake: FakeStripePa
         assert await p.balance() == 700 * CENT
 
     scenario(fake, fresh_pg_database, tmp_path, body)
+
+
+def test_a_full_amount_dispute_after_a_partial_refund_debits_what_stripe_kept(fake: FakeStripePayments, fresh_pg_database: Any,
+                                                                              tmp_path: Path) -> None:
+    """A $20 top-up, $5 of it refunded, then the bank disputes the full $20 (Stripe support: it happens;
+    the issuer corrects it). Stripe withdraws $20: the account is debited $20 (-$5 with the refund).
+    Closed "partially won" (status `lost`, the refunded $5 reinstated: a second balance transaction):
+    $5 comes back, so the customer, who got $5 by refund and $15 net by the dispute, ends at zero,
+    not at -$5 (the refund taken twice). Events in any order, repeated, give the same rows."""
+    async def body(p: Prepaid) -> None:
+        paid = await p.top_up(2000)
+        await p.deliver(fake.refund(paid, 500))
+        assert await p.balance() == 1500 * CENT
+        opened = fake.dispute(paid, 2000, "credit_not_processed")
+        dispute = opened[0]["data"]["object"]["id"]
+        await p.deliver(opened, "shuffled")
+        assert await p.balance() == -500 * CENT
+        closed = fake.review_dispute(dispute) + fake.close_dispute(dispute, won=False, reinstated=500)
+        assert fake.disputes[dispute]["status"] == "lost"
+        await p.deliver(closed + opened, "shuffled")
+        assert await p.balance() == 0
+        assert await p.dispute_rows(dispute) == [(dispute, -2000 * CENT, "refund"), (f"{dispute}:won", 500 * CENT, "refund")]
+        reasons = {e["external_id"]: e["reason"] for e in await p.entries()}
+        assert reasons[f"{dispute}:won"] == "Stripe dispute (credit_not_processed) partially won: $5.00 reinstated"
+
+    scenario(fake, fresh_pg_database, tmp_path, body)

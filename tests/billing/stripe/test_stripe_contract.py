@@ -137,6 +137,11 @@ def run_flows(fake: FakeStripePayments) -> None:
     asked = fake.dispute(fake.sessions[bank.id]["payment_intent"], 500, "unrecognized", inquiry=True)[0]["data"]["object"]["id"]
     fake.review_dispute(asked)
     fake.close_dispute(asked, won=True)
+    partly = fake.payment(900)["id"]  # a full-amount dispute after a partial refund, "partially won"
+    fake._create_refund({"payment_intent": partly, "amount": "200"})
+    partial = fake.dispute(partly, 900, "credit_not_processed")[0]["data"]["object"]["id"]
+    fake.close_dispute(partial, won=False, reinstated=200)
+    assert [t.amount for t in client.v1.disputes.retrieve(partial).balance_transactions] == [-900, 200]
     escalated = fake.dispute(fake.payment(700)["id"], inquiry=True)[0]["data"]["object"]["id"]
     fake.escalate_dispute(escalated)
     fake.close_dispute(escalated, won=True)
