@@ -337,3 +337,21 @@ def test_a_full_amount_dispute_after_a_partial_refund_debits_what_stripe_kept(fa
         assert reasons[f"{dispute}:won"] == "Stripe dispute (credit_not_processed) partially won: $5.00 reinstated"
 
     scenario(fake, fresh_pg_database, tmp_path, body)
+
+
+def test_a_dispute_first_heard_of_already_won_stops_the_card_as_in_order(fake: FakeStripePayments, fresh_pg_database: Any,
+                                                                        tmp_path: Path) -> None:
+    """Heard in order, a chargeback stops auto-recharge's card at its first event and a later win does not
+    bring it back; heard first as won (its earlier events lost or late), the end is the same: net zero,
+    and no saved card."""
+    async def body(p: Prepaid) -> None:
+        paid = await p.top_up(1000)
+        assert (await p.admin.get(f"/admin/accounts/{p.account}/credits")).json()["recharge"]["payment_method_id"]
+        opened = fake.dispute(paid)
+        dispute = opened[0]["data"]["object"]["id"]
+        await p.deliver(fake.close_dispute(dispute, won=True), "reversed")
+        assert await p.balance() == 1000 * CENT
+        state = (await p.admin.get(f"/admin/accounts/{p.account}/credits")).json()["recharge"]
+        assert state["payment_method_id"] is None and paid in state["recharge_error"], state
+
+    scenario(fake, fresh_pg_database, tmp_path, body)
