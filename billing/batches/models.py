@@ -80,3 +80,7 @@ class BatchLine(SQLModel, table=True):
     result: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))  # the response body, JSON
     claimed_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
     done_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))
+    # The runner that claimed it, and when that runner admitted it (before its row was journaled): a
+    # line admitted is never put back to pending, whichever runner or instance judges it later.
+    claimed_by: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
+    admitted_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))

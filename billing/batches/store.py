@@ -1,8 +1,9 @@
 """Batches and their lines in the database: what the Batch API's routes and its runner read and write.
 
 A line goes pending -> claimed -> done. `claim()` is a conditional update (one winner per line on
-any number of runners); `finish()` stores its answer; `release()` puts back a line that was
-refused before admission (it has no ledger row, so it may run later).
+any number of runners), which names the runner; `admitted()` marks it admitted for that runner only,
+before its ledger row is journaled; `finish()` stores its answer; `release()` puts back a line that
+was never admitted (it has no ledger row, so it may run later) and only then.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Line:
     outcome: str | None
     status_code: int | None
     result: str | None
+    claimed_by: str | None = None  # the runner that claimed it
+    admitted: bool = False  # marked admitted by that runner (its row journaled there, or about to be)
 
     @property
     def request_id(self) -> str:
@@ -61,7 +64,8 @@ class Line:
 
 
 def _line(row: Any) -> Line:
-    return Line(row.batch_id, row.line, row.custom_id, row.body, row.state, row.outcome, row.status_code, row.result)
+    return Line(row.batch_id, row.line, row.custom_id, row.body, row.state, row.outcome, row.status_code, row.result,
+                row.claimed_by, row.admitted_at is not None)
 
 
 def _aware(value: datetime | None) -> datetime | None:
@@ -146,19 +150,33 @@ class BatchStore:
                                        .order_by(LINES.c.line).limit(limit))).all()
         return [_line(r) for r in rows]
 
-    async def claim(self, line: Line) -> bool:
+    async def claim(self, line: Line, runner_id: str) -> bool:
         """Takes a pending line for this runner, durably, before it runs; False: another took it."""
         async with self._db.begin() as conn:
             done = await conn.execute(LINES.update().where(
                 LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "pending",
-            ).values(state="claimed", claimed_at=utcnow()))
+            ).values(state="claimed", claimed_at=utcnow(), claimed_by=runner_id, admitted_at=None))
         return bool(done.rowcount)
 
-    async def release(self, line: Line) -> None:
+    async def admitted(self, line: Line, runner_id: str) -> bool:
+        """Marks the line admitted, before its row is journaled; False: it is not this runner's claim
+        any more (a runner that took the batch over put it back, or ended it), and must not run."""
         async with self._db.begin() as conn:
-            await conn.execute(LINES.update().where(
+            done = await conn.execute(LINES.update().where(
                 LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed",
-            ).values(state="pending", claimed_at=None))
+                LINES.c.claimed_by == runner_id, LINES.c.admitted_at.is_(None),
+            ).values(admitted_at=utcnow()))
+        return bool(done.rowcount)
+
+    async def release(self, line: Line, runner_id: str | None) -> bool:
+        """Puts back the line `runner_id` claimed, unless it was admitted; whether it did."""
+        owner = LINES.c.claimed_by.is_(None) if runner_id is None else LINES.c.claimed_by == runner_id
+        async with self._db.begin() as conn:
+            done = await conn.execute(LINES.update().where(
+                LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed",
+                owner, LINES.c.admitted_at.is_(None),
+            ).values(state="pending", claimed_at=None, claimed_by=None))
+        return bool(done.rowcount)
 
     async def finish(self, line: Line, outcome: str, status_code: int | None, result: str | None) -> None:
         async with self._db.begin() as conn:

@@ -13,12 +13,18 @@ A line's run never strands it: an exception while it runs ends it `errored` (500
 `line_failed`; not run again: if it was admitted its row exists), and an answer whose storing
 failed is kept and stored again; the batch is not finalized while a line is claimed.
 
-Restart safety: a line is claimed durably before it runs, and its request id (so its ledger row's)
-is `<batch id>-<line index>`. A run that stopped leaves claimed lines; the next one, once the
-ledger has the rows its journal replayed, finds each claimed line's row: a line with a row ran (in
-part) and is not run again (it ends `errored`: interrupted); a line without one was never admitted
-and goes back to pending. A line refused before admission (429/503: queue full, quota) has no
-row either: it is put back and retried until the batch's window ends.
+Restart safety: a line is claimed durably before it runs (naming the runner), and its request id
+(so its ledger row's) is `<batch id>-<line index>`. Its admission marks it admitted in the database,
+for its runner only, before its row is journaled (Meter.admit, BatchStore.admitted). A run that
+stopped leaves claimed lines; the next one, once the ledger has the rows its journal replayed,
+finds each claimed line's row: a line with a row ran (in part) and is not run again (it ends
+`errored`: interrupted); a line marked admitted without a row ran on a runner whose journal is not
+here (another instance's volume; its row comes when that instance comes back) and is not run again
+either (`errored`: interrupted); only a line never admitted goes back to pending. A runner whose
+line was put back or ended by another (its lease lapsed while it stalled) cannot mark it: that run
+is refused before its row and leaves the line alone. A line refused before admission (429/503:
+queue full, quota) is put back and retried until the batch's window ends. So a line is admitted
+once, and has one row, whichever runners and instances handle it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ log = logging.getLogger("tollgate.batches")
 RETRIED = (429, 503, 529)  # refused before admission (529: Anthropic's overloaded): no row, may run later
 INTERRUPTED = {"error": {"message": "The gateway restarted while this request ran; it was not run again (its usage is in the ledger).",
                          "type": "server_error", "param": None, "code": "interrupted"}}
+# Admitted by a runner whose journal is not here (another instance stopped): its row, if it ran, is that journal's.
+ADMITTED_ELSEWHERE = {"error": {"message": "The gateway instance running this request stopped after admitting it; it was not "
+                                "run again (its usage, if any, is billed from that instance's ledger journal).",
+                                "type": "server_error", "param": None, "code": "interrupted"}}
 # Killed after the line's row was final but before its answer was stored: billed in full, answer lost.
 ANSWER_LOST = {"error": {"message": "The gateway restarted after this request finished but before its answer was stored; "
                          "it was not run again (its usage is in the ledger).",
@@ -233,7 +243,7 @@ class BatchRunner:
                         if await self._store.move(batch_id, "finalizing", from_=("in_progress",)):
                             continue
                     for line in lines:
-                        if await self._store.claim(line):
+                        if await self._store.claim(line, self.runner_id):
                             task = asyncio.get_running_loop().create_task(self._run_line(batch, line, principal))
                             running[task] = line
                 if not running:
@@ -297,13 +307,16 @@ class BatchRunner:
             return 0
         await self._flush()
         ran = await self._store.in_ledger([line.request_id for line in claimed])
+        elsewhere = 0
         for line in claimed:
             if line.request_id in ran:
                 error = INTERRUPTED if ran[line.request_id] == "interrupted" else ANSWER_LOST
                 await self._store.finish(line, "errored", 500, orjson.dumps(error).decode())
-            else:
-                await self._store.release(line)
-        log.info("batch %s: %d claimed lines had run, %d go back to pending", batch_id, len(ran), len(claimed) - len(ran))
+            elif line.admitted or not await self._store.release(line, line.claimed_by):  # not put back: admitted meanwhile
+                elsewhere += 1
+                await self._store.finish(line, "errored", 500, orjson.dumps(ADMITTED_ELSEWHERE).decode())
+        log.info("batch %s: %d claimed lines had run, %d were admitted where their rows are not seen, %d go back to pending",
+                 batch_id, len(ran), elsewhere, len(claimed) - len(ran) - elsewhere)
         return len(claimed)
 
     async def _run_line(self, batch: dict[str, Any], line: Line, principal: Any) -> float | None:
@@ -315,7 +328,7 @@ class BatchRunner:
         if principal is None or principal.revoked or principal.expired():
             end = ("errored", 403, orjson.dumps(KEY_REVOKED).decode())
         else:
-            context = BatchLine(batch["id"], line.request_id, principal)
+            context = BatchLine(batch["id"], line.request_id, principal, claim=lambda: self._store.admitted(line, self.runner_id))
             try:
                 async with self._slots:
                     status, body, wait = await self._dispatch(batch["endpoint"], line.body, context)
@@ -323,7 +336,11 @@ class BatchRunner:
                 log.exception("batch %s: line %d raised while it ran (%s); it ends as an error", batch["id"], line.line,
                               "admitted" if context.admitted else "not admitted")
                 status, body, wait = 500, line_failed(context.admitted), 1.0
-            if not context.admitted and status in RETRIED:
+            if context.taken:
+                log.warning("batch %s: line %d was taken over by another runner before it was admitted here; left to it",
+                            batch["id"], line.line)
+                return None
+            if not context.marked and status in RETRIED:
                 end, retry = None, wait
             else:
                 end = ("succeeded" if 200 <= status < 300 else "errored", status, body.decode("utf-8", "replace"))
@@ -335,7 +352,7 @@ class BatchRunner:
 
     async def _store_end(self, line: Line, end: End) -> None:
         if end is None:
-            await self._store.release(line)
+            await self._store.release(line, self.runner_id)
         else:
             await self._store.finish(line, *end)
 

@@ -32,6 +32,7 @@ from billing.models import utcnow
 from billing.prices.book import EffectivePrice, PriceBook
 from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
 from engines.base import FINISH_CANCELLED, FINISH_ERROR, FINISH_UPSTREAM_CANCELLED, Engine, EngineOverloadedError, EngineRequest
+from gateway.batches.line import BatchLine
 from gateway.http.errors import APIError, EngineOverloaded, RateLimited, ServiceUnavailable
 from gateway.serving.ratelimit import hold_headers, refusal_headers
 
@@ -221,12 +222,14 @@ class Meter:
         cost: Callable[[EffectivePrice], int],
         slot: tuple[Engine, EngineRequest] | None = None,
         cut: Callable[[], None] | None = None,
-        batch: bool = False,
+        line: BatchLine | None = None,
     ) -> Admission:
         """Admits a request that may use up to `tokens` tokens and `cost(price)` nano-USD, or raises
         the 429/503 that says why not. `usage`: what its ledger row is made of (Admission.row); `slot`:
         the engine (and request) it takes a place in; `cut`: what stops it at the drain deadline;
-        `batch`: a line of a batch, priced at the batch price."""
+        `line`: a line of a batch, priced at the batch price, marked admitted in the database once
+        its hold is taken and before its row is journaled (refused when the line is no longer its
+        runner's: then it has no row, and runs nowhere twice)."""
         admission = Admission(self, request_id, principal, model, usage, cut)
         try:
             if slot is not None:
@@ -242,16 +245,20 @@ class Meter:
             if self.prices is not None:
                 # The account's override (custom price or multiplier) applies when it has one.
                 admission.price = await self.prices.current_for(principal.account_id, model, admission.admitted_at)
-                if batch and admission.price is not None:
+                if line is not None and admission.price is not None:
                     admission.price = admission.price.for_batch()
             admission.nanos = cost(admission.price) if admission.price is not None else 0
             provisional = admission.row("interrupted")  # priced: the row is known before the hold
             admission.hold = await self._reserve(request_id, principal, tokens, admission.nanos)
+            if line is not None and not await line.mark_admitted():
+                raise ServiceUnavailable("This batch line is no longer this runner's.", code="batch_line_taken")
             self._live[request_id] = admission
             self._idle.clear()
             # Journaled: a crash from here on still leaves an `interrupted` row and a hold to release.
             self.ledger.admitted(provisional, admission.hold.to_json() if admission.hold else None)
             admission.journaled = True
+            if line is not None:
+                line.admitted = True
         except BaseException:
             admission.settle()  # gives back what the steps before took; no row
             raise

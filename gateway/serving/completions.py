@@ -29,6 +29,7 @@ from engines.base import (
     SamplingParams,
 )
 from engines.wrappers.router import router_of
+from gateway.batches.line import BatchLine
 from gateway.serving.admission import Admission, Meter, Usage, share_of
 from gateway.http.errors import (
     APIError,
@@ -98,9 +99,9 @@ class CompletionService:
     def on_quota_rejected(self) -> list[Any]:
         return self.meter.on_quota_rejected
 
-    async def admit(self, gen: Generation) -> Admission:
+    async def admit(self, gen: Generation, line: BatchLine | None = None) -> Admission:
         """Takes the engine's place, reserves the worst case and journals the admission (Meter.admit);
-        the Admission's `settle()` ends it."""
+        the Admission's `settle()` ends it. `line`: the batch line it is."""
         request = gen.engine_request
         worst_completion = request.max_tokens * request.sequences  # every sequence may run to max_tokens
         return await self.meter.admit(
@@ -109,7 +110,7 @@ class CompletionService:
             cost=lambda price: price.cost_nanos(gen.prompt_tokens, worst_completion),
             slot=(gen.engine, request),
             cut=gen.cut_short,
-            batch=gen.batch_id is not None,
+            line=line,
         )
 
     async def admit_hit(self, gen: Generation, prompt: int, completion: int, hit_price: Decimal) -> Admission:

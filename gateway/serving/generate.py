@@ -40,9 +40,7 @@ async def answer(
             raise overloaded(refused)
         admission = await service.admit_hit(gen, hit.prompt_tokens, hit.completion_tokens, hit.hit_price)
     else:
-        admission = await service.admit(gen)
-    if line is not None:
-        line.admitted = True
+        admission = await service.admit(gen, line)
     # Admitted from here on: the response settles the admission; until it exists, this does.
     try:
         head = {"x-request-id": gen.request_id, **(headers or {}), **admission.headers}

@@ -181,9 +181,7 @@ async def create_embeddings(request: Request) -> Response:
     usage = Usage(api="embeddings" if line is None else "batch", batch_id=None if line is None else line.batch_id, prompt_tokens=tokens,
                   whole=True)
     admission = await meter.admit(request_id, principal, model.model_id, usage, tokens=tokens, cost=lambda price: price.cost_nanos(tokens, 0),
-                                  batch=line is not None)
-    if line is not None:
-        line.admitted = True
+                                  line=line)
     usage.started = time.perf_counter()
     status: str | None = None
     try:

@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from billing.db import create_engine
+from billing.models import utcnow
 from tests.conftest import SECRET, bootstrap
 from tests.gateway.batches.test_batches import chat_lines
 from tests.processes import GatewayProcess
@@ -76,3 +77,107 @@ async def test_a_batch_survives_a_sigkill(fresh_pg_database: Any, tmp_path: Path
         await client.close()
     finally:
         gw.stop()
+
+
+async def _claimed_without_rows(url: str, batch_id: str) -> dict[int, bool]:
+    """The lines claimed and without a row in the database, and whether each was marked admitted."""
+    db = create_engine(url)
+    try:
+        async with db.connect() as conn:
+            return {int(line): admitted for line, admitted in (await conn.execute(sa.text(
+                "SELECT line, admitted_at IS NOT NULL FROM batch_lines l WHERE batch_id = :b AND state = 'claimed' AND NOT EXISTS "
+                "(SELECT 1 FROM ledger_entries e WHERE e.request_id = l.batch_id || '-' || l.line)"), {"b": batch_id})).all()}
+    finally:
+        await db.dispose()
+
+
+async def test_a_batch_taken_over_by_another_instance_runs_no_line_twice(fresh_pg_database: Any, tmp_path: Path) -> None:
+    """Instance A is SIGKILLed mid-batch; instance B, on the same database but its own volume (A's
+    ledger journal is not there), takes the batch over and finishes it; then A comes back and its
+    journal adds the rows of the lines it had admitted. Each line has one row and one answer: the
+    lines A had claimed whose rows were only in its journal are not run again by B (their mark says
+    A admitted them; they end `interrupted`), and their rows are A's."""
+    from openai import AsyncOpenAI
+
+    url = fresh_pg_database(migrated=True)
+    admin_key = bootstrap(url, SECRET)
+    env = {"TOLLGATE_BATCH_POLL_SECONDS": "0.2", "TOLLGATE_BATCH_CONCURRENCY": "4", "TOLLGATE_BATCH_LEASE_SECONDS": "3", "TOLLGATE_EMBEDDINGS": "off"}
+    a = GatewayProcess(url, tmp_path / "a", admin_key, **env).start()
+    b = GatewayProcess(url, tmp_path / "b", admin_key, **env)
+    try:
+        key = (await a.new_key())["key"]
+        client = AsyncOpenAI(base_url=a.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+        uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(LINES, max_tokens=3))), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        await client.close()
+        deadline = time.monotonic() + 180
+        while len(await _rows(url, batch.id)) < 10:
+            assert time.monotonic() < deadline, "the batch did not get under way"
+            await asyncio.sleep(0.1)
+        a.kill()  # SIGKILL: its journal keeps the rows of the lines it had in flight
+        unseen = await _claimed_without_rows(url, batch.id)
+        assert unseen, "no claimed line's row was left in A's journal at the kill; nothing was tested"
+
+        b.start()
+        client = AsyncOpenAI(base_url=b.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+        deadline = time.monotonic() + 240
+        while (batch := await client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, f"instance B did not finish the batch: {batch.request_counts}"
+            await asyncio.sleep(0.25)
+        assert batch.status == "completed", batch
+        files = [batch.output_file_id, batch.error_file_id]
+        answers = [json.loads(x) for f in files if f for x in (await client.files.content(f)).content.splitlines()]
+        await client.close()
+        b.stop()
+        a.start()  # A's journal goes into the ledger
+        a.stop()
+
+        rows = await _rows(url, batch.id)
+        ids = [r["request_id"] for r in rows]
+        assert len(ids) == len(set(ids)), f"{len(ids)} rows for {len(set(ids))} lines: a line ran twice"
+        assert set(ids) == {f"{batch.id}-{i}" for i in range(LINES)}
+        assert sorted(x["custom_id"] for x in answers) == sorted(f"req-{i}" for i in range(LINES))
+        by_line = {int(x["custom_id"].removeprefix("req-")): x["response"] for x in answers}
+        for line in [n for n, admitted in unseen.items() if admitted]:  # admitted on A: not run on B; the row is A's journal's
+            assert by_line[line]["status_code"] == 500 and by_line[line]["body"]["error"]["code"] == "interrupted", by_line[line]
+        print(f"takeover: {len(unseen)} claimed lines without rows at the kill ({sum(unseen.values())} admitted on A), "
+              "none run again on B")
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_a_stalled_runner_cannot_admit_a_line_taken_from_it(fresh_pg_database: Any) -> None:
+    """Runner A claims a line and stalls past its lease; runner B takes the batch over and puts the line
+    back (never admitted), then claims it itself. A, awake again, cannot mark it admitted (its admission
+    is refused before its row), nor put it back; B can, and once B has admitted it nobody can put it
+    back. A line A had admitted before the takeover is not put back either."""
+    from billing.batches.store import BatchStore, new_batch_id
+
+    url = fresh_pg_database(migrated=True)
+    db = create_engine(url)
+    try:
+        store = BatchStore(db)
+        batch_id = new_batch_id()
+        now = utcnow()
+        await store.create({"id": batch_id, "account_id": 1, "key_id": 1, "api": "openai", "endpoint": "/v1/chat/completions",
+                            "completion_window": "24h", "status": "in_progress", "created_at": now, "expires_at": now},
+                           [("taken", "{}"), ("kept", "{}")])
+        taken, kept = await store.pending(batch_id, 2)
+        assert await store.claim(taken, "A") and await store.claim(kept, "A")
+        assert await store.admitted(kept, "A")  # A admitted this one before it stalled
+
+        claimed = {line.line: line for line in await store.claimed(batch_id)}  # B's recovery reads the claims
+        assert (claimed[0].claimed_by, claimed[0].admitted, claimed[1].admitted) == ("A", False, True)
+        assert await store.release(claimed[0], "A")  # never admitted: back to pending
+        assert not await store.release(claimed[1], "A")  # admitted: stays claimed (B ends it as interrupted)
+        (again,) = await store.pending(batch_id, 2)
+        assert await store.claim(again, "B")
+
+        assert not await store.admitted(taken, "A")  # A is awake: the line is B's now
+        assert not await store.release(taken, "A")
+        assert await store.admitted(again, "B")
+        assert not await store.admitted(again, "B")  # admitted once
+        assert not await store.release(again, "B")  # admitted: never put back
+    finally:
+        await db.dispose()

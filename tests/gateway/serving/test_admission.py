@@ -196,3 +196,41 @@ async def test_a_pass_through_stream_closed_early_is_billed_the_text_it_relayed(
         await pool.stop()
         server.__exit__()
         await setup.close()
+
+
+async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setup: Setup) -> None:
+    """A batch line's admission marks it admitted in the database, for its runner only, after the hold
+    and before the journal: when the mark is refused (another runner took the batch over and put the
+    line back), the request is refused with no row and nothing held, and the line says it was taken."""
+    from gateway.batches.line import BatchLine
+    from gateway.http.errors import ServiceUnavailable
+
+    marks: list[str] = []
+
+    async def refused() -> bool:
+        marks.append("asked")
+        return False
+
+    line = BatchLine("batch_x", "batch_x-0", principal(), claim=refused)
+    gen = setup.gen("batch_x-0", principal())
+    gen.api, gen.batch_id = "batch", "batch_x"
+    with pytest.raises(ServiceUnavailable):
+        await setup.service.admit(gen, line)
+    assert marks == ["asked"] and line.taken and not line.admitted
+    await setup.service.drain()
+    assert setup.rows == [] and setup.journal.outstanding == 0 and setup.service.live_count() == 0
+    assert setup.place_is_free() and [rid for rid, _ in setup.settled] == ["batch_x-0"]  # the hold given back
+
+    async def granted() -> bool:
+        marks.append("granted")
+        return True
+
+    line = BatchLine("batch_x", "batch_x-1", principal(), claim=granted)
+    gen = setup.gen("batch_x-1", principal())
+    gen.api, gen.batch_id = "batch", "batch_x"
+    admission = await setup.service.admit(gen, line)
+    assert line.admitted and line.marked and not line.taken and setup.journal.outstanding == 1
+    admission.settle("completed")
+    await setup.service.drain()
+    assert [(r.request_id, r.api) for r in setup.rows] == [("batch_x-1", "batch")]
+    await setup.close()
