@@ -47,11 +47,28 @@ def _until(check: Any, what: str, timeout: float = 30.0) -> Any:
 
 
 def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too (so at most 55535)."""
+    """A free port whose cluster bus port (+10000) is free too, both below the kernel's ephemeral
+    range (where free_port() and every outgoing connection take theirs, so none can take one of
+    these between this check and the node's bind), from this xdist worker's own share of it."""
+    import os
     import random
 
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    low, high = 10000, min(ephemeral, 65536) - 10000 - 1  # the bus port is +10000
+    if high - low < 1000:  # an ephemeral range starting low: any pair that is free now
+        low, high = 1024, 55535
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.isdigit() and workers > 1 and high - low > 100 * workers:
+        share = (high - low) // workers
+        low += int(worker) * share
+        high = low + share - 1
     for _ in range(200):
-        port = random.randint(20000, 45000)
+        port = random.randint(low, high)
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:
