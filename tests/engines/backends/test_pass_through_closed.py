@@ -426,16 +426,21 @@ async def test_a_non_text_part_is_reserved_at_the_models_bound(upstreams: Any, t
     assert row["estimated"] is True and row["prompt_tokens"] == text + 2000
 
 
-async def test_text_parts_count_as_before(upstreams: Any, tollgate_with: Any) -> None:
-    up, url = upstreams()
-    gw = tollgate_with(bounded_pool(url, bound=None) + f"""
+def unbounded_and_bounded(url: str) -> str:
+    """Two pools on one upstream: `pool` with no bound for non-text content, `bounded` at 2,000 tokens."""
+    return bounded_pool(url, bound=None) + f"""
       - id: bounded
         backend: openai
         context_length: 8192
         replicas: [{url}]
         health_path: null
         tokens_per_non_text_part: 2000
-    """)
+    """
+
+
+async def test_text_parts_count_as_before(upstreams: Any, tollgate_with: Any) -> None:
+    up, url = upstreams()
+    gw = tollgate_with(unbounded_and_bounded(url))
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}]
     counts = {name: len(gw.engines()[name].encode_chat(parts)) for name in ("pool", "bounded")}
     assert counts["pool"] == counts["bounded"] == len(gw.engines()["pool"].encode_chat(QUESTION))  # the same text as one string
@@ -515,14 +520,7 @@ async def test_an_assistants_audio_is_refused_without_a_bound_and_reserved_at_it
     again) is content no tokenizer here counts: refused before admission without
     `tokens_per_non_text_part` (param messages[1].audio), counted at the bound with it."""
     up, url = upstreams()
-    gw = tollgate_with(bounded_pool(url, bound=None) + f"""
-      - id: bounded
-        backend: openai
-        context_length: 8192
-        replicas: [{url}]
-        health_path: null
-        tokens_per_non_text_part: 2000
-    """)
+    gw = tollgate_with(unbounded_and_bounded(url))
     heard = with_fields(audio={"id": "audio_abc123"})
     heard[1].pop("content")  # an audio answer has no text content
     client = await client_of(gw)
