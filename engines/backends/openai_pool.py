@@ -470,7 +470,7 @@ class OpenAIPoolEngine(Engine):
             if param.endswith(".audio"):
                 if self.counter.tokens_per_part is None:
                     raise EngineRequestRejected(
-                        f"an assistant message's audio is not accepted by {self.model_id}: the model's configuration does not "
+                        f"a message's `audio` (an earlier answer's audio) is not accepted by {self.model_id}: the model's configuration does not "
                         "bound the tokens of non-text content (tokens_per_non_text_part in models.yaml); send the "
                         "answer's transcript as text instead", param=param)
                 continue

@@ -24,17 +24,17 @@ class BatchLine:
     principal: Principal  # the batch's key, in the scheduler's lowest class
     # The runner's durable mark that this line is admitted (billing/batches/store.py: BatchStore.admitted):
     # False when the line is no longer the runner's (another took the batch over, put the line back or ended it).
-    claim: Callable[[], Awaitable[bool]] | None = None
+    mark: Callable[[], Awaitable[bool]] | None = None
     admitted: bool = False  # set once Meter.admit took it: from then on it has its ledger row
     marked: bool = False  # its mark may be in the database (also when asking failed): it is never put back to pending
     taken: bool = False  # its mark was refused: the line is another runner's, this run leaves it alone
 
     async def mark_admitted(self) -> bool:
         """Marks the line admitted before its row is journaled; False: not this runner's any more."""
-        if self.claim is None:
+        if self.mark is None:
             return True
         self.marked = True  # until the database answers: a mark whose answer is lost may have been written
-        self.marked = await self.claim()  # raising (the database is out): the admission fails, the line ends as an error
+        self.marked = await self.mark()  # raising (the database is out): the admission fails, the line ends as an error
         self.taken = not self.marked
         return self.marked
 

@@ -328,7 +328,7 @@ class BatchRunner:
         if principal is None or principal.revoked or principal.expired():
             end = ("errored", 403, orjson.dumps(KEY_REVOKED).decode())
         else:
-            context = BatchLine(batch["id"], line.request_id, principal, claim=lambda: self._store.admitted(line, self.runner_id))
+            context = BatchLine(batch["id"], line.request_id, principal, mark=lambda: self._store.admitted(line, self.runner_id))
             try:
                 async with self._slots:
                     status, body, wait = await self._dispatch(batch["endpoint"], line.body, context)

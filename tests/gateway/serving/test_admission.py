@@ -211,7 +211,7 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
         marks.append("asked")
         return False
 
-    line = BatchLine("batch_x", "batch_x-0", principal(), claim=refused)
+    line = BatchLine("batch_x", "batch_x-0", principal(), mark=refused)
     gen = setup.gen("batch_x-0", principal())
     gen.api, gen.batch_id = "batch", "batch_x"
     with pytest.raises(ServiceUnavailable):
@@ -225,7 +225,7 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
         marks.append("granted")
         return True
 
-    line = BatchLine("batch_x", "batch_x-1", principal(), claim=granted)
+    line = BatchLine("batch_x", "batch_x-1", principal(), mark=granted)
     gen = setup.gen("batch_x-1", principal())
     gen.api, gen.batch_id = "batch", "batch_x"
     admission = await setup.service.admit(gen, line)
