@@ -205,29 +205,26 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
     from gateway.batches.line import BatchLine
     from gateway.http.errors import ServiceUnavailable
 
-    marks: list[str] = []
+    marks: list[bool] = []
 
-    async def refused() -> bool:
-        marks.append("asked")
-        return False
+    def line_of(index: int, answer: bool) -> tuple[BatchLine, Any]:
+        async def mark() -> bool:
+            marks.append(answer)
+            return answer
 
-    line = BatchLine("batch_x", "batch_x-0", principal(), mark=refused)
-    gen = setup.gen("batch_x-0", principal())
-    gen.api, gen.batch_id = "batch", "batch_x"
+        gen = setup.gen(f"batch_x-{index}", principal())
+        gen.api, gen.batch_id = "batch", "batch_x"
+        return BatchLine("batch_x", gen.request_id, principal(), mark=mark), gen
+
+    line, gen = line_of(0, False)
     with pytest.raises(ServiceUnavailable):
         await setup.service.admit(gen, line)
-    assert marks == ["asked"] and line.taken and not line.admitted
+    assert marks == [False] and line.taken and not line.admitted
     await setup.service.drain()
     assert setup.rows == [] and setup.journal.outstanding == 0 and setup.service.live_count() == 0
     assert setup.place_is_free() and [rid for rid, _ in setup.settled] == ["batch_x-0"]  # the hold given back
 
-    async def granted() -> bool:
-        marks.append("granted")
-        return True
-
-    line = BatchLine("batch_x", "batch_x-1", principal(), mark=granted)
-    gen = setup.gen("batch_x-1", principal())
-    gen.api, gen.batch_id = "batch", "batch_x"
+    line, gen = line_of(1, True)
     admission = await setup.service.admit(gen, line)
     assert line.admitted and line.marked and not line.taken and setup.journal.outstanding == 1
     admission.settle("completed")
