@@ -3,7 +3,8 @@
 A line goes pending -> claimed -> done. `claim()` is a conditional update (one winner per line on
 any number of runners), which names the runner; `admitted()` marks it admitted for that runner only,
 before its ledger row is journaled; `finish()` stores its answer; `release()` puts back a line that
-was never admitted (it has no ledger row, so it may run later) and only then.
+was never admitted (it has no ledger row, so it may run later) and only then; both, and
+`finish()`, act only on the claim of the runner they name.
 """
 
 from __future__ import annotations
@@ -178,10 +179,15 @@ class BatchStore:
             ).values(state="pending", claimed_at=None, claimed_by=None))
         return bool(done.rowcount)
 
-    async def finish(self, line: Line, outcome: str, status_code: int | None, result: str | None) -> None:
+    async def finish(self, line: Line, outcome: str, status_code: int | None, result: str | None, runner_id: str | None) -> bool:
+        """Ends the line `runner_id` claimed with its answer; False: it is not that runner's claim
+        (another runner took the batch over and ended it meanwhile: its end stays)."""
+        owner = LINES.c.claimed_by.is_(None) if runner_id is None else LINES.c.claimed_by == runner_id
         async with self._db.begin() as conn:
-            await conn.execute(LINES.update().where(LINES.c.batch_id == line.batch_id, LINES.c.line == line.line).values(
-                state="done", outcome=outcome, status_code=status_code, result=result, done_at=utcnow()))
+            done = await conn.execute(LINES.update().where(
+                LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed", owner,
+            ).values(state="done", outcome=outcome, status_code=status_code, result=result, done_at=utcnow()))
+        return bool(done.rowcount)
 
     async def end_pending(self, batch_id: str, outcome: str) -> int:
         """Every line not yet claimed ends with `outcome` (expired, canceled); how many."""

@@ -311,10 +311,10 @@ class BatchRunner:
         for line in claimed:
             if line.request_id in ran:
                 error = INTERRUPTED if ran[line.request_id] == "interrupted" else ANSWER_LOST
-                await self._store.finish(line, "errored", 500, orjson.dumps(error).decode())
+                await self._store.finish(line, "errored", 500, orjson.dumps(error).decode(), line.claimed_by)
             elif line.admitted or not await self._store.release(line, line.claimed_by):  # not put back: admitted meanwhile
                 elsewhere += 1
-                await self._store.finish(line, "errored", 500, orjson.dumps(ADMITTED_ELSEWHERE).decode())
+                await self._store.finish(line, "errored", 500, orjson.dumps(ADMITTED_ELSEWHERE).decode(), line.claimed_by)
         log.info("batch %s: %d claimed lines had run, %d were admitted where their rows are not seen, %d go back to pending",
                  batch_id, len(ran), elsewhere, len(claimed) - len(ran) - elsewhere)
         return len(claimed)
@@ -354,7 +354,8 @@ class BatchRunner:
         if end is None:
             await self._store.release(line, self.runner_id)
         else:
-            await self._store.finish(line, *end)
+            if not await self._store.finish(line, *end, self.runner_id):
+                log.warning("batch %s: line %d was ended by the runner that took the batch over; its end stays", line.batch_id, line.line)
 
     async def _dispatch(self, path: str, body: str, line: BatchLine) -> tuple[int, bytes, float]:
         """The line as a request to its route in this app; (status, body, Retry-After seconds)."""

@@ -153,8 +153,9 @@ async def test_a_batch_taken_over_by_another_instance_runs_no_line_twice(fresh_p
 async def test_a_stalled_runner_cannot_admit_a_line_taken_from_it(fresh_pg_database: Any) -> None:
     """Runner A claims a line and stalls past its lease; runner B takes the batch over and puts the line
     back (never admitted), then claims it itself. A, awake again, cannot mark it admitted (its admission
-    is refused before its row), nor put it back; B can, and once B has admitted it nobody can put it
-    back. A line A had admitted before the takeover is not put back either."""
+    is refused before its row), nor put it back, nor end it; B can, and once B has admitted it nobody
+    can put it back. A line A had admitted before the takeover is not put back either: B ends it, and
+    A cannot overwrite that end."""
     from billing.batches.store import BatchStore, new_batch_id
 
     url = fresh_pg_database(migrated=True)
@@ -179,8 +180,14 @@ async def test_a_stalled_runner_cannot_admit_a_line_taken_from_it(fresh_pg_datab
 
         assert not await store.admitted(taken, "A")  # A is awake: the line is B's now
         assert not await store.release(taken, "A")
+        assert not await store.finish(taken, "succeeded", 200, "{}", "A")  # nor can A end it
         assert await store.admitted(again, "B")
         assert not await store.admitted(again, "B")  # admitted once
         assert not await store.release(again, "B")  # admitted: never put back
+        assert await store.finish(again, "succeeded", 200, '{"by": "B"}', "B")
+
+        assert await store.finish(claimed[1], "errored", 500, '{"by": "B"}', claimed[1].claimed_by)  # B ends A's admitted line
+        assert not await store.finish(kept, "succeeded", 200, '{"by": "A"}', "A")  # A, awake, cannot overwrite that end
+        assert [(line.state, line.result) for line in await store.lines(batch_id)] == [("done", '{"by": "B"}')] * 2
     finally:
         await db.dispose()

@@ -54,11 +54,11 @@ async def test_a_line_whose_answer_could_not_be_stored_is_stored_again(fault_gat
     real_finish = store.finish
     failed: list[str] = []
 
-    async def finish_fails_once(line: Any, *end: Any) -> None:  # a brief database error, once
+    async def finish_fails_once(line: Any, *end: Any) -> bool:  # a brief database error, once
         if not failed:
             failed.append(line.request_id)
             raise ConnectionResetError("the database connection dropped")
-        await real_finish(line, *end)
+        return await real_finish(line, *end)
 
     client = openai_client(gw, (await gw.new_key())["key"])
     uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(4))), purpose="batch")
