@@ -69,6 +69,11 @@ def _line(row: Any) -> Line:
                 row.claimed_by, row.admitted_at is not None)
 
 
+def _claimed_by(runner_id: str | None) -> Any:
+    """A line's claim is this runner's (None: a claim made before lines named their runner)."""
+    return LINES.c.claimed_by.is_(None) if runner_id is None else LINES.c.claimed_by == runner_id
+
+
 def _aware(value: datetime | None) -> datetime | None:
     return value if value is None or value.tzinfo else value.replace(tzinfo=utcnow().tzinfo)
 
@@ -171,21 +176,19 @@ class BatchStore:
 
     async def release(self, line: Line, runner_id: str | None) -> bool:
         """Puts back the line `runner_id` claimed, unless it was admitted; whether it did."""
-        owner = LINES.c.claimed_by.is_(None) if runner_id is None else LINES.c.claimed_by == runner_id
         async with self._db.begin() as conn:
             done = await conn.execute(LINES.update().where(
                 LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed",
-                owner, LINES.c.admitted_at.is_(None),
+                _claimed_by(runner_id), LINES.c.admitted_at.is_(None),
             ).values(state="pending", claimed_at=None, claimed_by=None))
         return bool(done.rowcount)
 
     async def finish(self, line: Line, outcome: str, status_code: int | None, result: str | None, runner_id: str | None) -> bool:
         """Ends the line `runner_id` claimed with its answer; False: it is not that runner's claim
         (another runner took the batch over and ended it meanwhile: its end stays)."""
-        owner = LINES.c.claimed_by.is_(None) if runner_id is None else LINES.c.claimed_by == runner_id
         async with self._db.begin() as conn:
             done = await conn.execute(LINES.update().where(
-                LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed", owner,
+                LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed", _claimed_by(runner_id),
             ).values(state="done", outcome=outcome, status_code=status_code, result=result, done_at=utcnow()))
         return bool(done.rowcount)
 

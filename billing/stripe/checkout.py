@@ -98,14 +98,15 @@ def _dispute_money(dispute: dict[str, Any]) -> tuple[int, int]:
     (support.stripe.com, "Dispute for full charge amount after a partial refund was issued").
     Otherwise (none yet, or converted into another settlement currency) its amount, all of it
     reinstated when `won`."""
+    won = dispute.get("status") == "won"
+    moved = dispute.get("balance_transactions") or []
+    if moved and all(isinstance(t, dict) and t.get("currency") == dispute.get("currency") and isinstance(t.get("amount"), int)
+                     for t in moved):
+        withdrawn = -sum(t["amount"] for t in moved if t["amount"] < 0)
+        if withdrawn:
+            return withdrawn, sum(t["amount"] for t in moved if t["amount"] > 0) or (withdrawn if won else 0)
     amount = int(dispute["amount"])
-    moved = [t.get("amount") for t in dispute.get("balance_transactions") or [] if isinstance(t, dict)]
-    same = all(isinstance(t, dict) and t.get("currency") == dispute.get("currency") for t in dispute.get("balance_transactions") or [])
-    withdrawn = -sum(m for m in moved if isinstance(m, int) and m < 0)
-    if not same or not withdrawn:
-        return amount, amount if dispute.get("status") == "won" else 0
-    reinstated = sum(m for m in moved if isinstance(m, int) and m > 0)
-    return withdrawn, withdrawn if dispute.get("status") == "won" and not reinstated else reinstated
+    return amount, amount if won else 0
 
 
 def _card_stopped(reason: str, intent_id: str) -> str:

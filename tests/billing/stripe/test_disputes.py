@@ -65,12 +65,18 @@ class Prepaid:
         r = await self.admin.put(f"/admin/accounts/{self.account}/billing_mode", json={"billing_mode": "prepaid"})
         assert r.status_code == 200, r.text
 
-    async def top_up(self, cents: int) -> str:
-        """A Checkout paid by card (the card saved), its events delivered; the PaymentIntent's id."""
+    async def pay(self, cents: int) -> tuple[list[dict[str, Any]], str]:
+        """A Checkout paid by card (the card saved) on Stripe, its events not delivered yet: the events
+        and the PaymentIntent's id."""
         r = await self.customer.post("/v1/billing/checkout", json={"amount": f"{cents // 100}.{cents % 100:02d}"})
         assert r.status_code == 200, r.text
-        await self.deliver(self.fake.complete_session(r.json()["id"]))
-        return str(self.fake.sessions[r.json()["id"]]["payment_intent"])
+        return self.fake.complete_session(r.json()["id"]), str(self.fake.sessions[r.json()["id"]]["payment_intent"])
+
+    async def top_up(self, cents: int) -> str:
+        """A Checkout paid by card (the card saved), its events delivered; the PaymentIntent's id."""
+        events, intent = await self.pay(cents)
+        await self.deliver(events)
+        return intent
 
     async def deliver(self, events: list[dict[str, Any]], order: str = "as sent") -> list[dict[str, Any]]:
         """Each event in the order given (or reversed, or shuffled), then all again at once (all duplicates),
@@ -284,13 +290,7 @@ def test_a_chargeback_heard_before_its_checkout_saves_no_card(fake: FakeStripePa
         r = await p.admin.put(f"/admin/accounts/{p.account}/recharge", json={"recharge_below": "100.00", "recharge_amount": "5.00"})
         assert r.status_code == 200, r.text
 
-        async def paid_unheard(cents: int) -> tuple[list[dict[str, Any]], str]:
-            r = await p.customer.post("/v1/billing/checkout", json={"amount": f"{cents // 100}.{cents % 100:02d}"})
-            assert r.status_code == 200, r.text
-            events = fake.complete_session(r.json()["id"])  # paid on Stripe; nothing delivered yet
-            return events, str(fake.sessions[r.json()["id"]]["payment_intent"])
-
-        checkout, disputed = await paid_unheard(1000)
+        checkout, disputed = await p.pay(1000)
         opened = fake.dispute(disputed)
         await p.deliver(opened, "shuffled")
         assert await p.balance() == -1000 * CENT
@@ -303,7 +303,7 @@ def test_a_chargeback_heard_before_its_checkout_saves_no_card(fake: FakeStripePa
         assert r.status_code == 200 and r.json()["recharged"] == [], r.text
         assert not [pi for pi in fake.payment_intents.values() if pi["metadata"].get("tollgate_recharge")]
 
-        checkout, asked = await paid_unheard(700)
+        checkout, asked = await p.pay(700)
         await p.deliver(fake.dispute(asked, inquiry=True))
         await p.deliver(checkout, "shuffled")
         state = (await p.admin.get(f"/admin/accounts/{p.account}/credits")).json()["recharge"]
