@@ -46,8 +46,9 @@ class CreditEntry(SQLModel, table=True):
 class CreditSettings(SQLModel, table=True):
     """A prepaid account's Stripe payment details and auto-recharge (billing/stripe/checkout.py).
 
-    recharge_state: idle | pending (one off-session charge in flight, at most one) | failed (the
-    last charge was declined: `recharge_error` says why; no new charge until it is cleared)."""
+    recharge_state: idle | pending (one off-session charge in flight, at most one; only its outcome
+    ends it, a settings change does not) | failed (the last charge was declined: `recharge_error`
+    says why; no new charge until it is cleared)."""
 
     __tablename__ = "credit_settings"
 
@@ -60,6 +61,8 @@ class CreditSettings(SQLModel, table=True):
     recharge_count: int = Field(default=0, sa_column=sa.Column(sa.Integer, nullable=False, server_default="0"))
     recharge_payment_intent: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True))
     recharge_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+    # the amount the pending claim charges (its create is sent again with it, whatever the settings say since)
+    recharge_claim_cents: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
     updated_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
 
 

@@ -168,15 +168,22 @@ class CheckoutService:
                 SETTINGS.c.account_id == account_id, SETTINGS.c.payment_method_id.is_(None),
                 SETTINGS.c.recharge_error.startswith(CARD_STOPPED)))).scalar_one_or_none()
             await self._upsert(conn, account_id, recharge_below_nanos=below_nanos, recharge_amount_cents=amount_cents,
-                               recharge_state="idle", recharge_error=stopped)
+                               recharge_error=stopped, reset_state=True)
         return await self.settings(account_id)
 
-    async def _upsert(self, conn: AsyncConnection, account_id: int, **values: Any) -> None:
+    async def _upsert(self, conn: AsyncConnection, account_id: int, *, reset_state: bool = False, **values: Any) -> None:
+        """Inserts or updates an account's settings. A pending claim is never touched: its charge may
+        have been made at Stripe (its answer lost, or its webhook not yet here), and only its outcome
+        ends it; forgetting it would let the next round charge the card again. `reset_state`: a
+        `failed` state goes back to `idle`."""
         now = utcnow()
-        changes = {**values, "updated_at": now}
-        if "recharge_state" not in values:  # a pending claim's updated_at stays its claim time (recharge_due measures it)
-            changes["updated_at"] = sa.case((SETTINGS.c.recharge_state == "pending", SETTINGS.c.updated_at),
-                                            else_=sa.literal(now, SETTINGS.c.updated_at.type))
+        pending = SETTINGS.c.recharge_state == "pending"
+        changes: dict[str, Any] = {**values, "updated_at": sa.case((pending, SETTINGS.c.updated_at),  # a claim's age is its claim's
+                                                                    else_=sa.literal(now, SETTINGS.c.updated_at.type))}
+        if reset_state:
+            changes["recharge_state"] = sa.case((pending, SETTINGS.c.recharge_state), else_=sa.literal("idle"))
+            changes["recharge_error"] = sa.case((pending, SETTINGS.c.recharge_error),
+                                                else_=sa.literal(values.get("recharge_error"), SETTINGS.c.recharge_error.type))
         await conn.execute(upsert(self._db, SETTINGS).values(account_id=account_id, **values, updated_at=now)
                            .on_conflict_do_update(index_elements=["account_id"], set_=changes))
 
@@ -351,17 +358,19 @@ class CheckoutService:
                 SETTINGS.c.account_id == row.account_id, SETTINGS.c.recharge_state == "idle",
                 SETTINGS.c.recharge_count == row.recharge_count,
             ).values(recharge_state="pending", recharge_count=attempt, recharge_error=None, recharge_payment_intent=None,
-                     updated_at=utcnow()))
+                     recharge_claim_cents=row.recharge_amount_cents, updated_at=utcnow()))
             if claimed.rowcount != 1:
                 return False
-        return await self._send(row, attempt)
+        return await self._send(row, attempt, int(row.recharge_amount_cents))
 
     async def _resend(self, row: Any, now: datetime) -> bool:
         """The create of a claim that got no answer, again: same key, same parameters."""
         attempt = int(row.recharge_count)
         if row.updated_at > now - RESEND_WITHIN:
             log.warning("auto-recharge %s of account %s got no answer from Stripe: sending it again", attempt, row.account_id)
-            return await self._send(row, attempt)
+            # the claim's own amount: the settings may have changed since, and a create sent again
+            # must carry the parameters its key was first sent with
+            return await self._send(row, attempt, int(row.recharge_claim_cents or row.recharge_amount_cents))
         await self._give_up(row.account_id, attempt, "its charge got no answer from Stripe and is too old to send again "
                                                      "safely (Stripe keeps idempotency keys 24 hours)")
         return False
@@ -377,9 +386,9 @@ class CheckoutService:
                 f"credit ledger (external_id = its id), credit it, then set auto-recharge again")))
         log.error("auto-recharge %s of account %s: %s; marked failed", attempt, account_id, why)
 
-    async def _send(self, row: Any, attempt: int) -> bool:
+    async def _send(self, row: Any, attempt: int, cents: int) -> bool:
         """The off-session charge of claim `attempt` and its outcome; its key and parameters depend only on the claim."""
-        params = {"amount": row.recharge_amount_cents, "currency": "usd", "customer": row.stripe_customer_id,
+        params = {"amount": cents, "currency": "usd", "customer": row.stripe_customer_id,
                   "payment_method": row.payment_method_id, "off_session": True, "confirm": True,
                   "metadata": {"tollgate_account": str(row.account_id), "tollgate_recharge": str(attempt)}}
         this_claim = sa.and_(SETTINGS.c.account_id == row.account_id, SETTINGS.c.recharge_count == attempt)

@@ -140,3 +140,37 @@ def test_a_lost_recharge_older_than_stripes_idempotency_window_fails_without_a_c
             await db.dispose()
 
     run_coro(scenario())
+
+
+def test_a_settings_change_while_a_charge_is_pending_charges_the_card_once(fake: FakeStripePayments, fresh_pg_database: Any) -> None:
+    """The claim's charge ran at Stripe, its answer was lost; then the account's auto-recharge is set
+    again (a new amount). The claim stays pending: no second charge for the same crossing, and the
+    create sent again carries the claim's amount (its key's parameters), not the new one."""
+    url = fresh_pg_database(migrated=True)
+    migrate.upgrade(url)
+
+    async def scenario() -> None:
+        db, service, book, account = await _setup(url, fake)
+        try:
+            fake.fail("POST", INTENTS, status=0, times=3)  # charged at Stripe, no answer
+            assert await service.recharge_due() == []
+            [first] = _recharges(fake)
+            sent = fake.count("POST", INTENTS)
+
+            state = await service.set_recharge(account, 20 * 100 * CENT, 700)  # below $20 now, $7 a charge
+            assert state["recharge_state"] == "pending" and state["recharge_amount_cents"] == 700, state
+            assert await service.recharge_due() == []  # the pending claim is this crossing's charge
+            assert fake.count("POST", INTENTS) == sent and _recharges(fake) == [first]
+
+            assert await service.recharge_due(now=utcnow() + RESEND_AFTER + timedelta(seconds=1)) == [account]
+            assert [pi["id"] for pi in _recharges(fake)] == [first["id"]]  # Stripe replayed the key's result
+            assert first["amount"] == 500 and (await book.balance(account))["balance_nanos"] == 1500 * CENT  # type: ignore[index]
+            assert (await service.settings(account))["recharge_state"] == "idle"
+
+            assert await service.recharge_due() == [account]  # $15 < $20: the next charge, at the new amount
+            assert [pi["amount"] for pi in _recharges(fake)] == [500, 700]
+            assert (await book.balance(account))["balance_nanos"] == 2200 * CENT  # type: ignore[index]
+        finally:
+            await db.dispose()
+
+    run_coro(scenario())
