@@ -104,17 +104,42 @@ class BatchStore:
             row = (await conn.execute(query)).mappings().first()
         return None if row is None else {k: _aware(v) if isinstance(v, datetime) else v for k, v in row.items()}
 
-    async def list(self, account_id: int, api: str, *, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
-        if not matchable(after):
+    async def list(self, account_id: int, api: str, *, limit: int = 20, after: str | None = None,
+                   before: str | None = None) -> list[dict[str, Any]]:
+        """An account's batches of `api`, newest first: those after the batch `after` names (older
+        than it), or the `limit` just before the batch `before` names (newer than it, nearest it
+        first taken); a cursor naming no batch of the account's gives none."""
+        if not matchable(after, before):
             return []  # as for any cursor naming no batch
+        order = (BATCHES.c.created_at, BATCHES.c.id)
         query = sa.select(BATCHES.c.id).where(BATCHES.c.account_id == account_id, BATCHES.c.api == api)
-        if after:
-            since = sa.select(BATCHES.c.created_at).where(BATCHES.c.id == after).scalar_subquery()
-            query = query.where(BATCHES.c.created_at < since)
-        query = query.order_by(BATCHES.c.created_at.desc(), BATCHES.c.id.desc()).limit(limit)
+        cursor = after or before
+        if cursor:
+            at = sa.select(*order).where(BATCHES.c.id == cursor, BATCHES.c.account_id == account_id, BATCHES.c.api == api).subquery()
+            # (created_at, id): two batches made in the same instant are still told apart
+            query = query.join(at, sa.tuple_(*order) < sa.tuple_(at.c.created_at, at.c.id) if after
+                               else sa.tuple_(*order) > sa.tuple_(at.c.created_at, at.c.id))
+        newest_first = [c.desc() for c in order]
+        query = query.order_by(*(newest_first if not before else order)).limit(limit)
         async with self._db.connect() as conn:
             ids = list((await conn.execute(query)).scalars())
+        if before:
+            ids.reverse()
         return [b for b in [await self.get(i) for i in ids] if b is not None]
+
+    async def delete(self, batch_id: str, account_id: int) -> bool | None:
+        """Deletes an ended batch and its lines (their ledger rows stay: billed is billed). None: no
+        such batch of the account's; False: it has not ended."""
+        async with self._db.begin() as conn:
+            status = (await conn.execute(sa.select(BATCHES.c.status).where(
+                BATCHES.c.id == batch_id, BATCHES.c.account_id == account_id).with_for_update())).scalar()
+            if status is None:
+                return None
+            if status in ACTIVE:
+                return False
+            await conn.execute(LINES.delete().where(LINES.c.batch_id == batch_id))
+            await conn.execute(BATCHES.delete().where(BATCHES.c.id == batch_id))
+        return True
 
     async def active(self) -> list[str]:
         async with self._db.connect() as conn:

@@ -358,9 +358,12 @@ def _batch_paths() -> dict[str, Any]:
         "/v1/batches/{batch_id}/cancel": {"post": _op("Cancel a batch", {"200": _json(OBJECT)}, *AUTHED, 404, params=batch_id)},
         "/v1/messages/batches": {
             "post": anthropic("Create an Anthropic Message Batch", _json(OBJECT), "MessageBatchRequest"),
-            "get": anthropic("The account's Message Batches", _json(OBJECT), params=listed(1000, "after_id")),
+            "get": anthropic("The account's Message Batches", _json(OBJECT), params=[*listed(1000, "after_id"), _query("before_id", STR)]),
         },
-        "/v1/messages/batches/{batch_id}": {"get": anthropic("A Message Batch", _json(OBJECT), params=batch_id)},
+        "/v1/messages/batches/{batch_id}": {
+            "get": anthropic("A Message Batch", _json(OBJECT), params=batch_id),
+            "delete": anthropic("Delete an ended Message Batch", _json(OBJECT), params=batch_id),
+        },
         "/v1/messages/batches/{batch_id}/cancel": {"post": anthropic("Cancel a Message Batch", _json(OBJECT), params=batch_id)},
         "/v1/messages/batches/{batch_id}/results": {"get": anthropic("A Message Batch's results (JSONL)", results, params=batch_id)},
     }

@@ -1,5 +1,5 @@
-"""Anthropic's Message Batches: /v1/messages/batches create, retrieve, list, cancel and results
-(JSONL), on the same runner and engine path as OpenAI's batches (each request is a /v1/messages
+"""Anthropic's Message Batches: /v1/messages/batches create, retrieve, list (after_id, before_id),
+cancel, results (JSONL) and delete (an ended batch), on the same runner and engine path as OpenAI's batches (each request is a /v1/messages
 call); errors in Anthropic's shape."""
 
 from __future__ import annotations
@@ -106,10 +106,25 @@ async def _list(request: Request, request_id: str) -> Response:
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= 1000:  # not '²', nor 5,000 digits
         raise InvalidRequest("limit: must be an integer from 1 to 1000", param="limit")
     limit = int(raw)
-    found = await state.batch_store.list(principal.account_id, "anthropic", limit=limit + 1, after=request.query_params.get("after_id") or None)
-    data = [_view(request, b, await state.batch_store.counts(b["id"])) for b in found[:limit]]
+    after, before = request.query_params.get("after_id") or None, request.query_params.get("before_id") or None
+    if after and before:
+        raise InvalidRequest("give after_id or before_id, not both", param="before_id")
+    # before_id: the page just newer than that batch (the SDK's way back), newest first like every page
+    found = await state.batch_store.list(principal.account_id, "anthropic", limit=limit + 1, after=after, before=before)
+    page = found[-limit:] if before else found[:limit]
+    data = [_view(request, b, await state.batch_store.counts(b["id"])) for b in page]
     return json_response({"data": data, "has_more": len(found) > limit,
                           "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+async def _delete(request: Request, request_id: str) -> Response:
+    state, batch = await _own(request)
+    deleted = await state.batch_store.delete(batch["id"], batch["account_id"])
+    if deleted is None:  # deleted by another call in between
+        raise NotFound(f"message_batch {batch['id']!r} not found")
+    if not deleted:
+        raise InvalidRequest(f"message_batch {batch['id']!r} is still processing: cancel it, and delete it once it has ended")
+    return json_response({"id": batch["id"], "type": "message_batch_deleted"})
 
 
 def _route(handler: Any) -> Any:
@@ -123,6 +138,7 @@ routes = [
     Route("/v1/messages/batches", _route(_create), methods=["POST"]),
     Route("/v1/messages/batches", _route(_list), methods=["GET"]),
     Route("/v1/messages/batches/{batch_id}", _route(_retrieve), methods=["GET"]),
+    Route("/v1/messages/batches/{batch_id}", _route(_delete), methods=["DELETE"]),
     Route("/v1/messages/batches/{batch_id}/cancel", _route(_cancel), methods=["POST"]),
     Route("/v1/messages/batches/{batch_id}/results", _route(_results), methods=["GET"]),
 ]

@@ -147,6 +147,59 @@ async def test_anthropic_message_batch_results(batch_gateway: Gateway) -> None:
         await other.messages.batches.results(batch.id)
 
 
+async def test_message_batches_page_both_ways_and_an_ended_one_is_deleted(batch_gateway: Gateway) -> None:
+    """The anthropic SDK pages with after_id (older) and, from a before_id, with before_id (newer):
+    each page is newest first and the SDK's iteration sees every batch once and ends. An ended batch
+    is deleted (`message_batch_deleted`), one still processing is a 400, another account's a 404."""
+    from anthropic import AsyncAnthropic, BadRequestError, NotFoundError
+
+    gw = batch_gateway
+    client = AsyncAnthropic(base_url=gw.base_url, api_key=(await gw.new_key())["key"], max_retries=0, timeout=60)
+    one = [{"custom_id": "x", "params": {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}}]
+    made = [(await client.messages.batches.create(requests=one)).id for _ in range(5)]  # type: ignore[arg-type]
+    newest_first = made[::-1]
+
+    first = await client.messages.batches.list(limit=2)
+    assert [b.id for b in first.data] == newest_first[:2] and first.has_more
+    assert [b.id async for b in await client.messages.batches.list(limit=2)] == newest_first  # after_id pages, then ends
+    back = await client.messages.batches.list(limit=2, before_id=made[0])
+    assert [b.id for b in back.data] == [made[2], made[1]] and back.has_more, back  # just newer than the oldest
+    assert (back.first_id, back.last_id) == (made[2], made[1])
+    seen = [b.id async for b in await client.messages.batches.list(limit=2, before_id=made[0])]
+    assert seen == [made[2], made[1], made[4], made[3]], seen  # before_id pages towards the newest, then ends
+    newest = await client.messages.batches.list(limit=2, before_id=made[4])
+    assert newest.data == [] and newest.has_more is False
+
+    with pytest.raises(BadRequestError):
+        await client.messages.batches.list(after_id=made[1], before_id=made[3])
+
+    for batch_id in made:  # wait for the five to end
+        async def ended_(batch_id: str = batch_id) -> bool:
+            return (await client.messages.batches.retrieve(batch_id)).processing_status == "ended"
+
+        await until(ended_, "message batch ended", timeout=120, every=0.25)
+    rows = await rows_of(gw, made[0])
+    other = AsyncAnthropic(base_url=gw.base_url, api_key=(await gw.new_key())["key"], max_retries=0)
+    with pytest.raises(NotFoundError):
+        await other.messages.batches.delete(made[0])
+    deleted = await client.messages.batches.delete(made[0])
+    assert (deleted.id, deleted.type) == (made[0], "message_batch_deleted")
+    with pytest.raises(NotFoundError):
+        await client.messages.batches.retrieve(made[0])
+    with pytest.raises(NotFoundError):
+        await client.messages.batches.delete(made[0])
+    assert [b.id async for b in await client.messages.batches.list(limit=2)] == newest_first[:4]
+    assert len(rows) == 1 and await rows_of(gw, made[0]) == rows  # billed is billed: its ledger row stays
+
+    running = await client.messages.batches.create(requests=one * 0 + [  # type: ignore[arg-type]
+        {"custom_id": f"r{i}", "params": {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Count."}]}}
+        for i in range(40)])
+    with pytest.raises(BadRequestError) as refused:
+        await client.messages.batches.delete(running.id)
+    assert "cancel" in refused.value.message and refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    await client.messages.batches.cancel(running.id)
+
+
 async def test_cancel_stops_claiming_lines(batch_gateway: Gateway) -> None:
     gw = batch_gateway
     key = (await gw.new_key())["key"]
