@@ -531,10 +531,10 @@ class OpenAIPoolEngine(Engine):
             if dropped:
                 log.debug("model %s: request %s: fields not forwarded to the upstream: %s",
                           self.model_id, request.request_id, ", ".join(dropped))
-            if not chat and "max_tokens" not in body:
-                # OpenAI's default for a text completion (16) is what the gateway reserved; trtllm-serve
-                # has none (it generates to the end of its context), so the bound goes up with the body.
-                body["max_tokens"] = request.max_tokens
+            # The bound the gateway reserved for goes up with the body, always: OpenAI's default for a
+            # text completion (16) where the client sent none (trtllm-serve has none), the room the
+            # gateway's context leaves for a chat without one (vLLM's own default is its context).
+            self.params.bound(body, chat, request.max_tokens)
         else:
             s = request.sampling
             body = {"max_tokens": request.max_tokens, "temperature": s.temperature, "top_p": s.top_p}
@@ -563,6 +563,18 @@ class OpenAIPoolEngine(Engine):
             self.params.refuse(request.extra, self._is_chat(request))
         except ParamRefused as exc:
             raise EngineRequestRejected(str(exc), status_code=400, param=exc.name, code="unsupported_parameter") from None
+
+    @staticmethod
+    def _echoed(request: EngineRequest, chat: bool) -> str | None:
+        """The prompt a text completion's `echo` puts in front of its text, not counted as generated
+        when the text is counted (a stream that ends without the upstream's usage)."""
+        body = request.extra
+        if chat or not body or not body.get("echo"):
+            return None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else None
 
     def _prompt_estimate(self, request: EngineRequest, chat: bool) -> int:
         if request.prompt_token_ids is not None:
@@ -655,7 +667,7 @@ class OpenAIPoolEngine(Engine):
         # A client that gets one body from a pass-through engine needs nothing before the end: the
         # merged choice carries it all, so the chunks are only accumulated (and counted) here.
         collect = relay and not streaming
-        merged = ChoiceAccumulator(chat)
+        merged = ChoiceAccumulator(chat, echoed=self._echoed(request, chat))
         text_field = "content" if chat else "text"
         prompt_estimate = self._prompt_estimate(request, chat)
         completion_estimate = 0

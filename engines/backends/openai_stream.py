@@ -99,8 +99,9 @@ class ChoiceAccumulator:
     """Merges the streamed choices of one completion into the choice a non-streamed body has:
     content and arguments concatenated, tool calls merged by index, logprobs lists joined."""
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, echoed: str | None = None) -> None:
         self.chat = chat
+        self.echoed = echoed  # a text completion's prompt, echoed before its text: not generated
         self._body: dict[str, Any] = {}
         # Top-level text fields (content, text, reasoning) as their pieces, joined once when read:
         # concatenating a string per chunk would copy the answer so far every time.
@@ -171,7 +172,11 @@ class ChoiceAccumulator:
 
     def generated_text(self) -> str:
         """Everything the model wrote (content, reasoning, tool-call names and arguments), for counting."""
-        pieces = [v for k, v in self.body.items() if isinstance(v, str) and k not in ("role",)]
+        body = self.body
+        pieces = [v for k, v in body.items() if isinstance(v, str) and k not in ("role", "text")]
+        text = body.get("text")
+        if isinstance(text, str):
+            pieces.append(text[len(self.echoed):] if self.echoed and text.startswith(self.echoed) else text)
         for call in self.body.get("tool_calls") or []:
             function = call.get("function") or {}
             pieces += [function.get("name") or "", function.get("arguments") or ""]

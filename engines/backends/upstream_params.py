@@ -304,6 +304,20 @@ class ParamPolicy:
                     raise ParamRefused(name, self.upstream or "", "more sequences than the n the request is reserved and "
                                        "billed for; use n")
 
+    def bound(self, body: dict[str, Any], chat: bool, max_tokens: int) -> None:
+        """Sets the completion bound the gateway reserved for (`max_tokens`: the client's own, or less
+        where the context leaves less room) in `body`: every bound field the client sent, else the
+        first of max_tokens / max_completion_tokens this upstream accepts (none: an accept list
+        that names neither says the upstream takes no bound, and none is sent). Without it an
+        upstream generates to its own context (a chat without max_tokens; a prompt the upstream
+        truncated, `truncate_prompt_tokens`, leaves it more room than the gateway reserved)."""
+        sent = [name for name in BILLING if body.get(name) is not None]
+        if not sent:
+            accepted = self._accepted["chat" if chat else "text"] if self._accepted is not None else None
+            sent = [n for n in ("max_tokens", "max_completion_tokens") if accepted is None or n in accepted][:1]
+        for name in sent:
+            body[name] = max_tokens
+
     def apply(self, body: dict[str, Any], chat: bool) -> list[str]:
         """Removes from `body` (in place) what this upstream must not get; returns the names removed.
         Raises ParamRefused for a field no tenant may set."""

@@ -181,6 +181,11 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self, passthrough: bool = False) -> None:
         super().check_supported(passthrough)
+        if "messages" in self.raw_body:
+            # not a field of a text completion; a pass-through engine would take the body for a chat
+            # and run messages the gateway never counted
+            raise InvalidRequest("messages is not a field of /v1/completions, which takes a prompt; send chat "
+                                 "messages to /v1/chat/completions", param="messages", code="unknown_parameter")
         if passthrough:
             return
         if self.echo:

@@ -182,15 +182,20 @@ async def test_a_text_completion_without_max_tokens_goes_up_bounded_by_what_was_
         assert up.requests[-1].body["max_tokens"] == 16 and text == "w" * 16
         row = await gw.ledger_row(rid)
         assert row["completion_tokens"] == 16 and row["prompt_tokens"] + row["completion_tokens"] <= 50, row
-    # what the client sets goes up as it is: a bound it chose, or none at all (the rest of the context, reserved)
+    # a bound the client chose goes up as it is (it is what was reserved); none at all is the rest of the
+    # gateway's context, reserved as such, and that goes up: the upstream's own default is the rest of
+    # its context, which may be larger or, past a prompt it truncated, hold more than was reserved
     client = await client_of(gw)
+    engine = gw.app.state.service.engines["pool"]
     await client.completions.create(model="pool", prompt="hi", max_tokens=3)
     assert up.requests[-1].body["max_tokens"] == 3
     await client.completions.create(model="pool", prompt="hi", extra_body={"max_tokens": None})
-    assert up.requests[-1].body["max_tokens"] is None
-    # chat leaves the bound as the client set it (none: the rest of the context, reserved as such)
+    assert up.requests[-1].body["max_tokens"] == 8192 - len(engine.renderer.encode_text("hi"))
+    chat_room = 8192 - len(engine.renderer.encode_chat(QUESTION))
     await client.chat.completions.create(model="pool", messages=QUESTION)
-    assert "max_tokens" not in up.requests[-1].body and "max_completion_tokens" not in up.requests[-1].body
+    assert up.requests[-1].body["max_tokens"] == chat_room and "max_completion_tokens" not in up.requests[-1].body
+    await client.chat.completions.create(model="pool", messages=QUESTION, max_completion_tokens=9000)  # past the room
+    assert up.requests[-1].body["max_completion_tokens"] == chat_room and "max_tokens" not in up.requests[-1].body
 
 
 async def test_a_pass_through_prompts_tools_are_reserved_before_the_upstream_prefills_them(upstreams: Any, tollgate_with: Any) -> None:
@@ -564,3 +569,41 @@ def test_a_bad_bound_fails_at_start_naming_its_line(value: str, problem: str, tm
         build_engines(Settings(engines=EngineSettings(models_file=str(path))))
     good = parse_models(pool_yaml("http://127.0.0.1:9/v1", extra="tokens_per_non_text_part: 8192"), "models.yaml")
     assert good.build()["pool"].candidates[0].counter.tokens_per_part == 8192  # type: ignore[attr-defined]
+
+
+async def test_messages_on_a_text_completion_are_refused_before_the_upstream(upstreams: Any, tollgate_with: Any) -> None:
+    """A pool sends a body with `messages` to the upstream's /chat/completions: on /v1/completions
+    those messages were never counted nor checked against the context (only `prompt` was), and the
+    text completion's bound did not go with them. Not a field of a text completion: a 400 naming it."""
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null"))
+    key = await limited_key(gw, (await gw.new_account())["id"], {"monthly_tokens": 100})
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+    long = [{"role": "user", "content": "word " * 300}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model="pool", prompt="Hi", extra_body={"messages": long})
+    assert refused.value.body["param"] == "messages" and "/v1/chat/completions" in refused.value.body["message"]  # type: ignore[index]
+    assert up.requests == [] and await rows_of(gw, key["id"]) == []
+    await client.completions.create(model="pool", prompt="Hi", max_tokens=3)  # the same key, a plain one: served
+    assert up.requests[-1].path.endswith("/completions") and not up.requests[-1].path.endswith("/chat/completions")
+
+
+async def test_an_echoed_prompt_is_not_billed_as_completion_when_the_stream_is_cut(upstreams: Any, tollgate_with: Any) -> None:
+    """`echo` puts the prompt in front of a text completion's text (vLLM: in its first chunk). A
+    stream cut before the upstream's usage is billed from the text relayed, which must not count the
+    echoed prompt again as completion tokens (at the output price)."""
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url, extra="health_path: null"))
+    key = await gw.new_key()
+    prompt = "word " * 300
+    up.script.append(Behaviour(tokens=[prompt, " one", " two", " three"] + [" more"] * 400, token_delay=0.05))
+    body = {"model": "pool", "prompt": prompt, "echo": True, "max_tokens": 500, "stream": True}
+    async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key['key']}"}, timeout=30) as c:
+        async with c.stream("POST", "/completions", json=body) as resp:
+            request_id, seen = resp.headers["x-request-id"], 0
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data: {")
+                if seen == 4:  # the echoed prompt and three tokens
+                    break
+    row = await gw.ledger_row(request_id)
+    assert row["estimated"] is True and 3 <= row["completion_tokens"] < 50, row  # not the prompt's 300 again

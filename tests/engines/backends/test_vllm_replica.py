@@ -38,6 +38,7 @@ MAX_MODEL_LEN = 512
 # check and is refused by vLLM, which is the upstream 400 the tests relay.
 POOL_CONTEXT = 1024
 START_TIMEOUT = 300.0
+FITTED = "vllm-pool-fitted"  # the same replica with the gateway's context equal to vLLM's
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 # strict: vLLM (as OpenAI) holds the arguments to the schema only for a strict tool; without it a
 # named tool_choice forces the call's name, and SmolLM2 wrote `"arguments": "gaben"`.
@@ -221,6 +222,13 @@ def pool(vllm: VLLMServer, models_db: str, tmp_path_factory: pytest.TempPathFact
         connect_timeout: 1
         first_token_timeout: 30
         idle_timeout: 10
+      - id: {FITTED}
+        backend: openai
+        context_length: {MAX_MODEL_LEN}
+        upstream_model: {SERVED}
+        tokenizer: {vllm.checkpoint}
+        replicas: [{vllm.url}/v1]
+        health_path: /health
     """))
     admin_key = bootstrap(models_db, SECRET)
     settings = Settings(database_url=models_db, server_secret=SECRET, data_dir=tmp, engines=EngineSettings(models_file=str(path)))
@@ -437,6 +445,31 @@ async def test_client_disconnect_aborts_the_request_in_vllm(vllm: VLLMServer, po
             # the tokens that left the gateway, counted with the pool's tokenizer (vLLM sent no usage)
             assert row["estimated"] is True and 3 <= row["completion_tokens"] <= counted.generation_tokens, (row, counted)
             assert row["prompt_tokens"] == counted.prompt_tokens
+
+
+# the completion bound the gateway reserved goes up with every request --------------------------------
+async def test_vllm_generates_no_more_than_was_reserved_whatever_it_does_to_the_prompt(
+        vllm: VLLMServer, pool: ModelsGateway, tenant_key: str) -> None:
+    """vLLM's `truncate_prompt_tokens` shortens the prompt after the gateway counted it, and vLLM's
+    own default bound is the rest of its context: with the client's max_tokens (or none) forwarded as
+    sent, vLLM generated 400 (or 507) tokens where the gateway had reserved about 40. The bound the
+    gateway reserved goes up instead, so what vLLM generates (read from its /metrics) stays in it."""
+    messages = [{"role": "user", "content": "word " * 440}]
+    engine = pool.app.state.service.engines[FITTED]
+    reserved = MAX_MODEL_LEN - len(engine.renderer.encode_chat(messages))
+    assert 0 < reserved < 100
+    client = through(pool, tenant_key)
+    for bound in ({"max_tokens": 400}, {"max_completion_tokens": 400}, {}):
+        async with Meter(vllm) as meter:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=FITTED, messages=messages, temperature=0, **bound,  # type: ignore[arg-type]
+                extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+            counted = await meter.counted()
+        resp = raw.parse()
+        assert counted.prompt_tokens == 5 and counted.generation_tokens == reserved, (bound, counted, reserved)
+        assert resp.usage is not None and resp.usage.completion_tokens == reserved and resp.choices[0].finish_reason == "length"
+        row = await row_of(pool, raw.headers["x-request-id"])
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (5, reserved), (bound, row)
 
 
 # vLLM refuses: the client gets a 400 in its own API's shape ----------------------------------------
