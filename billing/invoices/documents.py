@@ -86,7 +86,10 @@ async def balance_credit(conn: AsyncConnection, account_id: int) -> int:
     """The customer's balance credit that earlier invoices have not used yet. Credited to it, as on
     Stripe: credit notes on paid invoices, all of them; credit notes on an open invoice, what
     exceeds what was still due on it (a credit note first reduces the amount due, never below 0;
-    the rest is the balance credit that invoice applied, given back)."""
+    the rest is the balance credit that invoice applied, given back). An invoice voided on Stripe
+    gives back all the balance credit it applied (Stripe returns it on void since API 2019-12-03),
+    and uses none."""
+    kept = sa.or_(INVOICES.c.stripe_status.is_(None), INVOICES.c.stripe_status != "void")
     credited = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(CREDIT_NOTES.c.total_cents), 0)).where(
         CREDIT_NOTES.c.account_id == account_id, CREDIT_NOTES.c.applies_to == "balance"))).scalar_one())
     notes = (
@@ -98,11 +101,11 @@ async def balance_credit(conn: AsyncConnection, account_id: int) -> int:
     returned = (await conn.execute(
         sa.select(INVOICES.c.total_cents, INVOICES.c.credit_applied_cents, notes.c.credited)
         .join(notes, notes.c.invoice_id == INVOICES.c.id)
-        .where(INVOICES.c.account_id == account_id, INVOICES.c.credit_applied_cents > 0)
+        .where(INVOICES.c.account_id == account_id, INVOICES.c.credit_applied_cents > 0, kept)
     )).all()
     credited += sum(max(0, int(r.credited) - (int(r.total_cents) - int(r.credit_applied_cents))) for r in returned)
     used = (await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(INVOICES.c.credit_applied_cents), 0)).where(
-        INVOICES.c.account_id == account_id))).scalar_one()
+        INVOICES.c.account_id == account_id, kept))).scalar_one()
     return max(0, credited - int(used))
 
 

@@ -245,6 +245,11 @@ class FakeStripe:
             inv.update(attempted=True, attempt_count=inv["attempt_count"] + 1, next_payment_attempt=int(time.time()) + 86400)
             return self._event("invoice.payment_failed", inv)
 
+    def void(self, invoice_id: str) -> dict[str, Any]:
+        """The invoice voided in Stripe's dashboard (or by another integration): its `invoice.voided`."""
+        with self._lock:
+            return self._event("invoice.voided", self._void({}, invoice_id))
+
     def invoice_event(self, kind: str, invoice_id: str) -> dict[str, Any]:
         """An `invoice.*` event carrying the invoice as it is now (e.g. a late or re-sent delivery)."""
         with self._lock:
@@ -658,6 +663,12 @@ class FakeStripe:
                                 code="invoice_not_editable")
         invoice["status"] = "void"
         invoice["status_transitions"]["voided_at"] = int(time.time())
+        # The balance it applied goes back to the customer (since API 2019-12-03: "Customer balances
+        # are now returned when voiding invoices"), as an `unapplied_from_invoice` transaction.
+        applied = int(invoice["ending_balance"] or 0) - int(invoice["starting_balance"] or 0)
+        if applied:
+            self._balance(self.customers[invoice["customer"]], -applied, "unapplied_from_invoice",
+                          currency=invoice["currency"], invoice=invoice["id"])
         return invoice
 
     def _create_credit_note(self, params: dict[str, Any]) -> dict[str, Any]:

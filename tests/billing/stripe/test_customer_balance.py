@@ -221,3 +221,31 @@ async def test_the_balance_set_before_a_finalize_whose_response_was_lost_is_set_
             # the credit set once (by the push whose response was lost), then taken by B's finalize
             assert [(t["type"], t["amount"]) for t in fake.balance_transactions.values()] == [
                 ("adjustment", -3_000), ("applied_to_invoice", 3_000)]
+
+
+async def test_an_invoice_voided_on_stripe_gives_back_the_credit_it_applied_on_both_sides(
+        db_url: str, db: Any, fake: FakeStripe, tmp_path: Path) -> None:
+    """July applied $30 of balance credit and is voided in Stripe's dashboard: Stripe returns the $30
+    to the customer's balance (`unapplied_from_invoice`), and so do we when its `invoice.voided`
+    comes. August ($40) then applies the $30 on both sides and Stripe collects $10; without our
+    side, our balance said 0, August applied nothing and Stripe collected $40."""
+    account = await customer_of(db)
+    with serve(db_url, tmp_path, **env_for(fake)) as app:
+        async with app.admin() as admin:
+            m = Month(app, admin, db, fake, account)
+            june = await m.invoice(6, 10_000)
+            await m.pay(june)
+            await m.credit(june, 3_000)  # on a paid invoice: $30 of balance credit
+            july = await m.invoice(7, 5_000)
+            assert july["credit_applied_cents"] == 3_000 and m.collects(july) == 2_000
+            assert (await m.our_balance(), m.stripe_balance()) == (0, 0)
+
+            voided = fake.void(m.remote(july)["id"])
+            assert m.stripe_balance() == 3_000  # Stripe gave it back
+            assert (await fake.deliver(voided, app.base_url + "/webhooks/stripe")).status_code == 200
+            assert (await m.ours("2026-07"))["status"] == "void"
+            assert await m.our_balance() == 3_000
+
+            august = await m.invoice(8, 4_000)
+            assert august["credit_applied_cents"] == 3_000 and m.collects(august) == 1_000
+            assert (await m.our_balance(), m.stripe_balance()) == (0, 0)

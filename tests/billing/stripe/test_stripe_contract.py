@@ -183,6 +183,10 @@ def run_flows(fake: FakeStripePayments) -> None:
     client.v1.invoices.finalize_invoice(voided.id)
     assert client.v1.invoices.void_invoice(voided.id).status == "void"
     fake.invoice_event("invoice.voided", voided.id)
+    # the $0.50 of credit the voided invoice applied goes back (API 2019-12-03 and later)
+    txns = client.v1.customers.balance_transactions.list(customer.id).data
+    assert [(t.type, t.amount) for t in txns[:3]] == [("unapplied_from_invoice", -50), ("applied_to_invoice", 50), ("credit_note", -50)]
+    assert client.v1.customers.retrieve(customer.id).balance == txns[0].ending_balance == -50
 
 
 def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
