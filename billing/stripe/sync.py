@@ -458,7 +458,7 @@ class StripeSync:
             return {**result, "result": "skipped: the invoice is not on Stripe", "stripe_credit_note_id": None}
         try:
             remote = _plain(await self._stripe.v1.invoices.retrieve_async(invoice.stripe_invoice_id))
-            made = await self._find_credit_note(note.number, invoice.stripe_invoice_id)
+            made, post_payment = await self._find_credit_note(note.number, invoice.stripe_invoice_id)
             if made is None and remote["status"] in ("draft", "void"):
                 return {**result, "result": f"skipped: the Stripe invoice is {remote['status']}", "stripe_credit_note_id": None}
             if made is None:
@@ -472,25 +472,36 @@ class StripeSync:
                 post = int(note.total_cents) - (min(int(note.total_cents), int(remote["amount_remaining"])) if remote["status"] == "open" else 0)
                 if post:
                     params["credit_amount"] = post  # to the customer's balance: Stripe applies it to the next invoice
-                created = await self._stripe.v1.credit_notes.create_async(params, {"idempotency_key": f"tollgate-credit-note-{note.number}"})
-                made = str(created.id)
+                created = _plain(await self._stripe.v1.credit_notes.create_async(
+                    params, {"idempotency_key": f"tollgate-credit-note-{note.number}"}))
+                made, post_payment = str(created["id"]), int(created.get("post_payment_amount") or 0)
         except StripeError as exc:
             async with self._db.begin() as conn:
                 await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
                     stripe_error=f"{type(exc).__name__}: {exc.user_message or exc}"))
             raise
+        # Issued against an invoice still open here that Stripe already had paid (its invoice.paid not
+        # applied yet): Stripe put all of the note on the customer's balance, and so do we, or the
+        # next invoice would not apply it and the balance push would take it back from Stripe.
+        to_balance = {"applies_to": "balance"} if note.applies_to == "invoice" and post_payment >= int(note.total_cents) else {}
         async with self._db.begin() as conn:
             await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
-                stripe_credit_note_id=made, stripe_error=None))
+                stripe_credit_note_id=made, stripe_error=None, **to_balance))
+            if to_balance and invoice.status == "void":  # the note took all it held: it was paid, not voided
+                paid = (remote.get("status_transitions") or {}).get("paid_at")
+                await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice.id, INVOICES.c.status == "void").values(
+                    status="paid", paid_at=datetime.fromtimestamp(paid, tz=timezone.utc) if paid else utcnow()))
         return {**result, "result": "synced", "stripe_credit_note_id": made}
 
-    async def _find_credit_note(self, number: str, stripe_invoice: str) -> str | None:
-        """The Stripe credit note an earlier run made for our note `number` (listing is strongly consistent)."""
+    async def _find_credit_note(self, number: str, stripe_invoice: str) -> tuple[str | None, int]:
+        """The Stripe credit note an earlier run made for our note `number` (listing is strongly
+        consistent), with the part of it Stripe put on the customer's balance (post-payment)."""
         page = await self._stripe.v1.credit_notes.list_async({"invoice": stripe_invoice, "limit": 100})
         async for remote in page.auto_paging_iter():
-            if (_plain(remote).get("metadata") or {}).get("tollgate_credit_note") == number:
-                return str(remote.id)
-        return None
+            found = _plain(remote)
+            if (found.get("metadata") or {}).get("tollgate_credit_note") == number:
+                return str(found["id"]), int(found.get("post_payment_amount") or 0)
+        return None, 0
 
     # storage -----------------------------------------------------------------------------------
     async def _load(self, invoice_id: int) -> tuple[Any, list[Any]]:

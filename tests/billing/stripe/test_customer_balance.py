@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 
+import pytest
+
 from billing.invoices.documents import balance_credit
 from billing.prices.book import PriceBook
 from tests.billing.invoice_helpers import App, at, new_account, serve, usage
@@ -249,3 +251,26 @@ async def test_an_invoice_voided_on_stripe_gives_back_the_credit_it_applied_on_b
             august = await m.invoice(8, 4_000)
             assert august["credit_applied_cents"] == 3_000 and m.collects(august) == 1_000
             assert (await m.our_balance(), m.stripe_balance()) == (0, 0)
+
+
+@pytest.mark.parametrize("cents", [3_000, 10_000], ids=["part", "all"])
+async def test_a_credit_note_on_an_invoice_stripe_had_paid_before_we_heard_reaches_the_next_invoice(
+        db_url: str, db: Any, fake: FakeStripe, tmp_path: Path, cents: int) -> None:
+    """June ($100) is paid on Stripe; its invoice.paid has not been applied here when a credit note is
+    issued on it. Ours still says open (the note would reduce what is due), Stripe's says paid: Stripe
+    puts the whole note on the customer's balance (post-payment), and so must we. Before: our balance
+    stayed 0, July applied none of it and the balance push took Stripe's credit back."""
+    account = await customer_of(db)
+    with serve(db_url, tmp_path, **env_for(fake)) as app:
+        async with app.admin() as admin:
+            m = Month(app, admin, db, fake, account)
+            june = await m.invoice(6, 10_000)
+            paid = fake.pay(m.remote(june)["id"])  # paid on Stripe; its webhook comes later
+            note = await m.credit(june, cents)
+            assert note["stripe"]["result"] == "synced", note
+            assert (await m.our_balance(), m.stripe_balance()) == (cents, cents)
+            assert (await fake.deliver(paid, app.base_url + "/webhooks/stripe")).status_code == 200
+            assert (await m.ours("2026-06"))["status"] == "paid"  # collected, whatever the note took
+            july = await m.invoice(7, 2_000)
+            assert july["credit_applied_cents"] == 2_000 and m.collects(july) == 0
+            assert (await m.our_balance(), m.stripe_balance()) == (cents - 2_000, cents - 2_000)
