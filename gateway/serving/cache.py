@@ -137,7 +137,10 @@ class ResponseCache:
         if asked in ("off", "false", "0", "bypass", "no"):
             return False
         wanted = asked in ("on", "true", "1", "yes") or gen.model in self.config.models or _model_opted_in(gen.engine)
-        sampling = gen.engine_request.sampling
+        request_ = gen.engine_request
+        if request_.n > 1 or request_.best_of > 1:  # an entry stores one choice's text: never n of them
+            return False
+        sampling = request_.sampling
         return wanted and (sampling.temperature == 0.0 or sampling.seed is not None)
 
     @staticmethod

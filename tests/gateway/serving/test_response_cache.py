@@ -156,6 +156,26 @@ async def test_no_hit_across_accounts_params_or_nondeterministic(cache_gw: Gatew
     assert (await chat(a, msgs, headers={"X-Tollgate-Cache": "off"}))[1].get("x-tollgate-cache") is None
 
 
+async def test_n_choices_are_never_answered_from_the_cache(cache_gw: Gateway, client_for: Any) -> None:
+    """An entry holds one choice's text: a request for n > 1 choices answered from it came back with
+    one empty choice (its usage still the n sequences'). Such a request is not cached: the same n
+    choices every time, streamed or not."""
+    a = client_for((await cache_gw.new_key())["key"], cache_gw)
+    msgs = messages()
+    for _ in range(2):
+        body, headers = await chat(a, msgs, n=2, seed=7, temperature=1.0, max_tokens=6)
+        await stored(cache_gw)
+        assert headers.get("x-tollgate-cache") is None and [c.index for c in body.choices] == [0, 1]
+        assert all(c.message.content for c in body.choices), body
+    stream = await a.chat.completions.create(model=MODEL, messages=msgs, n=2, seed=7, temperature=1.0, max_tokens=6,
+                                             stream=True, extra_headers=ON)
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(texts) == [0, 1] and all(texts.values()), texts
+
+
 async def test_ttl(cache_gw: Gateway, client_for: Any, cache_config: Any) -> None:
     cache_config.ttl_seconds = 1.5  # room for a hit on a loaded machine; expiry is waited for, not slept
     key = await cache_gw.new_key()
