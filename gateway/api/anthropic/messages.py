@@ -68,6 +68,14 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
+def usage_of(gen: Generation, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` is the input not read from a cache; the three input fields
+    add up to the whole prompt (what the engine reported cached is `cache_read_input_tokens`)."""
+    cached = min(gen.cached_tokens or 0, gen.prompt_tokens)
+    return {"input_tokens": gen.prompt_tokens - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+            "output_tokens": output_tokens}
+
+
 class MessageRenderer:
     """Anthropic's shapes for GenerationResponse (ChunkRenderer's methods). The engine's chat output
     becomes content blocks in the order it came: text a `text` block, each tool call a `tool_use`
@@ -90,7 +98,7 @@ class MessageRenderer:
             "content": content,
             "stop_reason": stop,
             "stop_sequence": self.gen.stop_sequence if stop == "stop_sequence" else None,
-            "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": output_tokens},
+            "usage": usage_of(self.gen, output_tokens),
         }
 
     def _start(self, block: dict[str, Any]) -> bytes:
@@ -146,7 +154,7 @@ class MessageRenderer:
     def end(self) -> bytes:
         out = self._start({"type": "text", "text": ""}) if self.blocks == 0 else b""  # nothing generated: one empty text block
         stop = stop_reason(self.gen, bool(self.calls))
-        usage = {"input_tokens": self.gen.prompt_tokens, "output_tokens": self.gen.completion_tokens}
+        usage = usage_of(self.gen, self.gen.completion_tokens)  # cumulative: the input's split is known by now
         delta = {"stop_reason": stop, "stop_sequence": self.gen.stop_sequence if stop == "stop_sequence" else None}
         return (
             out + self._stop()

@@ -47,3 +47,28 @@ async def test_upstream_cached_tokens_reach_the_ledger_and_the_usage_api(upstrea
     columns = re.findall(r"<th>(.*?)</th>", header)
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
     assert cells[columns.index("cached prompt tokens")] == "112" and cells[columns.index("prompt tokens")] == "180"
+
+
+async def test_anthropic_clients_see_the_cached_part_of_the_prompt_as_anthropic_reports_it(upstreams: Any, tollgate_with: Any) -> None:
+    """Anthropic's usage splits the prompt: `input_tokens` (not from a cache) + `cache_read_input_tokens`
+    + `cache_creation_input_tokens` is the whole of it. 96 of 120 prompt tokens read from the
+    upstream's cache are 24 + 96, streamed (message_delta's cumulative usage) and not; before, 120 +
+    nothing, which a client's cost tracking counts at the full input price."""
+    import anthropic
+
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url))
+    key = await gw.new_key()
+    client = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=key["key"], max_retries=0, timeout=30)
+    cached = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 96}}
+    up.script.append(Behaviour(usage=cached))  # type: ignore[arg-type]
+    whole = await client.messages.create(model="pool", max_tokens=16, messages=QUESTION)  # type: ignore[arg-type]
+    up.script.append(Behaviour(usage=cached))  # type: ignore[arg-type]
+    async with client.messages.stream(model="pool", max_tokens=16, messages=QUESTION) as stream:  # type: ignore[arg-type]
+        streamed = await stream.get_final_message()
+    for message in (whole, streamed):
+        usage = message.usage
+        assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens, usage.output_tokens) == (24, 96, 0, 7), usage
+    up.script.append(Behaviour(usage={"prompt_tokens": 30, "completion_tokens": 7}))  # says nothing of its cache
+    silent = await client.messages.create(model="pool", max_tokens=16, messages=QUESTION)  # type: ignore[arg-type]
+    assert (silent.usage.input_tokens, silent.usage.cache_read_input_tokens) == (30, 0)
