@@ -23,6 +23,7 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway.api.anthropic.errors import in_the_apis_shape
 from gateway.http.errors import APIError, HeadersTooLarge, InvalidRequest, RequestTimeout
 
 log = logging.getLogger("tollgate.hardening")
@@ -166,7 +167,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _refuse(self, status: int, err: APIError) -> None:
-        body = err.response().body
+        # in the shape of the API called (Anthropic's on /v1/messages), as far as the request line came
+        path = self.cycle.scope.get("path", "") if self.cycle is not None else (getattr(self, "url", b"") or b"").decode("latin-1")
+        body = in_the_apis_shape(err, {"path": path}).body
         head = STATUS_LINE[status] + b"content-type: application/json\r\nconnection: close\r\n"
         head += b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
         self.transport.write(head + bytes(body))
@@ -225,7 +228,7 @@ class HeadWithBody:
 
 def _refusing_app(err: APIError) -> ASGIApp:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        response = err.response()
+        response = in_the_apis_shape(err, scope)
         response.headers["connection"] = "close"
         await response(scope, receive, send)
 

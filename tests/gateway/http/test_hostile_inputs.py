@@ -111,6 +111,28 @@ async def test_oversized_headers_are_431(hostile_gw: Gateway, customer_key: dict
     await still_serving(hostile_gw, customer_key["key"])
 
 
+async def test_refusals_before_the_app_speak_anthropics_shape_on_its_routes(hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
+    """431 and 408 are written by the connection, before any route: on /v1/messages they are
+    Anthropic's `{"type": "error", "error": {"type", "message"}}` (its SDKs read `error.type`), as
+    every other refusal there is; elsewhere OpenAI's."""
+    def anthropic_error(answer: bytes, status: bytes) -> dict[str, Any]:
+        assert answer.startswith(b"HTTP/1.1 " + status + b" "), answer[:100]
+        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        return body  # type: ignore[no-any-return]
+
+    big = b"X-Big: " + b"a" * (MAX_HEADER_BYTES + 10) + b"\r\n"
+    anthropic_error(await raw(hostile_gw, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n"), b"431")
+    many = b"".join(b"X-%d: %s\r\n" % (i, b"v" * 100) for i in range(300))
+    anthropic_error(await raw(hostile_gw, b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n"), b"431")
+    head = (f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: {customer_key['key']}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n{").encode()
+    assert "not received" in anthropic_error(await raw(hostile_gw, head), b"408")["error"]["message"]
+    openai = await raw(hostile_gw, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+    assert json.loads(openai.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
+    await still_serving(hostile_gw, customer_key["key"])
+
+
 async def test_slowloris_gets_408_and_does_not_starve_others(hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
     host, port = hostile_gw.base_url.removeprefix("http://").split(":")
 

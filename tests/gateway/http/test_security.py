@@ -272,6 +272,7 @@ async def batches_probe(gw: Gateway, a: dict[str, Any], b: dict[str, Any]) -> se
     probes = [("GET", "/v1/files/{file_id}", fid), ("GET", "/v1/files/{file_id}/content", fid), ("DELETE", "/v1/files/{file_id}", fid),
               ("GET", "/v1/batches/{batch_id}", bid), ("POST", "/v1/batches/{batch_id}/cancel", bid),
               ("GET", "/v1/messages/batches/{batch_id}", mid), ("POST", "/v1/messages/batches/{batch_id}/cancel", mid),
+              ("DELETE", "/v1/messages/batches/{batch_id}", mid),
               ("GET", "/v1/messages/batches/{batch_id}/results", mid)]
     async with as_key(gw, a["key"]) as c:
         for method, path, own_id in probes:
@@ -281,7 +282,7 @@ async def batches_probe(gw: Gateway, a: dict[str, Any], b: dict[str, Any]) -> se
     async with as_key(gw, b["key"]) as c:  # nothing of b's was deleted or cancelled
         assert (await c.get(f"/v1/files/{fid}")).status_code == 200
         assert (await c.get(f"/v1/batches/{bid}")).json()["status"] not in ("cancelling", "cancelled")
-        assert (await c.get(f"/v1/messages/batches/{mid}")).json().get("cancel_initiated_at") is None
+        assert (await c.get(f"/v1/messages/batches/{mid}")).json().get("cancel_initiated_at") is None  # and still there
     return {(method, path) for method, path, _ in probes}
 
 
