@@ -264,10 +264,16 @@ def input_items(request: ResponsesRequest, request_id: str) -> list[dict[str, An
                         "call_id": item["call_id"], "output": item["output"]})
             continue
         content = item["content"]
-        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else [
-            {"type": p["type"] if p["type"] != "text" else "input_text", "text": p["text"], **({"annotations": []} if p["type"] == "output_text" else {})}
+        # An assistant's message is listed as the model's output (ResponseOutputMessage: output_text
+        # parts with annotations); the others' as input (input_text parts).
+        text_type = "output_text" if item["role"] == "assistant" else "input_text"
+        parts = [{"type": text_type, "text": content}] if isinstance(content, str) else [
+            {"type": text_type, "text": p["text"]} if p["type"] in ("text", "input_text", "output_text") else dict(p)
             for p in content
         ]
+        for part in parts:
+            if part["type"] == "output_text":
+                part["annotations"] = []
         out.append({"id": f"msg_{request_id}_{i}", "type": "message", "role": item["role"], "status": "completed", "content": parts})
     return out
 

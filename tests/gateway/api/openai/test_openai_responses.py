@@ -211,6 +211,19 @@ async def test_store_retrieve_input_items_delete_and_other_accounts(gateway: Gat
     assert listed.first_id == listed.data[0].id and listed.has_more is False
     newest = await client.responses.input_items.list(resp.id, limit=1)
     assert [i.role for i in newest.data] == ["user"] and newest.has_more is True
+    # an assistant's turn in the input is listed as the model's output: output_text with annotations
+    # (ResponseOutputMessage); an input_text part there matches no item of the SDK's ResponseItem
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "How can I help?"}]}, {"role": "user", "content": QUESTION}]
+    chat = await client.responses.create(model=MODEL, input=turns, max_output_tokens=5, temperature=0)
+    raw = await client.responses.input_items.with_raw_response.list(chat.id, order="asc")
+    from openai.types.responses.response_item import ResponseItem
+    from pydantic import TypeAdapter
+    parsed = [TypeAdapter(ResponseItem).validate_python(item) for item in raw.http_response.json()["data"]]
+    assert [(type(i).__name__, i.content[0].type) for i in parsed] == [  # type: ignore[union-attr]
+        ("ResponseInputMessageItem", "input_text"), ("ResponseOutputMessage", "output_text"),
+        ("ResponseOutputMessage", "output_text"), ("ResponseInputMessageItem", "input_text")]
+    assert [i.content[0].annotations for i in parsed[1:3]] == [[], []]  # type: ignore[union-attr]
 
     # A streamed response is stored as its response.completed says, before that event is sent.
     async with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0) as stream:
