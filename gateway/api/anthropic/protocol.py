@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from gateway.http.errors import InvalidRequest
 from gateway.api.openai.protocol import StrictBool, StrictInt, _Model
@@ -106,7 +106,22 @@ def chat_messages(system: str | list[ContentBlock] | None, messages: list[InputM
     if text:
         out.append({"role": "system", "content": text})
     called: set[str] = set()
+    unanswered: list[str] = []  # the tool_use ids of the message before, which this one must answer
     for i, m in enumerate(messages):
+        if not m.content or (not isinstance(m.content, str) and all(b.type == "text" and not b.text for b in m.content)):
+            raise InvalidRequest(f"messages[{i}]: all messages must have non-empty content except for the optional "
+                                 "final assistant message", param=f"messages[{i}].content")
+        for j, block in enumerate(m.content if not isinstance(m.content, str) else ()):
+            if block.type == "text" and block.text == "":
+                raise InvalidRequest(f"messages[{i}].content[{j}].text: text content blocks must be non-empty",
+                                     param=f"messages[{i}].content[{j}].text")
+        answered = {b.tool_use_id for b in m.content if b.type == "tool_result"} if not isinstance(m.content, str) else set()
+        missing = [u for u in unanswered if u not in answered]
+        if missing:
+            raise InvalidRequest(f"messages[{i}]: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                                 f"{', '.join(missing)}. Each `tool_use` block must have a corresponding `tool_result` block "
+                                 "in the next message.", param=f"messages[{i}].content")
+        unanswered = [b.id for b in m.content if b.type == "tool_use" and b.id] if not isinstance(m.content, str) else []
         for message in m.chat_messages(i):
             called.update(c["id"] for c in message.get("tool_calls") or ())
             if message["role"] == "tool" and message["tool_call_id"] not in called:
@@ -186,6 +201,13 @@ class _ToolsAndMessages(_Model):
         return body
 
 
+class Metadata(_Model):
+    """Anthropic's request metadata: only `user_id` (an opaque string, at most 256 characters)."""
+
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = Field(default=None, max_length=256)
+
+
 class MessagesRequest(_ToolsAndMessages):
     max_tokens: StrictInt = Field(ge=1)
     stop: list[str] | None = Field(default=None, alias="stop_sequences", max_length=MAX_STOP_SEQUENCES)
@@ -193,7 +215,7 @@ class MessagesRequest(_ToolsAndMessages):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=0)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     _chat: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     # What CompletionService reads of every generation request.

@@ -136,8 +136,22 @@ async def test_bad_input_is_an_anthropic_400_and_nothing_is_metered(gateway: Gat
         "messages[0].content": {"model": MODEL, "max_tokens": 5, "messages": [  # a result for no tool_use
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "18C"}]}]},
     }
+    call = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}]
+    more = [  # what Anthropic refuses too (its messages: "all messages must have non-empty content ...",
+        # "`tool_use` ids were found without `tool_result` blocks immediately after"); metadata is {user_id}
+        ("messages[2].content", {"model": MODEL, "max_tokens": 5, "messages": [*QUESTION, {"role": "assistant", "content": "ok"},
+                                                                                 {"role": "user", "content": ""}]}),
+        ("messages[1].content", {"model": MODEL, "max_tokens": 5, "messages": [*QUESTION, {"role": "assistant", "content": []},
+                                                                                 *QUESTION]}),
+        ("messages[0].content[0].text", {"model": MODEL, "max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "Hi"}]}]}),
+        ("toolu_1", {"model": MODEL, "max_tokens": 5, "messages": [*call, {"role": "user", "content": "thanks"}]}),
+        ("metadata.user_id", {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "metadata": {"user_id": 12345}}),
+        ("metadata.session", {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "metadata": {"session": "s"}}),
+    ]
     async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=60) as c:
-        for field, body in bad_bodies.items():
+        for field, body in [*bad_bodies.items(), *more]:
             r = await c.post("/v1/messages", json=body)
             assert r.status_code == 400, (field, r.text)
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
