@@ -355,7 +355,7 @@ def _batch_paths() -> dict[str, Any]:
             "get": _op("The account's batches", {"200": _json(OBJECT)}, *AUTHED, params=listed(100)),
         },
         "/v1/batches/{batch_id}": {"get": _op("A batch", {"200": _json(OBJECT)}, *AUTHED, 404, params=batch_id)},
-        "/v1/batches/{batch_id}/cancel": {"post": _op("Cancel a batch", {"200": _json(OBJECT)}, *AUTHED, 404, params=batch_id)},
+        "/v1/batches/{batch_id}/cancel": {"post": _op("Cancel a batch", {"200": _json(OBJECT)}, *AUTHED, 404, 409, params=batch_id)},
         "/v1/messages/batches": {
             "post": anthropic("Create an Anthropic Message Batch", _json(OBJECT), "MessageBatchRequest"),
             "get": anthropic("The account's Message Batches", _json(OBJECT), params=[*listed(1000, "after_id"), _query("before_id", STR)]),

@@ -14,7 +14,7 @@ from starlette.routing import Route
 from billing.batches.store import new_batch_id
 from billing.models import utcnow
 from gateway.batches.results import OPENAI_ENDPOINTS, WINDOWS, BadInput, openai_view, parse_input
-from gateway.http.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from gateway.http.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from gateway.http.requests import authenticate, header, read_json
 from gateway.http.json_response import json_response
 
@@ -171,7 +171,8 @@ async def cancel_batch(request: Request) -> Response:
     if await state.batch_store.move(batch["id"], "cancelling", from_=("validating", "in_progress")):
         state.batch_runner.wake()
     elif batch["status"] not in ("cancelling", "cancelled"):
-        raise InvalidRequest(f"a batch that is {batch['status']} cannot be cancelled", param="batch_id", code="invalid_state")
+        # OpenAI's answer (409, its SDK's ConflictError): "Cannot cancel a batch with status 'completed'."
+        raise Conflict(f"Cannot cancel a batch with status '{batch['status']}'.", param="batch_id", code="invalid_state")
     found = await state.batch_store.get(batch["id"])
     return json_response(openai_view(found, await state.batch_store.counts(batch["id"])))
 

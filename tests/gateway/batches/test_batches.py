@@ -108,6 +108,11 @@ async def test_fifty_line_batch_completes_at_the_batch_price(batch_gateway: Gate
     for r in rows:
         assert r["api"] == "batch" and r["status"] == "completed"
         assert r["cost_nanos"] == r["prompt_tokens"] * NANOS_IN + r["completion_tokens"] * NANOS_OUT, r
+    import openai
+
+    with pytest.raises(openai.ConflictError) as ended_already:  # OpenAI's 409, not a 400
+        await client.batches.cancel(batch.id)
+    assert ended_already.value.body["message"] == "Cannot cancel a batch with status 'completed'."  # type: ignore[index]
 
 
 async def test_anthropic_message_batch_results(batch_gateway: Gateway) -> None:
