@@ -48,7 +48,8 @@ class FileStore(Protocol):
     async def put(self, account_id: int, purpose: str, filename: str, content: bytes) -> FileInfo: ...
     async def get(self, account_id: int, file_id: str) -> FileInfo | None: ...
     async def content(self, account_id: int, file_id: str) -> bytes | None: ...
-    async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None) -> list[FileInfo]: ...
+    async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None,
+                   ascending: bool = False) -> list[FileInfo]: ...
     async def delete(self, account_id: int, file_id: str) -> bool: ...
 
 
@@ -89,16 +90,21 @@ class SqlFileStore:
                 sa.select(FILES.c.content).where(FILES.c.id == file_id, FILES.c.account_id == account_id))).scalar()
         return None if value is None else bytes(value)
 
-    async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None) -> list[FileInfo]:
+    async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None,
+                   ascending: bool = False) -> list[FileInfo]:
+        """An account's files by creation, newest first (`ascending`: oldest first), after the file
+        `after` names in that order; a cursor naming no file of the account's gives none."""
         if not matchable(purpose, after):
             return []  # as for any purpose or cursor naming no file
+        order = (FILES.c.created_at, FILES.c.id)  # ids are random: by creation, the id breaking ties
         query = sa.select(*_META).where(FILES.c.account_id == account_id)
         if purpose:
             query = query.where(FILES.c.purpose == purpose)
-        if after:  # the files older than that one (ids are random: order by creation)
-            since = sa.select(FILES.c.created_at).where(FILES.c.id == after, FILES.c.account_id == account_id).scalar_subquery()
-            query = query.where(FILES.c.created_at < since)
-        query = query.order_by(FILES.c.created_at.desc(), FILES.c.id.desc()).limit(limit)
+        if after:
+            at = sa.select(*order).where(FILES.c.id == after, FILES.c.account_id == account_id).subquery()
+            past = sa.tuple_(at.c.created_at, at.c.id)
+            query = query.join(at, sa.tuple_(*order) > past if ascending else sa.tuple_(*order) < past)
+        query = query.order_by(*(order if ascending else [c.desc() for c in order])).limit(limit)
         async with self._db.connect() as conn:
             return [_info(r) for r in (await conn.execute(query)).all()]
 

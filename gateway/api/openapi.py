@@ -342,7 +342,7 @@ def _batch_paths() -> dict[str, Any]:
     return {
         "/v1/files": {
             "post": {**_op("Upload a batch input file (JSONL)", {"200": _json(OBJECT)}, *WITH_BODY), "requestBody": upload},
-            "get": _op("The account's files", {"200": _json(OBJECT)}, *AUTHED, params=[*listed(10_000), _query("purpose", STR)]),
+            "get": _op("The account's files", {"200": _json(OBJECT)}, *AUTHED, params=[*listed(10_000), _query("purpose", STR), _query("order", {"type": "string", "enum": ["asc", "desc"]})]),
         },
         "/v1/files/{file_id}": {
             "get": _op("One of the account's files", {"200": _json(OBJECT)}, *AUTHED, 404, params=file_id),

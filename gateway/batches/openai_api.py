@@ -74,9 +74,12 @@ async def upload_file(request: Request) -> Response:
 async def list_files(request: Request) -> Response:
     state = _state(request)
     principal = await authenticate(request, state.keys)
-    limit = _limit(request, 100, 10_000)
+    limit = _limit(request, 10_000, 10_000)  # OpenAI's default and most
+    order = request.query_params.get("order") or "desc"
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
     found = await state.files.list(principal.account_id, purpose=request.query_params.get("purpose") or None, limit=limit + 1,
-                                   after=request.query_params.get("after") or None)
+                                   after=request.query_params.get("after") or None, ascending=order == "asc")
     data = [f.view() for f in found[:limit]]
     return json_response({"object": "list", "data": data, "has_more": len(found) > limit,
                           "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})

@@ -205,6 +205,24 @@ async def test_message_batches_page_both_ways_and_an_ended_one_is_deleted(batch_
     await client.messages.batches.cancel(running.id)
 
 
+async def test_files_list_in_either_order_and_pages_through_every_file_once(batch_gateway: Gateway) -> None:
+    """GET /v1/files takes OpenAI's `order` (asc | desc, newest first by default) and pages with
+    `after` in that order; `order=asc` was ignored (newest first, and `after` the oldest gave older)."""
+    import openai
+
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+    made = [(await client.files.create(file=(f"f{i}.jsonl", io.BytesIO(chat_lines(1))), purpose="batch")).id for i in range(5)]
+    assert [f.id async for f in await client.files.list(order="asc", limit=2)] == made  # every page, then the end
+    assert [f.id async for f in await client.files.list(order="desc", limit=2)] == made[::-1]
+    assert [f.id for f in (await client.files.list()).data] == made[::-1]
+    after = await client.files.list(order="asc", after=made[1], limit=2)
+    assert [f.id for f in after.data] == made[2:4] and after.has_more
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.files.list(extra_query={"order": "sideways"})
+    assert refused.value.body["param"] == "order"  # type: ignore[index]
+
+
 async def test_cancel_stops_claiming_lines(batch_gateway: Gateway) -> None:
     gw = batch_gateway
     key = (await gw.new_key())["key"]
