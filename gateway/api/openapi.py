@@ -71,7 +71,7 @@ LIMITS = {
 USAGE = _obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT})
 RESPONSES: dict[str, dict[str, Any]] = {
     "Error": _obj({"error": _obj({"message": STR, "type": STR, "param": _nullable(STR), "code": _nullable(STR)})}),
-    "AnthropicError": _obj({"type": {"const": "error"}, "error": _obj({"type": STR, "message": STR})}),
+    "AnthropicError": _obj({"type": {"const": "error"}, "error": _obj({"type": STR, "message": STR})}, {"request_id": STR}),
     "Message": _obj({
         "id": STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": STR,
         "content": {"type": "array", "items": _obj({"type": {"const": "text"}, "text": STR})},

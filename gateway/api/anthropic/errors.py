@@ -22,9 +22,10 @@ ERROR_TYPES = {
 }
 
 
-def error_shape(err: APIError) -> tuple[int, dict[str, Any]]:
+def error_shape(err: APIError, request_id: str | None = None) -> tuple[int, dict[str, Any]]:
     """Anthropic's status and body for one of our errors: a full engine is 529 `overloaded_error`
-    (what Anthropic's SDKs retry); other 5xx are `api_error`, 4xx their Anthropic type."""
+    (what Anthropic's SDKs retry); other 5xx are `api_error`, 4xx their Anthropic type. The body
+    carries the request's id (`request_id`, as Anthropic's do) when there is one."""
     if isinstance(err, EngineOverloaded):
         status, kind = 529, "overloaded_error"
     elif err.status_code >= 500:
@@ -32,11 +33,14 @@ def error_shape(err: APIError) -> tuple[int, dict[str, Any]]:
     else:
         status, kind = err.status_code, ERROR_TYPES.get(err.status_code, "invalid_request_error")
     message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+    if request_id:
+        body["request_id"] = request_id
+    return status, body
 
 
 def error_response(err: APIError, request_id: str) -> Response:
-    status, body = error_shape(err)
+    status, body = error_shape(err, request_id)
     headers = {**err.headers, "request-id": request_id, "x-request-id": request_id}
     return json_response(body, status, headers)
 

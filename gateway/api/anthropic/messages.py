@@ -163,10 +163,10 @@ class MessageRenderer:
         )
 
     def error(self, err: APIError) -> bytes:
-        return _event(b"error", error_shape(err)[1])
+        return _event(b"error", error_shape(err, self.gen.request_id)[1])
 
     def error_body(self, err: APIError) -> tuple[int, bytes]:
-        status, body = error_shape(err)
+        status, body = error_shape(err, self.gen.request_id)
         return status, orjson.dumps(body)
 
     def body(self, text: str, raw_choice: dict[str, Any] | None = None) -> bytes:

@@ -156,6 +156,7 @@ async def test_bad_input_is_an_anthropic_400_and_nothing_is_metered(gateway: Gat
             assert r.status_code == 400, (field, r.text)
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
             assert field in r.json()["error"]["message"], (field, r.text)
+            assert r.json()["request_id"] == r.headers["request-id"], r.text  # as Anthropic's error bodies carry it
         r = await c.post("/v1/messages", content=b"{not json")
         assert (r.status_code, r.json()["error"]["type"]) == (400, "invalid_request_error")
     # The same through the SDK: a typed BadRequestError with Anthropic's body.
@@ -181,7 +182,8 @@ async def test_keys_x_api_key_and_bearer(gateway: Gateway, customer: dict[str, A
         with pytest.raises(anthropic.AuthenticationError) as caught:
             await wrong.messages.create(model=MODEL, messages=QUESTION, max_tokens=5)
     assert caught.value.status_code == 401
-    assert caught.value.body == {"type": "error", "error": {"type": "authentication_error", "message": "Incorrect API key provided."}}
+    assert caught.value.body == {"type": "error", "error": {"type": "authentication_error", "message": "Incorrect API key provided."},
+                                 "request_id": caught.value.request_id}  # the body's id is the request-id header's
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as c:
         r = await c.post("/v1/messages", json={"model": MODEL, "messages": QUESTION, "max_tokens": 5})
         assert (r.status_code, r.json()["error"]["type"]) == (401, "authentication_error")
