@@ -88,6 +88,10 @@ class MessageRenderer:
         self.blocks = 0  # content blocks started
         self.open: str | None = None  # the type of the block being streamed
         self.calls: dict[int, int] = {}  # a streamed tool call's index -> its block's index
+        # The open tool_use block's argument pieces: sent as one input_json_delta when the block
+        # closes, as the object the non-streamed body's `input` is (tool_input), so that what the
+        # SDK assembles always parses (an upstream's arguments need not be JSON)
+        self.arguments: list[str] | None = None
 
     def _message(self, content: list[dict[str, Any]], stop: str | None, output_tokens: int) -> dict[str, Any]:
         return {
@@ -114,7 +118,13 @@ class MessageRenderer:
         if self.open is None:
             return b""
         self.open = None
-        return _event(b"content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
+        out = b""
+        if self.arguments is not None:
+            joined, self.arguments = "".join(self.arguments), None
+            if joined.strip():
+                out = self._delta(self.blocks - 1, {"type": "input_json_delta",
+                                                    "partial_json": orjson.dumps(tool_input(joined)).decode()})
+        return out + _event(b"content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})
 
     def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
         return _event(b"content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
@@ -127,9 +137,10 @@ class MessageRenderer:
             self.calls[key] = self.blocks
             out += self._start({"type": "tool_use", "id": tool_use_id(call.get("id"), f"toolu_{self.gen.request_id}_{self.blocks}"),
                                 "name": function.get("name") or "", "input": {}})
+            self.arguments = []
         piece = function.get("arguments") or ""
-        if piece:
-            out += self._delta(self.calls[key], {"type": "input_json_delta", "partial_json": piece})
+        if piece and self.arguments is not None and self.calls[key] == self.blocks - 1:  # the open block's
+            self.arguments.append(piece)
         return out
 
     # ChunkRenderer's methods

@@ -184,6 +184,30 @@ async def test_tool_call_deltas_are_relayed(upstreams: Any, tollgate_with: Any) 
         ("call_0", "get_weather", '{"city": "Paris"}'), ("call_1", "get_time", '{"tz": "CET"}')]
 
 
+async def test_anthropic_clients_get_the_same_tool_input_streamed_or_not(upstreams: Any, tollgate_with: Any) -> None:
+    """An upstream's tool call arguments reach an Anthropic client as the tool_use block's `input`
+    object, streamed or not, whatever they are: JSON arguments as sent (two calls, in pieces), and
+    arguments that are no JSON as {"arguments": ...} both ways (the anthropic SDK's stream helper
+    raised "Unable to parse tool parameter JSON" on the pieces relayed as they came)."""
+    import anthropic
+
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url))
+    client = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=(await gw.new_key())["key"], max_retries=0, timeout=30)
+    tools = [{"name": n, "input_schema": {"type": "object"}} for n in ("get_weather", "get_time")]
+    for calls in ([{"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "get_time", "arguments": '{"tz": "CET"}'}],
+                  [{"name": "get_weather", "arguments": "not json"}]):
+        up.script.append(Behaviour(tool_calls=calls))
+        whole = await client.messages.create(model="pool", max_tokens=32, messages=QUESTION, tools=tools)  # type: ignore[arg-type]
+        up.script.append(Behaviour(tool_calls=calls))
+        async with client.messages.stream(model="pool", max_tokens=32, messages=QUESTION, tools=tools) as stream:  # type: ignore[arg-type]
+            streamed = await stream.get_final_message()
+        inputs = [[(b.name, b.input) for b in m.content if b.type == "tool_use"] for m in (whole, streamed)]
+        assert inputs[0] == inputs[1] and len(inputs[0]) == len(calls), inputs
+        assert streamed.stop_reason == whole.stop_reason == "tool_use"
+    assert inputs[0] == [("get_weather", {"arguments": "not json"})]
+
+
 async def test_upstream_usage_is_billed(upstreams: Any, tollgate_with: Any) -> None:
     up, url = upstreams()
     gw = tollgate_with(pool_yaml(url))
