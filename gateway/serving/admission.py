@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -249,7 +250,11 @@ class Meter:
                     admission.price = admission.price.for_batch()
             admission.nanos = cost(admission.price) if admission.price is not None else 0
             provisional = admission.row("interrupted")  # priced: the row is known before the hold
-            admission.hold = await self._reserve(request_id, principal, tokens, admission.nanos)
+            # A batch line keeps its request id (its one row) whoever runs it, but each run holds
+            # under an id of its own: a run refused after its hold settles that hold, and the quota
+            # refuses a second settle of one id, so a later run under the same id went uncounted.
+            hold_id = request_id if line is None else f"{request_id}/{secrets.token_hex(6)}"
+            admission.hold = await self._reserve(hold_id, principal, tokens, admission.nanos)
             if line is not None and not await line.mark_admitted():
                 raise ServiceUnavailable("This batch line is no longer this runner's.", code="batch_line_taken")
             self._live[request_id] = admission

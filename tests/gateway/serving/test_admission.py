@@ -19,7 +19,7 @@ from billing.ledger.journal import LedgerJournal
 from billing.keys.store import Principal
 from billing.ledger.writer import LedgerWriter, UsageRecord
 from billing.quota.limits import Limits
-from billing.quota import LedgerTotals, MemoryLimiter
+from billing.quota import LedgerTotals, MemoryLimiter, Scope
 from engines.backends.openai_pool import OpenAIPoolEngine
 from engines.base import EngineOverloadedError, EngineRequest
 from engines.wrappers.scheduler import ScheduledEngine
@@ -206,15 +206,16 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
     from gateway.http.errors import ServiceUnavailable
 
     marks: list[bool] = []
+    limited = principal(key_limits=Limits(monthly_tokens=1_000))  # counted by the limiter
 
     def line_of(index: int, answer: bool) -> tuple[BatchLine, Any]:
         async def mark() -> bool:
             marks.append(answer)
             return answer
 
-        gen = setup.gen(f"batch_x-{index}", principal())
+        gen = setup.gen(f"batch_x-{index}", limited)
         gen.api, gen.batch_id = "batch", "batch_x"
-        return BatchLine("batch_x", gen.request_id, principal(), mark=mark), gen
+        return BatchLine("batch_x", gen.request_id, limited, mark=mark), gen
 
     line, gen = line_of(0, False)
     with pytest.raises(ServiceUnavailable):
@@ -222,7 +223,7 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
     assert marks == [False] and line.taken and not line.admitted
     await setup.service.drain()
     assert setup.rows == [] and setup.journal.outstanding == 0 and setup.service.live_count() == 0
-    assert setup.place_is_free() and [rid for rid, _ in setup.settled] == ["batch_x-0"]  # the hold given back
+    assert setup.place_is_free() and [rid.split("/")[0] for rid, _ in setup.settled] == ["batch_x-0"]  # the hold given back
 
     line, gen = line_of(1, True)
     admission = await setup.service.admit(gen, line)
@@ -230,4 +231,18 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
     admission.settle("completed")
     await setup.service.drain()
     assert [(r.request_id, r.api) for r in setup.rows] == [("batch_x-1", "batch")]
+
+    # The runner that took the batch over runs line 0, under the line's one request id: its usage is
+    # counted (the refused run's settle, of its own hold, does not stand in for it) and nothing stays held.
+    key = Scope("key", limited.key_id, limited.key_limits)
+    before = await setup.limiter.counters(key)
+    line, gen = line_of(0, True)
+    admission = await setup.service.admit(gen, line)
+    async for _ in setup.service.metered(gen, admission):
+        pass
+    await setup.service.drain()
+    [row] = [r for r in setup.rows if r.request_id == "batch_x-0"]
+    after = await setup.limiter.counters(key)
+    assert after["month_tokens"] - before.get("month_tokens", 0) == row.prompt_tokens + row.completion_tokens > 0, (before, after)
+    assert after.get("held_tokens", 0) == 0 and after.get("in_flight", 0) == 0, after
     await setup.close()
