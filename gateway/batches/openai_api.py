@@ -47,7 +47,7 @@ async def upload_file(request: Request) -> Response:
     principal = await authenticate(request, state.keys)
     most = state.settings.batches.files_max_bytes
     declared = header(request, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > most + 64 * 1024:  # the form's own bytes besides the file
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared[:19]) > most + 64 * 1024:  # the form's own bytes besides the file
         raise PayloadTooLarge(f"the file is larger than the {most}-byte limit", param="file")
     if not (header(request, b"content-type") or "").startswith("multipart/form-data"):
         raise InvalidRequest("send the file as multipart/form-data with the fields file and purpose", param="file")

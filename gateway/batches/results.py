@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from billing.batches.store import Line, line_request_id
+from gateway.http.requests import MAX_JSON_DEPTH, too_deep
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
 OPENAI_ENDPOINTS = ENDPOINTS[:4]
@@ -47,6 +48,8 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str
             raise BadInput("not valid JSON", number) from None
         if not isinstance(item, dict):
             raise BadInput("each line must be a JSON object", number)
+        if too_deep(raw, item):
+            raise BadInput(f"nested more than {MAX_JSON_DEPTH} levels deep", number)
         custom_id = item.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255:
             raise BadInput("custom_id must be a string of 1 to 255 characters", number)

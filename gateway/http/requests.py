@@ -71,7 +71,32 @@ async def read_json(request: Request, limit: int) -> Any:
         raise InvalidRequest(f"request body is not valid JSON: {exc.args[0] if exc.args else 'parse error'}") from None
     if b"\\u0000" in body and _has_nul(value):  # no database text column can hold one
         raise InvalidRequest("strings must not contain NUL characters (\\u0000)")
+    if too_deep(body, value):
+        raise InvalidRequest(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep")
     return value
+
+
+# How deep a request's JSON may nest. orjson reads up to 1,024 levels, but what the gateway writes
+# again (a batch line, a cache key, a tool call's arguments) must fit orjson.dumps' 255 and the json
+# module's recursion; no API body needs more than a few dozen.
+MAX_JSON_DEPTH = 128
+
+
+def too_deep(raw: bytes | str, value: Any) -> bool:
+    """Whether `value` (parsed from `raw`) nests more than MAX_JSON_DEPTH arrays and objects. A body
+    with fewer brackets than that cannot: counted in C, so most bodies are never walked."""
+    if (raw.count(b"[") + raw.count(b"{") if isinstance(raw, bytes) else raw.count("[") + raw.count("{")) <= MAX_JSON_DEPTH:
+        return False
+    level = [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        if isinstance(item, dict):
+            level.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            level.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return False
 
 
 def _has_nul(value: Any) -> bool:

@@ -448,7 +448,7 @@ async def list_input_items(request: Request) -> Response:
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
     raw_limit = query.get("limit") or "20"
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+    if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 9) or not 1 <= int(raw_limit) <= 100:  # not '²', nor 5,000 digits
         raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
     row = await ResponseStore.of(request).get(principal.account_id, response_id)
     if row is None:

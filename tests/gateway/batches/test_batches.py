@@ -448,10 +448,10 @@ async def test_a_limit_of_unicode_digits_is_a_400_in_each_api(batch_gateway: Gat
     gw = batch_gateway
     key = (await gw.new_key())["key"]
     async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key}"}) as raw:
-        for path in ("/v1/batches", "/v1/files"):
+        for path in ("/v1/batches", "/v1/files", "/v1/responses/resp_none/input_items"):  # the limit is checked first
             for limit in ("²", "١٢", "𝟓", "9" * 5000):  # str.isdigit() holds for each; int() refuses '²' and 5,000 digits
                 openai_error(await raw.get(path, params={"limit": limit}), "limit")
-            assert (await raw.get(path, params={"limit": "2"})).status_code == 200
+            assert (await raw.get(path, params={"limit": "2"})).status_code == (404 if "responses" in path else 200)
     async with httpx.AsyncClient(base_url=gw.base_url, headers={"x-api-key": key, "anthropic-version": "2023-06-01"}) as raw:
         for limit in ("²", "³", "9" * 5000):
             r = await raw.get("/v1/messages/batches", params={"limit": limit})
@@ -460,6 +460,24 @@ async def test_a_limit_of_unicode_digits_is_a_400_in_each_api(batch_gateway: Gat
             assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
             assert "limit" in body["error"]["message"], body
         assert (await raw.get("/v1/messages/batches", params={"limit": "2"})).status_code == 200
+
+
+async def test_an_input_line_nested_too_deep_is_refused_with_its_line_number(batch_gateway: Gateway) -> None:
+    """A line's body is written again (orjson.dumps, 255 levels at most): one nested deeper than the
+    gateway takes was a 500 at batch creation; it is a 400 naming its line."""
+    import openai
+
+    from gateway.http.requests import MAX_JSON_DEPTH
+
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+    deep = '{"x":' * 300 + '"deep"' + "}" * 300
+    line = ('{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "%s", '
+            '"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "extra": %s}}' % (MODEL, deep)).encode()
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1) + line + b"\n")), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert f"line 2: nested more than {MAX_JSON_DEPTH} levels deep" in caught.value.body["message"], caught.value.body  # type: ignore[index]
 
 
 async def test_a_nul_in_an_input_line_is_refused_with_its_line_number(batch_gateway: Gateway) -> None:

@@ -194,6 +194,44 @@ async def test_invalid_utf8_and_deep_nesting_are_400(client: httpx.AsyncClient, 
     await still_serving(hostile_gw, customer_key["key"])
 
 
+async def test_json_nested_past_what_the_gateway_writes_again_is_a_400_everywhere(
+        client: httpx.AsyncClient, hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
+    """orjson reads 1,024 levels; what the gateway writes again does not: orjson.dumps stops at 255
+    (a batch's lines, the response cache's key) and the json module near 1,000 (an Anthropic
+    tool_use's input). Each of these was a 500 (and a dropped keep-alive connection); a body nested
+    past MAX_JSON_DEPTH is a 400 before any route looks at it, in the API's own shape."""
+    from gateway.http.requests import MAX_JSON_DEPTH
+
+    def nested(levels: int) -> str:  # a placeholder replaced with raw JSON text: no encoder here nests that deep
+        return f"@nested{levels}@"
+
+    def raw(body: dict[str, Any]) -> bytes:
+        text = json.dumps(body)
+        for levels in (300, 990, MAX_JSON_DEPTH - 5):
+            text = text.replace(f'"@nested{levels}@"', '{"x":' * levels + '"deep"' + "}" * levels)
+        return text.encode()
+
+    deep = nested(300)
+    cases = [
+        ("/v1/chat/completions", {**CHAT, "extra_field": deep}, {"X-Tollgate-Cache": "on"}),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": nested(990)}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]}]}, {}),
+        ("/v1/messages/batches", {"requests": [{"custom_id": "a", "params": {
+            "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}], "x": deep}}]}, {}),
+    ]
+    for path, body, headers in cases:
+        r = await client.post(path, content=raw(body), headers={"content-type": "application/json", **headers})
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        message = r.json()["error"]["message"]
+        assert f"more than {MAX_JSON_DEPTH} levels" in message, (path, message)
+    ok = await client.post("/v1/chat/completions", content=raw({**CHAT, "extra_field": nested(MAX_JSON_DEPTH - 5)}),
+                           headers={"content-type": "application/json", "X-Tollgate-Cache": "on"})
+    assert ok.status_code == 200, ok.text
+    await still_serving(hostile_gw, customer_key["key"])
+
+
 async def test_a_repeated_query_parameter_is_400_naming_it(client: httpx.AsyncClient, hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
     # Parameter pollution: with `account_id` twice a handler would read whichever copy it reads; the
     # request is refused before any handler sees it. One copy, or none, is served as before.
