@@ -17,9 +17,10 @@ MIN_LENGTH = 20
 MAX_LENGTH = 200
 _CHARS = r"A-Za-z0-9._~\-"
 _KEY = re.compile(rf"sk-[{_CHARS}]{{{MIN_LENGTH - len(PREFIX)},{MAX_LENGTH - len(PREFIX)}}}")
-# Anything that could be a key, or the start of one, inside longer text: `sk-` not glued to a word
-# before it ("task-12" is no key) and four or more key characters; masked as `sk-***`.
-_KEY_IN_TEXT = re.compile(rf"(?<![A-Za-z0-9])sk-[{_CHARS}]{{4,}}")
+# Anything that could be a key, or the start of one, inside longer text, masked as `sk-***`: `sk-`
+# not glued to a word before it ("task-12" is no key) and four or more key characters; or, glued to
+# anything, a whole key's length of them (a client's "zz<key>" still holds the key).
+_KEY_IN_TEXT = re.compile(rf"(?<![A-Za-z0-9])sk-[{_CHARS}]{{4,}}|sk-[{_CHARS}]{{{MIN_LENGTH - len(PREFIX)},}}")
 MASK = "sk-***"
 
 

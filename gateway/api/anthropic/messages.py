@@ -24,6 +24,7 @@ from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.batches.line import batch_line
 from gateway.http.errors import APIError, AuthenticationFailed, ServiceUnavailable
 from gateway.http.requests import authenticate, read_json
+from billing.keys.format import mask_keys
 from gateway.http.logs import request_id_of
 from gateway.api.openai.protocol import parse
 from gateway.serving.generate import answer
@@ -218,7 +219,7 @@ async def _answered(request: Request, answer: Any) -> Any:
         if database_unreachable(exc):
             err: APIError = ServiceUnavailable("The database is unavailable; retry shortly.", headers={"Retry-After": "1"})
         else:
-            log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+            log.error("unhandled %s on %s %s", type(exc).__name__, request.method, mask_keys(request.url.path), exc_info=exc)  # a key pasted into a path
             err = APIError("The server had an error while processing your request.")
         return error_response(err, request_id)
 

@@ -321,6 +321,9 @@ def test_mask_covers_every_key_the_rule_accepts() -> None:
             for text in (candidate, f"model '{candidate}'", f"/v1/models/{candidate}/x", f"id:{candidate}."):
                 assert candidate not in mask_keys(text) and candidate[3:12] not in mask_keys(text)
     assert mask_keys("disk-full task-12 ask-me") == "disk-full task-12 ask-me"
+    key = "sk-" + "Zq3_" * 11
+    for glued in (f"zz{key}", f"9{key}", f"task-{key}"):  # a whole key glued to a word is still a key
+        assert key[3:12] not in mask_keys(glued), mask_keys(glued)
 
 
 # ------------------------------------------------------------------ fontTools during PDF renders
@@ -377,4 +380,18 @@ async def test_a_key_pasted_into_a_path_is_masked_in_the_error_handlers_logs(cap
         bug = await unexpected_error(request, RuntimeError("a bug"))
     assert (outage.status_code, bug.status_code) == (503, 500)
     assert len(caplog.records) == 2 and all("sk-***" in r.getMessage() for r in caplog.records)
+    assert key not in caplog.text
+
+    # the Anthropic routes answer their own errors (in Anthropic's shape) and log them the same way
+    from gateway.api.anthropic.messages import _answered
+
+    async def fails(request: Any, request_id: str) -> Any:
+        raise RuntimeError("a bug")
+
+    caplog.clear()
+    anthropic_path = Request({"type": "http", "method": "GET", "path": f"/v1/messages/batches/{key}/results", "headers": [],
+                              "query_string": b""})
+    with caplog.at_level(logging.WARNING, logger="tollgate"):
+        answered = await _answered(anthropic_path, fails)
+    assert answered.status_code == 500 and len(caplog.records) == 1 and "sk-***" in caplog.records[0].getMessage()
     assert key not in caplog.text
