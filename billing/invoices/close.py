@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from billing.config import BillingConfig
 from billing.invoices.documents import invoice_fields, list_credit_notes_on
 from billing.invoices.models import BillingPeriod, Invoice, InvoiceLine
+from billing.ledger.records import BILLED_STATUSES
 from billing.models import Account, LedgerEntry, utcnow
 from billing.invoices.periods import Period
 from billing.prices.book import EXACT, EffectivePrice, PriceBook
@@ -54,7 +55,7 @@ ACCOUNTS = Account.__table__
 PERIODS = BillingPeriod.__table__
 INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
-BILLABLE_STATUSES = ("completed", "cancelled")
+BILLABLE_STATUSES = BILLED_STATUSES
 # cached: prompt tokens at the price's cached-input price; cached_response: response-cache hits (prompt + completion)
 DIRECTIONS = ("input", "cached", "output", "batch_input", "batch_output", "cached_response")
 DIRECTION_NAMES = {"input": "input", "cached": "cached input", "output": "output", "batch_input": "batch input",

@@ -12,7 +12,12 @@ from datetime import datetime, timedelta
 
 from billing.models import utcnow
 
-__all__ = ["UsageRecord"]
+__all__ = ["BILLED_STATUSES", "UsageRecord"]
+
+# The rows invoices bill (tokens really delivered; a cancelled row holds what was generated until the
+# client left). Any other row (`error`, `interrupted`) costs nothing: its cost_nanos is 0, so what a
+# prepaid balance, a spend limit and a statement take of it is what an invoice bills, nothing.
+BILLED_STATUSES = ("completed", "cancelled")
 
 
 @dataclass

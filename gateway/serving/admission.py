@@ -28,6 +28,7 @@ from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 
 from billing.keys.store import Principal
+from billing.ledger.records import BILLED_STATUSES
 from billing.ledger.writer import LedgerWriter, UsageRecord
 from billing.models import utcnow
 from billing.prices.book import EffectivePrice, PriceBook
@@ -142,7 +143,14 @@ class Admission:
 
     def row(self, status: str | None = None) -> UsageRecord:
         """The request's ledger row with `status` (None: the one its usage says); `interrupted` while
-        it runs (the journal's). A cache hit not delivered whole is billed nothing."""
+        it runs (the journal's). A cache hit not delivered whole is billed nothing, nor is a row
+        invoices do not bill (`error`, `interrupted`: cost 0, its tokens still counted)."""
+        record = self._row(status)
+        if record.cost_nanos and record.status not in BILLED_STATUSES:
+            record.cost_nanos = 0
+        return record
+
+    def _row(self, status: str | None) -> UsageRecord:
         usage = self.usage
         if usage.whole:
             return self._whole_row(status or "cancelled")  # ended without its result: the client left

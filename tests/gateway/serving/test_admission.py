@@ -246,3 +246,41 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
     assert after["month_tokens"] - before.get("month_tokens", 0) == row.prompt_tokens + row.completion_tokens > 0, (before, after)
     assert after.get("held_tokens", 0) == 0 and after.get("in_flight", 0) == 0, after
     await setup.close()
+
+
+async def test_a_row_invoices_do_not_bill_costs_nothing_anywhere(setup: Setup) -> None:
+    """Invoices bill `completed` and `cancelled` rows only. An engine that fails after two tokens
+    leaves an `error` row: its tokens are counted, but it costs 0, so a prepaid balance and a spend
+    limit take nothing of it either (before: its cost was spent from the balance, never invoiced)."""
+    from engines.base import EngineError, EngineOutput
+    from billing.prices.book import PriceBook
+
+    class Failing(FakeEngine):
+        async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+            prompt = len(request.prompt_token_ids or [])
+            yield EngineOutput("Yes", [1], None, prompt, 1)
+            yield EngineOutput(",", [2], None, prompt, 2)
+            raise EngineError("the GPU fell over")
+
+    prices = PriceBook(setup.db)
+    await prices.add(MODEL, "1.000", "2.000")
+    engine = ScheduledEngine(Failing(MODEL), capacity=1, reserve=0, max_queue=1)
+    service = CompletionService({MODEL: engine}, setup.ledger, limiter=setup.limiter, prices=prices)
+    from decimal import Decimal
+
+    spender = Principal(key_id=3, account_id=1, is_admin=False, models=None, expires_at=None, revoked=False,
+                        key_limits=Limits(monthly_spend=Decimal("1")))
+    body = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    gen = service.prepare_chat(spender, body, "err-1")
+    admission = await service.admit(gen)
+    assert admission.nanos > 0  # priced: the hold was for money
+    with pytest.raises(EngineError):
+        async for _ in service.metered(gen, admission):
+            pass
+    await service.drain()
+    [row] = setup.rows
+    assert (row.status, row.completion_tokens, row.cost_nanos) == ("error", 2, 0), row
+    counters = await setup.limiter.counters(Scope("key", 3, spender.key_limits))
+    assert counters["month_nanos"] == 0 and counters["held_nanos"] == 0, counters  # nothing spent, nothing held
+    assert counters["month_tokens"] == row.prompt_tokens + row.completion_tokens, counters  # its tokens counted
+    await setup.close()
