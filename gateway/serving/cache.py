@@ -137,10 +137,10 @@ class ResponseCache:
         if asked in ("off", "false", "0", "bypass", "no"):
             return False
         wanted = asked in ("on", "true", "1", "yes") or gen.model in self.config.models or _model_opted_in(gen.engine)
-        request_ = gen.engine_request
-        if request_.n > 1 or request_.best_of > 1:  # an entry stores one choice's text: never n of them
+        asked_of_engine = gen.engine_request
+        if asked_of_engine.n > 1 or asked_of_engine.best_of > 1:  # an entry stores one choice's text: never n of them
             return False
-        sampling = request_.sampling
+        sampling = asked_of_engine.sampling
         return wanted and (sampling.temperature == 0.0 or sampling.seed is not None)
 
     @staticmethod
