@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.batches.models import StoredFile
-from billing.batches.store import matchable
+from billing.batches.store import matchable, past
 from billing.models import utcnow
 
 FILES = StoredFile.__table__
@@ -101,9 +101,7 @@ class SqlFileStore:
         if purpose:
             query = query.where(FILES.c.purpose == purpose)
         if after:
-            at = sa.select(*order).where(FILES.c.id == after, FILES.c.account_id == account_id).subquery()
-            past = sa.tuple_(at.c.created_at, at.c.id)
-            query = query.join(at, sa.tuple_(*order) > past if ascending else sa.tuple_(*order) < past)
+            query = past(query, FILES, after, FILES.c.account_id == account_id, newer=ascending)
         query = query.order_by(*(order if ascending else [c.desc() for c in order])).limit(limit)
         async with self._db.connect() as conn:
             return [_info(r) for r in (await conn.execute(query)).all()]

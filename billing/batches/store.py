@@ -37,6 +37,15 @@ def matchable(*values: str | None) -> bool:
     return not any(v and "\x00" in v for v in values)
 
 
+def past(query: Any, table: sa.Table, cursor: str, *scope: Any, newer: bool) -> Any:
+    """`query` (of `table`) narrowed to the rows past the one `cursor` names, in (created_at, id)
+    order (two rows of one instant are still told apart): the newer ones or the older ones. A cursor
+    naming no row within `scope` leaves none."""
+    at = sa.select(table.c.created_at, table.c.id).where(table.c.id == cursor, *scope).subquery()
+    row, mark = sa.tuple_(table.c.created_at, table.c.id), sa.tuple_(at.c.created_at, at.c.id)
+    return query.join(at, row > mark if newer else row < mark)
+
+
 def new_batch_id(prefix: str = "batch_") -> str:
     return prefix + secrets.token_hex(12)
 
@@ -111,16 +120,12 @@ class BatchStore:
         first taken); a cursor naming no batch of the account's gives none."""
         if not matchable(after, before):
             return []  # as for any cursor naming no batch
+        mine = (BATCHES.c.account_id == account_id, BATCHES.c.api == api)
+        query = sa.select(BATCHES.c.id).where(*mine)
+        if after or before:
+            query = past(query, BATCHES, after or before, *mine, newer=before is not None)  # type: ignore[arg-type]
         order = (BATCHES.c.created_at, BATCHES.c.id)
-        query = sa.select(BATCHES.c.id).where(BATCHES.c.account_id == account_id, BATCHES.c.api == api)
-        cursor = after or before
-        if cursor:
-            at = sa.select(*order).where(BATCHES.c.id == cursor, BATCHES.c.account_id == account_id, BATCHES.c.api == api).subquery()
-            # (created_at, id): two batches made in the same instant are still told apart
-            query = query.join(at, sa.tuple_(*order) < sa.tuple_(at.c.created_at, at.c.id) if after
-                               else sa.tuple_(*order) > sa.tuple_(at.c.created_at, at.c.id))
-        newest_first = [c.desc() for c in order]
-        query = query.order_by(*(newest_first if not before else order)).limit(limit)
+        query = query.order_by(*(order if before else [c.desc() for c in order])).limit(limit)
         async with self._db.connect() as conn:
             ids = list((await conn.execute(query)).scalars())
         if before:

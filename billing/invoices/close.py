@@ -55,7 +55,6 @@ ACCOUNTS = Account.__table__
 PERIODS = BillingPeriod.__table__
 INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
-BILLABLE_STATUSES = BILLED_STATUSES
 # cached: prompt tokens at the price's cached-input price; cached_response: response-cache hits (prompt + completion)
 DIRECTIONS = ("input", "cached", "output", "batch_input", "batch_output", "cached_response")
 DIRECTION_NAMES = {"input": "input", "cached": "cached input", "output": "output", "batch_input": "batch input",
@@ -142,7 +141,7 @@ async def priced_usage(
             LEDGER.c.account_id == account_id,
             created >= start,
             created < end,
-            LEDGER.c.status.in_(BILLABLE_STATUSES),
+            LEDGER.c.status.in_(BILLED_STATUSES),
             # a prepaid account's usage was paid from its balance (billing/credits/balance.py): never invoiced
             ~sa.exists().where(ACCOUNTS.c.id == LEDGER.c.account_id, ACCOUNTS.c.prepaid_since.is_not(None),
                                LEDGER.c.created_at >= ACCOUNTS.c.prepaid_since),
@@ -406,7 +405,7 @@ async def _has_usage(conn: AsyncConnection, account_id: int, start: datetime, en
             LEDGER.c.account_id == account_id,
             LEDGER.c.admitted_at >= start,
             LEDGER.c.admitted_at < end,
-            LEDGER.c.status.in_(BILLABLE_STATUSES),
+            LEDGER.c.status.in_(BILLED_STATUSES),
         )
     )
     return bool((await conn.execute(query)).scalar())

@@ -18,7 +18,7 @@ from billing.models import utcnow
 from gateway.api.anthropic.messages import _answered, api_key
 from gateway.batches.results import WINDOWS, anthropic_line, anthropic_view
 from gateway.http.errors import InvalidRequest, NotFound, ServiceUnavailable
-from gateway.http.requests import authenticate, public_origin, read_json
+from gateway.http.requests import authenticate, public_origin, query_limit, read_json
 from gateway.http.json_response import json_response
 
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -102,10 +102,7 @@ async def _results(request: Request, request_id: str) -> Response:
 
 async def _list(request: Request, request_id: str) -> Response:
     state, principal = await _caller(request)
-    raw = request.query_params.get("limit") or "20"
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= 1000:  # not '²', nor 5,000 digits
-        raise InvalidRequest("limit: must be an integer from 1 to 1000", param="limit")
-    limit = int(raw)
+    limit = query_limit(request, 20, 1000)
     after, before = request.query_params.get("after_id") or None, request.query_params.get("before_id") or None
     if after and before:
         raise InvalidRequest("give after_id or before_id, not both", param="before_id")

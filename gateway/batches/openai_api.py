@@ -15,7 +15,7 @@ from billing.batches.store import new_batch_id
 from billing.models import utcnow
 from gateway.batches.results import OPENAI_ENDPOINTS, WINDOWS, BadInput, openai_view, parse_input
 from gateway.http.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
-from gateway.http.requests import authenticate, header, read_json
+from gateway.http.requests import authenticate, header, query_limit, read_json
 from gateway.http.json_response import json_response
 
 UPLOAD_PURPOSES = ("batch",)
@@ -26,15 +26,6 @@ def _state(request: Request) -> Any:
     if state.batch_store is None:
         raise ServiceUnavailable("The Batch API is off on this server (TOLLGATE_BATCHES).", code="batches_disabled")
     return state
-
-
-def _limit(request: Request, default: int, most: int) -> int:
-    raw = request.query_params.get("limit")
-    if not raw:  # absent, or empty (`?limit=`)
-        return default
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:  # not '²', nor 5,000 digits
-        raise InvalidRequest(f"limit must be an integer from 1 to {most}", param="limit")
-    return int(raw)
 
 
 def _no_file(file_id: str) -> NotFound:
@@ -74,7 +65,7 @@ async def upload_file(request: Request) -> Response:
 async def list_files(request: Request) -> Response:
     state = _state(request)
     principal = await authenticate(request, state.keys)
-    limit = _limit(request, 10_000, 10_000)  # OpenAI's default and most
+    limit = query_limit(request, 10_000, 10_000)  # OpenAI's default and most
     order = request.query_params.get("order") or "desc"
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
@@ -183,7 +174,7 @@ async def cancel_batch(request: Request) -> Response:
 async def list_batches(request: Request) -> Response:
     state = _state(request)
     principal = await authenticate(request, state.keys)
-    limit = _limit(request, 20, 100)
+    limit = query_limit(request, 20, 100)
     found = await state.batch_store.list(principal.account_id, "openai", limit=limit + 1, after=request.query_params.get("after") or None)
     data = [openai_view(b, await state.batch_store.counts(b["id"])) for b in found[:limit]]
     return json_response({"object": "list", "data": data, "has_more": len(found) > limit,

@@ -26,6 +26,17 @@ def id_value(raw: str) -> int | None:
     return value if 1 <= value <= MAX_ID else None
 
 
+def query_limit(request: Request, default: int, most: int) -> int:
+    """A list's `limit` query parameter: `default` when absent or empty (`?limit=`), else an integer
+    from 1 to `most` in ASCII digits (not '²', which str.isdigit() takes, nor 5,000 digits), or a 400."""
+    raw = request.query_params.get("limit")
+    if not raw:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:
+        raise InvalidRequest(f"limit must be an integer from 1 to {most}", param="limit")
+    return int(raw)
+
+
 def path_id(request: Request, name: str, what: str, param: str = "id") -> int:
     """The id in the path parameter `name`, or a 404 naming the kind of thing (`what`) not found."""
     value = id_value(request.path_params[name])

@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from billing.keys.format import mask_keys
 from engines.base import FINISH_LENGTH, FINISH_STOP
 from gateway.api.anthropic.errors import error_response, error_shape
 from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.batches.line import batch_line
 from gateway.http.errors import APIError, AuthenticationFailed, ServiceUnavailable
 from gateway.http.requests import authenticate, read_json
-from billing.keys.format import mask_keys
 from gateway.http.logs import request_id_of
 from gateway.api.openai.protocol import parse
 from gateway.serving.generate import answer

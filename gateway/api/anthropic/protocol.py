@@ -108,20 +108,20 @@ def chat_messages(system: str | list[ContentBlock] | None, messages: list[InputM
     called: set[str] = set()
     unanswered: list[str] = []  # the tool_use ids of the message before, which this one must answer
     for i, m in enumerate(messages):
-        if not m.content or (not isinstance(m.content, str) and all(b.type == "text" and not b.text for b in m.content)):
+        if not m.content:
             raise InvalidRequest(f"messages[{i}]: all messages must have non-empty content except for the optional "
                                  "final assistant message", param=f"messages[{i}].content")
-        for j, block in enumerate(m.content if not isinstance(m.content, str) else ()):
+        blocks = () if isinstance(m.content, str) else m.content
+        for j, block in enumerate(blocks):
             if block.type == "text" and block.text == "":
                 raise InvalidRequest(f"messages[{i}].content[{j}].text: text content blocks must be non-empty",
                                      param=f"messages[{i}].content[{j}].text")
-        answered = {b.tool_use_id for b in m.content if b.type == "tool_result"} if not isinstance(m.content, str) else set()
-        missing = [u for u in unanswered if u not in answered]
+        missing = [u for u in unanswered if u not in {b.tool_use_id for b in blocks if b.type == "tool_result"}]
         if missing:
             raise InvalidRequest(f"messages[{i}]: `tool_use` ids were found without `tool_result` blocks immediately after: "
                                  f"{', '.join(missing)}. Each `tool_use` block must have a corresponding `tool_result` block "
                                  "in the next message.", param=f"messages[{i}].content")
-        unanswered = [b.id for b in m.content if b.type == "tool_use" and b.id] if not isinstance(m.content, str) else []
+        unanswered = [b.id for b in blocks if b.type == "tool_use" and b.id]
         for message in m.chat_messages(i):
             called.update(c["id"] for c in message.get("tool_calls") or ())
             if message["role"] == "tool" and message["tool_call_id"] not in called:

@@ -34,7 +34,7 @@ from billing.keys.store import Principal
 from billing.stored_responses import StoredResponse
 from engines.base import FINISH_LENGTH
 from gateway.http.errors import APIError, InvalidRequest, NotFound
-from gateway.http.requests import authenticate, read_json
+from gateway.http.requests import authenticate, query_limit, read_json
 from gateway.http.logs import request_id_of
 from gateway.api.openai.responses_protocol import ResponsesRequest
 from gateway.api.openai.protocol import parse
@@ -447,9 +447,7 @@ async def list_input_items(request: Request) -> Response:
     order = query.get("order") or "desc"
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
-    raw_limit = query.get("limit") or "20"
-    if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 9) or not 1 <= int(raw_limit) <= 100:  # not '²', nor 5,000 digits
-        raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
+    limit = query_limit(request, 20, 100)
     row = await ResponseStore.of(request).get(principal.account_id, response_id)
     if row is None:
         raise _not_found(response_id)
@@ -462,7 +460,7 @@ async def list_input_items(request: Request) -> Response:
         if after not in ids:
             raise InvalidRequest(f"No input item with id {after!r} in this response.", param="after")
         items = items[ids.index(after) + 1:]
-    page = items[: int(raw_limit)]
+    page = items[:limit]
     return _json({
         "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page),

@@ -30,7 +30,8 @@ from pypdf import PdfReader
 
 from billing.credits.balance import CreditBook
 from billing.invoices.views import list_invoices
-from billing.invoices.close import BILLABLE_STATUSES, close_period
+from billing.invoices.close import close_period
+from billing.ledger.records import BILLED_STATUSES
 from billing.ledger.writer import UsageRecord, write_records
 from billing.invoices.periods import Period
 from billing.prices.book import PriceBook
@@ -86,7 +87,7 @@ async def ledger_cost(db: Any, account: int, period: Period, *, billable: bool, 
     """(sum of cost_nanos, rows) of the account's rows admitted in the period, in SQL."""
     where = ["account_id = :a", "admitted_at >= :start", "admitted_at < :end"]
     if billable:
-        where.append("status IN (" + ", ".join(f"'{s}'" for s in BILLABLE_STATUSES) + ")")
+        where.append("status IN (" + ", ".join(f"'{s}'" for s in BILLED_STATUSES) + ")")
     if since is not None:
         where.append("created_at < :since" if before_since else "created_at >= :since")
     async with db.connect() as conn:
