@@ -146,7 +146,7 @@ class QuotaSettings:
     key_cache_seconds: float = 1.0
     key_stale_seconds: float = 300.0  # serve a cached key this long while the database is unreachable
     fail_open: bool = False  # False: refuse with 503 while the quota store is unreachable
-    hold_seconds: float = 900.0  # a crashed gateway's reservations free up after this
+    hold_seconds: float = 900.0  # a crashed gateway's reservations free up after this (running ones are renewed)
 
 
 @dataclass(frozen=True)
@@ -345,6 +345,15 @@ def _redis_prefix(raw: str) -> str:
     return raw
 
 
+def _hold_seconds(env: Mapping[str, str]) -> float:
+    # A running request's hold is renewed once less than half of it is left, by a watch that looks a
+    # few times in that half: below a second it would mostly watch.
+    value = env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0)
+    if not value >= 1:
+        raise SystemExit(f"TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1 (seconds), got {value}")
+    return value
+
+
 def _fail_mode(raw: str) -> bool:
     if raw not in ("open", "closed"):
         raise SystemExit(f"TOLLGATE_QUOTA_FAIL_MODE must be 'open' or 'closed', got {raw!r}")
@@ -449,7 +458,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             key_cache_seconds=env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0),
             key_stale_seconds=env_float(env, "TOLLGATE_KEY_STALE_SECONDS", 300.0),
             fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
-            hold_seconds=env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0),
+            hold_seconds=_hold_seconds(env),
         ),
         ledger=LedgerSettings(
             journal=env_flag(env, "TOLLGATE_LEDGER_JOURNAL", True),

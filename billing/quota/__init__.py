@@ -3,7 +3,8 @@
 Admission reserves the worst case (prompt tokens + max_tokens, and its price) on every scope
 (the key and its account) in ONE atomic step: everything is reserved or nothing is. Settlement
 commits the actual usage and releases the rest; it is idempotent by request_id. Holds expire by
-themselves, so a crashed gateway's reservations free up. When a scope's counters are missing
+themselves, so a crashed gateway's reservations free up; a live gateway renews the holds of its
+requests still running (`Limiter.renew`), so a request longer than the hold time keeps its own. When a scope's counters are missing
 (Redis restarted or flushed, a new process, limits just changed) they are rebuilt from the
 ledger before more traffic is admitted.
 

@@ -313,6 +313,36 @@ class Limiter(abc.ABC):
         self.totals = totals
         self.hold_seconds = hold_seconds
         self._settling: set[asyncio.Task[Any]] = set()
+        # The holds of this process's requests still running (reserved, not settled), each with when
+        # it expires in the store: `renew` keeps them there for as long as their requests run.
+        self._live: dict[str, tuple[Hold, float]] = {}
+
+    def _due(self, now: float) -> list[Hold]:
+        """Live holds with less than half the hold time left."""
+        soon = now + self.hold_seconds / 2
+        return [hold for hold, expiry in self._live.values() if expiry < soon]
+
+    def _renewed(self, holds: list[Hold], expiry: float) -> None:
+        for hold in holds:
+            if hold.request_id in self._live:  # not settled meanwhile
+                self._live[hold.request_id] = (hold, expiry)
+
+    async def renew(self, now: float | None = None) -> int:
+        """Extends each hold of a request this process still runs that has less than half the hold
+        time left to a full hold time from `now`, and returns how many it extended. A hold expires
+        only once its process stops renewing it (a crash: its requests are gone), never under a
+        request that runs longer than the hold time. The Redis limiter's hold watch calls it every
+        round; the in-process limiter before each reservation."""
+        now = time.time() if now is None else now
+        due = self._due(now)
+        if due:
+            await self._renew(due, now + self.hold_seconds)
+            self._renewed(due, now + self.hold_seconds)
+        return len(due)
+
+    @abc.abstractmethod
+    async def _renew(self, holds: list[Hold], expiry: float) -> None:
+        """Moves the expiry of these holds, where the store still has them, to `expiry`."""
 
     def settle_later(self, hold: Hold, tokens: int, nanos: int) -> None:
         """`settle()` in the background (never awaited inside a request's `finally`); a failure is
@@ -343,6 +373,7 @@ class Limiter(abc.ABC):
             outcome = await self._reserve(hold, now)
             if outcome[0] == "ok":
                 hold.remaining, hold.at = tuple(outcome[1]), now
+                self._live[request_id] = (hold, now + self.hold_seconds)
                 return hold
             if outcome[0] == "degraded":
                 hold.degraded = True

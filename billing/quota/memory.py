@@ -35,6 +35,9 @@ class MemoryLimiter(Limiter):
         self._settled: dict[str, float] = {}
 
     async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
+        # Every hold this process has not settled is a request it still runs: renewed before the
+        # expired ones are swept below (there is no crashed process whose holds outlive it here).
+        await self.renew(now)
         missing = [s.name for s in hold.scopes if s.name not in self._scopes or self._scopes[s.name].month != hold.month
                    or (s.prepaid and not self._scopes[s.name].balance_synced)]
         if missing:
@@ -89,7 +92,15 @@ class MemoryLimiter(Limiter):
                 state.credits.update(t.credits)  # rows applied meanwhile stay applied once
                 state.spent, state.balance_synced = t.spent, True
 
+    async def _renew(self, holds: list[Hold], expiry: float) -> None:
+        for hold in holds:
+            for scope in hold.scopes:
+                state = self._scopes.get(scope.name)
+                if state is not None:
+                    state.holds[hold.request_id] = (hold.tokens, hold.nanos, hold.minute, expiry)
+
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
+        self._live.pop(hold.request_id, None)
         if hold.degraded or not hold.scopes or hold.request_id in self._settled:
             return False
         now = time.time()

@@ -6,7 +6,7 @@ Key layout: every key of one account and its keys shares the group prefix `{p}{a
 is one atomic script in one round trip on a cluster too. With g = the group prefix:
   {g}{scope}:rpm:{minute}  {g}{scope}:tpm:{minute}           this minute's requests / tokens
   {g}{scope}:mtok:{month}  {g}{scope}:mspend:{month}         committed usage this month
-  {g}{scope}:holds (hash rid -> "tok:nanos:minute")  {g}{scope}:hexp (zset rid -> expiry)
+  {g}{scope}:holds (hash rid -> "tok:nanos:minute")  {g}{scope}:hexp (zset rid -> expiry, renewed while it runs)
   {g}{scope}:held:tok  {g}{scope}:held:nanos                 sums of live holds
   {g}{scope}:synced:{month}:{epoch}                          counters valid for this month
   {g}{scope}:cred (hash credit row id -> nanos)  {g}{scope}:cred:sum  {g}{scope}:spent   prepaid balance
@@ -32,7 +32,7 @@ from billing.periodic import Periodic
 from billing.quota import resp
 from billing.quota.limits import Limits
 from billing.quota.base import Hold, LedgerTotals, group_tag, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
-from billing.quota.scripts import CREDIT_LUA, RECOVER_LUA, REHOLD_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
+from billing.quota.scripts import CREDIT_LUA, RECOVER_LUA, REHOLD_LUA, RENEW_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
 
 log = logging.getLogger("tollgate.quota")
 # How long a settlement nobody waits for may wait to share its Redis round trip with the next call
@@ -103,9 +103,9 @@ class RedisLimiter(Limiter):
         # Groups whose usage went unrecorded in Redis (admitted while it was unreachable, a settlement
         # that failed): their counters are rebuilt from the ledger once Redis answers again.
         self._resync: set[str] = set()
-        # Holds this process reserved and has not settled, re-registered if Redis loses them (a restart,
-        # a failover): counters rebuilt from the ledger alone would not see requests still running.
-        self._live: dict[str, tuple[Hold, float]] = {}
+        # `_live` (Limiter's): holds this process reserved and has not settled, renewed every round of
+        # the hold watch and re-registered if Redis loses them (a restart, a failover): counters
+        # rebuilt from the ledger alone would not see requests still running.
         self._reserving: set[str] = set()  # reservations sent, their answer not read yet
         self._proc = process_id or uuid.uuid4().hex  # this process's registration in each group
         self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
@@ -125,11 +125,14 @@ class RedisLimiter(Limiter):
         # An idle process notices a Redis restart (or a failover) too, so its running requests' holds
         # come back within a second even if it admits nothing new; started by the first reservation.
         self._closed = False
-        self.watcher = Periodic("quota-hold-watch", 1.0, self._watch_round, on_error=_watch_failed)
+        # Rounds at least four times in the renewal margin (half the hold time), so a running
+        # request's hold is renewed well before it would expire.
+        self.watcher = Periodic("quota-hold-watch", min(1.0, hold_seconds / 8), self._watch_round, on_error=_watch_failed)
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
-        self._reserve_script, self._settle_script, self._seed_script, self._rehold_script, self._credit_script, self._recover_script = (
-            self._client.script(lua) for lua in (RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA)
+        (self._reserve_script, self._settle_script, self._seed_script, self._rehold_script, self._credit_script,
+         self._recover_script, self._renew_script) = (
+            self._client.script(lua) for lua in (RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA, RENEW_LUA)
         )
 
     @property
@@ -183,11 +186,13 @@ class RedisLimiter(Limiter):
         self._resync.difference_update(tags)
         now = time.time()
         for tag in tags:
+            args, live = self._rehold_args(tag, now, bump=True)
             try:
-                await self._client.run(self._rehold_script, self.group(tag) + "epoch", self._rehold_args(tag, now, bump=True), 0.0)
+                await self._client.run(self._rehold_script, self.group(tag) + "epoch", args, 0.0)
             except BaseException:
                 self._resync.update(tags[tags.index(tag):])  # still to do: the next call tries again
                 raise
+            self._renewed(live, now + self.hold_seconds)
 
     def _grouped(self, scopes: list[Scope], tag: str) -> None:
         for scope in scopes:
@@ -231,7 +236,6 @@ class RedisLimiter(Limiter):
             if result[0] == "lost":
                 raise QuotaUnavailable("quota store keeps losing its state")
             if result[0] == "ok":
-                self._live[hold.request_id] = (hold, now + self.hold_seconds)
                 return ("ok", [tuple(r) for r in result[1]])
             if result[0] == "deny":
                 return ("deny", result[1], result[2], [tuple(r) for r in result[3]], int(result[4]))
@@ -272,18 +276,20 @@ class RedisLimiter(Limiter):
     async def _rehold(self, tag: str, now: float) -> None:
         """Puts this process's unsettled holds of one group back (after Redis lost them) and registers
         the process there."""
-        args = self._rehold_args(tag, now)
+        args, live = self._rehold_args(tag, now)
         await self._call(self._rehold_script, args)
-        if args[4]:
-            log.warning("quota store lost its state: re-registered %d holds of requests still running", args[4])
+        self._renewed(live, now + self.hold_seconds)
+        if live:
+            log.warning("quota store lost its state: re-registered %d holds of requests still running", len(live))
 
-    def _rehold_args(self, tag: str, now: float, bump: bool = False) -> list[Any]:
-        """rehold.lua's arguments; `bump`: the script first starts a new epoch (a rebuild)."""
-        self._live = {rid: (h, exp) for rid, (h, exp) in self._live.items() if exp > now}
-        live = [(h, exp) for h, exp in self._live.values() if h.tag == tag]
+    def _rehold_args(self, tag: str, now: float, bump: bool = False) -> tuple[list[Any], list[Hold]]:
+        """rehold.lua's arguments, and the live holds they re-register (each renewed: a full hold
+        time from `now`); `bump`: the script first starts a new epoch (a rebuild)."""
+        live = [h for h, _ in self._live.values() if h.tag == tag]
+        expiry = f"{now + self.hold_seconds:.3f}"
         args: list[Any] = [self.group(tag), self._proc, f"{now:.3f}", 86400, len(live)]
-        for hold, expiry in live:
-            args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, f"{expiry:.3f}", len(hold.scopes), *[s.name for s in hold.scopes]]
+        for hold in live:
+            args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, expiry, len(hold.scopes), *[s.name for s in hold.scopes]]
         # Rows of requests whose holds are settled but that may not be in the ledger yet: a rebuild
         # must count them (a request still holding is counted by its settlement, not here).
         unwritten = [r for r in self._unwritten() if _row_tag(r) == tag and r.request_id not in self._live]
@@ -293,7 +299,7 @@ class RedisLimiter(Limiter):
             args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month}",
                      month, 2, f"k{row.key_id}", f"a{row.account_id}"]
         args += [len(self._reserving), *self._reserving, 1 if bump else 0]
-        return args
+        return args, live
 
     def _watch(self) -> None:
         # Started by the first reservation (it needs the running loop); a settlement during shutdown
@@ -314,6 +320,17 @@ class RedisLimiter(Limiter):
         tags = sorted({h.tag for h, _ in self._live.values()} | {_row_tag(r) for r in unwritten})
         for tag in await self._client.lost_groups([self.group(t) for t in tags], tags, self._proc, now):
             await self._rehold(tag, now)
+        await self.renew(now)
+
+    async def _renew(self, holds: list[Hold], expiry: float) -> None:
+        groups: dict[str, list[Hold]] = {}
+        for hold in holds:
+            groups.setdefault(hold.tag, []).append(hold)
+        for tag, group in groups.items():
+            args: list[Any] = [self.group(tag), f"{expiry:.3f}", self._proc, len(group)]
+            for hold in group:
+                args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, len(hold.scopes), *[s.name for s in hold.scopes]]
+            await self._call(self._renew_script, args)
 
     async def _strike_idle(self) -> None:
         """Strikes off `unc` the written rows of groups with no settlement to carry them since the

@@ -172,6 +172,15 @@ def test_a_number_that_does_not_parse_stops_the_start_naming_it(name: str, raw: 
     assert (empty.http, empty.billing) == (unset.http, unset.billing)  # empty: the default
 
 
+@pytest.mark.parametrize("raw", ["0", "0.5", "-900", "nan"])
+def test_a_hold_time_too_short_to_renew_stops_the_start(raw: str) -> None:
+    # A running request's hold is renewed when half of it is left (billing/quota/base.py:Limiter.renew).
+    with pytest.raises(SystemExit) as stopped:
+        load_settings({"TOLLGATE_QUOTA_HOLD_SECONDS": raw})
+    assert str(stopped.value).startswith("TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1 (seconds), got ")
+    assert load_settings({"TOLLGATE_QUOTA_HOLD_SECONDS": "1"}).quotas.hold_seconds == 1.0
+
+
 FLAGS = {
     "TOLLGATE_CUDA_GRAPHS": lambda s: s.engines.cuda_graphs,
     "TOLLGATE_WARMUP": lambda s: s.engines.warmup,

@@ -30,10 +30,10 @@ for _ = 1, n do
       if redis.call('HEXISTS', s .. 'holds', rid) == 0 then
         redis.call('SADD', p .. 'scopes', ARGV[i + 5 + j])
         redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute .. ':' .. proc)
-        redis.call('ZADD', s .. 'hexp', expiry, rid)
         redis.call('INCRBY', s .. 'held:tok', tok)
         redis.call('INCRBY', s .. 'held:nanos', nanos)
       end
+      redis.call('ZADD', s .. 'hexp', expiry, rid)  -- re-registered: renewed from now
     end
   end
   i = i + 6 + k

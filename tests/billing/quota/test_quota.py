@@ -4,18 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from decimal import Decimal
 from typing import Any
 
 import pytest
+import redis.asyncio as redis_asyncio
 
 from billing import migrate
 from billing.db import create_engine
 from billing.ledger.writer import UsageRecord, write_records
 from billing.quota.limits import InvalidLimits, Limits
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, QuotaExceeded, RedisLimiter, Scope, month_start
-from tests.conftest import REDIS_URL, require_redis
+from tests.conftest import REDIS_URL, require_redis, until
 
 NOW = 1_795_000_000.0  # a fixed instant, 2026-11: windows are driven by explicit times
 
@@ -176,13 +178,90 @@ async def test_settling_twice_counts_once(limiter: Limiter) -> None:
     assert (await limiter.counters(key, now=NOW))["month_tokens"] == 40
 
 
-async def test_expired_holds_release_themselves(limiter: Limiter) -> None:
+async def test_a_running_requests_hold_outlives_the_hold_time(limiter: Limiter) -> None:
+    """A hold expires only when its process stops renewing it: one that runs past the hold time
+    keeps its place (max_concurrent) and what it reserved."""
     limiter.hold_seconds = 30
-    key = scope(max_concurrent=1, monthly_tokens=100)
-    await limiter.reserve(rid(), [key], 100, 0, now=NOW)  # never settled: the gateway "crashed"
-    with pytest.raises(QuotaExceeded):
-        await limiter.reserve(rid(), [key], 100, 0, now=NOW + 10)
-    await limiter.reserve(rid(), [key], 100, 0, now=NOW + 31)
+    t0 = time.time()  # real time: Redis' hold watch renews on the real clock as well
+    key = scope(max_concurrent=1)
+    running = await limiter.reserve(rid(), [key], 100, 0, now=t0)
+    assert await limiter.renew(now=t0 + 10) == 0  # more than half the hold time left
+    assert await limiter.renew(now=t0 + 20) == 1  # renewed: until t0 + 50
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key], 100, 0, now=t0 + 45)  # past the first expiry (t0 + 30)
+    assert info.value.limit == "max_concurrent"
+    assert (await limiter.counters(key, now=t0 + 45))["in_flight"] == 1
+    await limiter.settle(running, 10, 0)
+    assert await limiter.renew(now=t0 + 40) == 0  # settled: nothing of it is renewed again
+    await limiter.reserve(rid(), [key], 100, 0, now=t0 + 45)
+
+
+@pytest.mark.parametrize("store", ["redis", "cluster"])
+async def test_a_crashed_processs_holds_expire(store: str, request: pytest.FixtureRequest, ledger_url: str) -> None:
+    """Holds in Redis outlive the process that took them; once it no longer renews them (it died),
+    they expire after the hold time and free their place for the other processes."""
+    if store == "redis":
+        require_redis(REDIS_URL)
+    url = REDIS_URL if store == "redis" else request.getfixturevalue("redis_cluster").url
+    db = create_engine(ledger_url)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    crashed, other = (RedisLimiter(url, LedgerTotals(db), prefix=prefix, timeout=0.5, hold_seconds=30) for _ in range(2))
+    try:
+        t0 = time.time()
+        key = scope(max_concurrent=1)
+        await crashed.reserve(rid(), [key], 100, 0, now=t0)
+        assert await crashed.renew(now=t0 + 20) == 1  # alive: until t0 + 50
+        await crashed.close()  # then it dies without settling
+        with pytest.raises(QuotaExceeded):
+            await other.reserve(rid(), [key], 100, 0, now=t0 + 45)
+        await other.reserve(rid(), [key], 100, 0, now=t0 + 51)
+    finally:
+        await other.flush_all()
+        await other.close()
+        await db.dispose()
+
+
+async def test_the_hold_watch_renews_running_holds_on_the_clock(ledger_url: str) -> None:
+    """On the real clock: a hold of 2 s is renewed by the process's hold watch while its request runs,
+    is still counted after its first expiry, and expires once its process is gone."""
+    require_redis(REDIS_URL)
+    db = create_engine(ledger_url)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    running, other = (RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=0.5, hold_seconds=2) for _ in range(2))
+    client = redis_asyncio.Redis.from_url(REDIS_URL)
+    alive = True
+    try:
+        key = scope(max_concurrent=1)
+        hold = await running.reserve(rid(), [key], 100, 0)
+        first_expiry = hold.at + 2
+        hexp = f"{running.group(hold.tag)}{key.name}:hexp"
+
+        async def renewed() -> bool:
+            score = await client.zscore(hexp, hold.request_id)
+            return score is not None and score > first_expiry and time.time() > first_expiry + 0.1
+
+        await until(renewed, "the hold renewed and its first expiry passed")
+        with pytest.raises(QuotaExceeded) as info:
+            await other.reserve(rid(), [key], 100, 0)
+        assert info.value.limit == "max_concurrent"
+        await running.close()  # the process dies: its hold expires within 2 s
+        alive = False
+
+        async def admitted() -> bool:
+            try:
+                await other.reserve(rid(), [key], 100, 0)
+            except QuotaExceeded:
+                return False
+            return True
+
+        await until(admitted, "the dead process's hold expired", timeout=10.0)
+    finally:
+        await other.flush_all()
+        await other.close()
+        if alive:
+            await running.close()
+        await client.aclose()
+        await db.dispose()
 
 
 async def test_monthly_spend_at_exact_decimal_price(limiter: Limiter) -> None:
@@ -273,8 +352,6 @@ def test_limits_are_empty_only_with_no_limit_set() -> None:
 async def test_the_settle_once_marker_lives_as_long_as_a_hold(ledger_url: str) -> None:
     """Settling twice still counts once, and the marker that ensures it is gone after the hold time
     (not a day: at 1,000 requests/s a day of markers is ~86M Redis keys)."""
-    import redis.asyncio as redis_asyncio
-
     require_redis(REDIS_URL)
     prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
     db = create_engine(ledger_url)

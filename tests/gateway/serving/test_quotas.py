@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from decimal import Decimal
 from typing import Any
 
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 from billing.db import create_engine
 from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
-from tests.conftest import MODEL, Gateway, minute_with_room, price_in_force
+from tests.conftest import MODEL, REDIS_URL, Gateway, minute_with_room, price_in_force, require_redis, start_gateway, stop_server
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
 # A prompt the model answers at length: every admitted request uses all of its max_tokens, so it
@@ -241,3 +242,44 @@ async def test_limit_changes_are_validated(gw: Gateway) -> None:
         assert r.json()["limits"] == {"rpm": 5, "monthly_spend": "10.5"}
         r = await admin.patch(f"/admin/keys/{key['id']}", json={"limits": {"rpm": None}})
         assert r.json()["limits"] == {"monthly_spend": "10.5"}
+
+
+HOLD = 2.0  # seconds: the shortest hold the settings take is 1
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def short_hold(request: pytest.FixtureRequest, engine: Any, fresh_pg_database: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A gateway whose quota holds last HOLD seconds unless renewed (in-process limiter, Redis)."""
+    groups: dict[str, Any] = {"quotas": {"hold_seconds": HOLD}}
+    if request.param == "redis":
+        require_redis(REDIS_URL)
+        groups["redis"] = {"url": REDIS_URL, "prefix": f"tgtest:{uuid.uuid4().hex[:8]}:", "timeout": 0.25}
+    server, gw = start_gateway(fresh_pg_database(migrated=True), engine, tmp_path_factory.mktemp("gw-hold"), **groups)
+    try:
+        yield gw
+    finally:
+        stop_server(server)
+
+
+async def test_a_request_running_past_the_hold_time_keeps_its_place(short_hold: Gateway, client_for: Any) -> None:
+    """A stream that outlives the hold time still holds its reservation: with max_concurrent 1, a
+    second request is refused until the first ends (before renewal, its hold expired under it)."""
+    gw = short_hold
+    key = await gw.new_key()
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"max_concurrent": 1})
+    client = client_for(key["key"], gw)
+    stream = await client.chat.completions.create(model=MODEL, messages=FILL, max_tokens=1500, stream=True, temperature=0)
+    chunks = aiter(stream)
+    await anext(chunks)  # admitted: its hold was taken before this first chunk
+    past = time.time() + HOLD + 0.5  # past the hold's first expiry
+    async for _ in chunks:
+        if time.time() > past:
+            break
+    else:
+        pytest.fail("the stream ended before its hold's first expiry: the test needs a longer one")
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
+    assert info.value.response.json()["error"]["code"] == "max_concurrent"
+    await stream.close()
+    assert (await settled(gw, "key", key["id"]))["in_flight"] == 0
+    await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
