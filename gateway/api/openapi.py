@@ -28,8 +28,8 @@ from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 JSON = "application/json"
 ERROR_CODES = {
     400: "Invalid request: malformed JSON, wrong types, unsupported parameter, prompt too long",
-    401: "Missing or unknown API key",
-    403: "Revoked or expired key, model not allowed, admin key required, another account's data",
+    401: "Missing, unknown, revoked or expired API key",
+    403: "Model not allowed, admin key required, another account's data, account suspended",
     404: "Unknown model, path or object",
     408: "The request did not arrive within the read deadline",
     409: "Conflict (duplicate account name, price version at the same instant)",

@@ -138,7 +138,8 @@ def bearer_key(request: Request) -> str:
 
 
 async def authenticate(request: Request, keys: KeyStore, key: str | None = None, *, states: AccountStates | None = None) -> Principal:
-    """The caller's principal; 401 for a missing or unknown key, 403 for a revoked or expired one.
+    """The caller's principal; 401 for a missing, unknown, revoked or expired key (as OpenAI and
+    Anthropic answer a revoked one: the SDKs' AuthenticationError; the code says which).
     `key`: found elsewhere than in `Authorization: Bearer` (Anthropic's `x-api-key`). `states`: for
     the routes that spend (generate, embed, batch), also 403 for a key of a suspended account (unpaid
     invoices; no I/O). A line of a batch (gateway/batches/runner.py) is its batch's principal."""
@@ -154,9 +155,9 @@ async def authenticate(request: Request, keys: KeyStore, key: str | None = None,
         if found is None:
             raise AuthenticationFailed("Incorrect API key provided.")
         if found.revoked:
-            raise PermissionDenied("This API key has been revoked.", code="key_revoked")
+            raise AuthenticationFailed("This API key has been revoked.", code="key_revoked")
         if found.expired():
-            raise PermissionDenied("This API key has expired.", code="key_expired")
+            raise AuthenticationFailed("This API key has expired.", code="key_expired")
         principal = found
     suspended = states.suspension(principal) if states is not None else None
     if suspended is not None:

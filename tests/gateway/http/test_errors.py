@@ -48,22 +48,23 @@ async def test_missing_and_invalid_keys_are_401(gateway: Gateway, client_for: An
     await still_serving(gateway, customer["key"])
 
 
-async def test_revoked_key_is_403(gateway: Gateway, client_for: Any) -> None:
+async def test_revoked_key_is_401(gateway: Gateway, client_for: Any) -> None:
     key = await gateway.new_key()
     client = client_for(key["key"])
     await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
     async with gateway.admin_client() as admin:
         r = await admin.delete(f"/admin/keys/{key['id']}")
         assert r.status_code == 200 and r.json()["revoked_at"]
-    with pytest.raises(openai.PermissionDeniedError) as info:
+    # OpenAI answers a revoked key 401 (its error-codes guide): the SDK's AuthenticationError.
+    with pytest.raises(openai.AuthenticationError) as info:
         await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
     assert assert_openai_shape(info.value.response.json())["code"] == "key_revoked"
 
 
-async def test_expired_key_is_403(gateway: Gateway, client_for: Any) -> None:
+async def test_expired_key_is_401(gateway: Gateway, client_for: Any) -> None:
     past = (datetime.now(timezone.utc) - timedelta(minutes=1)).isoformat()
     key = await gateway.new_key(expires_at=past)
-    with pytest.raises(openai.PermissionDeniedError) as info:
+    with pytest.raises(openai.AuthenticationError) as info:
         await client_for(key["key"]).chat.completions.create(model=MODEL, messages=QUESTION)
     assert assert_openai_shape(info.value.response.json())["code"] == "key_expired"
 

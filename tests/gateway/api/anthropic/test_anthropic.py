@@ -193,6 +193,18 @@ async def test_keys_x_api_key_and_bearer(gateway: Gateway, customer: dict[str, A
     assert (await gateway.ledger_row(request_id_of(msg.id)))["key_id"] == customer["id"]
 
 
+async def test_a_revoked_key_is_an_authentication_error(gateway: Gateway) -> None:
+    """Anthropic answers a key that no longer works 401 authentication_error (the SDK's
+    AuthenticationError), not 403: permission_error is for a valid key lacking access."""
+    key = await gateway.new_key()
+    async with gateway.admin_client() as admin:
+        assert (await admin.delete(f"/admin/keys/{key['id']}")).status_code == 200
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key["key"], max_retries=0) as revoked:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            await revoked.messages.create(model=MODEL, messages=QUESTION, max_tokens=5)
+    assert caught.value.body["error"] == {"type": "authentication_error", "message": "This API key has been revoked."}
+
+
 async def test_over_quota_is_a_429_rate_limit_error_without_a_row(gateway: Gateway) -> None:
     key = await gateway.new_key()
     await set_limits(gateway, f"/admin/keys/{key['id']}", {"monthly_tokens": 40})
