@@ -316,16 +316,23 @@ class Limiter(abc.ABC):
         # The holds of this process's requests still running (reserved, not settled), each with when
         # it expires in the store: `renew` keeps them there for as long as their requests run.
         self._live: dict[str, tuple[Hold, float]] = {}
+        self._earliest = math.inf  # no live hold expires before this: most calls of `_due` look no further
 
     def _due(self, now: float) -> list[Hold]:
         """Live holds with less than half the hold time left."""
         soon = now + self.hold_seconds / 2
-        return [hold for hold, expiry in self._live.values() if expiry < soon]
+        if soon <= self._earliest:
+            return []
+        due = [hold for hold, expiry in self._live.values() if expiry < soon]
+        if not due:
+            self._earliest = min((expiry for _, expiry in self._live.values()), default=math.inf)
+        return due
 
     def _renewed(self, holds: list[Hold], expiry: float) -> None:
         for hold in holds:
             if hold.request_id in self._live:  # not settled meanwhile
                 self._live[hold.request_id] = (hold, expiry)
+        self._earliest = min((e for _, e in self._live.values()), default=math.inf)
 
     async def renew(self, now: float | None = None) -> int:
         """Extends each hold of a request this process still runs that has less than half the hold
@@ -374,6 +381,7 @@ class Limiter(abc.ABC):
             if outcome[0] == "ok":
                 hold.remaining, hold.at = tuple(outcome[1]), now
                 self._live[request_id] = (hold, now + self.hold_seconds)
+                self._earliest = min(self._earliest, now + self.hold_seconds)
                 return hold
             if outcome[0] == "degraded":
                 hold.degraded = True
