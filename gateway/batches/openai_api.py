@@ -130,18 +130,23 @@ async def create_batch(request: Request) -> Response:
         raise InvalidRequest(f"file {file_id} has purpose {info.purpose!r}; a batch's input file has purpose 'batch'",
                              param="input_file_id", code="invalid_purpose")
     content = await state.files.content(principal.account_id, file_id) or b""
-    try:
-        lines = parse_input(content, endpoint, state.settings.batches.max_lines)
-    except BadInput as exc:
-        raise InvalidRequest(f"the input file is not a valid batch: {exc}", param="input_file_id", code="invalid_jsonl") from None
     now = utcnow()
-    batch = await state.batch_store.create({
+    values: dict[str, Any] = {
         "id": new_batch_id(), "account_id": principal.account_id, "key_id": principal.key_id, "api": "openai",
         "endpoint": endpoint, "input_file_id": file_id, "completion_window": window, "status": "validating",
         "metadata_json": orjson.dumps(metadata).decode() if metadata else None,
-        "created_at": now, "expires_at": now + timedelta(seconds=WINDOWS[window]),
-    }, lines)
-    state.batch_runner.wake()
+        "created_at": now, "expires_at": now + timedelta(seconds=state.settings.batches.window_seconds or WINDOWS[window]),
+    }
+    try:
+        lines = parse_input(content, endpoint, state.settings.batches.max_lines)
+    except BadInput as exc:
+        # As OpenAI: the batch is made and fails its validation, the reason in `errors.data` (the
+        # line, OpenAI's code); nothing of it runs or is billed.
+        values.update(status="failed", failed_at=now, errors_json=orjson.dumps([exc.error()]).decode())
+        lines = []
+    batch = await state.batch_store.create(values, lines)
+    if lines:
+        state.batch_runner.wake()
     return json_response(openai_view(batch, await state.batch_store.counts(batch["id"])))
 
 

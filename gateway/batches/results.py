@@ -20,22 +20,29 @@ CANCELLED = {"code": "batch_cancelled", "message": "This request was not execute
 
 
 class BadInput(ValueError):
-    """An input file that is no batch: `line` (1-based) says where."""
+    """An input file that is no batch, as OpenAI's batch error (`errors.data[]`): `code` (OpenAI's
+    where it has one: invalid_json_line, duplicate_custom_id, url_mismatch, model_mismatch,
+    empty_file, too_many_tasks), `line` (1-based; None for the whole file), `param`."""
 
-    def __init__(self, message: str, line: int | None = None) -> None:
+    def __init__(self, message: str, line: int | None = None, code: str = "invalid_request", param: str | None = None) -> None:
         super().__init__(f"line {line}: {message}" if line else message)
-        self.line = line
+        self.message, self.line, self.code, self.param = message, line, code, param
+
+    def error(self) -> dict[str, Any]:
+        return {"code": self.code, "line": self.line, "message": self.message, "param": self.param}
 
 
 def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str, str]]:
-    """OpenAI's batch input: one JSON object a line, {"custom_id", "method": "POST", "url", "body"}.
-    Returns (custom_id, body JSON) per line; raises BadInput at the first line that is wrong."""
+    """OpenAI's batch input: one JSON object a line, {"custom_id", "method": "POST", "url", "body"},
+    every body for one model. Returns (custom_id, body JSON) per line; raises BadInput at the first
+    line that is wrong."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError:
-        raise BadInput("the file is not UTF-8 text") from None
+        raise BadInput("the file is not UTF-8 text", code="invalid_json_line") from None
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
+    model: str | None = None
     # Lines end at "\n" (or "\r\n") only: str.splitlines() would also split at U+2028, U+2029, U+0085...,
     # which a JSON string may hold unescaped.
     for number, raw in enumerate(text.split("\n"), 1):
@@ -45,31 +52,36 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str
         try:
             item = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise BadInput("not valid JSON", number) from None
+            raise BadInput("This line is not parseable as valid JSON.", number, "invalid_json_line") from None
         if not isinstance(item, dict):
-            raise BadInput("each line must be a JSON object", number)
+            raise BadInput("each line must be a JSON object", number, "invalid_json_line")
         if too_deep(raw, item):
-            raise BadInput(f"nested more than {MAX_JSON_DEPTH} levels deep", number)
+            raise BadInput(f"nested more than {MAX_JSON_DEPTH} levels deep", number, "invalid_json_line")
         custom_id = item.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255:
-            raise BadInput("custom_id must be a string of 1 to 255 characters", number)
+            raise BadInput("custom_id must be a string of 1 to 255 characters", number, param="custom_id")
         if "\x00" in custom_id:  # no database text column can hold one
-            raise BadInput("custom_id must not contain NUL characters (\\u0000)", number)
+            raise BadInput("custom_id must not contain NUL characters (\\u0000)", number, param="custom_id")
         if custom_id in seen:
-            raise BadInput(f"custom_id {custom_id!r} is used twice; each must be unique", number)
+            raise BadInput(f"custom_id {custom_id!r} is used twice; each must be unique", number, "duplicate_custom_id", "custom_id")
         seen.add(custom_id)
         if item.get("method", "POST") != "POST":
-            raise BadInput("method must be POST", number)
+            raise BadInput("method must be POST", number, param="method")
         if item.get("url") != endpoint:
-            raise BadInput(f"url must be the batch's endpoint {endpoint!r}", number)
+            raise BadInput(f"url must be the batch's endpoint {endpoint!r}", number, "url_mismatch", "url")
         body = item.get("body")
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            raise BadInput("body must be a JSON object with a model", number)
+            raise BadInput("body must be a JSON object with a model", number, param="body.model")
+        if model is None:
+            model = body["model"]
+        elif body["model"] != model:  # OpenAI: one model per input file
+            raise BadInput(f"every line must name the same model: {body['model']!r} here, {model!r} before", number,
+                           "model_mismatch", "body.model")
         out.append((custom_id, orjson.dumps(body).decode()))
         if len(out) > max_lines:
-            raise BadInput(f"a batch has at most {max_lines} lines", number)
+            raise BadInput(f"a batch has at most {max_lines} lines", number, "too_many_tasks")
     if not out:
-        raise BadInput("the file has no requests")
+        raise BadInput("the file has no requests", code="empty_file")
     return out
 
 
@@ -92,7 +104,9 @@ def _body(line: Line) -> Any:
 
 def openai_counts(counts: dict[str, int]) -> dict[str, int]:
     total = sum(v for k, v in counts.items() if ":" not in k)
-    failed = counts.get("done:errored", 0) + counts.get("done:expired", 0)
+    # Every line that ended without a 2xx answer is in the error file: refused or failed, and those
+    # never run (expired, or cancelled), so an ended batch's completed + failed is its total.
+    failed = counts.get("done:errored", 0) + counts.get("done:expired", 0) + counts.get("done:canceled", 0)
     return {"total": total, "completed": counts.get("done:succeeded", 0), "failed": failed}
 
 

@@ -77,6 +77,18 @@ async def ended(client: Any, batch_id: str, timeout: float = 240.0) -> Any:
     return got["b"]
 
 
+async def failed_validation(client: Any, file_id: str, endpoint: str = "/v1/chat/completions") -> Any:
+    """The batch an input file that is no batch makes: created, `failed` at once, its one error in
+    `errors.data` (OpenAI's BatchError), nothing in it run; the error returned."""
+    batch = await client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h")
+    assert batch.status == "failed" and batch.failed_at is not None and batch.in_progress_at is None, batch
+    assert (batch.request_counts.total, batch.output_file_id, batch.error_file_id) == (0, None, None), batch
+    again = await client.batches.retrieve(batch.id)
+    assert again.status == "failed" and again.errors == batch.errors
+    [error] = batch.errors.data
+    return error
+
+
 async def test_fifty_line_batch_completes_at_the_batch_price(batch_gateway: Gateway) -> None:
     gw = batch_gateway
     await priced(gw)
@@ -233,13 +245,17 @@ async def test_cancel_stops_claiming_lines(batch_gateway: Gateway) -> None:
     assert cancelling.status in ("cancelling", "cancelled")
     batch = await ended(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at is not None and batch.cancelling_at is not None
-    ran = batch.request_counts.completed + batch.request_counts.failed
-    assert ran < 40, batch.request_counts
     errors = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).content.splitlines()]
     cancelled = [e for e in errors if e["error"] and e["error"]["code"] == "batch_cancelled"]
-    assert len(cancelled) == 40 - ran and all(e["response"] is None for e in cancelled)
+    assert cancelled and all(e["response"] is None for e in cancelled)
+    ran = batch.request_counts.completed + len(errors) - len(cancelled)
+    assert ran < 40, batch.request_counts
     rows = await rows_of(gw, batch.id)
     assert len(rows) == ran  # no line that was cancelled ran
+    # Every line in the error file is counted failed (the cancelled ones too): an ended batch's
+    # completed + failed is its total.
+    assert batch.request_counts.failed == len(errors) and batch.request_counts.total == 40, batch.request_counts
+    assert batch.request_counts.completed + batch.request_counts.failed == 40, batch.request_counts
     assert (await client.batches.retrieve(batch.id)).status == "cancelled"
 
 
@@ -282,12 +298,6 @@ async def test_bad_input_is_refused_in_openai_shape(batch_gateway: Gateway) -> N
             assert body["code"] == code, body
 
     good = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2))), purpose="batch")
-    broken = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2) + b"{not json\n")), purpose="batch")
-    await refused(openai.BadRequestError, client.batches.create(input_file_id=broken.id, endpoint="/v1/chat/completions",
-                                                                completion_window="24h"), "input_file_id", "invalid_jsonl")
-    wrong_url = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2))), purpose="batch")
-    await refused(openai.BadRequestError, client.batches.create(input_file_id=wrong_url.id, endpoint="/v1/completions",
-                                                                completion_window="24h"), "input_file_id", "invalid_jsonl")
     await refused(openai.NotFoundError, client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
                                                               completion_window="24h"))
     await refused(openai.BadRequestError, client.batches.create(input_file_id=good.id, endpoint="/v1/images/generations",  # type: ignore[arg-type]
@@ -308,6 +318,31 @@ async def test_bad_input_is_refused_in_openai_shape(batch_gateway: Gateway) -> N
                                                                 completion_window="24h"), "input_file_id", "invalid_purpose")
     assert (await client.files.delete(good.id)).deleted
     await refused(openai.NotFoundError, client.files.retrieve(good.id))
+
+
+async def test_an_input_file_that_is_no_batch_makes_a_failed_batch_naming_the_line(batch_gateway: Gateway) -> None:
+    """As OpenAI: batches.create answers a Batch, which fails its validation (`failed`, `failed_at`)
+    with the reason in `errors.data` (code, line, message, param) rather than a 400; nothing runs."""
+    gw = batch_gateway
+    key = await gw.new_key()
+    client = openai_client(gw, key["key"])
+    one = chat_lines(1).decode()
+    other_model = one.replace(f'"model": "{MODEL}"', '"model": "another-model"').replace("req-0", "other")
+    cases = [
+        (chat_lines(2) + b"{not json\n", "/v1/chat/completions", ("invalid_json_line", 3, None)),
+        (chat_lines(2) + chat_lines(1), "/v1/chat/completions", ("duplicate_custom_id", 3, "custom_id")),
+        (chat_lines(2), "/v1/completions", ("url_mismatch", 1, "url")),
+        ((one + other_model).encode(), "/v1/chat/completions", ("model_mismatch", 2, "body.model")),
+        (b"\n\n", "/v1/chat/completions", ("empty_file", None, None)),
+        (chat_lines(2).replace(b'"model": ', b'"modle": ', 1), "/v1/chat/completions", ("invalid_request", 1, "body.model")),
+    ]
+    for content, endpoint, expected in cases:
+        uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        error = await failed_validation(client, uploaded.id, endpoint)
+        assert (error.code, error.line, error.param) == expected, (expected, error)
+        assert error.message
+    await gw.flush_ledger()
+    assert await gw.ledger_count(key_id=key["id"]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -332,8 +367,10 @@ async def test_a_batch_its_quota_stops_expires_with_the_rest_in_the_error_file(s
     uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(30, max_tokens=4))), purpose="batch")
     started = time.monotonic()
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.expires_at - batch.created_at == 4  # the window it runs under, not completion_window's 24 h
     batch = await ended(client, batch.id, timeout=60)
     assert batch.status == "expired" and batch.expired_at is not None, batch
+    assert batch.request_counts.completed + batch.request_counts.failed == batch.request_counts.total == 30
     assert time.monotonic() - started >= 3.5  # it waited for its window, retrying the refused lines
     ran = batch.request_counts.completed
     errors = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).content.splitlines()]
@@ -352,10 +389,12 @@ def lines_for(endpoint: str, bodies: list[dict[str, Any]]) -> bytes:
 
 
 @pytest.mark.parametrize("endpoint, bodies, shape", [
-    ("/v1/completions", [{"model": MODEL, "prompt": "One two", "max_tokens": 2}, {"model": "no-such-model", "prompt": "x", "max_tokens": 2}],
+    # One model a file (OpenAI's rule); the second line is one its route refuses (400).
+    ("/v1/completions", [{"model": MODEL, "prompt": "One two", "max_tokens": 2}, {"model": MODEL, "prompt": "x", "max_tokens": -1}],
      "text_completion"),
-    ("/v1/responses", [{"model": MODEL, "input": "Hi", "max_output_tokens": 2}, {"model": "no-such-model", "input": "x"}], "response"),
-    ("/v1/embeddings", [{"model": "all-minilm-l6-v2", "input": "a sentence"}, {"model": "no-such-model", "input": "x"}], "list"),
+    ("/v1/responses", [{"model": MODEL, "input": "Hi", "max_output_tokens": 2}, {"model": MODEL, "input": "x", "max_output_tokens": -1}],
+     "response"),
+    ("/v1/embeddings", [{"model": "all-minilm-l6-v2", "input": "a sentence"}, {"model": "all-minilm-l6-v2", "input": ""}], "list"),
 ])
 async def test_every_endpoint_runs_in_a_batch(batch_gateway: Gateway, endpoint: str, bodies: list[dict[str, Any]], shape: str) -> None:
     gw = batch_gateway
@@ -368,7 +407,7 @@ async def test_every_endpoint_runs_in_a_batch(batch_gateway: Gateway, endpoint: 
     [ok] = [json.loads(x) for x in (await client.files.content(batch.output_file_id)).content.splitlines()]
     [bad] = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).content.splitlines()]
     assert ok["custom_id"] == "c-0" and ok["response"]["body"]["object"] == shape
-    assert bad["custom_id"] == "c-1" and bad["response"]["status_code"] == 404 and bad["response"]["body"]["error"]["code"]
+    assert bad["custom_id"] == "c-1" and bad["response"]["status_code"] == 400 and bad["response"]["body"]["error"]["message"]
     rows = await rows_of(gw, batch.id)  # the refused line has no row: it was never admitted
     assert [(r["request_id"], r["api"]) for r in rows] == [(ok["response"]["request_id"], "batch")]
 
@@ -465,7 +504,6 @@ async def test_a_limit_of_unicode_digits_is_a_400_in_each_api(batch_gateway: Gat
 async def test_an_input_line_nested_too_deep_is_refused_with_its_line_number(batch_gateway: Gateway) -> None:
     """A line's body is written again (orjson.dumps, 255 levels at most): one nested deeper than the
     gateway takes was a 500 at batch creation; it is a 400 naming its line."""
-    import openai
 
     from gateway.http.requests import MAX_JSON_DEPTH
 
@@ -475,13 +513,11 @@ async def test_an_input_line_nested_too_deep_is_refused_with_its_line_number(bat
     line = ('{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "%s", '
             '"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "extra": %s}}' % (MODEL, deep)).encode()
     uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1) + line + b"\n")), purpose="batch")
-    with pytest.raises(openai.BadRequestError) as caught:
-        await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert f"line 2: nested more than {MAX_JSON_DEPTH} levels deep" in caught.value.body["message"], caught.value.body  # type: ignore[index]
+    error = await failed_validation(client, uploaded.id)
+    assert (error.code, error.line, error.message) == ("invalid_json_line", 2, f"nested more than {MAX_JSON_DEPTH} levels deep")
 
 
 async def test_a_nul_in_an_input_line_is_refused_with_its_line_number(batch_gateway: Gateway) -> None:
-    import openai
 
     gw = batch_gateway
     client = openai_client(gw, (await gw.new_key())["key"])
@@ -494,11 +530,8 @@ async def test_a_nul_in_an_input_line_is_refused_with_its_line_number(batch_gate
         bad = line(custom_id, "Hi")
         assert b"\\u0000" in bad
         uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2) + bad)), purpose="batch")
-        with pytest.raises(openai.BadRequestError) as caught:
-            await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-        body = caught.value.body  # type: ignore[attr-defined]
-        assert (body["param"], body["code"]) == ("input_file_id", "invalid_jsonl"), body
-        assert "line 3" in body["message"] and "NUL" in body["message"], body
+        error = await failed_validation(client, uploaded.id)
+        assert (error.line, error.param) == (3, "custom_id") and "NUL" in error.message, error
     # A NUL in a line's body is stored escaped (the body is JSON text): the line runs and its route
     # refuses it as it refuses any request body with one, a 400 in the error file.
     uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1) + line("nul", "H\u0000i"))), purpose="batch")
@@ -511,7 +544,6 @@ async def test_a_nul_in_an_input_line_is_refused_with_its_line_number(batch_gate
 
 
 async def test_line_separators_inside_json_strings_do_not_split_lines(batch_gateway: Gateway) -> None:
-    import openai
 
     gw = batch_gateway
     client = openai_client(gw, (await gw.new_key())["key"])
@@ -529,9 +561,8 @@ async def test_line_separators_inside_json_strings_do_not_split_lines(batch_gate
     assert sorted(x["custom_id"] for x in output) == ["s-0", "s-1", "s-2"]
     # A bad line after them is named by its own number.
     broken = await client.files.create(file=("in.jsonl", io.BytesIO(content + b"{not json\n")), purpose="batch")
-    with pytest.raises(openai.BadRequestError) as caught:
-        await client.batches.create(input_file_id=broken.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert "line 4: not valid JSON" in caught.value.body["message"], caught.value.body  # type: ignore[attr-defined]
+    error = await failed_validation(client, broken.id)
+    assert (error.code, error.line) == ("invalid_json_line", 4), error
 
 
 async def test_a_streaming_line_with_stream_options_is_answered_in_one_body(batch_gateway: Gateway) -> None:
