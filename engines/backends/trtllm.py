@@ -657,7 +657,8 @@ class TRTLLMEngine(Engine):
         if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
             if fmt.get("type") not in ("json_object", "json_schema"):
                 raise _rejected(f"response_format type {fmt.get('type')!r} is not supported", "response_format", "invalid_value")
-            if fmt.get("type") == "json_schema" and not isinstance((fmt.get("json_schema") or {}).get("schema"), dict):
+            spec = fmt.get("json_schema")
+            if fmt.get("type") == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
                 raise _rejected("response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema", "invalid_value")
             if not getattr(getattr(self._llm, "args", None), "guided_decoding_backend", None):
                 raise _rejected(

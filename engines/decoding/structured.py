@@ -77,7 +77,8 @@ def tool_choice_of(body: dict[str, Any], functions: list[Function]) -> str | Fun
         return "auto"
     if choice in ("none", "auto", "required"):
         return str(choice)
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise _rejected("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     for fn in functions:
@@ -210,9 +211,15 @@ def _arguments(call: Any) -> Any:
         return args
 
 
+def _call_shaped(call: Any) -> bool:
+    """An assistant's tool call as OpenAI takes one: an object whose `function` is an object with a name."""
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+
 def _written_call(call: Any, parser: str) -> str:
     """An earlier assistant tool call, as the model would have written it."""
-    name = (call.get("function") or {}).get("name") if isinstance(call, dict) else None
+    name = call["function"]["name"]  # template_messages checked the call's shape
     key = "arguments" if parser == "hermes" else "parameters"
     obj = json.dumps({"name": name, key: _arguments(call)}, ensure_ascii=False)
     return f"<tool_call>\n{obj}\n</tool_call>" if parser == "hermes" else obj
@@ -230,6 +237,9 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
         role = "system" if m.get("role") == "developer" else m.get("role")
         text = _text(m.get("content"), f"messages[{i}]")
         calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None and not (isinstance(calls, list) and all(_call_shaped(c) for c in calls)):
+            raise ValueError(f"messages[{i}].tool_calls must be a list of {{\"type\": \"function\", \"id\", "
+                             f"\"function\": {{\"name\", \"arguments\"}}}} objects")
         if role == "tool":
             if knows_tools:
                 out.append({"role": "tool", "content": text, "tool_call_id": m.get("tool_call_id")})
@@ -237,8 +247,8 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
                 out.append({"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"})
         elif calls:
             if knows_tools:
-                shaped = [{"type": "function", "id": c.get("id"), "function": {"name": (c.get("function") or {}).get("name"), "arguments": _arguments(c)}}
-                          for c in calls if isinstance(c, dict)]
+                shaped = [{"type": "function", "id": c.get("id"), "function": {"name": c["function"]["name"], "arguments": _arguments(c)}}
+                          for c in calls]
                 out.append({"role": "assistant", "content": text, "tool_calls": shaped})
             else:
                 written = "\n".join(_written_call(c, parser) for c in calls)

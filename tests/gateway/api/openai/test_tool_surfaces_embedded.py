@@ -133,3 +133,29 @@ async def test_openai_agents_one_tool_agent_on_the_embedded_model(gateway: Gatew
         row = await gateway.ledger_row(response.response_id.removeprefix("resp_"))
         assert (row["prompt_tokens"], row["completion_tokens"], row["api"]) == (
             response.usage.input_tokens, response.usage.output_tokens, "responses")
+
+
+async def test_misshapen_tool_fields_are_400s_naming_them(gateway: Gateway, customer: dict[str, Any]) -> None:
+    """A tool_choice whose `function` is no object, or an assistant turn whose tool_calls are not
+    call objects, is the client's error (400 naming the field), never a 500; the server keeps serving."""
+    import httpx
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}}]
+    question = [{"role": "user", "content": QUESTION}]
+    bodies = {
+        "tool_choice": {"tools": tools, "tool_choice": {"type": "function", "function": "get_weather"}, "messages": question},
+        "tool_choice ": {"tools": tools, "tool_choice": {"type": "function", "function": ["get_weather"]}, "messages": question,
+                         "stream": True},
+        "messages": {"tools": tools, "messages": [*question, {"role": "assistant", "tool_calls": "x"},
+                                                  {"role": "tool", "tool_call_id": "c1", "content": "18 degrees"}]},
+        "messages ": {"tools": tools, "messages": [*question, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                                                                   "function": "get_weather"}]},
+                                                   {"role": "tool", "tool_call_id": "c1", "content": "18 degrees"}]},
+    }
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}, timeout=60) as c:
+        for param, body in bodies.items():
+            r = await c.post("/chat/completions", json={"model": MODEL, "max_tokens": 5, **body})
+            assert r.status_code == 400, (param, r.status_code, r.text)
+            assert r.json()["error"]["param"] == param.strip(), (param, r.text)
+        ok = await c.post("/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": question})
+        assert ok.status_code == 200
