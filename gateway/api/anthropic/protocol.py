@@ -216,6 +216,8 @@ class MessagesRequest(_ToolsAndMessages):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
+    thinking: Any = None
+    output_config: Any = None
     _chat: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     # What CompletionService reads of every generation request.
@@ -242,14 +244,39 @@ class MessagesRequest(_ToolsAndMessages):
     def check_supported(self, passthrough: bool = False) -> None:
         if self.top_k:
             raise InvalidRequest("top_k is not supported", param="top_k")
+        thinking = self.thinking.get("type") if isinstance(self.thinking, dict) else self.thinking
+        if thinking not in (None, "disabled", "adaptive"):  # adaptive: the model decides, and this one does not think
+            raise InvalidRequest("extended thinking is not supported by this model; leave thinking out or send "
+                                 "{\"type\": \"disabled\"}", param="thinking")
+        self.response_format()
         if self.messages[-1].role == "assistant":
             # The chat template would close the assistant turn and start a new one: not a continuation.
             raise InvalidRequest("a final assistant message (prefill) is not supported", param=f"messages[{len(self.messages) - 1}].role")
         super().check_supported(passthrough)
 
+    def response_format(self) -> dict[str, Any] | None:
+        """output_config's JSON schema (Anthropic's structured outputs) as chat's response_format;
+        its `effort` concerns thinking, which this model does not do."""
+        config = self.output_config
+        if config is None:
+            return None
+        if not isinstance(config, dict) or not set(config) <= {"format", "effort"}:
+            raise InvalidRequest("output_config must be an object with format and effort", param="output_config")
+        if config.get("effort") not in (None, "low", "medium", "high", "xhigh", "max"):
+            raise InvalidRequest("output_config.effort must be one of low, medium, high, xhigh, max", param="output_config.effort")
+        fmt = config.get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}", param="output_config.format")
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
     def chat_body(self) -> dict[str, Any]:
         body = super().chat_body()
         body.update(max_tokens=self.max_tokens, stream=bool(self.stream))
+        fmt = self.response_format()
+        if fmt is not None:
+            body["response_format"] = fmt
         optional = {"temperature": self.temperature, "top_p": self.top_p, "stop": list(self.stop) if self.stop else None}
         body.update((k, v) for k, v in optional.items() if v is not None)
         self._chat = body

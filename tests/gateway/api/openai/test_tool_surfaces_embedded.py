@@ -159,3 +159,27 @@ async def test_misshapen_tool_fields_are_400s_naming_them(gateway: Gateway, cust
             assert r.json()["error"]["param"] == param.strip(), (param, r.text)
         ok = await c.post("/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": question})
         assert ok.status_code == 200
+
+
+async def test_messages_structured_output_and_thinking(gateway: Gateway, customer: dict[str, Any]) -> None:
+    """Anthropic's structured outputs (output_config.format json_schema) are honoured as chat's
+    response_format is (guided decoding); extended thinking, which this model cannot do, is a 400
+    rather than silently left out; thinking disabled is fine."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "capital": {"type": "boolean"}},
+              "required": ["name", "capital"], "additionalProperties": False}
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=customer["key"], max_retries=0, timeout=120) as claude:
+        question = [{"role": "user", "content": "Describe Paris."}]
+        msg = await claude.messages.create(model=MODEL, max_tokens=60, messages=question, extra_body=GREEDY,
+                                           output_config={"format": {"type": "json_schema", "schema": schema}})
+        [block] = msg.content
+        jsonschema.validate(json.loads(block.text), schema)
+        for bad, param in (({"format": {"type": "json_schema"}}, "output_config.format"), ({"effort": "huge"}, "output_config.effort"),
+                           ({"format": {"type": "json_schema", "schema": schema}, "verbosity": 2}, "output_config")):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await claude.messages.create(model=MODEL, max_tokens=5, messages=question, output_config=bad)  # type: ignore[arg-type]
+            assert refused.value.body["error"]["message"].startswith(param + " "), refused.value.body
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(model=MODEL, max_tokens=2000, messages=question, thinking={"type": "enabled", "budget_tokens": 1024})
+        assert refused.value.body["error"]["message"].startswith("extended thinking is not supported"), refused.value.body
+        plain = await claude.messages.create(model=MODEL, max_tokens=3, messages=question, thinking={"type": "disabled"}, extra_body=GREEDY)
+        assert plain.usage.output_tokens == 3
