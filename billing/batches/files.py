@@ -3,14 +3,15 @@
 `SqlFileStore` keeps a file's bytes in its row (Postgres bytea, SQLite blob) in the database the
 ledger uses: durable with it, on either database, with nothing else to run. Files are bounded by
 TOLLGATE_FILES_MAX_BYTES, so a row stays a reasonable size; a directory or object store would
-implement the same five methods.
+implement the same methods. A file with an expiry (OpenAI's `expires_after`) is gone once it has
+passed: no read finds it, and `delete_expired` (the batch runner's rounds) removes it.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -31,11 +32,13 @@ class FileInfo:
     filename: str
     size_bytes: int
     created_at: datetime
+    expires_at: datetime | None = None
 
     def view(self) -> dict[str, Any]:
         """OpenAI's File object."""
         return {
             "id": self.id, "object": "file", "bytes": self.size_bytes, "created_at": int(self.created_at.timestamp()),
+            "expires_at": None if self.expires_at is None else int(self.expires_at.timestamp()),
             "filename": self.filename, "purpose": self.purpose, "status": "processed", "status_details": None,
         }
 
@@ -45,20 +48,31 @@ def new_file_id() -> str:
 
 
 class FileStore(Protocol):
-    async def put(self, account_id: int, purpose: str, filename: str, content: bytes) -> FileInfo: ...
+    async def put(self, account_id: int, purpose: str, filename: str, content: bytes, expires_after: int | None = None) -> FileInfo: ...
     async def get(self, account_id: int, file_id: str) -> FileInfo | None: ...
     async def content(self, account_id: int, file_id: str) -> bytes | None: ...
     async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None,
                    ascending: bool = False) -> list[FileInfo]: ...
     async def delete(self, account_id: int, file_id: str) -> bool: ...
+    async def delete_expired(self) -> int: ...
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    return value if value is None or value.tzinfo else value.replace(tzinfo=utcnow().tzinfo)
 
 
 def _info(row: Any) -> FileInfo:
-    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=utcnow().tzinfo)
-    return FileInfo(row.id, row.account_id, row.purpose, row.filename, row.size_bytes, created)
+    created = _aware(row.created_at)
+    assert created is not None
+    return FileInfo(row.id, row.account_id, row.purpose, row.filename, row.size_bytes, created, _aware(row.expires_at))
 
 
-_META = [FILES.c.id, FILES.c.account_id, FILES.c.purpose, FILES.c.filename, FILES.c.size_bytes, FILES.c.created_at]
+def _live() -> Any:
+    """A file not expired (yet)."""
+    return sa.or_(FILES.c.expires_at.is_(None), FILES.c.expires_at > utcnow())
+
+
+_META = [FILES.c.id, FILES.c.account_id, FILES.c.purpose, FILES.c.filename, FILES.c.size_bytes, FILES.c.created_at, FILES.c.expires_at]
 
 
 class SqlFileStore:
@@ -67,19 +81,22 @@ class SqlFileStore:
     def __init__(self, db: AsyncEngine) -> None:
         self._db = db
 
-    async def put(self, account_id: int, purpose: str, filename: str, content: bytes) -> FileInfo:
-        info = FileInfo(new_file_id(), account_id, purpose, filename, len(content), utcnow())
+    async def put(self, account_id: int, purpose: str, filename: str, content: bytes, expires_after: int | None = None) -> FileInfo:
+        """`expires_after`: seconds from now until the file is gone (None: kept until deleted)."""
+        now = utcnow()
+        expires = None if expires_after is None else now + timedelta(seconds=expires_after)
+        info = FileInfo(new_file_id(), account_id, purpose, filename, len(content), now, expires)
         async with self._db.begin() as conn:
             await conn.execute(FILES.insert().values(
                 id=info.id, account_id=account_id, purpose=purpose, filename=filename, size_bytes=len(content),
-                content=content, created_at=info.created_at))
+                content=content, created_at=info.created_at, expires_at=expires))
         return info
 
     async def get(self, account_id: int, file_id: str) -> FileInfo | None:
         if not matchable(file_id):
             return None
         async with self._db.connect() as conn:
-            row = (await conn.execute(sa.select(*_META).where(FILES.c.id == file_id, FILES.c.account_id == account_id))).first()
+            row = (await conn.execute(sa.select(*_META).where(FILES.c.id == file_id, FILES.c.account_id == account_id, _live()))).first()
         return None if row is None else _info(row)
 
     async def content(self, account_id: int, file_id: str) -> bytes | None:
@@ -87,7 +104,7 @@ class SqlFileStore:
             return None
         async with self._db.connect() as conn:
             value = (await conn.execute(
-                sa.select(FILES.c.content).where(FILES.c.id == file_id, FILES.c.account_id == account_id))).scalar()
+                sa.select(FILES.c.content).where(FILES.c.id == file_id, FILES.c.account_id == account_id, _live()))).scalar()
         return None if value is None else bytes(value)
 
     async def list(self, account_id: int, *, purpose: str | None = None, limit: int = 100, after: str | None = None,
@@ -97,7 +114,7 @@ class SqlFileStore:
         if not matchable(purpose, after):
             return []  # as for any purpose or cursor naming no file
         order = (FILES.c.created_at, FILES.c.id)  # ids are random: by creation, the id breaking ties
-        query = sa.select(*_META).where(FILES.c.account_id == account_id)
+        query = sa.select(*_META).where(FILES.c.account_id == account_id, _live())
         if purpose:
             query = query.where(FILES.c.purpose == purpose)
         if after:
@@ -110,5 +127,11 @@ class SqlFileStore:
         if not matchable(file_id):
             return False
         async with self._db.begin() as conn:
-            done = await conn.execute(FILES.delete().where(FILES.c.id == file_id, FILES.c.account_id == account_id))
+            done = await conn.execute(FILES.delete().where(FILES.c.id == file_id, FILES.c.account_id == account_id, _live()))
         return bool(done.rowcount)
+
+    async def delete_expired(self) -> int:
+        """Deletes every file whose expiry has passed; how many."""
+        async with self._db.begin() as conn:
+            done = await conn.execute(FILES.delete().where(FILES.c.expires_at <= utcnow()))
+        return int(done.rowcount or 0)

@@ -21,7 +21,8 @@ from sqlmodel import Field, SQLModel
 
 class StoredFile(SQLModel, table=True):
     __tablename__ = "stored_files"
-    __table_args__ = (sa.Index("ix_stored_files_account_created", "account_id", "created_at"),)
+    __table_args__ = (sa.Index("ix_stored_files_account_created", "account_id", "created_at"),
+                      sa.Index("ix_stored_files_expires", "expires_at"))
 
     id: str = Field(sa_column=sa.Column(sa.String(40), primary_key=True))
     account_id: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
@@ -30,6 +31,7 @@ class StoredFile(SQLModel, table=True):
     size_bytes: int = Field(sa_column=sa.Column(sa.Integer, nullable=False))
     content: bytes = Field(sa_column=sa.Column(sa.LargeBinary, nullable=False))
     created_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
+    expires_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))  # None: kept until deleted
 
 
 class Batch(SQLModel, table=True):
@@ -52,6 +54,8 @@ class Batch(SQLModel, table=True):
     total: int = Field(default=0, sa_column=sa.Column(sa.Integer, nullable=False, server_default="0"))
     output_file_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
     error_file_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
+    # OpenAI's output_expires_after: its output and error files expire this long after they are made
+    output_expires_seconds: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
     created_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
     expires_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))
     in_progress_at: datetime | None = Field(default=None, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=True))

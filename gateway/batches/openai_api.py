@@ -28,6 +28,21 @@ def _state(request: Request) -> Any:
     return state
 
 
+EXPIRY_SECONDS = (3600, 2_592_000)  # OpenAI's bounds of an expires_after: 1 hour to 30 days
+
+
+def expiry_seconds(anchor: Any, seconds: Any, param: str) -> int:
+    """OpenAI's `expires_after` ({anchor: "created_at", seconds}) as seconds, or the 400 naming the part."""
+    if anchor != "created_at":
+        raise InvalidRequest(f"{param}.anchor must be 'created_at'", param=f"{param}.anchor", code="invalid_value")
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit() and len(seconds) < 10:
+        seconds = int(seconds)  # a multipart form's field is text
+    if type(seconds) is not int or not EXPIRY_SECONDS[0] <= seconds <= EXPIRY_SECONDS[1]:
+        raise InvalidRequest(f"{param}.seconds must be an integer from {EXPIRY_SECONDS[0]} (1 hour) to {EXPIRY_SECONDS[1]} (30 days)",
+                             param=f"{param}.seconds", code="invalid_value")
+    return seconds
+
+
 def _no_file(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id}", param="id", code="file_not_found")
 
@@ -52,13 +67,15 @@ async def upload_file(request: Request) -> Response:
                                  code="invalid_purpose")
         if upload is None or isinstance(upload, str):
             raise InvalidRequest("file is required", param="file")
+        anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+        expires_after = None if anchor is None and seconds is None else expiry_seconds(anchor, seconds, "expires_after")
         content = await upload.read(most + 1)
         filename = (upload.filename or "upload.jsonl")[:255]
     if len(content) > most:
         raise PayloadTooLarge(f"the file is larger than the {most}-byte limit", param="file")
     if not content:
         raise InvalidRequest("the file is empty", param="file")
-    info = await state.files.put(principal.account_id, purpose, filename, content)
+    info = await state.files.put(principal.account_id, purpose, filename, content, expires_after)
     return json_response(info.view())
 
 
@@ -123,6 +140,11 @@ async def create_batch(request: Request) -> Response:
                                  or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
                                             for k, v in metadata.items())):
         raise InvalidRequest("metadata must be an object of at most 16 string values", param="metadata", code="invalid_value")
+    output_expiry = body.get("output_expires_after")
+    if output_expiry is not None:
+        if not isinstance(output_expiry, dict):
+            raise InvalidRequest("output_expires_after must be an object {anchor, seconds}", param="output_expires_after")
+        output_expiry = expiry_seconds(output_expiry.get("anchor"), output_expiry.get("seconds"), "output_expires_after")
     info = await state.files.get(principal.account_id, file_id)
     if info is None:
         raise _no_file(file_id)
@@ -134,7 +156,7 @@ async def create_batch(request: Request) -> Response:
     values: dict[str, Any] = {
         "id": new_batch_id(), "account_id": principal.account_id, "key_id": principal.key_id, "api": "openai",
         "endpoint": endpoint, "input_file_id": file_id, "completion_window": window, "status": "validating",
-        "metadata_json": orjson.dumps(metadata).decode() if metadata else None,
+        "metadata_json": orjson.dumps(metadata).decode() if metadata else None, "output_expires_seconds": output_expiry,
         "created_at": now, "expires_at": now + timedelta(seconds=state.settings.batches.window_seconds or WINDOWS[window]),
     }
     try:

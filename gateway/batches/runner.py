@@ -142,6 +142,10 @@ class BatchRunner:
     async def _round(self) -> None:
         if self.halting:
             return  # claims nothing more
+        try:
+            await self._files.delete_expired()  # files past their expires_after (no read finds them meanwhile)
+        except Exception as exc:  # the database is out: the next round, and the claims below still try
+            log.warning("expired files not deleted: %s", type(exc).__name__)
         for batch_id in await self._store.active():
             if batch_id not in self._jobs and not self.halting:
                 try:
@@ -415,9 +419,11 @@ class BatchRunner:
         if batch["api"] == "openai":
             output, errors = results.openai_files(await self._store.lines(batch_id))
             if output:
-                values["output_file_id"] = (await self._files.put(batch["account_id"], "batch_output", f"{batch_id}_output.jsonl", output)).id
+                values["output_file_id"] = (await self._files.put(batch["account_id"], "batch_output", f"{batch_id}_output.jsonl", output,
+                                                                  batch.get("output_expires_seconds"))).id
             if errors:
-                values["error_file_id"] = (await self._files.put(batch["account_id"], "batch_output", f"{batch_id}_error.jsonl", errors)).id
+                values["error_file_id"] = (await self._files.put(batch["account_id"], "batch_output", f"{batch_id}_error.jsonl", errors,
+                                                                 batch.get("output_expires_seconds"))).id
         moved = await self._store.move(batch_id, ending, from_=("in_progress", "finalizing", "cancelling", "validating"), **values)
         if moved:
             log.info("batch %s %s at %s", batch_id, ending, utcnow().isoformat())

@@ -345,6 +345,59 @@ async def test_an_input_file_that_is_no_batch_makes_a_failed_batch_naming_the_li
     assert await gw.ledger_count(key_id=key["id"]) == 0
 
 
+async def test_files_expire_as_their_expires_after_says(batch_gateway: Gateway) -> None:
+    """OpenAI's expires_after on an upload and output_expires_after on a batch: the File object's
+    expires_at, 400s outside 1 hour to 30 days, and once it has passed the file is gone (no read
+    finds it; the runner's next round deletes its row)."""
+    import openai
+
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+    kept = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1))), purpose="batch")
+    assert kept.expires_at is None  # none asked: kept until deleted
+    hour = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2))), purpose="batch",
+                                     expires_after={"anchor": "created_at", "seconds": 3600})
+    assert hour.expires_at == hour.created_at + 3600 and (await client.files.retrieve(hour.id)).expires_at == hour.expires_at
+    for bad, param in (({"anchor": "created_at", "seconds": 5}, "expires_after.seconds"),
+                       ({"anchor": "created_at", "seconds": 2_592_001}, "expires_after.seconds"),
+                       ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1))), purpose="batch", expires_after=bad)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.batches.create(input_file_id=hour.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                    output_expires_after={"anchor": "created_at", "seconds": 60})
+    assert refused.value.body["param"] == "output_expires_after.seconds"  # type: ignore[index]
+
+    batch = await client.batches.create(input_file_id=hour.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                        output_expires_after={"anchor": "created_at", "seconds": 7200})
+    batch = await ended(client, batch.id)
+    output = await client.files.retrieve(batch.output_file_id)
+    assert output.expires_at == output.created_at + 7200, output
+
+    db = create_engine(gw.db_url)
+    try:
+        async with db.begin() as conn:  # an hour later, as far as the files know
+            await conn.execute(sa.text("UPDATE stored_files SET expires_at = :t WHERE id IN (:a, :b)"),
+                               {"t": datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=1), "a": hour.id, "b": output.id})
+        for gone in (hour.id, output.id):
+            for read in (client.files.retrieve, client.files.content, client.files.delete):
+                with pytest.raises(openai.NotFoundError):
+                    await read(gone)
+        listed = [f.id async for f in client.files.list()]
+        assert kept.id in listed and hour.id not in listed and output.id not in listed
+
+        async def deleted() -> bool:
+            async with db.connect() as conn:
+                return not (await conn.execute(sa.text("SELECT count(*) FROM stored_files WHERE id IN (:a, :b)"),
+                                               {"a": hour.id, "b": output.id})).scalar()
+
+        await until(deleted, "the runner deleted the expired files", timeout=30)
+    finally:
+        await db.dispose()
+    assert (await client.files.retrieve(kept.id)).id == kept.id
+
+
 @pytest.fixture(scope="module")
 def short_window_gateway(engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """On SQLite (the embedded default), every batch's window 4 s long."""
