@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -250,6 +251,22 @@ class BatchStore:
                 if state == "done":
                     out[f"done:{outcome}"] = int(n)
         return out
+
+    async def usage(self, batch: dict[str, Any]) -> tuple[str | None, dict[str, int] | None]:
+        """The batch's model (its lines name one: OpenAI's rule) and the tokens of its lines' ledger
+        rows written so far (prompt, completion, cached); (None, None) for a batch with no line."""
+        async with self._db.connect() as conn:
+            body = (await conn.execute(sa.select(LINES.c.body).where(LINES.c.batch_id == batch["id"], LINES.c.line == 0))).scalar()
+            if body is None:
+                return None, None
+            first, after = batch["id"] + "-", batch["id"] + "."  # every line_request_id of the batch ('.' follows '-')
+            tokens = (await conn.execute(sa.select(
+                sa.func.coalesce(sa.func.sum(LEDGER.c.prompt_tokens), 0), sa.func.coalesce(sa.func.sum(LEDGER.c.completion_tokens), 0),
+                sa.func.coalesce(sa.func.sum(LEDGER.c.cached_tokens), 0),
+            ).where(LEDGER.c.request_id >= first, LEDGER.c.request_id < after, LEDGER.c.admitted_at >= batch["created_at"],
+                    LEDGER.c.batch_id == batch["id"]))).one()
+        model = orjson.loads(body).get("model")
+        return (model if isinstance(model, str) else None), {"prompt": int(tokens[0]), "completion": int(tokens[1]), "cached": int(tokens[2])}
 
     async def in_ledger(self, request_ids: list[str]) -> dict[str, str]:
         """Which of these requests have a ledger row (ran, at least in part), and the row's status."""

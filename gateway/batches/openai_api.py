@@ -169,7 +169,13 @@ async def create_batch(request: Request) -> Response:
     batch = await state.batch_store.create(values, lines)
     if lines:
         state.batch_runner.wake()
-    return json_response(openai_view(batch, await state.batch_store.counts(batch["id"])))
+    return json_response(await _view(state, batch))
+
+
+async def _view(state: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's Batch object: its lines' counts, its model and the usage its ledger rows hold so far."""
+    store = state.batch_store
+    return openai_view(batch, await store.counts(batch["id"]), *(await store.usage(batch)))
 
 
 async def _own_batch(request: Request) -> tuple[Any, dict[str, Any]]:
@@ -184,7 +190,7 @@ async def _own_batch(request: Request) -> tuple[Any, dict[str, Any]]:
 
 async def get_batch(request: Request) -> Response:
     state, batch = await _own_batch(request)
-    return json_response(openai_view(batch, await state.batch_store.counts(batch["id"])))
+    return json_response(await _view(state, batch))
 
 
 async def cancel_batch(request: Request) -> Response:
@@ -195,7 +201,7 @@ async def cancel_batch(request: Request) -> Response:
         # OpenAI's answer (409, its SDK's ConflictError): "Cannot cancel a batch with status 'completed'."
         raise Conflict(f"Cannot cancel a batch with status '{batch['status']}'.", param="batch_id", code="invalid_state")
     found = await state.batch_store.get(batch["id"])
-    return json_response(openai_view(found, await state.batch_store.counts(batch["id"])))
+    return json_response(await _view(state, found))
 
 
 async def list_batches(request: Request) -> Response:
@@ -203,7 +209,7 @@ async def list_batches(request: Request) -> Response:
     principal = await authenticate(request, state.keys)
     limit = query_limit(request, 20, 100)
     found = await state.batch_store.list(principal.account_id, "openai", limit=limit + 1, after=request.query_params.get("after") or None)
-    data = [openai_view(b, await state.batch_store.counts(b["id"])) for b in found[:limit]]
+    data = [await _view(state, b) for b in found[:limit]]
     return json_response({"object": "list", "data": data, "has_more": len(found) > limit,
                           "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 

@@ -110,8 +110,18 @@ def openai_counts(counts: dict[str, int]) -> dict[str, int]:
     return {"total": total, "completed": counts.get("done:succeeded", 0), "failed": failed}
 
 
-def openai_view(batch: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
-    """OpenAI's Batch object."""
+def openai_usage(tokens: dict[str, int] | None) -> dict[str, Any] | None:
+    """OpenAI's BatchUsage from the tokens of the batch's ledger rows."""
+    if tokens is None:
+        return None
+    return {"input_tokens": tokens["prompt"], "input_tokens_details": {"cached_tokens": tokens["cached"]},
+            "output_tokens": tokens["completion"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": tokens["prompt"] + tokens["completion"]}
+
+
+def openai_view(batch: dict[str, Any], counts: dict[str, int], model: str | None = None,
+                tokens: dict[str, int] | None = None) -> dict[str, Any]:
+    """OpenAI's Batch object; `model` and `tokens` as BatchStore.usage gives them."""
     errors = orjson.loads(batch["errors_json"]) if batch.get("errors_json") else None
     return {
         "id": batch["id"], "object": "batch", "endpoint": batch["endpoint"],
@@ -125,6 +135,7 @@ def openai_view(batch: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]
         "cancelled_at": _ts(batch["cancelled_at"]),
         "request_counts": openai_counts(counts),
         "metadata": orjson.loads(batch["metadata_json"]) if batch.get("metadata_json") else None,
+        "model": model, "usage": openai_usage(tokens),
     }
 
 

@@ -120,6 +120,13 @@ async def test_fifty_line_batch_completes_at_the_batch_price(batch_gateway: Gate
     for r in rows:
         assert r["api"] == "batch" and r["status"] == "completed"
         assert r["cost_nanos"] == r["prompt_tokens"] * NANOS_IN + r["completion_tokens"] * NANOS_OUT, r
+    # OpenAI's Batch.model and Batch.usage: the batch's model, and the tokens its ledger rows hold.
+    batch = await client.batches.retrieve(batch.id)  # rows_of flushed the ledger: every row is there
+    prompt, completion = sum(r["prompt_tokens"] for r in rows), sum(r["completion_tokens"] for r in rows)
+    assert batch.model == MODEL and batch.usage is not None, batch
+    assert (batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens) == (prompt, completion, prompt + completion)
+    assert batch.usage.input_tokens_details.cached_tokens == sum(r["cached_tokens"] or 0 for r in rows)
+    assert [b.usage for b in (await client.batches.list()).data if b.id == batch.id] == [batch.usage]
     import openai
 
     with pytest.raises(openai.ConflictError) as ended_already:  # OpenAI's 409, not a 400
