@@ -314,8 +314,10 @@ def _paths() -> dict[str, Any]:
 
 
 OBJECT = {"type": "object"}
+EXPIRES_AFTER = _obj({"anchor": {"const": "created_at"}, "seconds": {"type": "integer", "minimum": 3600, "maximum": 2_592_000}})
 BATCH_REQUEST = _obj({"input_file_id": STR, "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]},
-                      "completion_window": {"const": "24h"}}, {"metadata": {"type": "object", "additionalProperties": STR}})
+                      "completion_window": {"const": "24h"}}, {"metadata": {"type": "object", "additionalProperties": STR},
+                                                               "output_expires_after": EXPIRES_AFTER})
 MESSAGE_BATCH_REQUEST = _obj({"requests": {"type": "array", "minItems": 1, "items": _obj({
     "custom_id": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "params": {"type": "object"}})}})
 
@@ -328,7 +330,8 @@ def _batch_paths() -> dict[str, Any]:
         return [_query("limit", {"type": "integer", "minimum": 1, "maximum": most}), _query(after, STR)]
 
     upload = {"required": True, "content": {"multipart/form-data": {"schema": _obj(
-        {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}})}}}
+        {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}},
+        {"expires_after[anchor]": {"const": "created_at"}, "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000}})}}}
     results = {"200": {"description": "JSONL: one result a line", "content": {"application/binary": {"schema": STR}}}}
 
     def anthropic(summary: str, ok: dict[str, Any], body: str | None = None, params: list[Any] | None = None) -> dict[str, Any]:

@@ -40,6 +40,6 @@ async def test_a_time_with_an_offset_is_kept_as_that_instant(sqlite_gateway: Gat
         past = (datetime.now(timezone(timedelta(hours=14))) - timedelta(hours=1)).isoformat()
         r = await admin.post("/admin/keys", json={"account_id": account["id"], "expires_at": past})
         expired = r.json()
-    with pytest.raises(openai.PermissionDeniedError, match="expired"):
+    with pytest.raises(openai.AuthenticationError, match="expired"):
         await client_for(expired["key"], sqlite_gateway).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
