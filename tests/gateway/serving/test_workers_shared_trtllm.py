@@ -58,9 +58,17 @@ def records(path: Path, event: str = "generate") -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
+def _command(process: psutil.Process) -> str:
+    """A process's command line; "" for one that has ended (a killed worker is a zombie until reaped)."""
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return ""
+
+
 def engine_host(gw: GatewayProcess) -> psutil.Process:
     assert gw.proc is not None
-    hosts = [p for p in psutil.Process(gw.proc.pid).children(recursive=True) if "engines.backends.trtllm_host" in " ".join(p.cmdline())]
+    hosts = [p for p in psutil.Process(gw.proc.pid).children(recursive=True) if "engines.backends.trtllm_host" in _command(p)]
     assert len(hosts) == 1 and hosts[0].ppid() == gw.proc.pid, hosts  # one LLM, the supervisor's, none per worker
     return hosts[0]
 
