@@ -166,13 +166,6 @@ class CompletionRequest(_SamplingFields):
     best_of: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictInt | None = None
 
-    @field_validator("max_tokens", mode="before")
-    @classmethod
-    def _default_when_null(cls, value: Any) -> Any:
-        # OpenAI: "integer or null, defaults to 16"; the SDK sends null for max_tokens=None. Null is
-        # the default, never "up to the context" (which the quota would reserve and the key pay for).
-        return 16 if value is None else value
-
     def choices(self, max_choices: int) -> tuple[int, int]:
         n, _ = super().choices(max_choices)
         best_of = self.best_of or n
