@@ -93,6 +93,9 @@ class LedgerEntry(SQLModel, table=True):
         sa.Index("ix_ledger_account_admitted", "account_id", "admitted_at"),
         # One row per request: the key holds admitted_at, Postgres' partition key (billing/ledger/partitions.py).
         sa.UniqueConstraint("request_id", "admitted_at", name="uq_ledger_request_admitted"),
+        # A batch's rows (its usage); partial: the ledger's other rows are not in it.
+        sa.Index("ix_ledger_batch", "batch_id", postgresql_where=sa.text("batch_id IS NOT NULL"),
+                 sqlite_where=sa.text("batch_id IS NOT NULL")),
     )
 
     id: int | None = Field(

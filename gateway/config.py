@@ -349,7 +349,7 @@ def _hold_seconds(env: Mapping[str, str]) -> float:
     # A running request's hold is renewed once less than half of it is left, by a watch that looks a
     # few times in that half: below a second it would mostly watch.
     value = env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0)
-    if not value >= 1:
+    if not 1 <= value < float("inf"):
         raise SystemExit(f"TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1 (seconds), got {value}")
     return value
 

@@ -259,12 +259,10 @@ class BatchStore:
             body = (await conn.execute(sa.select(LINES.c.body).where(LINES.c.batch_id == batch["id"], LINES.c.line == 0))).scalar()
             if body is None:
                 return None, None
-            first, after = batch["id"] + "-", batch["id"] + "."  # every line_request_id of the batch ('.' follows '-')
             tokens = (await conn.execute(sa.select(
                 sa.func.coalesce(sa.func.sum(LEDGER.c.prompt_tokens), 0), sa.func.coalesce(sa.func.sum(LEDGER.c.completion_tokens), 0),
                 sa.func.coalesce(sa.func.sum(LEDGER.c.cached_tokens), 0),
-            ).where(LEDGER.c.request_id >= first, LEDGER.c.request_id < after, LEDGER.c.admitted_at >= batch["created_at"],
-                    LEDGER.c.batch_id == batch["id"]))).one()
+            ).where(LEDGER.c.batch_id == batch["id"], LEDGER.c.admitted_at >= batch["created_at"]))).one()  # ix_ledger_batch
         model = orjson.loads(body).get("model")
         return (model if isinstance(model, str) else None), {"prompt": int(tokens[0]), "completion": int(tokens[1]), "cached": int(tokens[2])}
 

@@ -337,9 +337,11 @@ class Limiter(abc.ABC):
     async def renew(self, now: float | None = None) -> int:
         """Extends each hold of a request this process still runs that has less than half the hold
         time left to a full hold time from `now`, and returns how many it extended. A hold expires
-        only once its process stops renewing it (a crash: its requests are gone), never under a
-        request that runs longer than the hold time. The Redis limiter's hold watch calls it every
-        round; the in-process limiter before each reservation."""
+        once its process stops renewing it (a crash: its requests are gone), not under a request
+        that runs longer than the hold time, as long as its gateway reaches the store (one cut off
+        from Redis for more than half the hold time can have its running holds swept; they come back
+        at its next round). The Redis limiter's hold watch calls it every round; the in-process
+        limiter before each reservation."""
         now = time.time() if now is None else now
         due = self._due(now)
         if due:

@@ -63,7 +63,7 @@ async def _create(request: Request, request_id: str) -> Response:
     batch = await state.batch_store.create({
         "id": new_batch_id("msgbatch_"), "account_id": principal.account_id, "key_id": principal.key_id, "api": "anthropic",
         "endpoint": "/v1/messages", "completion_window": "24h", "status": "validating",
-        "created_at": now, "expires_at": now + timedelta(seconds=WINDOWS["24h"]),
+        "created_at": now, "expires_at": now + timedelta(seconds=state.settings.batches.window_seconds or WINDOWS["24h"]),
     }, lines)
     state.batch_runner.wake()
     return json_response(_view(request, batch, await state.batch_store.counts(batch["id"])))

@@ -330,7 +330,7 @@ class BatchRunner:
         end: End
         retry: float | None = None
         if principal is None or principal.revoked or principal.expired():
-            end = ("errored", 403, orjson.dumps(KEY_REVOKED).decode())
+            end = ("errored", 401, orjson.dumps(KEY_REVOKED).decode())  # as the API answers a revoked or expired key
         else:
             context = BatchLine(batch["id"], line.request_id, principal, mark=lambda: self._store.admitted(line, self.runner_id))
             try:

@@ -172,7 +172,7 @@ def test_a_number_that_does_not_parse_stops_the_start_naming_it(name: str, raw: 
     assert (empty.http, empty.billing) == (unset.http, unset.billing)  # empty: the default
 
 
-@pytest.mark.parametrize("raw", ["0", "0.5", "-900", "nan"])
+@pytest.mark.parametrize("raw", ["0", "0.5", "-900", "nan", "inf"])
 def test_a_hold_time_too_short_to_renew_stops_the_start(raw: str) -> None:
     # A running request's hold is renewed when half of it is left (billing/quota/base.py:Limiter.renew).
     with pytest.raises(SystemExit) as stopped:
