@@ -20,3 +20,15 @@ local function drop_holds(doomed)
     end
   end
 end
+-- Keeps one running request's hold on scope `name` of process `proc`: put back where the store lost
+-- it, its expiry moved to `expiry` either way (a re-registration, a renewal).
+local function keep_hold(name, rid, tok, nanos, minute, expiry, proc)
+  local s = p .. name .. ':'
+  if redis.call('HEXISTS', s .. 'holds', rid) == 0 then
+    redis.call('SADD', p .. 'scopes', name)
+    redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute .. ':' .. proc)
+    redis.call('INCRBY', s .. 'held:tok', tok)
+    redis.call('INCRBY', s .. 'held:nanos', nanos)
+  end
+  redis.call('ZADD', s .. 'hexp', expiry, rid)
+end

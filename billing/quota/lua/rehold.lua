@@ -25,16 +25,7 @@ for _ = 1, n do
   local rid = ARGV[i]; local tok = ARGV[i + 1]; local nanos = ARGV[i + 2]; local minute = ARGV[i + 3]
   local expiry = ARGV[i + 4]; local k = tonumber(ARGV[i + 5])
   if redis.call('EXISTS', p .. 'settled:' .. rid) == 0 then
-    for j = 1, k do
-      local s = p .. ARGV[i + 5 + j] .. ':'
-      if redis.call('HEXISTS', s .. 'holds', rid) == 0 then
-        redis.call('SADD', p .. 'scopes', ARGV[i + 5 + j])
-        redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute .. ':' .. proc)
-        redis.call('INCRBY', s .. 'held:tok', tok)
-        redis.call('INCRBY', s .. 'held:nanos', nanos)
-      end
-      redis.call('ZADD', s .. 'hexp', expiry, rid)  -- re-registered: renewed from now
-    end
+    for j = 1, k do keep_hold(ARGV[i + 5 + j], rid, tok, nanos, minute, expiry, proc) end  -- re-registered: renewed from now
   end
   i = i + 6 + k
 end

@@ -8,16 +8,7 @@ for _ = 1, n do
   local rid = ARGV[i]; local tok = ARGV[i + 1]; local nanos = ARGV[i + 2]; local minute = ARGV[i + 3]
   local k = tonumber(ARGV[i + 4])
   if redis.call('EXISTS', p .. 'settled:' .. rid) == 0 then
-    for j = 1, k do
-      local s = p .. ARGV[i + 4 + j] .. ':'
-      if redis.call('HEXISTS', s .. 'holds', rid) == 0 then
-        redis.call('SADD', p .. 'scopes', ARGV[i + 4 + j])
-        redis.call('HSET', s .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute .. ':' .. proc)
-        redis.call('INCRBY', s .. 'held:tok', tok)
-        redis.call('INCRBY', s .. 'held:nanos', nanos)
-      end
-      redis.call('ZADD', s .. 'hexp', expiry, rid)
-    end
+    for j = 1, k do keep_hold(ARGV[i + 4 + j], rid, tok, nanos, minute, expiry, proc) end
   end
   i = i + 5 + k
 end
