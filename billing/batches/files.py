@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.batches.models import StoredFile
-from billing.batches.store import matchable, past
+from billing.batches.store import aware, matchable, past
 from billing.models import utcnow
 
 FILES = StoredFile.__table__
@@ -57,14 +57,10 @@ class FileStore(Protocol):
     async def delete_expired(self) -> int: ...
 
 
-def _aware(value: datetime | None) -> datetime | None:
-    return value if value is None or value.tzinfo else value.replace(tzinfo=utcnow().tzinfo)
-
-
 def _info(row: Any) -> FileInfo:
-    created = _aware(row.created_at)
+    created = aware(row.created_at)
     assert created is not None
-    return FileInfo(row.id, row.account_id, row.purpose, row.filename, row.size_bytes, created, _aware(row.expires_at))
+    return FileInfo(row.id, row.account_id, row.purpose, row.filename, row.size_bytes, created, aware(row.expires_at))
 
 
 def _live() -> Any:

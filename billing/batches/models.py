@@ -54,6 +54,7 @@ class Batch(SQLModel, table=True):
     total: int = Field(default=0, sa_column=sa.Column(sa.Integer, nullable=False, server_default="0"))
     output_file_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
     error_file_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
+    model: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))  # an OpenAI batch's lines name one
     # OpenAI's output_expires_after: its output and error files expire this long after they are made
     output_expires_seconds: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
     created_at: datetime = Field(sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False))

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -84,7 +83,8 @@ def _claimed_by(runner_id: str | None) -> Any:
     return LINES.c.claimed_by.is_(None) if runner_id is None else LINES.c.claimed_by == runner_id
 
 
-def _aware(value: datetime | None) -> datetime | None:
+def aware(value: datetime | None) -> datetime | None:
+    """A time read back from the database, in UTC (SQLite's come back without their zone)."""
     return value if value is None or value.tzinfo else value.replace(tzinfo=utcnow().tzinfo)
 
 
@@ -112,7 +112,7 @@ class BatchStore:
             query = query.where(BATCHES.c.account_id == account_id)
         async with self._db.connect() as conn:
             row = (await conn.execute(query)).mappings().first()
-        return None if row is None else {k: _aware(v) if isinstance(v, datetime) else v for k, v in row.items()}
+        return None if row is None else {k: aware(v) if isinstance(v, datetime) else v for k, v in row.items()}
 
     async def list(self, account_id: int, api: str, *, limit: int = 20, after: str | None = None,
                    before: str | None = None) -> list[dict[str, Any]]:
@@ -252,19 +252,17 @@ class BatchStore:
                     out[f"done:{outcome}"] = int(n)
         return out
 
-    async def usage(self, batch: dict[str, Any]) -> tuple[str | None, dict[str, int] | None]:
-        """The batch's model (its lines name one: OpenAI's rule) and the tokens of its lines' ledger
-        rows written so far (prompt, completion, cached); (None, None) for a batch with no line."""
+    async def tokens(self, batch: dict[str, Any]) -> dict[str, int] | None:
+        """The tokens of the batch's lines' ledger rows written so far (prompt, completion, cached);
+        None for a batch with no line."""
+        if not batch["total"]:
+            return None
         async with self._db.connect() as conn:
-            body = (await conn.execute(sa.select(LINES.c.body).where(LINES.c.batch_id == batch["id"], LINES.c.line == 0))).scalar()
-            if body is None:
-                return None, None
             tokens = (await conn.execute(sa.select(
                 sa.func.coalesce(sa.func.sum(LEDGER.c.prompt_tokens), 0), sa.func.coalesce(sa.func.sum(LEDGER.c.completion_tokens), 0),
                 sa.func.coalesce(sa.func.sum(LEDGER.c.cached_tokens), 0),
             ).where(LEDGER.c.batch_id == batch["id"], LEDGER.c.admitted_at >= batch["created_at"]))).one()  # ix_ledger_batch
-        model = orjson.loads(body).get("model")
-        return (model if isinstance(model, str) else None), {"prompt": int(tokens[0]), "completion": int(tokens[1]), "cached": int(tokens[2])}
+        return {"prompt": int(tokens[0]), "completion": int(tokens[1]), "cached": int(tokens[2])}
 
     async def in_ledger(self, request_ids: list[str]) -> dict[str, str]:
         """Which of these requests have a ledger row (ran, at least in part), and the row's status."""

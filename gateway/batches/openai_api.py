@@ -160,7 +160,7 @@ async def create_batch(request: Request) -> Response:
         "created_at": now, "expires_at": now + timedelta(seconds=state.settings.batches.window_seconds or WINDOWS[window]),
     }
     try:
-        lines = parse_input(content, endpoint, state.settings.batches.max_lines)
+        lines, values["model"] = parse_input(content, endpoint, state.settings.batches.max_lines)
     except BadInput as exc:
         # As OpenAI: the batch is made and fails its validation, the reason in `errors.data` (the
         # line, OpenAI's code); nothing of it runs or is billed.
@@ -173,9 +173,8 @@ async def create_batch(request: Request) -> Response:
 
 
 async def _view(state: Any, batch: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's Batch object: its lines' counts, its model and the usage its ledger rows hold so far."""
-    store = state.batch_store
-    return openai_view(batch, await store.counts(batch["id"]), *(await store.usage(batch)))
+    """OpenAI's Batch object: its lines' counts and the usage its ledger rows hold so far."""
+    return openai_view(batch, await state.batch_store.counts(batch["id"]), await state.batch_store.tokens(batch))
 
 
 async def _own_batch(request: Request) -> tuple[Any, dict[str, Any]]:

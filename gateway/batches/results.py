@@ -32,10 +32,10 @@ class BadInput(ValueError):
         return {"code": self.code, "line": self.line, "message": self.message, "param": self.param}
 
 
-def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str, str]]:
+def parse_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tuple[str, str]], str]:
     """OpenAI's batch input: one JSON object a line, {"custom_id", "method": "POST", "url", "body"},
-    every body for one model. Returns (custom_id, body JSON) per line; raises BadInput at the first
-    line that is wrong."""
+    every body for one model. Returns (custom_id, body JSON) per line and the model; raises
+    BadInput at the first line that is wrong."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError:
@@ -80,9 +80,9 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> list[tuple[str
         out.append((custom_id, orjson.dumps(body).decode()))
         if len(out) > max_lines:
             raise BadInput(f"a batch has at most {max_lines} lines", number, "too_many_tasks")
-    if not out:
+    if model is None:
         raise BadInput("the file has no requests", code="empty_file")
-    return out
+    return out, model
 
 
 def _ts(value: datetime | None) -> int | None:
@@ -119,9 +119,8 @@ def openai_usage(tokens: dict[str, int] | None) -> dict[str, Any] | None:
             "total_tokens": tokens["prompt"] + tokens["completion"]}
 
 
-def openai_view(batch: dict[str, Any], counts: dict[str, int], model: str | None = None,
-                tokens: dict[str, int] | None = None) -> dict[str, Any]:
-    """OpenAI's Batch object; `model` and `tokens` as BatchStore.usage gives them."""
+def openai_view(batch: dict[str, Any], counts: dict[str, int], tokens: dict[str, int] | None = None) -> dict[str, Any]:
+    """OpenAI's Batch object; `tokens` as BatchStore.tokens gives them."""
     errors = orjson.loads(batch["errors_json"]) if batch.get("errors_json") else None
     return {
         "id": batch["id"], "object": "batch", "endpoint": batch["endpoint"],
@@ -135,7 +134,7 @@ def openai_view(batch: dict[str, Any], counts: dict[str, int], model: str | None
         "cancelled_at": _ts(batch["cancelled_at"]),
         "request_counts": openai_counts(counts),
         "metadata": orjson.loads(batch["metadata_json"]) if batch.get("metadata_json") else None,
-        "model": model, "usage": openai_usage(tokens),
+        "model": batch.get("model"), "usage": openai_usage(tokens),
     }
 
 
