@@ -237,11 +237,22 @@ class CompletionService:
         api: str = "chat",
     ) -> Generation:
         room = engine.context_length - len(prompt_ids)
+        part = "messages" if kind == "chat" else "prompt"
         if room < 1:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {engine.context_length} tokens; "
                 f"the prompt has {len(prompt_ids)} tokens.",
-                param="messages" if kind == "chat" else "prompt",
+                param=part,
+            )
+        if max_tokens is not None and max_tokens > room:
+            # Refused, not cut to the room: OpenAI, Anthropic, vLLM and trtllm-serve all refuse a prompt
+            # and completion bound that together pass the context: the client learns that the model cannot
+            # give what it asked for instead of getting a shorter bound in silence.
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {engine.context_length} tokens. However, you requested "
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {part}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {part} or completion.",
+                param=part,
             )
         choices = getattr(request, "choices", None)  # n (and best_of): OpenAI's generation requests only
         n, best_of = choices(engine.max_choices) if choices is not None else (1, 1)
@@ -254,7 +265,7 @@ class CompletionService:
         )
         engine_request = EngineRequest(
             request_id=request_id,
-            max_tokens=min(max_tokens, room) if max_tokens is not None else room,
+            max_tokens=max_tokens if max_tokens is not None else room,
             sampling=sampling,
             prompt_token_ids=prompt_ids,
             extra=request.raw_body or None,

@@ -194,8 +194,12 @@ async def test_a_text_completion_without_max_tokens_goes_up_bounded_by_what_was_
     chat_room = 8192 - len(engine.renderer.encode_chat(QUESTION))
     await client.chat.completions.create(model="pool", messages=QUESTION)
     assert up.requests[-1].body["max_tokens"] == chat_room and "max_completion_tokens" not in up.requests[-1].body
-    await client.chat.completions.create(model="pool", messages=QUESTION, max_completion_tokens=9000)  # past the room
+    await client.chat.completions.create(model="pool", messages=QUESTION, max_completion_tokens=chat_room)
     assert up.requests[-1].body["max_completion_tokens"] == chat_room and "max_tokens" not in up.requests[-1].body
+    sent = len(up.requests)
+    with pytest.raises(openai.BadRequestError) as info:  # past the room: refused, as the upstream would
+        await client.chat.completions.create(model="pool", messages=QUESTION, max_completion_tokens=chat_room + 1)
+    assert info.value.code == "context_length_exceeded" and len(up.requests) == sent
 
 
 async def test_a_pass_through_prompts_tools_are_reserved_before_the_upstream_prefills_them(upstreams: Any, tollgate_with: Any) -> None:

@@ -194,7 +194,7 @@ async def test_sigterm_to_the_master_drains_every_worker(upstreams: Any, fresh_p
         async with gw.admin() as a:
             assert (await a.patch(f"/admin/keys/{key['id']}", json={"limits": {"monthly_tokens": 10_000_000}})).status_code == 200
         auth = {"Authorization": f"Bearer {key['key']}"}
-        body = {"model": "remote", "messages": LONG, "max_tokens": 5000, "stream": True, "stream_options": {"include_usage": True}}
+        body = {"model": "remote", "messages": LONG, "max_tokens": 4000, "stream": True, "stream_options": {"include_usage": True}}
         journals = [gw.data_dir / "journal", gw.data_dir / "journal-1"]
         # One long stream on each worker, each on a keep-alive connection that worker accepted
         # (GatewayProcess.client_on_worker: which worker accepts a fresh connection is the kernel's

@@ -7,6 +7,7 @@ import asyncio
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -149,6 +150,45 @@ async def test_prompt_longer_than_context_is_400(gateway: Gateway, client_for: A
         await client_for(customer["key"]).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_prompt}])
     err = assert_openai_shape(info.value.response.json())
     assert err["code"] == "context_length_exceeded"
+    await still_serving(gateway, customer["key"])
+
+
+async def test_a_completion_bound_past_the_context_is_400_on_every_api(gateway: Gateway, client_for: Any, customer: dict[str, Any]) -> None:
+    """A prompt plus max_tokens past the context is refused with context_length_exceeded, as OpenAI,
+    Anthropic and vLLM answer, on each API's own bound; not cut to the room in silence. Nothing is
+    admitted (no ledger row); a bound that fits exactly is admitted."""
+    context = gateway.engine.context_length
+    client = client_for(customer["key"])
+    ask = [{"role": "user", "content": "Say hi."}]
+    chat_prompt = (await client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1)).usage.prompt_tokens  # type: ignore[union-attr, arg-type]
+    text_prompt = (await client.completions.create(model=MODEL, prompt="Say hi.", max_tokens=1)).usage.prompt_tokens  # type: ignore[union-attr]
+    claude = anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=customer["key"], max_retries=0)
+    messages_prompt = (await claude.messages.create(model=MODEL, max_tokens=1, messages=ask)).usage.input_tokens  # type: ignore[arg-type]
+    responses_prompt = (await client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=16)).usage.input_tokens  # type: ignore[union-attr]
+    await gateway.flush_ledger()
+    rows = await gateway.ledger_count(key_id=customer["id"])
+    over = {
+        "chat max_tokens": lambda: client.chat.completions.create(model=MODEL, messages=ask, max_tokens=context - chat_prompt + 1),  # type: ignore[arg-type]
+        "chat max_completion_tokens": lambda: client.chat.completions.create(
+            model=MODEL, messages=ask, max_completion_tokens=context - chat_prompt + 1, stream=True),  # type: ignore[arg-type]
+        "completions": lambda: client.completions.create(model=MODEL, prompt="Say hi.", max_tokens=context - text_prompt + 1),
+        "responses": lambda: client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=context - responses_prompt + 1),
+    }
+    for name, call in over.items():
+        with pytest.raises(openai.BadRequestError) as info:
+            await call()
+        err = assert_openai_shape(info.value.response.json())
+        assert err["code"] == "context_length_exceeded" and f"maximum context length is {context} tokens" in err["message"], (name, err)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await claude.messages.create(model=MODEL, max_tokens=context - messages_prompt + 1, messages=ask)  # type: ignore[arg-type]
+    assert refused.value.body["error"]["type"] == "invalid_request_error", refused.value.body  # type: ignore[index]
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == rows  # nothing admitted
+    # exactly the room is admitted (the stream's first chunk is enough: the bound passed admission)
+    stream = await client.chat.completions.create(model=MODEL, messages=ask, max_tokens=context - chat_prompt, stream=True)  # type: ignore[arg-type]
+    async for _ in stream:
+        break
+    await stream.close()
     await still_serving(gateway, customer["key"])
 
 
