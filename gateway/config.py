@@ -563,8 +563,11 @@ def for_workers(settings: Settings, path: Path) -> dict[str, str]:
     """Writes the whole Settings for the worker processes of `serve --workers N`; returns the one
     environment variable that tells them where (they inherit the parent's environment)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # 0600: it holds the server secret when set, and the copy of the environment (engines.environ)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # 0600: it holds the server secret when set, and the copy of the environment (engines.environ).
+    # Always a new file: one already there (an earlier run's) would keep its own mode, and a link there
+    # would be written through; `serve` removes it when it ends.
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     with os.fdopen(fd, "wb") as fh:
         pickle.dump(settings, fh)
     return {WORKER_SETTINGS: str(path)}

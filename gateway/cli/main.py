@@ -149,10 +149,10 @@ def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -
     from gateway.serving.engine_hosts import EngineHosts
 
     hosts = EngineHosts(settings)  # hf (process: true) and synthetic models: one engine process for all workers
+    handed = settings.data_dir / f"worker-settings-{settings.http.port}"
     try:
         settings = settings.with_overrides(engines={"engine_hosts": hosts.start()})
-        os.environ.update({**for_workers(settings, settings.data_dir / f"worker-settings-{settings.http.port}"),
-                           "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
+        os.environ.update({**for_workers(settings, handed), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
         configure_logging(args.log_format, args.log_level)
         uvicorn.run("gateway.cli.main:worker_app", factory=True, workers=workers, host=settings.http.host, port=settings.http.port,
                     log_level=args.log_level, loop="auto", http="gateway.http.hardening:EnvGuardedHttpToolsProtocol",
@@ -162,6 +162,7 @@ def _serve_workers(settings: Settings, args: argparse.Namespace, workers: int) -
                     timeout_worker_healthcheck=30)
     finally:
         hosts.stop()
+        handed.unlink(missing_ok=True)  # the secret's copy goes with the server (a restarted worker needed it until now)
 
 
 def worker_app() -> Any:

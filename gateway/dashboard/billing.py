@@ -34,7 +34,7 @@ from billing.invoices.render import (
 )
 from billing.invoices.statements import get_statement, list_statements
 from gateway.dashboard.pages import SECURITY_HEADERS, form_with_csrf, message_page, refused, session_or_none, to_login
-from gateway.http.requests import id_value
+from gateway.http.requests import id_value, public_origin
 
 STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
 
@@ -162,7 +162,7 @@ async def dashboard_checkout(request: Request) -> Response:
     balance = await credit_book(request).balance(session.principal.account_id)  # a session's principal does not carry the mode
     if checkout is None or balance is None or balance["billing_mode"] != "prepaid":
         return RedirectResponse("/dashboard/account?checkout=unavailable", status_code=303)
-    base = str(request.base_url).rstrip("/")
+    base = public_origin(request)  # TOLLGATE_PUBLIC_URL behind a proxy, never a Host the proxy passed on
     try:
         created = await checkout.create_session(
             session.principal.account_id, cents(str(form.get("amount") or ""), "amount"),

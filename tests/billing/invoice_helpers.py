@@ -17,7 +17,7 @@ from billing.keys.store import KeyStore
 from billing.ledger.writer import UsageRecord, write_records
 from billing.prices.book import PriceBook
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.config import HttpSettings, Settings
 from tests.conftest import SECRET, ServerThread, bootstrap
 
 
@@ -73,11 +73,12 @@ class App:
 
 
 @contextmanager
-def serve(db_url: str, tmp: Path, engines: dict[str, Any] | None = None, **billing: str) -> Iterator[App]:
-    """`billing`: TOLLGATE_BILLING_* / TOLLGATE_STRIPE_* settings (the scheduler is off unless given)."""
+def serve(db_url: str, tmp: Path, engines: dict[str, Any] | None = None, public_url: str | None = None, **billing: str) -> Iterator[App]:
+    """`billing`: TOLLGATE_BILLING_* / TOLLGATE_STRIPE_* settings (the scheduler is off unless given);
+    `public_url`: TOLLGATE_PUBLIC_URL."""
     admin_key = bootstrap(db_url, SECRET)
     extra = {"TOLLGATE_BILLING_AUTO_CLOSE": "0", "TOLLGATE_BILLING_STATE_REFRESH_SECONDS": "0.1", **billing}
-    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, extra=extra)
+    settings = Settings(database_url=db_url, server_secret=SECRET, data_dir=tmp, extra=extra, http=HttpSettings(public_url=public_url))
     app = create_app(settings, engines=engines or {})
     server = ServerThread(app).__enter__()
     try:

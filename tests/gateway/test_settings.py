@@ -128,6 +128,18 @@ def test_groups_are_read_once_and_workers_get_the_whole_object(tmp_path: Path, m
     assert handed_back == handed and handed_back is not None and handed_back.http.port == 9123
     assert handed_back.engines.environ == env  # models.yaml's api_key_env names are looked up in it, as at start
     assert (tmp_path / "w").stat().st_mode & 0o077 == 0  # it may hold the server secret
+    # a file already there (an earlier run's, a restore's) is replaced, not written through with its mode
+    (tmp_path / "w").chmod(0o644)
+    for_workers(handed, tmp_path / "w")
+    assert (tmp_path / "w").stat().st_mode & 0o077 == 0
+    # nor is a link there followed: what it points at is left alone
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("not yours")
+    (tmp_path / "w").unlink()
+    (tmp_path / "w").symlink_to(elsewhere)
+    for_workers(handed, tmp_path / "w")
+    assert elsewhere.read_text() == "not yours" and not (tmp_path / "w").is_symlink()
+    assert (tmp_path / "w").stat().st_mode & 0o077 == 0 and worker_settings() == handed
 
 
 def test_settings_made_in_code_take_billing_from_extra() -> None:

@@ -26,7 +26,7 @@ from gateway.api.account.documents import document_response
 from gateway.api.openai.protocol import StrictInt, _Model, parse
 from gateway.http.errors import InvalidRequest, NotFound
 from gateway.http.json_response import json_response
-from gateway.http.requests import authenticate, path_id, read_json
+from gateway.http.requests import authenticate, path_id, public_origin, read_json
 
 
 def credit_book(request: Request) -> CreditBook:
@@ -112,7 +112,7 @@ async def create_checkout(request: Request) -> Response:
     if not principal.prepaid:
         raise InvalidRequest("This account is postpaid (billed monthly); it has no prepaid balance to top up.", param="amount",
                              code="not_prepaid")
-    base = str(request.base_url).rstrip("/")
+    base = public_origin(request)  # TOLLGATE_PUBLIC_URL behind a proxy, never a Host the proxy passed on
     try:
         session = await checkout_service(request).create_session(
             principal.account_id, cents(body.amount, "amount"),

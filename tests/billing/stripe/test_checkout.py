@@ -59,8 +59,10 @@ def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: Fake
             await db.dispose()
 
     account, key, postpaid_key = run_coro(make())
-    with serve(url, tmp_path, **stripe_env(fake)) as app:
+    public = "https://pay.example.com"  # TOLLGATE_PUBLIC_URL: a TLS proxy in front
+    with serve(url, tmp_path, public_url=public, **stripe_env(fake)) as app:
         hook = app.base_url + "/webhooks/stripe"
+        returns = (f"{public}/dashboard/account?checkout=done", f"{public}/dashboard/account?checkout=cancelled")
 
         async def scenario() -> None:
             async with app.admin() as admin, app.as_key(key) as customer, app.as_key(postpaid_key) as other:
@@ -70,12 +72,14 @@ def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: Fake
                 for bad in ("0.10", "10.001", 10.5):
                     r = await customer.post("/v1/billing/checkout", json={"amount": bad})
                     assert r.status_code == 400 and r.json()["error"]["param"] == "amount", r.text
-                r = await customer.post("/v1/billing/checkout", json={"amount": "12.34"})
+                r = await customer.post("/v1/billing/checkout", json={"amount": "12.34"}, headers={"host": "evil.example"})
                 assert r.status_code == 200, r.text
                 session = r.json()
                 assert session["url"].startswith("https://checkout.stripe.com/") and session["amount_cents"] == 1234
                 stored = fake.sessions[session["id"]]
                 assert stored["metadata"] == {"tollgate_account": str(account)} and stored["amount_total"] == 1234
+                # Stripe sends the payer back to the public URL, never to a Host the proxy passed on
+                assert (stored["success_url"], stored["cancel_url"]) == returns
 
                 fake.complete_session(session["id"])
                 completed = fake.event_of("checkout.session.completed", session["id"])
@@ -139,9 +143,17 @@ def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: Fake
 
             # the customer dashboard's "Add credit" form: a Checkout Session, then Stripe's page
             async with httpx.AsyncClient(base_url=app.base_url, timeout=30, headers={"origin": app.base_url}) as browser:
-                form = (await browser.get("/dashboard/login")).text
+                def as_the_proxy_forwards(response: httpx.Response) -> httpx.Response:
+                    """The Secure cookies a browser sends the TLS proxy, which forwards them; httpx, on plain
+                    http here, would keep them to itself: carried by hand."""
+                    for name, value in response.cookies.items():
+                        browser.cookies.set(name, value)
+                    return response
+
+                form = as_the_proxy_forwards(await browser.get("/dashboard/login")).text
                 csrf = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)  # type: ignore[union-attr]
-                assert (await browser.post("/dashboard/login", data={"csrf_token": csrf, "api_key": key})).status_code == 303
+                login = as_the_proxy_forwards(await browser.post("/dashboard/login", data={"csrf_token": csrf, "api_key": key}))
+                assert login.status_code == 303
                 page = (await browser.get("/dashboard/account")).text
                 assert 'id="checkout-form"' in page and "$20.000000000" in page
                 token = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)  # type: ignore[union-attr]
@@ -149,7 +161,8 @@ def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: Fake
                 r = await browser.post("/dashboard/checkout", data={"csrf_token": token, "amount": "25.00"})
                 assert r.status_code == 303 and r.headers["location"].startswith("https://checkout.stripe.com/c/pay/cs_test_")
                 assert len(fake.sessions) == before + 1
-                assert [s["amount_total"] for s in fake.sessions.values()][-1] == 2500
+                made = list(fake.sessions.values())[-1]
+                assert made["amount_total"] == 2500 and (made["success_url"], made["cancel_url"]) == returns
                 forged = await browser.post("/dashboard/checkout", data={"csrf_token": "nope", "amount": "25.00"})
                 assert forged.status_code in (400, 403) and len(fake.sessions) == before + 1
 

@@ -254,7 +254,9 @@ async def test_webhooks_drive_billing_state(db_url: str, db: Any, fake: FakeStri
             # signed bodies that are JSON but not an event object: a 400, never a 500
             before = await events()
             async with app.as_key(key) as raw:
-                for body in (b"[]", b'["evt_1"]', b"42", b'{"id": "evt_x", "type": "invoice.paid", "data": []}'):
+                for body in (b"[]", b'["evt_1"]', b"42", b'{"id": "evt_x", "type": "invoice.paid", "data": []}',
+                             *(b'{"id": "evt_t", "type": "invoice.paid", "created": %s, "data": {"object": {"id": "in_1"}}}' % t
+                               for t in (b'"abc"', b"1e400", b"true", b"99999999999999999999"))):
                     r = await raw.post("/webhooks/stripe", content=body, headers={"Stripe-Signature": fake.sign(body)})
                     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)
             assert await events() == before

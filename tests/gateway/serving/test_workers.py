@@ -98,6 +98,8 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
         assert gw.proc is not None
         spawned = gw.workers()
         assert len(spawned) == 2  # uvicorn's worker processes
+        handed = list(gw.data_dir.glob("worker-settings-*"))  # the Settings the workers read: the secret, the admin key
+        assert len(handed) == 1 and handed[0].stat().st_mode & 0o077 == 0, handed
         # Each worker holds its own journal directory.
         deadline = time.monotonic() + 30
         while not ((gw.data_dir / "journal").is_dir() and (gw.data_dir / "journal-1").is_dir()):
@@ -166,3 +168,4 @@ def test_two_workers_share_one_rate_limit_and_one_ledger(upstreams: Any, fresh_p
                 assert _sum_metric(text, "tollgate_quota_rejections_total", limit="rpm") == 41
     finally:
         gw.stop()
+    assert not handed[0].exists()  # the server's end takes the secret's copy with it
