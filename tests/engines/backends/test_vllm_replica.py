@@ -451,14 +451,22 @@ async def test_vllm_generates_no_more_than_was_reserved_whatever_it_does_to_the_
         vllm: VLLMServer, pool: ModelsGateway, tenant_key: str) -> None:
     """vLLM's `truncate_prompt_tokens` shortens the prompt after the gateway counted it, and vLLM's
     own default bound is the rest of its context: with the client's max_tokens (or none) forwarded as
-    sent, vLLM generated 400 (or 507) tokens where the gateway had reserved about 40. The bound the
-    gateway reserved goes up instead, so what vLLM generates (read from its /metrics) stays in it."""
+    sent, vLLM generated 400 (or 507) tokens where the gateway had reserved about 40. A bound past the
+    room the gateway counted is refused before anything goes up; no bound goes up as the room
+    reserved; so what vLLM generates (read from its /metrics) stays in the reservation."""
     messages = [{"role": "user", "content": "word " * 440}]
     engine = pool.app.state.service.engines[FITTED]
     reserved = MAX_MODEL_LEN - len(engine.renderer.encode_chat(messages))
     assert 0 < reserved < 100
     client = through(pool, tenant_key)
-    for bound in ({"max_tokens": 400}, {"max_completion_tokens": 400}, {}):
+    for bound in ({"max_tokens": 400}, {"max_completion_tokens": 400}):
+        async with Meter(vllm) as meter:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model=FITTED, messages=messages, temperature=0, **bound,  # type: ignore[arg-type]
+                                                     extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+            counted = await meter.counted(finished=0)  # nothing went up
+        assert refused.value.code == "context_length_exceeded" and counted.generation_tokens == 0, (bound, counted)
+    for bound in ({"max_tokens": reserved}, {"max_completion_tokens": reserved}, {}):
         async with Meter(vllm) as meter:
             raw = await client.chat.completions.with_raw_response.create(
                 model=FITTED, messages=messages, temperature=0, **bound,  # type: ignore[arg-type]
