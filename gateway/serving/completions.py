@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -178,23 +179,29 @@ class CompletionService:
         routed, engine = self.resolve(body, "chat")
         body["model"] = routed["model"]  # a routing model (`auto`) names the one it chooses
         engine = self.engine_for(body["model"], principal, engine)
-        prompt_ids = self.prompt_of(engine, body, "messages", {})
+        prompt_ids = self.prompt_of(engine, body, "messages")
         return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_tokens, "chat", api="messages")
 
     def prepare_responses(self, principal: Principal, request: ResponsesRequest, request_id: str, history: list[dict[str, Any]]) -> Generation:
         """An OpenAI Responses request (its instructions, earlier turns from previous_response_id and
         input), as the chat completion it translates to (`chat_body`)."""
         body = request.chat_body(history)  # also the request's raw_body from here on
-        routed, engine = self.resolve(body, "chat")
-        body["model"] = routed["model"]  # a routing model (`auto`) names the one it chooses
-        engine = self.engine_for(body["model"], principal, engine)
+        try:
+            routed, engine = self.resolve(body, "chat")
+            body["model"] = routed["model"]  # a routing model (`auto`) names the one it chooses
+            engine = self.engine_for(body["model"], principal, engine)
+        except ModelNotFound:  # the Responses API answers an unknown model with a 400 (chat: 404)
+            raise InvalidRequest(f"The requested model {body['model']!r} does not exist.", param="model", code="model_not_found") from None
         prompt_ids = self.prompt_of(engine, body, "input", RESPONSES_PARAMS)
+        if request.truncation == "auto":  # the conversation's first items go until the prompt and its bound fit
+            while len(prompt_ids) + (request.max_output_tokens or 1) > engine.context_length and request.drop_first_item():
+                prompt_ids = self.prompt_of(engine, body, "input", RESPONSES_PARAMS)
         try:
             return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_output_tokens, "chat", api="responses")
         except InvalidRequest as err:  # the engine's refusal of a chat field: named as the Responses API names it
             raise renamed(err, RESPONSES_PARAMS) from None
 
-    def prompt_of(self, engine: Engine, body: dict[str, Any], param: str, renames: dict[str, str]) -> list[int]:
+    def prompt_of(self, engine: Engine, body: dict[str, Any], param: str, renames: Renames = ()) -> list[int]:
         """The prompt ids of another API's request translated to a chat completion `body`, which
         this engine must take as it takes a chat completion (the same checks, the same messages);
         a refusal names the field of the API the client spoke (`renames`). Counted as prepare_chat
@@ -375,16 +382,30 @@ class CompletionService:
             gen.recorded_finish = out.recorded_finish
 
 
-RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input"}  # chat's field -> the Responses API's
+# A chat field's name -> the Responses API's, each rule a pattern on the start of the name and what it
+# becomes: `text.format` holds the schema itself (chat's `response_format.json_schema.schema` is its
+# `text.format.schema`), a function tool is flat (chat's `tools[0].function.name` is its
+# `tools[0].name`), and `input` names every turn (a chat message's index is not the input's).
+Renames = tuple[tuple[re.Pattern[str], str], ...]
+RESPONSES_PARAMS: Renames = tuple((re.compile(pattern), own) for pattern, own in (
+    (r"^response_format\.json_schema(?=$|[.\[])", "text.format"),
+    (r"^response_format(?=$|[.\[])", "text.format"),
+    (r"^tools\[(\d+)\]\.function(?=$|[.\[])", r"tools[\1]"),
+    (r"^messages(?:$|[.\[].*$)", "input"),
+))
 
 
-def renamed(err: APIError, renames: dict[str, str]) -> APIError:
+def renamed(err: APIError, renames: Renames) -> APIError:
     """An error about a translated chat completion, naming the field of the API the client spoke."""
     param = err.param or ""
-    for chat_name, own in renames.items():
-        if param == chat_name or param.startswith(chat_name + ".") or param.startswith(chat_name + "["):
-            err.param = own + param[len(chat_name):] if chat_name != "messages" else own
-            err.message = err.message.replace(chat_name, own)
+    for pattern, own in renames:
+        found = pattern.match(param)
+        if found is not None:
+            theirs = found.expand(own)
+            err.param = theirs + param[found.end():]
+            err.message = err.message.replace(found.group(0), theirs)
+            if theirs == "input":  # chat's word for the turns, wherever the message says it
+                err.message = err.message.replace("messages", "input")
             break
     return err
 
@@ -396,7 +417,7 @@ def tool_encoder(engine: Engine) -> Callable[[list[dict[str, Any]], list[Any]], 
     return engine.tool_encoder()
 
 
-def chat_equivalent(body: dict[str, Any], passthrough: bool, renames: dict[str, str]) -> ChatCompletionRequest:
+def chat_equivalent(body: dict[str, Any], passthrough: bool, renames: Renames) -> ChatCompletionRequest:
     """`body` as a chat completion request, refused where a chat completion with it would be for
     this engine. `stop` is left out of the check: other APIs allow more stop sequences than chat's 4,
     and the sampling fields come from their own request."""

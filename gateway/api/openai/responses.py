@@ -131,7 +131,7 @@ class ResponseRenderer:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.echoed_tools(),
             "top_p": 1.0 if req.top_p is None else req.top_p,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
         }

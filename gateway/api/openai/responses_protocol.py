@@ -11,7 +11,7 @@ billing."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 
@@ -21,6 +21,11 @@ from gateway.api.openai.protocol import StrictBool, StrictInt, _Model
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")  # output_text: an earlier response's output passed back
 TOOL_CHOICES = ("auto", "none", "required")
+# What `include` may ask for (the SDK's ResponseIncludable): the logprobs are not given (as top_logprobs);
+# the rest belong to tools and inputs this gateway refuses, or to reasoning it has none of: nothing to add.
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+              "reasoning.encrypted_content", "message.output_text.logprobs")
 
 
 def _text(content: Any, param: str) -> str:
@@ -32,8 +37,10 @@ def _text(content: Any, param: str) -> str:
     pieces = []
     for j, part in enumerate(content):
         ptype = part.get("type") if isinstance(part, dict) else None
-        if ptype not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if ptype not in TEXT_PARTS:
             raise InvalidRequest(f"content part type {ptype!r} is not supported; only 'input_text' parts are", param=f"{param}[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text", code="missing_required_parameter")
         pieces.append(part["text"])
     return "".join(pieces)
 
@@ -162,6 +169,8 @@ class ResponsesRequest(_Model):
     prompt: Any = None
     conversation: Any = None
     top_logprobs: StrictInt | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
     _chat: dict[str, Any] = PrivateAttr(default_factory=dict)  # the equivalent chat completion body (`chat_body`)
 
     # What CompletionService reads of every generation request.
@@ -199,6 +208,11 @@ class ResponsesRequest(_Model):
             raise InvalidRequest("conversations are not supported; use previous_response_id", param="conversation", code="unsupported_parameter")
         if self.top_logprobs:
             raise InvalidRequest("logprobs are not supported", param="top_logprobs", code="unsupported_parameter")
+        for i, part in enumerate(self.include or ()):
+            if part not in INCLUDABLE:
+                raise InvalidRequest(f"include[{i}] {part!r} is not one of {', '.join(INCLUDABLE)}", param=f"include[{i}]", code="invalid_value")
+            if part == "message.output_text.logprobs":
+                raise InvalidRequest("logprobs are not supported", param=f"include[{i}]", code="unsupported_parameter")
         self.chat_tools()
         self.chat_tool_choice()
         self.response_format()
@@ -245,6 +259,19 @@ class ResponsesRequest(_Model):
         body.update((k, v) for k, v in optional.items() if v is not None)
         self._chat = body
         return body
+
+    def drop_first_item(self) -> bool:
+        """truncation "auto": the conversation's first item leaves what the model sees (the
+        instructions stay, and the last item), with the tool results of a call it held; False when
+        nothing is left to drop. The stored conversation keeps every item."""
+        messages = self._chat["messages"]
+        first = 1 if self.instructions else 0
+        if len(messages) - first < 2:
+            return False
+        del messages[first]
+        while len(messages) - first > 1 and messages[first]["role"] == "tool":  # results of a call no longer shown
+            del messages[first]
+        return True
 
     def echoed_tools(self) -> list[dict[str, Any]]:
         """`tools` as the Response object lists them (FunctionTool)."""

@@ -127,22 +127,31 @@ async def test_bad_input_is_a_400_naming_the_field_and_nothing_is_metered(gatewa
         "tools": {"model": MODEL, "input": QUESTION, "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]},
         "tool_choice": {"model": MODEL, "input": QUESTION, "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
         "text.format": {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "grammar"}}},
-        "text.format.schema": {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x"}}},
         "background": {"model": MODEL, "input": QUESTION, "background": True},
         "previous_response_id": {"model": MODEL, "input": QUESTION, "previous_response_id": "resp_nosuch"},
+        "truncation": {"model": MODEL, "input": QUESTION, "truncation": "middle"},
+        "include[0]": {"model": MODEL, "input": QUESTION, "include": ["no.such.thing"]},
+        "include[1]": {"model": MODEL, "input": QUESTION, "include": ["reasoning.encrypted_content", "message.output_text.logprobs"]},
+        "input[0].content[0].text": {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        # the engine's refusals of a translated field, named as the Responses API names them (not chat's names)
+        "tools[0].name": {"model": MODEL, "input": QUESTION, "tools": [{"type": "function", "name": "bad name!", "parameters": {}}]},
+        "text.format.schema": {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}},
     }
+    bad_bodies["text.format.schema "] = {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x"}}}
     async with httpx.AsyncClient(base_url=gateway.base_url, headers={"Authorization": f"Bearer {customer['key']}"}, timeout=60) as c:
         for field, body in bad_bodies.items():
             r = await c.post("/v1/responses", json={"max_output_tokens": 3, **body})  # short, were it served
             assert r.status_code == 400, (field, r.text)
-            assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == field, (field, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == field.strip(), (field, r.text)
         r = await c.post("/v1/responses", content=b"{not json")
         assert (r.status_code, r.json()["error"]["type"]) == (400, "invalid_request_error")
     with pytest.raises(openai.BadRequestError) as caught:
         await client.responses.create(model=MODEL, input=QUESTION, tools=[{"type": "web_search"}])
     assert caught.value.body["param"] == "tools"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as unknown:  # the Responses API's answer (chat's is a 404)
         await client.responses.create(model="no-such-model", input=QUESTION)
+    assert (unknown.value.code, unknown.value.param) == ("model_not_found", "model")
+    assert unknown.value.body["message"] == "The requested model 'no-such-model' does not exist."  # type: ignore[index]
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=customer["id"]) == 0
     # The server keeps serving.
@@ -289,6 +298,40 @@ async def test_previous_response_id_bills_earlier_turns_as_prompt_tokens(gateway
     third = await client.responses.create(model=MODEL, input="Thanks.", previous_response_id=second.id, max_output_tokens=5, temperature=0)
     assert third.usage.input_tokens == len(gateway.engine.encode_chat(
         conversation[1:] + [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Thanks."}]))
+
+
+async def test_truncation_auto_drops_the_first_turns_until_the_prompt_fits(gateway: Gateway, client: Any) -> None:
+    """truncation "auto" drops items from the beginning of the conversation until the prompt and its
+    bound fit the context (the instructions stay); "disabled", the default, is a 400. What is billed
+    is what the model saw; the stored conversation keeps every turn."""
+    context = gateway.engine.context_length
+    long_turn = "word " * (context * 3 // 5)  # two of them do not fit
+    first = await client.responses.create(model=MODEL, instructions=SYSTEM, input=long_turn, max_output_tokens=2, temperature=0)
+    assert first.truncation == "disabled"
+    for truncation in ({}, {"truncation": "disabled"}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model=MODEL, instructions=SYSTEM, input=long_turn, previous_response_id=first.id,
+                                          max_output_tokens=2, temperature=0, **truncation)
+        assert refused.value.code == "context_length_exceeded"
+    second = await client.responses.create(model=MODEL, instructions=SYSTEM, input=long_turn, previous_response_id=first.id,
+                                           max_output_tokens=2, temperature=0, truncation="auto")
+    assert second.truncation == "auto" and second.status in ("completed", "incomplete")
+    seen = [{"role": "system", "content": SYSTEM}, {"role": "assistant", "content": first.output_text},  # the first item dropped
+            {"role": "user", "content": long_turn}]
+    assert second.usage.input_tokens == len(gateway.engine.encode_chat(seen)) < context
+    row = await gateway.only_row(request_id_of(second.id))
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (second.usage.input_tokens, second.usage.output_tokens)
+    db = create_engine(gateway.db_url)
+    try:
+        async with db.connect() as conn:
+            stored = (await conn.execute(sa.text("SELECT messages FROM stored_responses WHERE id = :id"), {"id": second.id})).scalar_one()
+    finally:
+        await db.dispose()
+    assert [m["role"] for m in json.loads(stored)] == ["user", "assistant", "user"]  # stored: every turn
+    # a conversation that fits is not touched
+    short = await client.responses.create(model=MODEL, input="And of Germany?", previous_response_id=first.id,
+                                          max_output_tokens=2, temperature=0, truncation="auto")
+    assert short.usage.input_tokens > first.usage.input_tokens
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:
