@@ -228,7 +228,9 @@ def pool(vllm: VLLMServer, models_db: str, tmp_path_factory: pytest.TempPathFact
         upstream_model: {SERVED}
         tokenizer: {vllm.checkpoint}
         replicas: [{vllm.url}/v1]
-    """))  # FITTED: no active health check, so a /health slower than its timeout on loaded CI cores never ejects it
+        health_path: null
+    """))  # FITTED: no active health check (the default is /health every 5 s, 2 s timeout, and one that fails ejects
+    # the replica), so a /health slower than its timeout on loaded CI cores never ejects it
     admin_key = bootstrap(models_db, SECRET)
     settings = Settings(database_url=models_db, server_secret=SECRET, data_dir=tmp, engines=EngineSettings(models_file=str(path)))
     app = create_app(settings)
