@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.backends import hf_choices
-from engines.decoding import guided, structured
+from engines.decoding import guided, seeded, structured
 from engines.base import (
     MODEL_LOAD_LOCK,
     Engine,
@@ -163,6 +163,7 @@ class HFEngine(Engine):
         self.tool_parser = tool_parser
         # Whether sampling can follow a grammar (engines/decoding/guided.py): not under asynchronous batching.
         self.guided = False
+        self.seeded = False  # whether a request's seed makes its sample reproducible (engines/decoding/seeded.py)
         # n > 1: that many sequences, each a request of the manager's (engines/backends/hf_choices.py).
         self.max_choices = min(MAX_CHOICES, max_batch_size)
         self._choices: dict[str, int] = {}  # request id -> its n, while it runs
@@ -255,6 +256,7 @@ class HFEngine(Engine):
         )
         manager = self._model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
         self.guided = guided.install(manager, self._tokenizer, sorted(self._eos_ids), self._model.device, self._max_batch_size)
+        self.seeded = seeded.install(manager)  # last: it draws from what the other processors left
         return manager
 
     async def _run_warmup(self) -> None:
@@ -317,12 +319,15 @@ class HFEngine(Engine):
         """Hands one request to the batching manager; `handler` gets its outputs on the running loop.
         `grammar`: llguidance's grammar its tokens must follow (engines/decoding/guided.py)."""
         temperature = GREEDY_TEMPERATURE if sampling.greedy else float(sampling.temperature)
-        guide: dict[str, Any] = {}
+        per_request: dict[str, Any] = {}
         if grammar is not None:
-            guide["guide"] = self._guides[rid] = guided.Guide(grammar)
+            per_request["guide"] = self._guides[rid] = guided.Guide(grammar)
+        if sampling.seed is not None and not sampling.greedy and self.seeded:
+            per_request["seed"] = int(sampling.seed)
         self._manager.register_result_handler(rid, handler)
         self._manager.add_request(
-            prompt_ids, request_id=rid, max_new_tokens=max_tokens, streaming=True, temperature=temperature, top_p=float(sampling.top_p), **guide
+            prompt_ids, request_id=rid, max_new_tokens=max_tokens, streaming=True, temperature=temperature, top_p=float(sampling.top_p),
+            **per_request,
         )
 
     # tools and structured outputs (engines/decoding/structured.py) ---------------------------------------

@@ -57,7 +57,11 @@ async def merged(
             queue.put_nowait((choice.index, exc))
         queue.put_nowait((choice.index, _END))
 
-    subs = [dataclasses.replace(request, request_id=rid, n=1, best_of=1) for rid in choice_ids(request.request_id, request.n)]
+    # A seeded request's choices each get their own seed (the same seed for all would give n equal choices).
+    seed = request.sampling.seed
+    subs = [dataclasses.replace(request, request_id=rid, n=1, best_of=1,
+                                sampling=request.sampling if seed is None else dataclasses.replace(request.sampling, seed=seed + i))
+            for i, rid in enumerate(choice_ids(request.request_id, request.n))]
     tasks = [asyncio.get_running_loop().create_task(pump(c, s)) for c, s in zip(choices, subs)]
     prompt_tokens, queue_ms, running = 0, None, len(choices)
     try:

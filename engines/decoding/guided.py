@@ -24,6 +24,8 @@ import logging
 import threading
 from typing import Any
 
+from engines.decoding.seeded import captured
+
 log = logging.getLogger("tollgate.engines.guided")
 
 # JSON as models write it (`{"a": 1, "b": 2}`): one space after ',' and ':', no other whitespace. Free
@@ -207,7 +209,7 @@ def install(manager: Any, hf_tokenizer: Any, eos_ids: list[int], device: Any, ro
     processors = manager.logit_processor
     config = manager.continuous_batching_config
     # A captured graph or a compiled step keeps no Python branch: the mask is applied on every step there.
-    always = any(config.cuda_graph_booleans) or config.varlen_compile_config is not None or config.decode_compile_config is not None
+    always = captured(config)
     processors.logits_processor.insert(0, TokenMask.make(hf_tokenizer, eos_ids, device, rows, always))
     processors.tensors_required += 1
     processors._retrieve_processors_kwargs()

@@ -192,6 +192,28 @@ async def test_sampling_parameters_are_accepted(customer: dict[str, Any], client
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
+async def test_a_seed_makes_a_sampled_answer_reproducible_whatever_runs_beside_it(gateway: Gateway, customer: dict[str, Any],
+                                                                                   client_for: Any) -> None:
+    """temperature 1 with a seed: the same seed gives the same answer, alone or in a batch with other
+    sampled requests (the engine's sampler is shared); other seeds give other answers; n choices of
+    one seeded request differ from each other and come back the same on a repeat."""
+    import asyncio
+
+    client = client_for(customer["key"])
+    story = [{"role": "user", "content": "Tell me a story about a dragon."}]
+
+    async def sample(seed: int | None, n: int = 1) -> list[str]:
+        resp = await client.chat.completions.create(model=MODEL, messages=story, temperature=1.0, seed=seed, max_tokens=24, n=n)
+        return [c.message.content or "" for c in sorted(resp.choices, key=lambda c: c.index)]
+
+    alone = await sample(11)
+    crowded = await asyncio.gather(*(sample(s) for s in (None, 11, None, 12, None)))
+    assert crowded[1] == alone and await sample(11) == alone
+    assert len({alone[0], crowded[3][0], (await sample(13))[0]}) == 3, (alone, crowded[3])
+    pair = await sample(11, n=2)
+    assert pair[0] != pair[1] and await sample(11, n=2) == pair
+
+
 async def test_models_endpoint_lists_the_served_model(customer: dict[str, Any], client_for: Any) -> None:
     client = client_for(customer["key"])
     models = await client.models.list()
