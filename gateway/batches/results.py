@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from billing.batches.store import Line, line_request_id
+from gateway.api.anthropic.errors import anthropic_type
 from gateway.http.requests import MAX_JSON_DEPTH, too_deep
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
@@ -172,9 +173,12 @@ def anthropic_view(batch: dict[str, Any], counts: dict[str, int], base_url: str)
     ended = batch["completed_at"] or batch["expired_at"] or batch["cancelled_at"] or batch["failed_at"]
     return {
         "id": batch["id"], "type": "message_batch", "processing_status": status,
+        # Anthropic: a request moves out of `processing` only once the whole batch has ended
         "request_counts": {
-            "processing": counts.get("pending", 0) + counts.get("claimed", 0), "succeeded": counts.get("done:succeeded", 0),
-            "errored": counts.get("done:errored", 0), "canceled": counts.get("done:canceled", 0), "expired": counts.get("done:expired", 0),
+            "processing": sum(n for state, n in counts.items() if ":" not in state), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0,
+        } if status != "ended" else {
+            "processing": 0, "succeeded": counts.get("done:succeeded", 0), "errored": counts.get("done:errored", 0),
+            "canceled": counts.get("done:canceled", 0), "expired": counts.get("done:expired", 0),
         },
         "ended_at": _iso(ended), "created_at": _iso(batch["created_at"]), "expires_at": _iso(batch["expires_at"]),
         "archived_at": None, "cancel_initiated_at": _iso(batch["cancelling_at"]),
@@ -188,7 +192,11 @@ def anthropic_line(line: Line) -> dict[str, Any]:
         return {"custom_id": line.custom_id, "result": {"type": "succeeded", "message": _body(line)}}
     if line.outcome == "errored":
         body = _body(line) or {}
-        error = body if body.get("type") == "error" else {"type": "error", "error": {
-            "type": "api_error", "message": str((body.get("error") or {}).get("message", "the request failed"))}}
+        if body.get("type") == "error":  # the route's own answer, in Anthropic's shape
+            error = body
+        else:  # the runner's (an OpenAI-shaped body: the key revoked, the line interrupted): typed by its status
+            message = str((body.get("error") or {}).get("message", "the request failed"))
+            error = {"type": "error", "error": {"type": anthropic_type(line.status_code or 500), "message": message},
+                     "request_id": line.request_id}
         return {"custom_id": line.custom_id, "result": {"type": "errored", "error": error}}
     return {"custom_id": line.custom_id, "result": {"type": "canceled" if line.outcome == "canceled" else "expired"}}

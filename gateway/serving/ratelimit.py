@@ -35,5 +35,10 @@ def hold_headers(hold: Hold | None) -> dict[str, str]:
 
 
 def refusal_headers(exc: QuotaExceeded) -> dict[str, str]:
-    """Retry-After and the x-ratelimit-* headers of a refused request."""
-    return {"Retry-After": str(exc.retry_after), **ratelimit_headers(exc.scopes, exc.remaining, exc.at)}
+    """Retry-After and the x-ratelimit-* headers of a refused request. A balance or a monthly limit
+    does not clear within a retry: `x-should-retry: false`, which the OpenAI and Anthropic SDKs obey
+    (they retry every other 429, waiting Retry-After)."""
+    headers = {"Retry-After": str(exc.retry_after), **ratelimit_headers(exc.scopes, exc.remaining, exc.at)}
+    if exc.error_type == "insufficient_quota":
+        headers["x-should-retry"] = "false"
+    return headers

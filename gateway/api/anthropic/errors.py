@@ -22,16 +22,25 @@ ERROR_TYPES = {
 }
 
 
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status."""
+    if status == 529:
+        return "overloaded_error"
+    return "api_error" if status >= 500 else ERROR_TYPES.get(status, "invalid_request_error")
+
+
 def error_shape(err: APIError, request_id: str | None = None) -> tuple[int, dict[str, Any]]:
     """Anthropic's status and body for one of our errors: a full engine is 529 `overloaded_error`
-    (what Anthropic's SDKs retry); other 5xx are `api_error`, 4xx their Anthropic type. The body
+    (what Anthropic's SDKs retry); other 5xx are `api_error`, 4xx their Anthropic type; a prepaid
+    balance or a monthly limit is a 400 `invalid_request_error`, as Anthropic answers a credit
+    balance too low or usage limits reached (a 429 there is a rate limit, which its SDK retries). The body
     carries the request's id (`request_id`, as Anthropic's do) when there is one."""
     if isinstance(err, EngineOverloaded):
         status, kind = 529, "overloaded_error"
-    elif err.status_code >= 500:
-        status, kind = err.status_code, "api_error"
+    elif err.error_type == "insufficient_quota":  # a balance or spend limit: Anthropic's is a 400 (credit too low, usage limits)
+        status, kind = 400, "invalid_request_error"
     else:
-        status, kind = err.status_code, ERROR_TYPES.get(err.status_code, "invalid_request_error")
+        status, kind = err.status_code, anthropic_type(err.status_code)
     message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
     body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
     if request_id:

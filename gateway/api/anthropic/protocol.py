@@ -116,6 +116,9 @@ def chat_messages(system: str | list[ContentBlock] | None, messages: list[InputM
             if block.type == "text" and block.text == "":
                 raise InvalidRequest(f"messages[{i}].content[{j}].text: text content blocks must be non-empty",
                                      param=f"messages[{i}].content[{j}].text")
+            if block.type == "text" and block.text is not None and not block.text.strip():
+                raise InvalidRequest(f"messages[{i}].content[{j}].text: text content blocks must contain non-whitespace text",
+                                     param=f"messages[{i}].content[{j}].text")
         missing = [u for u in unanswered if u not in {b.tool_use_id for b in blocks if b.type == "tool_result"}]
         if missing:
             raise InvalidRequest(f"messages[{i}]: `tool_use` ids were found without `tool_result` blocks immediately after: "
@@ -233,6 +236,8 @@ class MessagesRequest(_ToolsAndMessages):
     def _no_empty_stop(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and any(not s for s in value):
             raise ValueError("stop sequences must not be empty")
+        if value is not None and any(not s.strip() for s in value):
+            raise ValueError("each stop sequence must contain non-whitespace")
         return value
 
     def stop_sequences(self) -> tuple[str, ...]:

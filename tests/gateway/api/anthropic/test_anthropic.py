@@ -15,7 +15,7 @@ import pytest
 
 from gateway.api.anthropic.messages import error_shape
 from gateway.http.errors import EngineNotReady, EngineOverloaded, InvalidRequest, RateLimited
-from tests.conftest import MODEL, Gateway
+from tests.conftest import MODEL, Gateway, minute_with_room
 from tests.gateway.serving.test_disconnect import wait_engine_idle
 from tests.gateway.serving.test_quotas import set_limits
 
@@ -149,6 +149,9 @@ async def test_bad_input_is_an_anthropic_400_and_nothing_is_metered(gateway: Gat
         ("toolu_1", {"model": MODEL, "max_tokens": 5, "messages": [*call, {"role": "user", "content": "thanks"}]}),
         ("metadata.user_id", {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "metadata": {"user_id": 12345}}),
         ("metadata.session", {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "metadata": {"session": "s"}}),
+        # Anthropic: "text content blocks must contain non-whitespace text", "each stop sequence must contain non-whitespace"
+        ("messages[0].content[0].text", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": " \n"}]}]}),
+        ("stop_sequences", {"model": MODEL, "max_tokens": 5, "messages": QUESTION, "stop_sequences": ["end", " "]}),
     ]
     async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=60) as c:
         for field, body in [*bad_bodies.items(), *more]:
@@ -205,17 +208,34 @@ async def test_a_revoked_key_is_an_authentication_error(gateway: Gateway) -> Non
     assert caught.value.body["error"] == {"type": "authentication_error", "message": "This API key has been revoked."}
 
 
-async def test_over_quota_is_a_429_rate_limit_error_without_a_row(gateway: Gateway) -> None:
+async def test_over_quota_is_anthropics_error_without_a_row(gateway: Gateway) -> None:
+    """A monthly limit (or a prepaid balance) is what Anthropic answers for usage limits or a credit
+    balance too low: a 400 invalid_request_error, which its SDK does not retry; a rate limit is a
+    429 rate_limit_error, which it retries after Retry-After."""
     key = await gateway.new_key()
     await set_limits(gateway, f"/admin/keys/{key['id']}", {"monthly_tokens": 40})
     async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key["key"], max_retries=0) as client:
-        with pytest.raises(anthropic.RateLimitError) as caught:
+        with pytest.raises(anthropic.BadRequestError) as caught:
             await client.messages.create(model=MODEL, messages=QUESTION, max_tokens=100)
-    assert caught.value.status_code == 429
-    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "rate_limit_error"
-    assert int(caught.value.response.headers["retry-after"]) >= 1
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "monthly" in caught.value.body["error"]["message"] and caught.value.response.headers["x-should-retry"] == "false"
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=key["id"]) == 0
+    # the same limit on the OpenAI route: OpenAI's 429 insufficient_quota, which no SDK retries either
+    openai_client = openai.AsyncOpenAI(base_url=gateway.v1, api_key=key["key"], max_retries=0)
+    with pytest.raises(openai.RateLimitError) as quota:
+        await openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=100)  # type: ignore[arg-type]
+    assert quota.value.code == "monthly_tokens" and quota.value.response.headers["x-should-retry"] == "false"
+    await openai_client.close()
+    limited = await gateway.new_key()
+    await set_limits(gateway, f"/admin/keys/{limited['id']}", {"rpm": 1})
+    await minute_with_room(20)  # the two requests in one minute's window
+    async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=limited["key"], max_retries=0) as client:
+        await client.messages.create(model=MODEL, messages=QUESTION, max_tokens=1)
+        with pytest.raises(anthropic.RateLimitError) as slow:
+            await client.messages.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    assert slow.value.status_code == 429 and slow.value.body["error"]["type"] == "rate_limit_error"
+    assert int(slow.value.response.headers["retry-after"]) >= 1 and "x-should-retry" not in slow.value.response.headers
 
 
 async def test_disconnect_mid_stream_leaves_one_cancelled_row(gateway: Gateway, customer: dict[str, Any]) -> None:
