@@ -218,7 +218,7 @@ async def test_a_pass_through_prompts_tools_are_reserved_before_the_upstream_pre
             await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=5, tools=long_tool, tool_choice=choice)  # type: ignore[arg-type]
     claude = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=key["key"], max_retries=0, timeout=30)
     tool = {"name": "lookup", "description": "a word " * 2500, "input_schema": {"type": "object", "properties": {}}}
-    with pytest.raises(anthropic.RateLimitError):
+    with pytest.raises(anthropic.BadRequestError):  # the key's monthly limit: Anthropic's 400 for usage limits
         await claude.messages.create(model="pool", max_tokens=5, messages=[{"role": "user", "content": "hi"}], tools=[tool])  # type: ignore[list-item]
     assert up.requests == []  # refused at admission: nothing prefilled, nothing held
     assert await rows_of(gw, key["id"]) == []

@@ -126,11 +126,11 @@ def test_200_concurrent_requests_on_two_processes_spend_at_most_the_balance(
             balance = admin.get(f"/admin/accounts/{account}/credits").json()
             assert (balance["billing_mode"], balance["balance_nanos"], balance["balance"]) == ("prepaid", 150, "0.000000150")
 
-        # Anthropic's shape on /v1/messages for the same refusal
+        # Anthropic's answer on /v1/messages for the same refusal: a credit balance too low is its 400
         claude = anthropic.Anthropic(base_url=gateways[0].base_url, api_key=key["key"], max_retries=0)
-        with pytest.raises(anthropic.RateLimitError) as refused_msg:
+        with pytest.raises(anthropic.BadRequestError) as refused_msg:
             claude.messages.create(model="remote", max_tokens=7, messages=[{"role": "user", "content": "hi"}])
-        assert refused_msg.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+        assert refused_msg.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
         assert "prepaid balance" in refused_msg.value.body["error"]["message"]  # type: ignore[index]
 
         # A top-up through one process's admin API is spendable at once on the other
