@@ -56,8 +56,10 @@ def passed_kwargs(engine: HFEngine, monkeypatch: pytest.MonkeyPatch) -> dict[str
 
     monkeypatch.setattr(cu, "ContinuousBatchingConfig", Recorder)
     import engines.decoding.guided
+    import engines.decoding.seeded
 
     monkeypatch.setattr(engines.decoding.guided, "install", lambda *args, **kwargs: False)  # no manager is built here to install on
+    monkeypatch.setattr(engines.decoding.seeded, "install", lambda *args, **kwargs: False)
     engine._model, engine._tokenizer = Model(), type("T", (), {"eos_token_id": 2, "pad_token_id": 2})()
     engine._make_manager()
     return seen
