@@ -77,13 +77,13 @@ class WebhookHandler:
             raise WebhookRejected("The event has no id, type or data.object.")
         if await self._seen(event_id):
             return {"received": True, "id": event_id, "duplicate": True}
-        stamp = event.get("created") or 0
+        stamp = event.get("created") or 0  # Stripe's: a Unix time in seconds
         try:
-            if type(stamp) is not int:  # Stripe's `created` is a Unix time in seconds
-                raise ValueError(stamp)
-            created = datetime.fromtimestamp(stamp, tz=timezone.utc)
+            created = datetime.fromtimestamp(stamp, tz=timezone.utc) if type(stamp) is int else None
         except (ValueError, OverflowError, OSError):
-            raise WebhookRejected("The event's created is not a Unix time.") from None
+            created = None
+        if created is None:
+            raise WebhookRejected("The event's created is not a Unix time.")
         apply = await self._reread(kind, obj, created)
         async with self._db.begin() as conn:
             row = dict(id=event_id, type=kind, created=created, processed_at=utcnow())

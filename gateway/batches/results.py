@@ -103,8 +103,13 @@ def _body(line: Line) -> Any:
         return {"error": {"message": line.result[:500], "type": "server_error"}}
 
 
+def line_total(counts: dict[str, int]) -> int:
+    """The batch's lines, from BatchStore.counts (its states; `done:<outcome>` splits `done` again)."""
+    return sum(v for k, v in counts.items() if ":" not in k)
+
+
 def openai_counts(counts: dict[str, int]) -> dict[str, int]:
-    total = sum(v for k, v in counts.items() if ":" not in k)
+    total = line_total(counts)
     # Every line that ended without a 2xx answer is in the error file: refused or failed, and those
     # never run (expired, or cancelled), so an ended batch's completed + failed is its total.
     failed = counts.get("done:errored", 0) + counts.get("done:expired", 0) + counts.get("done:canceled", 0)
@@ -175,7 +180,7 @@ def anthropic_view(batch: dict[str, Any], counts: dict[str, int], base_url: str)
         "id": batch["id"], "type": "message_batch", "processing_status": status,
         # Anthropic: a request moves out of `processing` only once the whole batch has ended
         "request_counts": {
-            "processing": sum(n for state, n in counts.items() if ":" not in state), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0,
+            "processing": line_total(counts), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0,
         } if status != "ended" else {
             "processing": 0, "succeeded": counts.get("done:succeeded", 0), "errored": counts.get("done:errored", 0),
             "canceled": counts.get("done:canceled", 0), "expired": counts.get("done:expired", 0),

@@ -193,9 +193,20 @@ class CompletionService:
         except ModelNotFound:  # the Responses API answers an unknown model with a 400 (chat: 404)
             raise InvalidRequest(f"The requested model {body['model']!r} does not exist.", param="model", code="model_not_found") from None
         prompt_ids = self.prompt_of(engine, body, "input", RESPONSES_PARAMS)
-        if request.truncation == "auto":  # the conversation's first items go until the prompt and its bound fit
-            while len(prompt_ids) + (request.max_output_tokens or 1) > engine.context_length and request.drop_first_item():
-                prompt_ids = self.prompt_of(engine, body, "input", RESPONSES_PARAMS)
+        need = request.max_output_tokens or 1
+        if request.truncation == "auto" and len(prompt_ids) + need > engine.context_length:
+            # The fewest first items to drop for the prompt and its bound to fit, by bisection: each try
+            # renders and counts the whole prompt on the loop, so a long history costs log2(items) of them.
+            conversation, low, high = body["messages"], 1, request.droppable()
+            while low < high:
+                middle = (low + high) // 2
+                request.keep_from(conversation, middle)
+                if len(self.prompt_of(engine, body, "input", RESPONSES_PARAMS)) + need <= engine.context_length:
+                    high = middle
+                else:
+                    low = middle + 1
+            request.keep_from(conversation, high)  # none fits: the most that may go, and _prepare's 400
+            prompt_ids = self.prompt_of(engine, body, "input", RESPONSES_PARAMS)
         try:
             return self._prepare(engine, principal, request, request_id, prompt_ids, request.max_output_tokens, "chat", api="responses")
         except InvalidRequest as err:  # the engine's refusal of a chat field: named as the Responses API names it

@@ -260,18 +260,20 @@ class ResponsesRequest(_Model):
         self._chat = body
         return body
 
-    def drop_first_item(self) -> bool:
-        """truncation "auto": the conversation's first item leaves what the model sees (the
-        instructions stay, and the last item), with the tool results of a call it held; False when
-        nothing is left to drop. The stored conversation keeps every item."""
-        messages = self._chat["messages"]
+    def droppable(self) -> int:
+        """truncation "auto": how many of the conversation's first items may leave what the model
+        sees (the instructions stay, and the last item)."""
+        return max(0, len(self._chat["messages"]) - (1 if self.instructions else 0) - 1)
+
+    def keep_from(self, conversation: list[dict[str, Any]], dropped: int) -> None:
+        """What the model sees: `conversation` (the whole chat_body messages) less its first `dropped`
+        items after the instructions, and the tool results of calls no longer shown. The stored
+        conversation keeps every item."""
         first = 1 if self.instructions else 0
-        if len(messages) - first < 2:
-            return False
-        del messages[first]
-        while len(messages) - first > 1 and messages[first]["role"] == "tool":  # results of a call no longer shown
-            del messages[first]
-        return True
+        rest = conversation[first + dropped:]
+        while len(rest) > 1 and rest[0]["role"] == "tool":
+            rest = rest[1:]
+        self._chat["messages"] = conversation[:first] + rest
 
     def echoed_tools(self) -> list[dict[str, Any]]:
         """`tools` as the Response object lists them (FunctionTool)."""
