@@ -27,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from billing.credits.models import CREDIT_KINDS, CreditEntry, CreditUsageMark
+from billing.ledger.records import spends_balance
 from billing.credits.views import NANOS_PER_USD, aware, entry_view, iso, usd
 from billing.models import Account, LedgerEntry, utcnow
 from billing.invoices.periods import Period
@@ -79,14 +80,12 @@ async def _since(conn: AsyncConnection, account_id: int) -> datetime | None:
     return None if row is None else aware(row.prepaid_since)
 
 
-async def _usage_cost(conn: AsyncConnection, account_id: int, since: datetime | None, until: datetime | None = None) -> int:
+async def _usage_cost(conn: AsyncConnection, account_id: int, since: datetime | None) -> int:
     """Cost of the account's ledger rows since it became prepaid (the rows quotas count too)."""
     if since is None:
         return 0
     query = sa.select(sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
-        LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since)
-    if until is not None:
-        query = query.where(LEDGER.c.created_at < until)
+        LEDGER.c.account_id == account_id, spends_balance(since))
     return int((await conn.execute(query)).scalar_one())
 
 
@@ -102,7 +101,7 @@ async def _spent(conn: AsyncConnection, account_id: int, since: datetime | None)
             CREDITS.c.account_id == account_id, CREDITS.c.kind == "usage"))).scalar_one())
         return await _usage_cost(conn, account_id, since), posted
     newer = int((await conn.execute(sa.select(sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
-        LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since, LEDGER.c.id > mark.posted_id))).scalar_one())
+        LEDGER.c.account_id == account_id, spends_balance(since), LEDGER.c.id > mark.posted_id))).scalar_one())
     return int(mark.posted_nanos) + newer, int(mark.posted_nanos)
 
 
@@ -293,7 +292,7 @@ class CreditBook:
         cuts = sorted({g["expires_at"] for g in grants if g["expires_at"] is not None})
         segment: Any = sa.case(*[(LEDGER.c.created_at < cut, i) for i, cut in enumerate(cuts)], else_=len(cuts)) if cuts else sa.literal(0)
         query = sa.select(segment.label("seg"), sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0).label("cost")).where(
-            LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since, LEDGER.c.id <= upto)
+            LEDGER.c.account_id == account_id, spends_balance(since), LEDGER.c.id <= upto)
         if above is not None:
             query = query.where(LEDGER.c.id > above)
         costs = sorted((int(r.seg), int(r.cost)) for r in (await conn.execute(query.group_by(segment))).all())

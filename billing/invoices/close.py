@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from billing.config import BillingConfig
 from billing.invoices.documents import invoice_fields, list_credit_notes_on
 from billing.invoices.models import BillingPeriod, Invoice, InvoiceLine
-from billing.ledger.records import BILLED_STATUSES
+from billing.ledger.records import BILLED_STATUSES, spends_balance
 from billing.models import Account, LedgerEntry, utcnow
 from billing.invoices.periods import Period
 from billing.prices.book import EXACT, EffectivePrice, PriceBook
@@ -144,7 +144,7 @@ async def priced_usage(
             LEDGER.c.status.in_(BILLED_STATUSES),
             # a prepaid account's usage was paid from its balance (billing/credits/balance.py): never invoiced
             ~sa.exists().where(ACCOUNTS.c.id == LEDGER.c.account_id, ACCOUNTS.c.prepaid_since.is_not(None),
-                               LEDGER.c.created_at >= ACCOUNTS.c.prepaid_since),
+                               spends_balance(ACCOUNTS.c.prepaid_since)),
         )
         .subquery()
     )

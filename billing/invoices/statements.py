@@ -13,7 +13,7 @@ Numbered without gaps like invoices (`document_sequences`, one sequence, `ST-000
 seller and the buyer snapshotted at issue, one per account and period (unique: a second close
 returns it), never edited, and never sent to Stripe (Stripe only ever sees the `invoices` table).
 Rows are split as the rest of prepaid credit splits them: a ledger row is the balance's when it
-finished (`created_at`) at or after `prepaid_since`, and its month is its `admitted_at`'s.
+was admitted at or after `prepaid_since` (`spends_balance`), and its month is its `admitted_at`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from billing.invoices.billing_details import get_details, next_number
 from billing.config import BillingConfig
 from billing.credits.models import CreditEntry, PrepaidStatement
+from billing.ledger.records import spends_balance
 from billing.credits.views import entry_view, usd
 from billing.invoices.documents import buyer_snapshot
 from billing.models import Account, LedgerEntry
@@ -55,7 +56,7 @@ async def _credits_before(conn: AsyncConnection, account_id: int, t: datetime) -
 
 async def _usage_before(conn: AsyncConnection, account_id: int, since: datetime, t: datetime) -> int:
     query = sa.select(sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0)).where(
-        LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since, LEDGER.c.admitted_at < t)
+        LEDGER.c.account_id == account_id, spends_balance(since), LEDGER.c.admitted_at < t)
     return int((await conn.execute(query)).scalar_one())
 
 
@@ -67,7 +68,7 @@ async def _usage_by_model(conn: AsyncConnection, account_id: int, since: datetim
         sa.func.sum(cached).label("cached"), sa.func.sum(LEDGER.c.completion_tokens).label("completion"),
         sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0).label("cost"),
     ).where(
-        LEDGER.c.account_id == account_id, LEDGER.c.created_at >= since,
+        LEDGER.c.account_id == account_id, spends_balance(since),
         LEDGER.c.admitted_at >= period.start, LEDGER.c.admitted_at < period.end,
     ).group_by(LEDGER.c.model).order_by(LEDGER.c.model)
     return [{"model": r.model, "requests": int(r.requests), "prompt_tokens": int(r.prompt or 0), "cached_tokens": int(r.cached or 0),

@@ -9,15 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
-from billing.models import utcnow
+from billing.models import LedgerEntry, utcnow
 
-__all__ = ["BILLED_STATUSES", "UsageRecord"]
+__all__ = ["BILLED_STATUSES", "UsageRecord", "spends_balance"]
 
 # The rows invoices bill (tokens really delivered; a cancelled row holds what was generated until the
 # client left). Any other row (`error`, `interrupted`) costs nothing: its cost_nanos is 0, so what a
 # prepaid balance, a spend limit and a statement take of it is what an invoice bills, nothing.
 BILLED_STATUSES = ("completed", "cancelled")
+
+
+def spends_balance(since: Any) -> Any:
+    """Whether a ledger row is a prepaid balance's (SQL): admitted at or after `since`, the account's
+    `prepaid_since` (a value or its column). The quota's hold is taken at admission, so these are the
+    rows whose holds counted against the balance; a request admitted while its account was postpaid
+    is invoiced, however late it finishes."""
+    return LedgerEntry.__table__.c.admitted_at >= since
 
 
 @dataclass

@@ -12,7 +12,7 @@ the documents the monthly close issues, exactly (integers and Decimal):
   lines of their own, each exactly its rows' cost_nanos rounded half up to the cent once, also when
   the hit price differed from hit to hit (the setting changed), and a late hit is billed once as the
   rest of that rounding;
-- statement: usage == the month's cost_nanos (rows that finished since prepaid_since, by
+- statement: usage == the month's cost_nanos (rows admitted since prepaid_since, by
   admission month), each model's cost too, and closing == credits - cost_nanos up to the month's
   end == the account's balance (docs/prepaid.md); the account's postpaid part of the month is on an
   invoice that matches the ledger the same way."""
@@ -89,7 +89,7 @@ async def ledger_cost(db: Any, account: int, period: Period, *, billable: bool, 
     if billable:
         where.append("status IN (" + ", ".join(f"'{s}'" for s in BILLED_STATUSES) + ")")
     if since is not None:
-        where.append("created_at < :since" if before_since else "created_at >= :since")
+        where.append("admitted_at < :since" if before_since else "admitted_at >= :since")
     async with db.connect() as conn:
         row = (await conn.execute(sa.text(
             f"SELECT coalesce(sum(cost_nanos), 0) AS cost, count(*) AS n FROM ledger_entries WHERE {' AND '.join(where)}"),
@@ -115,7 +115,7 @@ async def hits_by_line(db: Any, book: PriceBook, account: int, period: Period, *
     price version, override) in force at each one's admission."""
     where = "cached AND account_id = :a AND admitted_at >= :s AND admitted_at < :e AND status IN ('completed', 'cancelled')"
     if since is not None:
-        where += " AND created_at < :since" if before_since else " AND created_at >= :since"
+        where += " AND admitted_at < :since" if before_since else " AND admitted_at >= :since"
     async with db.connect() as conn:
         rows = (await conn.execute(sa.text(
             f"SELECT model, admitted_at, prompt_tokens + completion_tokens AS tokens, cost_nanos FROM ledger_entries WHERE {where}"),
@@ -214,7 +214,7 @@ async def test_statements_hold_exactly_the_ledgers_cost_and_end_at_the_balance(d
     account = await new_account(db, "prepaid")
     since = at(9, 10)
     await priced(db, book, account, "alpha", 400_001, 20_001, at(9, 3))  # postpaid then: invoiced
-    await priced(db, book, account, "beta", 10_000, 1, at(9, 10, 11, 59, 59, 999_000), at(9, 10, 12, 0, 1))  # finished prepaid
+    await priced(db, book, account, "beta", 10_000, 1, at(9, 10, 11, 59, 59, 999_000), at(9, 10, 12, 0, 1))  # admitted postpaid, finished prepaid: invoiced
     await credits.set_mode(account, "prepaid")
     async with db.begin() as conn:
         await conn.execute(sa.text("UPDATE accounts SET prepaid_since = :t WHERE id = :a"), {"t": since, "a": account})
@@ -226,17 +226,17 @@ async def test_statements_hold_exactly_the_ledgers_cost_and_end_at_the_balance(d
 
     [statement] = await list_statements(db, account_id=account, period=str(SEPT))
     cost, rows = await ledger_cost(db, account, SEPT, billable=False, since=since)
-    assert rows == 8 + 4 + 1  # September's after Sep 10 12:00 (the error row too: it spent the balance; hits too), and the one that finished then
+    assert rows == 8 + 4  # September's admitted after Sep 10 12:00 (the error row too: it spent the balance; hits too)
     assert statement["usage_nanos"] == cost == sum(u["cost_nanos"] for u in statement["usage"])
     async with db.connect() as conn:
         per_model = dict((await conn.execute(sa.text(
-            "SELECT model, sum(cost_nanos) FROM ledger_entries WHERE account_id = :a AND created_at >= :since AND admitted_at >= :s "
+            "SELECT model, sum(cost_nanos) FROM ledger_entries WHERE account_id = :a AND admitted_at >= :since AND admitted_at >= :s "
             "AND admitted_at < :e GROUP BY model"), {"a": account, "since": since, "s": SEPT.start, "e": SEPT.end})).all())
         credited = int((await conn.execute(sa.text(
             "SELECT coalesce(sum(amount_nanos), 0) FROM credit_entries WHERE account_id = :a AND kind <> 'usage' AND created_at < :e"),
             {"a": account, "e": SEPT.end})).scalar_one())
         spent = int((await conn.execute(sa.text(
-            "SELECT coalesce(sum(cost_nanos), 0) FROM ledger_entries WHERE account_id = :a AND created_at >= :since AND admitted_at < :e"),
+            "SELECT coalesce(sum(cost_nanos), 0) FROM ledger_entries WHERE account_id = :a AND admitted_at >= :since AND admitted_at < :e"),
             {"a": account, "since": since, "e": SEPT.end})).scalar_one())
     assert {u["model"]: u["cost_nanos"] for u in statement["usage"]} == {m: int(c) for m, c in per_model.items()}
     assert statement["opening_balance_nanos"] == 0 and statement["late_nanos"] == 0
@@ -246,8 +246,8 @@ async def test_statements_hold_exactly_the_ledgers_cost_and_end_at_the_balance(d
     balance = await credits.balance(account)  # what admission and the dashboards read: September's end less October's row
     assert october > 0 and balance is not None and balance["balance_nanos"] == statement["closing_balance_nanos"] - october
 
-    # the month's postpaid part: rows that finished before prepaid_since, on an invoice
+    # the month's postpaid part: rows admitted before prepaid_since, on an invoice
     [invoice] = await list_invoices(db, account_id=account, period=str(SEPT))
     cost, rows = await ledger_cost(db, account, SEPT, billable=True, since=since, before_since=True)
-    assert rows == 3  # with the free hit of Sep 6
+    assert rows == 4  # with the free hit of Sep 6 and the row admitted just before the switch
     check_invoice(invoice, cost, rows, whole_nanos=True, hits=await hits_by_line(db, book, account, SEPT, since=since, before_since=True))

@@ -110,6 +110,45 @@ async def test_the_close_makes_one_statement_per_prepaid_month_and_late_usage_sh
         await db.dispose()
 
 
+async def test_a_request_admitted_before_the_switch_to_prepaid_is_invoiced_not_spent(db_url: str) -> None:
+    """A row is the balance's when it was admitted after `prepaid_since`, however late it finished:
+    its quota hold was taken while the account was postpaid (no balance scope), so the limiter never
+    counted it against the balance and the balance must not either. Before, the rule was the row's
+    finish (`created_at`): a request running across the switch spent a balance that never held for it
+    (an audit measured -800,000 nano-USD on a fresh prepaid account), and its tokens left the invoice."""
+    from billing.credits.balance import prepaid_totals
+
+    db = create_engine(db_url)
+    try:
+        book = PriceBook(db)
+        await book.add("m", "1.000", "1.000", at(9, 1, 0), backdate=True)
+        credits = CreditBook(db)
+        a = await new_account(db)
+        await credits.set_mode(a, "prepaid")
+        async with db.begin() as conn:
+            await conn.execute(sa.text("UPDATE accounts SET prepaid_since = :t WHERE id = :a"), {"t": at(9, 10, 0), "a": a})
+        await credits.add(a, "topup", 100 * CENT, now=at(9, 10, 1), external_id="cs_test_switch")
+        await spend(db, a, 8 * CENT, at(9, 9, 23, 59), finished=at(9, 10, 0, 1))  # running across the switch
+        await spend(db, a, 2 * CENT, at(9, 10, 2))  # admitted prepaid
+        balance = await credits.balance(a)
+        assert balance is not None and balance["balance_nanos"] == 98 * CENT, balance
+        async with db.connect() as conn:
+            _, spent = await prepaid_totals(conn, a)  # what the limiter is seeded with: the same rows
+        assert spent == 2 * CENT
+        await CreditBook(db, settle_seconds=0).post_usage(a)  # posted to the credit ledger: the same rows
+        assert -sum(e["amount_nanos"] for e in await credits.entries(a) if e["kind"] == "usage") == 2 * CENT
+
+        await close_period(db, book, Period.parse("2026-09"), now=at(10, 2))
+        [sept] = await list_statements(db, account_id=a)
+        assert (sept["usage_nanos"], sept["closing_balance_nanos"]) == (2 * CENT, 98 * CENT)
+        async with db.connect() as conn:  # the straddling row's 15 tokens are September's invoice's
+            invoiced = (await conn.execute(sa.text(
+                "SELECT sum(l.tokens) FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.account_id = :a"), {"a": a})).scalar()
+        assert invoiced == 15
+    finally:
+        await db.dispose()
+
+
 def test_statements_over_http_and_the_dashboard_are_the_accounts_own(fresh_pg_database: Any, tmp_path: Path) -> None:
     url = fresh_pg_database(migrated=True)
     with serve(url, tmp_path, TOLLGATE_CREDITS_CHECK_SECONDS="0") as app:
