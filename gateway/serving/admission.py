@@ -144,10 +144,17 @@ class Admission:
     def row(self, status: str | None = None) -> UsageRecord:
         """The request's ledger row with `status` (None: the one its usage says); `interrupted` while
         it runs (the journal's). A cache hit not delivered whole is billed nothing, nor is a row
-        invoices do not bill (`error`, `interrupted`: cost 0, its tokens still counted)."""
+        invoices do not bill (`error`, `interrupted`: cost 0, its tokens still counted). A prepaid
+        account's row costs at most the hold."""
         record = self._row(status)
         if record.cost_nanos and record.status not in BILLED_STATUSES:
             record.cost_nanos = 0
+        elif record.cost_nanos and self.principal.prepaid and record.cost_nanos > self.nanos:
+            # A prepaid balance is never charged more than the request's hold, so it never goes below
+            # zero. Only an estimated prompt can pass it (a pass-through pool without `tokenizer:`
+            # reserves an estimate; the upstream's usage is exact): the row keeps the upstream's
+            # tokens, and the operator bears the estimate's error.
+            record.cost_nanos = self.nanos
         return record
 
     def _row(self, status: str | None) -> UsageRecord:

@@ -40,7 +40,7 @@ MODELS = """models:
 """
 
 
-async def setup(url: str) -> tuple[str, dict[str, Any], int]:
+async def setup(url: str, input_price: str = "0") -> tuple[str, dict[str, Any], int]:
     """An admin key; a prepaid account with $0.01 and a key; the model's price."""
     db = create_engine(url)
     try:
@@ -49,7 +49,7 @@ async def setup(url: str) -> tuple[str, dict[str, Any], int]:
         admin = (await keys.create_key(admin_account["id"], name="admin", is_admin=True))["key"]
         account = await keys.create_account("prepaid-" + uuid.uuid4().hex[:6])
         key = await keys.create_key(account["id"])
-        await PriceBook(db).add("remote", "0", "28.571")
+        await PriceBook(db).add("remote", input_price, "28.571")
         book = CreditBook(db)
         await book.set_mode(account["id"], "prepaid")
         await book.add(account["id"], "topup", CENT, reason="test")
@@ -149,3 +149,64 @@ def test_200_concurrent_requests_on_two_processes_spend_at_most_the_balance(
     finally:
         for gw in gateways:
             gw.stop()
+
+
+def test_an_estimated_prompt_never_takes_a_prepaid_balance_below_zero(
+    upstreams: Any, fresh_pg_database: Any, tmp_path: Path  # noqa: F811
+) -> None:
+    """A pool without `tokenizer:` holds a cl100k estimate of the prompt (9 tokens for "hi"); the
+    upstream's exact usage says 17. Each request is charged at most its hold: the row keeps the
+    upstream's 17 tokens, the balance never goes below zero. Before, each was charged its 17 tokens
+    in full, 8 x 28,571 nano-USD past its hold, and 40 concurrent requests on $0.01 took the balance
+    to about -$0.0019 (an audit's figure)."""
+    from engines.backends.openai_stream import TokenCounter
+
+    require_redis(REDIS_URL)
+    _server, upstream = upstreams()
+    url = fresh_pg_database(migrated=True)
+    migrate.upgrade(url)
+    admin_key, key, account = run_coro(setup(url, input_price="28.571"))
+    counter = TokenCounter("cl100k_base")
+    counter.load()
+    estimate = len(counter.encode_chat([{"role": "user", "content": "hi"}]))
+    assert estimate < 17  # the case: the upstream bills more prompt than was held
+    hold = (estimate + 7) * 28_571
+    models = tmp_path / "models.yaml"
+    models.write_text(MODELS.format(url=upstream))
+    env = dict(REDIS_URL=REDIS_URL, TOLLGATE_REDIS_PREFIX=f"tgtest:prepaid:{uuid.uuid4().hex[:8]}:", TOLLGATE_MODELS=str(models),
+               TOLLGATE_EMBEDDINGS="off", TOLLGATE_CREDITS_CHECK_SECONDS="0")
+    gateway = GatewayProcess(url, tmp_path / "data", admin_key, **env)
+    try:
+        gateway.start()
+
+        async def fire() -> list[Any]:
+            async with openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key["key"], max_retries=0, timeout=60) as client:
+                async def one() -> Any:
+                    try:
+                        return await client.chat.completions.create(model="remote", max_tokens=7, messages=[{"role": "user", "content": "hi"}])
+                    except openai.RateLimitError as exc:
+                        return exc
+
+                return list(await asyncio.gather(*(one() for _ in range(40))))
+
+        served = [r for r in run_coro(fire()) if not isinstance(r, Exception)]
+        assert served and all(r.usage.prompt_tokens == 17 for r in served)
+        rows, cost = run_coro(ledger(url, account, len(served)))
+        assert rows == len(served)
+        assert cost == len(served) * hold <= CENT  # each charged its hold, not (17 + 7) x 28,571
+        with httpx.Client(base_url=gateway.base_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30) as admin:
+            balance = admin.get(f"/admin/accounts/{account}/credits").json()
+        assert balance["balance_nanos"] == CENT - len(served) * hold >= 0, balance
+        db = create_engine(url)
+
+        async def tokens() -> list[int]:
+            try:
+                async with db.connect() as conn:
+                    return list((await conn.execute(sa.text("SELECT prompt_tokens FROM ledger_entries WHERE account_id = :a"),
+                                                    {"a": account})).scalars())
+            finally:
+                await db.dispose()
+
+        assert set(run_coro(tokens())) == {17}  # the ledger keeps the upstream's count
+    finally:
+        gateway.stop()
