@@ -95,20 +95,31 @@ class Hold:
     # turns them into x-ratelimit-* headers.
     remaining: tuple[tuple[int, int], ...] = ()
     at: float = 0.0  # when it was reserved
+    # The ledger row's request id where the hold has an id of its own (a batch line's run): usage
+    # settled but not yet in the ledger is filed under the row's id, which a rebuild looks up.
+    row_id: str = ""
+
+    @property
+    def row(self) -> str:
+        """The request id of the ledger row this hold's usage lands in."""
+        return self.row_id or self.request_id
 
     def to_json(self) -> dict[str, Any]:
         """What settling needs later (the ledger journal keeps it for a crashed request)."""
-        return {
+        out = {
             "request_id": self.request_id, "scopes": [[s.kind, s.id] for s in self.scopes], "tokens": self.tokens,
             "nanos": self.nanos, "minute": self.minute, "month": self.month, "degraded": self.degraded, "tag": self.tag,
         }
+        if self.row_id:
+            out["row_id"] = self.row_id
+        return out
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "Hold":
         scopes = tuple(Scope(str(kind), int(sid), Limits()) for kind, sid in raw["scopes"])
         tag = str(raw.get("tag") or group_tag(scopes))  # a journal written before hash tags has none
         return cls(raw["request_id"], scopes, int(raw["tokens"]), int(raw["nanos"]), int(raw["minute"]), str(raw["month"]),
-                   bool(raw.get("degraded", False)), tag)
+                   bool(raw.get("degraded", False)), tag, row_id=str(raw.get("row_id") or ""))
 
 
 def group_tag(scopes: Any) -> str:

@@ -292,7 +292,8 @@ class RedisLimiter(Limiter):
             args += [hold.request_id, hold.tokens, hold.nanos, hold.minute, expiry, len(hold.scopes), *[s.name for s in hold.scopes]]
         # Rows of requests whose holds are settled but that may not be in the ledger yet: a rebuild
         # must count them (a request still holding is counted by its settlement, not here).
-        unwritten = [r for r in self._unwritten() if _row_tag(r) == tag and r.request_id not in self._live]
+        rows = {h.row for h, _ in self._live.values()}
+        unwritten = [r for r in self._unwritten() if _row_tag(r) == tag and r.request_id not in rows]
         args.append(len(unwritten))
         for row in unwritten:
             month = month_of(row.admitted_at.timestamp())
@@ -379,7 +380,7 @@ class RedisLimiter(Limiter):
         if len(strike) > 500:
             strike, self._struck[tag] = strike[:500], strike[500:]
         return [self.group(tag), hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep,
-                1 if file_usage else 0, len(strike), *strike]
+                1 if file_usage else 0, len(strike), *strike, hold.row]
 
     def _filed(self, rid: str, tag: str) -> None:
         """A settlement that filed its usage in `unc` has been answered (or failed): from now on its
@@ -414,10 +415,10 @@ class RedisLimiter(Limiter):
             self._filed(row["request_id"], f"a{row['account_id']}")
 
     async def settle(self, hold: Hold, tokens: int, nanos: int, background: bool = False) -> bool:
-        rid = hold.request_id
-        self._live.pop(rid, None)
+        self._live.pop(hold.request_id, None)
         if hold.degraded or not hold.scopes:
             return False
+        rid = hold.row  # usage is filed, and struck off once written, under the ledger row's id
         file_usage = bool(tokens or nanos)  # filed in `unc` until the row is written (settle.lua)
         if file_usage and rid in self._written_early:  # written already: nothing to file
             del self._written_early[rid]

@@ -270,6 +270,8 @@ class Meter:
             # refuses a second settle of one id, so a later run under the same id went uncounted.
             hold_id = request_id if line is None else f"{request_id}/{secrets.token_hex(6)}"
             admission.hold = await self._reserve(hold_id, principal, tokens, admission.nanos)
+            if admission.hold is not None and hold_id != request_id:
+                admission.hold.row_id = request_id  # its usage is filed under its row's id until the row is written
             if line is not None and not await line.mark_admitted():
                 raise ServiceUnavailable("This batch line is no longer this runner's.", code="batch_line_taken")
             self._live[request_id] = admission

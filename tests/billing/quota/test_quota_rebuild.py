@@ -250,6 +250,39 @@ async def test_settled_usage_is_struck_off_unc_once_its_row_is_written(make: Cal
         await asyncio.sleep(0.1)
 
 
+async def test_a_batch_line_run_holding_under_its_own_id_counts_once_in_a_rebuild(
+    make: Callable[..., RedisLimiter], ledger_url: str
+) -> None:
+    """A batch line's run holds under an id of its own (`<request id>/<run>`: gateway/serving/admission.py)
+    while its ledger row has the request's id (`Hold.row_id`). Its usage is filed in `unc` and `pend`
+    under the row's id, struck off once that row is written, and found in the ledger by a rebuild.
+    Before, it was filed under the hold's id: never struck off, never found in the ledger, so every
+    rebuild for 40 days (a limits change, a failover) counted each batch line twice."""
+    lim = make()
+    key, account = scopes()
+    unc = f"{lim.group(account.tag)}unc"
+    lines = [uuid.uuid4().hex for _ in range(2)]
+    first = await lim.reserve(f"{lines[0]}/{uuid.uuid4().hex[:12]}", [key, account], 100, 100, now=NOW)
+    first.row_id = lines[0]
+    await lim.settle(first, 60, 60)
+    assert await lim._redis.hkeys(unc) == [lines[0]]
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [row(lines[0], key, account, 60)])
+        lim.written([row(lines[0], key, account, 60)])
+        await lim.settle(await lim.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=NOW), 0, 0)  # carries the strike
+        assert await lim._redis.hlen(unc) == 0
+        second = await lim.reserve(f"{lines[1]}/{uuid.uuid4().hex[:12]}", [key, account], 100, 100, now=NOW)
+        second.row_id = lines[1]
+        await lim.invalidate(account)  # settled while the counters wait for their rebuild: `pend`
+        await lim.settle(second, 70, 70)
+        await write_records(db, [row(lines[1], key, account, 70)])  # its row lands before the rebuild
+    finally:
+        await db.dispose()
+    await lim.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=NOW)  # rebuilds from the ledger: 60 + 70
+    assert await month_tokens(lim, key, account) == [130, 130]
+
+
 async def test_a_failed_watch_round_is_reported_and_the_next_one_puts_lost_holds_back(make: Callable[..., RedisLimiter]) -> None:
     """The hold watch outlives a round that raises: an idle process whose Redis lost its state still
     gets its running request's hold back."""

@@ -228,6 +228,10 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
     line, gen = line_of(1, True)
     admission = await setup.service.admit(gen, line)
     assert line.admitted and line.marked and not line.taken and setup.journal.outstanding == 1
+    # Its hold's own id, and its row's: the quota files settled usage under the row's id until the row
+    # is written (tests/billing/quota/test_quota_rebuild.py, the batch line's run)
+    assert admission.hold is not None and admission.hold.request_id.startswith("batch_x-1/")
+    assert admission.hold.row == "batch_x-1" and admission.hold.to_json()["row_id"] == "batch_x-1"
     admission.settle("completed")
     await setup.service.drain()
     assert [(r.request_id, r.api) for r in setup.rows] == [("batch_x-1", "batch")]
