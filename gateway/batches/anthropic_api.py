@@ -38,7 +38,9 @@ def _view(request: Request, batch: dict[str, Any], counts: dict[str, int]) -> di
 
 async def _create(request: Request, request_id: str) -> Response:
     state, principal = await _caller(request, spends=True)
-    body = await read_json(request, state.settings.http.max_body_bytes)
+    # A Message Batch is its requests inline: bounded like an uploaded batch file (Anthropic's own bound
+    # is 256 MB), not like one request's body.
+    body = await read_json(request, state.settings.batches.files_max_bytes)
     requests = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(requests, list) or not requests:
         raise InvalidRequest("requests: must be a non-empty list", param="requests")
@@ -54,8 +56,11 @@ async def _create(request: Request, request_id: str) -> Response:
         if custom_id in seen:
             raise InvalidRequest(f"requests.{i}.custom_id: {custom_id!r} is used twice", param=f"requests.{i}.custom_id")
         seen.add(custom_id)
-        if not isinstance(params, dict) or not isinstance(params.get("model"), str) or not isinstance(params.get("max_tokens"), int):
-            raise InvalidRequest(f"requests.{i}.params: must be a Messages request with model and max_tokens", param=f"requests.{i}.params")
+        # Only the batch's own shape is checked here. Anthropic validates each request's params when it
+        # runs and answers a bad one as that request's `errored` result, the others still run; the
+        # Messages route does the same for a line here (a missing model or max_tokens included).
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"requests.{i}.params: must be an object (a Messages request)", param=f"requests.{i}.params")
         if params.get("stream"):
             raise InvalidRequest(f"requests.{i}.params.stream: streaming is not supported in a batch", param=f"requests.{i}.params.stream")
         lines.append((custom_id, orjson.dumps(params).decode()))

@@ -171,6 +171,46 @@ async def test_anthropic_message_batch_results(batch_gateway: Gateway) -> None:
         await other.messages.batches.results(batch.id)
 
 
+async def test_a_message_batch_is_bounded_like_a_batch_file_and_checks_each_request_when_it_runs(batch_gateway: Gateway) -> None:
+    """A Message Batch carries its requests inline, so its body is bounded like an uploaded batch file
+    (TOLLGATE_FILES_MAX_BYTES: 100 MiB by default; here 64 KiB), not like one request's (1 MiB: before,
+    a batch of about 1,600 short requests was a 413). As at Anthropic, a request whose params are bad
+    (no max_tokens, a model that is no string) is its own `errored` result and the others run; before,
+    those two refused the whole batch while any other bad param was per request."""
+    from anthropic import APIStatusError, AsyncAnthropic
+
+    gw = batch_gateway
+    await priced(gw)
+    key = (await gw.new_key())["key"]
+    client = AsyncAnthropic(base_url=gw.base_url, api_key=key, max_retries=0, timeout=60)
+    words = "word " * 2000
+    big = [{"custom_id": f"b-{i}", "params": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": words}]}}
+           for i in range(8)]  # about 80 KB: past this gateway's 64 KiB bound
+    with pytest.raises(APIStatusError) as too_big:
+        await client.messages.batches.create(requests=big)  # type: ignore[arg-type]
+    assert too_big.value.status_code == 413 and f"{MAX_FILE}-byte limit" in str(too_big.value)
+    assert too_big.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
+
+    mixed = [{"custom_id": "ok", "params": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}},
+             {"custom_id": "no-max", "params": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}},
+             {"custom_id": "bad-model", "params": {"model": 5, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}}]
+    batch = await client.messages.batches.create(requests=mixed)  # type: ignore[arg-type]
+    got: dict[str, Any] = {}
+
+    async def done() -> bool:
+        got["b"] = await client.messages.batches.retrieve(batch.id)
+        return bool(got["b"].processing_status == "ended")
+
+    await until(done, "message batch ended", timeout=120, every=0.25)
+    assert (got["b"].request_counts.succeeded, got["b"].request_counts.errored) == (1, 2)
+    results = {r.custom_id: r.result async for r in await client.messages.batches.results(batch.id)}
+    assert results["ok"].type == "succeeded"
+    for custom_id in ("no-max", "bad-model"):
+        assert results[custom_id].type == "errored", results[custom_id]
+        assert results[custom_id].error.error.type == "invalid_request_error"  # type: ignore[union-attr]
+    assert len(await rows_of(gw, batch.id)) == 1  # the errored ones were refused before admission: no row
+
+
 async def test_message_batches_page_both_ways_and_an_ended_one_is_deleted(batch_gateway: Gateway) -> None:
     """The anthropic SDK pages with after_id (older) and, from a before_id, with before_id (newer):
     each page is newest first and the SDK's iteration sees every batch once and ends. An ended batch
