@@ -127,6 +127,9 @@ class LedgerEntry(SQLModel, table=True):
     total_ms: float = Field(sa_column=sa.Column(sa.Float, nullable=False))
     # The batch the request was a line of (api = batch; billing/batches/models.py); NULL otherwise.
     batch_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
+    # Admitted for a key whose account was postpaid then: its hold held no prepaid balance, so the
+    # row is invoiced even if the account is prepaid by its admission instant (billing/ledger/records.py).
+    postpaid: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False, server_default=sa.false()))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )

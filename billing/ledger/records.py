@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import sqlalchemy as sa
+
 from billing.models import LedgerEntry, utcnow
 
 __all__ = ["BILLED_STATUSES", "UsageRecord", "spends_balance"]
@@ -23,10 +25,12 @@ BILLED_STATUSES = ("completed", "cancelled")
 
 def spends_balance(since: Any) -> Any:
     """Whether a ledger row is a prepaid balance's (SQL): admitted at or after `since`, the account's
-    `prepaid_since` (a value or its column). The quota's hold is taken at admission, so these are the
-    rows whose holds counted against the balance; a request admitted while its account was postpaid
-    is invoiced, however late it finishes."""
-    return LedgerEntry.__table__.c.admitted_at >= since
+    `prepaid_since` (a value or its column), for a key the account was prepaid for (not `postpaid`).
+    These are the rows whose quota holds counted against the balance: a request admitted before the
+    switch, or authenticated just before it (a key cached for a second, another process), held none
+    and is invoiced, however late it finishes."""
+    table = LedgerEntry.__table__
+    return sa.and_(table.c.admitted_at >= since, table.c.postpaid.is_(False))
 
 
 @dataclass
@@ -48,6 +52,7 @@ class UsageRecord:
     cached_tokens: int | None = None  # prompt tokens served from the engine's prefix cache, when it said
     api: str | None = None  # chat | completions | embeddings | messages | responses | batch
     batch_id: str | None = None  # the batch it was a line of (api = batch)
+    postpaid: bool = False  # admitted for a key whose account was postpaid then: never a prepaid balance's
     created_at: datetime = field(default_factory=utcnow)  # when it finished
     # When it was admitted (its price looked up): prices it and decides its hour, day and month.
     # None: derived as created_at minus total_ms (what migration 0010 backfilled).

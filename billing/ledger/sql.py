@@ -22,7 +22,7 @@ PG_COLUMNS = (
     ("request_id", "text"), ("account_id", "int4"), ("key_id", "int4"), ("model", "text"), ("prompt_tokens", "int4"),
     ("completion_tokens", "int4"), ("status", "text"), ("finish_reason", "text"), ("total_ms", "float8"),
     ("queue_ms", "float8"), ("ttft_ms", "float8"), ("estimated", "bool"), ("cost_nanos", "int8"), ("cached", "bool"), ("api", "text"),
-    ("cached_tokens", "int4"), ("batch_id", "text"),
+    ("cached_tokens", "int4"), ("batch_id", "text"), ("postpaid", "bool"),
     ("created_at", "timestamptz"), ("admitted_at", "timestamptz"),
 )
 # The insert, together with what the rows it inserted add to the aggregates: one statement, so one round trip

@@ -189,6 +189,7 @@ class Admission:
             cost_nanos=price.cost_nanos(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if price else None,
             api=usage.api,
             batch_id=usage.batch_id,
+            postpaid=not self.principal.prepaid,
             admitted_at=self.admitted_at,
         )
 
@@ -203,7 +204,8 @@ class Admission:
             prompt_tokens=tokens, completion_tokens=0, status=status, finish_reason="stop" if status == "completed" else None,
             total_ms=(time.perf_counter() - usage.started) * 1000.0 if final else 0.0,
             cost_nanos=(price.cost_nanos(tokens, 0) if done else 0) if price is not None else None, api=usage.api,
-            batch_id=usage.batch_id, created_at=utcnow() if final else self.admitted_at, admitted_at=self.admitted_at,
+            batch_id=usage.batch_id, postpaid=not self.principal.prepaid, created_at=utcnow() if final else self.admitted_at,
+            admitted_at=self.admitted_at,
         )
 
     def cut(self) -> bool:

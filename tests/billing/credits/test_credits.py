@@ -381,3 +381,55 @@ async def test_a_batch_posts_only_up_to_an_id_seen_settle_seconds_before(fresh_p
         assert balance is not None and balance["balance_nanos"] == 97 * CENT == balance["ledger_sum_nanos"]
     finally:
         await db.dispose()
+
+
+async def test_a_request_authenticated_as_postpaid_is_invoiced_after_the_switch(db_url: str, tmp_path: Path) -> None:
+    """A key is cached for a second in each process (KeyStore), and `tollgate credits mode` or another
+    process's admin call does not reach that cache: a request authenticated just before the switch is
+    admitted after `prepaid_since` with no balance hold and no cap. Its row says `postpaid`, so it is
+    invoiced and never spends the balance. Before, the admission instant alone decided: it spent the
+    balance its hold never held (an audit: 5,000,000 nano-USD against a 1,000,000 balance, -4,000,000)."""
+    from billing.invoices.close import close_period
+    from billing.invoices.periods import Period
+    from billing.keys.store import KeyStore
+    from billing.ledger.writer import LedgerWriter
+    from billing.prices.book import PriceBook
+    from gateway.serving.admission import Meter, Usage
+
+    db = create_engine(db_url)
+    ledger = LedgerWriter(db)
+    ledger.start()
+    try:
+        prices = PriceBook(db, refresh_seconds=0)
+        await prices.add("m", "1.000", "2.000", utcnow() - timedelta(seconds=1), backdate=True)
+        limiter = MemoryLimiter(LedgerTotals(db, flush=ledger.flush))
+        keys = KeyStore(db, b"s" * 32, cache_seconds=3600.0)  # the cached principal outlives the switch
+        account = (await keys.create_account("switching"))["id"]
+        secret = (await keys.create_key(account))["key"]
+        assert not (await keys.authenticate(secret)).prepaid
+        credits = CreditBook(db, limiter, settle_seconds=0)
+        await credits.set_mode(account, "prepaid")
+        await credits.add(account, "topup", CENT // 10)
+        stale = await keys.authenticate(secret)
+        assert not stale.prepaid  # the case: admitted after prepaid_since as a postpaid account's request
+        meter = Meter(ledger, limiter=limiter, prices=prices)
+        usage = Usage()
+        admission = await meter.admit("late-1", stale, "m", usage, tokens=3000, cost=lambda price: price.cost_nanos(1000, 2000))
+        usage.prompt_tokens, usage.completion_tokens, usage.finish_reason = 1000, 2000, "stop"
+        admission.settle()
+        await meter.drain()
+        await ledger.flush()
+        balance = await credits.balance(account)
+        assert balance is not None and balance["balance_nanos"] == CENT // 10, balance  # untouched
+        async with db.connect() as conn:
+            row = (await conn.execute(sa.text("SELECT postpaid, cost_nanos, admitted_at FROM ledger_entries WHERE request_id = 'late-1'"))).one()
+        assert row.postpaid and row.cost_nanos == 5 * CENT // 10
+        now = utcnow()
+        await close_period(db, prices, Period.month(now.year, now.month), now=now + timedelta(days=40))
+        async with db.connect() as conn:  # its 3,000 tokens are on the month's invoice
+            invoiced = (await conn.execute(sa.text(
+                "SELECT sum(l.tokens) FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.account_id = :a"), {"a": account})).scalar()
+        assert invoiced == 3000
+    finally:
+        await ledger.close()
+        await db.dispose()
