@@ -6,7 +6,7 @@
 Usage reaches the credit ledger in batches: `post_usage` writes `usage` rows for the cost of the
 ledger rows above the account's usage mark (ledger ids, so a row replayed late gets a new id and is
 posted by the next batch, and a batch never re-reads what is posted), spending the grants that had
-not expired when each row finished first (earliest expiry first), then purchased credit. Once
+not expired when each row was admitted first (earliest expiry first), then purchased credit. Once
 usage is posted the balance equals the sum of the credit ledger. An expired grant's unused rest is
 removed by an `expiry` row (unique per grant), never by editing.
 
@@ -235,7 +235,7 @@ class CreditBook:
     async def post_usage(self, account_id: int, now: datetime | None = None) -> list[dict[str, Any]]:
         """Posts the account's usage not yet in the credit ledger: the ledger rows above its mark
         (billing.credits.models.CreditUsageMark), so a batch reads only new rows however large the
-        account. A row's cost goes to the grants that had not expired when it finished (earliest
+        account. A row's cost goes to the grants that had not expired when it was admitted (earliest
         expiry first), then to purchased credit. One batch per account at a time (row lock, and a
         conditional update of the mark: a batch that lost a race to another process adds nothing)."""
         try:
@@ -263,6 +263,7 @@ class CreditBook:
             if self.settle and (target is not None or mark.frontier_id is None):
                 values.update(frontier_id=top, frontier_at=now)  # the next batch posts up to here
             rows: list[Any] = []
+            returned: list[Any] = []
             if target is not None and (mark.posted_id is None or target > mark.posted_id):
                 since = aware(account.prepaid_since)
                 assert since is not None
@@ -271,10 +272,16 @@ class CreditBook:
                         CREDITS.c.account_id == account_id, CREDITS.c.kind == "usage"))).scalar_one())
                 else:
                     legacy = int(mark.posted_nanos)
-                parts = await self._allocate(conn, account_id, since, mark.posted_id, target, legacy if mark.posted_id is None else 0)
+                parts, back = await self._allocate(conn, account_id, since, mark.posted_id, target, legacy if mark.posted_id is None else 0)
                 rows = [(await conn.execute(CREDITS.insert().values(
                     account_id=account_id, kind="usage", amount_nanos=-take, grant_id=gid, usage_until=seen_at, created_at=utcnow(),
                 ).returning(*CREDITS.c))).one() for gid, take in parts]
+                # What an expiry removed that usage admitted before it then used: given back by an `expiry`
+                # row of its own, so the grant pays for what its holds held (and the balance stays >= 0).
+                returned = [(await conn.execute(CREDITS.insert().values(
+                    account_id=account_id, kind="expiry", amount_nanos=nanos, grant_id=gid, created_at=utcnow(),
+                    reason=f"grant {gid}: usage admitted before it expired", external_id=f"expiry:{gid}:back:{target}",
+                ).returning(*CREDITS.c))).one() for gid, nanos in back]
                 values.update(posted_id=target, posted_at=seen_at, posted_nanos=legacy + sum(take for _, take in parts))
             if values:
                 same = sa.and_(MARKS.c.account_id == account_id,
@@ -282,42 +289,56 @@ class CreditBook:
                                MARKS.c.frontier_id.is_(None) if mark.frontier_id is None else MARKS.c.frontier_id == mark.frontier_id)
                 if (await conn.execute(MARKS.update().where(same).values(**values))).rowcount != 1:
                     raise _LostRace()  # rolls the batch back (SQLite has no row locks: the mark is the guard)
-        return [entry_view(r) for r in rows]
+        for row in returned:
+            await self.apply(row)
+        return [entry_view(r) for r in rows + returned]
 
     async def _allocate(self, conn: AsyncConnection, account_id: int, since: datetime, above: int | None, upto: int,
-                        already: int) -> list[tuple[int | None, int]]:
+                        already: int) -> tuple[list[tuple[int | None, int]], list[tuple[int, int]]]:
         """The cost of the ledger rows with ids in (above, upto], less `already` (posted before marks),
-        as (grant id or None, nanos): each row to the grants still running when it finished."""
-        grants = [g for g in await _grants(conn, account_id) if g["remaining"] > 0]
+        as (grant id or None, nanos), and what expiries removed that this usage used, as (grant id,
+        nanos) to give back. A row may use the grants that had not expired when it was admitted (its
+        quota hold was taken against them then): earliest expiry first, then purchased credit. A row
+        that reaches the ledger after its grant's expiry row (it was still running) uses what that
+        expiry removed."""
+        grants = await _grants(conn, account_id)
+        for grant in grants:
+            grant["usable"] = grant["remaining"] + grant["expired_nanos"]  # less: what its expiry removed, usable again
         cuts = sorted({g["expires_at"] for g in grants if g["expires_at"] is not None})
-        segment: Any = sa.case(*[(LEDGER.c.created_at < cut, i) for i, cut in enumerate(cuts)], else_=len(cuts)) if cuts else sa.literal(0)
+        segment: Any = sa.case(*[(LEDGER.c.admitted_at < cut, i) for i, cut in enumerate(cuts)], else_=len(cuts)) if cuts else sa.literal(0)
         query = sa.select(segment.label("seg"), sa.func.coalesce(sa.func.sum(LEDGER.c.cost_nanos), 0).label("cost")).where(
             LEDGER.c.account_id == account_id, spends_balance(since), LEDGER.c.id <= upto)
         if above is not None:
             query = query.where(LEDGER.c.id > above)
         costs = sorted((int(r.seg), int(r.cost)) for r in (await conn.execute(query.group_by(segment))).all())
         taken: dict[int | None, int] = {}
+        back: dict[int, int] = {}
         for seg, cost in costs:
             cost, already = cost - min(cost, already), already - min(cost, already)
-            for grant in grants:  # earliest expiry first; a row finished in segment `seg` may use grants expiring after it
+            for grant in grants:  # earliest expiry first; a row admitted in segment `seg` may use grants expiring after it
                 if cost == 0:
                     break
-                if grant["remaining"] <= 0 or (grant["expires_at"] is not None and (seg >= len(cuts) or grant["expires_at"] < cuts[seg])):
+                if grant["usable"] <= 0 or (grant["expires_at"] is not None and (seg >= len(cuts) or grant["expires_at"] < cuts[seg])):
                     continue
-                take = min(cost, grant["remaining"])
-                grant["remaining"] -= take
+                take = min(cost, grant["usable"])
+                grant["usable"] -= take
                 taken[grant["id"]] = taken.get(grant["id"], 0) + take
                 cost -= take
+                rest = min(take, max(grant["remaining"], 0))  # from the grant's unexpired rest first
+                grant["remaining"] -= rest
+                if take > rest:  # the rest of it from what its expiry removed: given back
+                    back[grant["id"]] = back.get(grant["id"], 0) + take - rest
             if cost:
                 taken[None] = taken.get(None, 0) + cost
         if already:  # posted before marks and more than these rows cost: never happens with an exact ledger
             log.warning("account %s: %d nano-USD of usage posted before marks exceed the ledger", account_id, already)
-        return [(gid, take) for gid, take in taken.items() if take > 0]
+        return [(gid, take) for gid, take in taken.items() if take > 0], sorted(back.items())
 
     async def expire_grants(self, now: datetime | None = None) -> list[dict[str, Any]]:
         """Removes the unused rest of every grant that has expired, by an `expiry` row (once per grant:
         its external_id is unique), once the account's usage recorded before the expiry instant is
-        posted (usage that finished after it never used the grant)."""
+        posted (usage admitted after it never uses the grant; usage admitted before it that lands later
+        is given back what it used by `post_usage`)."""
         now = now or utcnow()
         done = CREDITS.alias("done")
         async with self._engine.connect() as conn:
@@ -345,10 +366,16 @@ class CreditBook:
 async def _grants(conn: AsyncConnection, account_id: int, at: datetime | None = None) -> list[dict[str, Any]]:
     """The account's grants, earliest expiry first, with what is left of each."""
     at = at or utcnow()
-    used = dict((await conn.execute(sa.select(CREDITS.c.grant_id, sa.func.sum(CREDITS.c.amount_nanos)).where(
-        CREDITS.c.account_id == account_id, CREDITS.c.grant_id.is_not(None)).group_by(CREDITS.c.grant_id))).all())
+    used: dict[Any, int] = {}
+    expired: dict[Any, int] = {}
+    for gid, kind, total in (await conn.execute(sa.select(CREDITS.c.grant_id, CREDITS.c.kind, sa.func.sum(CREDITS.c.amount_nanos)).where(
+            CREDITS.c.account_id == account_id, CREDITS.c.grant_id.is_not(None)).group_by(CREDITS.c.grant_id, CREDITS.c.kind))).all():
+        used[gid] = used.get(gid, 0) + int(total)
+        if kind == "expiry":
+            expired[gid] = expired.get(gid, 0) - int(total)  # removed by its expiry, less what was given back
     rows = (await conn.execute(sa.select(CREDITS).where(CREDITS.c.account_id == account_id, CREDITS.c.kind == "grant"))).all()
-    out = [{"id": int(r.id), "expires_at": aware(r.expires_at), "remaining": int(r.amount_nanos) + int(used.get(r.id, 0)),
+    out = [{"id": int(r.id), "expires_at": aware(r.expires_at), "remaining": int(r.amount_nanos) + used.get(r.id, 0),
+            "expired_nanos": expired.get(r.id, 0),
             "expired": r.expires_at is not None and aware(r.expires_at) <= at} for r in rows]  # type: ignore[operator]
     far = datetime.max.replace(tzinfo=timezone.utc)
     return sorted(out, key=lambda g: (g["expires_at"] or far, g["id"]))

@@ -5,10 +5,12 @@
     grant       +              promotional credit, spent before purchased credit; may expire
     usage       -              the account's metered usage, posted in batches (grant_id: the grant it used)
     refund      -/+            a refunded top-up; + gives back a refund that failed (external_id `<refund id>:failed`)
-    expiry      -              the unused rest of an expired grant (grant_id)
+    expiry      -/+            the unused rest of an expired grant (grant_id); + gives back what a request
+                               admitted before the expiry, and posted after it, used of that rest
     adjustment  +/-            a manual correction with its reason and the admin key that made it
 
-`external_id` is unique: a Stripe Checkout Session, a refund, or `expiry:<grant id>`, so a repeat
+`external_id` is unique: a Stripe Checkout Session, a refund, `expiry:<grant id>` or
+`expiry:<grant id>:back:<ledger id>`, so a repeat
 (a webhook delivered again, two instances expiring the same grant) adds nothing.
 """
 

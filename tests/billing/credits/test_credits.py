@@ -433,3 +433,49 @@ async def test_a_request_authenticated_as_postpaid_is_invoiced_after_the_switch(
     finally:
         await ledger.close()
         await db.dispose()
+
+
+async def test_a_request_admitted_before_its_grant_expired_is_paid_by_the_grant(db_url: str) -> None:
+    """A request is held against the grants that have not expired when it is admitted, so its row is
+    paid by them however late it finishes: when it lands before the expiry row, the expiry removes only
+    what is left; when it lands after (it was still running), an `expiry` row gives back what it used.
+    The balance never goes below zero and stays the credit ledger's sum, in the database and in the
+    limiter. Before, a row was assigned by when it finished: it went to purchased credit (none here),
+    and the balance fell to -$0.90 (an audit's figure)."""
+    db = create_engine(db_url)
+    try:
+        limiter = MemoryLimiter(LedgerTotals(db))
+        book = CreditBook(db, limiter, settle_seconds=0)
+        t0 = utcnow() - timedelta(hours=2)
+        expires = t0 + timedelta(hours=1)  # past by now
+        for lands_before_the_expiry in (True, False):
+            a = await new_account(db)
+            await book.set_mode(a, "prepaid")
+            async with db.begin() as conn:
+                await conn.execute(sa.text("UPDATE accounts SET prepaid_since = :t WHERE id = :a"), {"t": t0, "a": a})
+            grant = await book.add(a, "grant", 100 * CENT, expires_at=expires, now=t0)
+            assert grant is not None
+            scope = Scope("account", a, Limits(), True)
+            hold = await limiter.reserve(uuid.uuid4().hex, [scope], 10, 90 * CENT)  # held against the grant
+            row = UsageRecord(request_id=hold.request_id, account_id=a, key_id=1, model="m", prompt_tokens=5, completion_tokens=5,
+                              status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=90 * CENT,
+                              created_at=expires + timedelta(minutes=30), admitted_at=expires - timedelta(minutes=30))
+            if lands_before_the_expiry:
+                await write_records(db, [row])
+                expired = await book.expire_grants()
+                assert [(e["kind"], e["amount_nanos"]) for e in expired] == [("expiry", -10 * CENT)]
+            else:
+                expired = await book.expire_grants()  # the request still runs: the whole rest is removed
+                assert [(e["kind"], e["amount_nanos"]) for e in expired] == [("expiry", -100 * CENT)]
+                await write_records(db, [row])
+                posted = await book.post_usage(a)
+                assert [(e["kind"], e["grant_id"], e["amount_nanos"]) for e in posted] == [
+                    ("usage", grant["id"], -90 * CENT), ("expiry", grant["id"], 90 * CENT)]
+                assert await book.post_usage(a) == []
+            await limiter.settle(hold, 10, 90 * CENT)
+            balance = await book.balance(a)
+            assert balance is not None and balance["balance_nanos"] == 0 == await ledger_sum(db, a), (lands_before_the_expiry, balance)
+            counters = await limiter.counters(scope)
+            assert counters["credits_nanos"] - counters["spent_nanos"] - counters["held_nanos"] == 0, counters
+    finally:
+        await db.dispose()
