@@ -271,7 +271,7 @@ class Meter:
             # under an id of its own: a run refused after its hold settles that hold, and the quota
             # refuses a second settle of one id, so a later run under the same id went uncounted.
             hold_id = request_id if line is None else f"{request_id}/{secrets.token_hex(6)}"
-            admission.hold = await self._reserve(hold_id, principal, tokens, admission.nanos)
+            admission.hold = await self._reserve(hold_id, principal, tokens, admission.nanos, admission.admitted_at)
             if admission.hold is not None and hold_id != request_id:
                 admission.hold.row_id = request_id  # its usage is filed under its row's id until the row is written
             if line is not None and not await line.mark_admitted():
@@ -288,14 +288,15 @@ class Meter:
             raise
         return admission
 
-    async def _reserve(self, request_id: str, principal: Principal, tokens: int, nanos: int) -> Hold | None:
-        """Reserves `tokens` and `nanos` on the key and its account, or refuses."""
+    async def _reserve(self, request_id: str, principal: Principal, tokens: int, nanos: int, at: datetime) -> Hold | None:
+        """Reserves `tokens` and `nanos` on the key and its account, or refuses. `at`: the admission
+        instant, which names the month and minute the hold counts in, as it names the row's."""
         if self.limiter is None:
             return None
         scopes = [Scope("key", principal.key_id, principal.key_limits),
                   Scope("account", principal.account_id, principal.account_limits, principal.prepaid)]
         try:
-            return await self.limiter.reserve(request_id, scopes, tokens, nanos)
+            return await self.limiter.reserve(request_id, scopes, tokens, nanos, now=at.timestamp())
         except QuotaExceeded as exc:
             for callback in self.on_quota_rejected:
                 callback(exc.limit)

@@ -288,3 +288,39 @@ async def test_a_row_invoices_do_not_bill_costs_nothing_anywhere(setup: Setup) -
     assert counters["month_nanos"] == 0 and counters["held_nanos"] == 0, counters  # nothing spent, nothing held
     assert counters["month_tokens"] == row.prompt_tokens + row.completion_tokens, counters  # its tokens counted
     await setup.close()
+
+
+async def test_the_hold_counts_in_the_month_its_row_is_billed_to(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request admitted at Oct 31 23:59:59.95 is October's row (invoices, statements and the limiter's
+    rebuild count months by `admitted_at`), so its hold counts against October's monthly_spend, even
+    when the reservation runs after midnight (the price lookup awaits between the two). Before, the
+    reservation took its own clock: November's empty counter admitted it, and October's spend
+    passed its limit (an audit: 1,400,000,000 nano-USD against 1,000,000,000)."""
+    import time as real_time
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    from billing.ledger.writer import write_records
+    from billing.prices.book import PriceBook
+    from billing.quota import base as quota_base
+    from gateway.serving import admission as admission_module
+
+    admitted = datetime(2026, 10, 31, 23, 59, 59, 950_000, tzinfo=timezone.utc)
+    after_midnight = datetime(2026, 11, 1, 0, 0, 0, 50_000, tzinfo=timezone.utc).timestamp()
+    prices = PriceBook(setup.db)
+    await prices.add(MODEL, "1000.000", "1000.000", datetime(2026, 10, 1, tzinfo=timezone.utc), backdate=True)
+    await write_records(setup.db, [UsageRecord(  # October so far: $0.99 of a $1.00 monthly_spend
+        request_id="october", account_id=1, key_id=1, model=MODEL, prompt_tokens=495, completion_tokens=495, status="completed",
+        finish_reason="stop", total_ms=1.0, cost_nanos=990_000_000, admitted_at=datetime(2026, 10, 31, 23, tzinfo=timezone.utc),
+        created_at=datetime(2026, 10, 31, 23, 0, 1, tzinfo=timezone.utc))])
+    service = CompletionService({MODEL: setup.engine}, setup.ledger, limiter=setup.limiter, prices=prices)
+    spender = Principal(key_id=5, account_id=1, is_admin=False, models=None, expires_at=None, revoked=False,
+                        account_limits=Limits().patched({"monthly_spend": "1.00"}))
+    monkeypatch.setattr(admission_module, "utcnow", lambda: admitted)
+    monkeypatch.setattr(quota_base, "time", SimpleNamespace(time=lambda: after_midnight, gmtime=real_time.gmtime, strftime=real_time.strftime))
+    gen = service.prepare_chat(spender, parse(ChatCompletionRequest, {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}), "straddle")
+    with pytest.raises(RateLimited) as refused:  # 11 tokens x $1000/M = $0.011: past October's $0.01 left
+        await service.admit(gen)
+    assert refused.value.code == "monthly_spend", refused.value
+    await setup.close()
