@@ -21,6 +21,10 @@ class _ScopeState:
     balance_synced: bool = False  # prepaid: credits and spent read from the database
     credits: dict[int, int] = field(default_factory=dict)  # credit row id -> nano-USD
     spent: int = 0
+    # Usage settled while the counters wait for their rebuild (invalidated), by ledger row id ->
+    # (tokens, nanos, month, whether it spends the balance): the rebuild counts what its ledger read
+    # lacks (Redis' `pend`), since the row may still be in the writer's queue.
+    unsynced: dict[str, tuple[int, int, str, bool]] = field(default_factory=dict)
 
     def held(self) -> tuple[int, int]:
         return sum(h[0] for h in self.holds.values()), sum(h[1] for h in self.holds.values())
@@ -84,13 +88,25 @@ class MemoryLimiter(Limiter):
                 state = _ScopeState(month=month, month_tokens=t.month_tokens, month_nanos=t.month_nanos)
                 state.minutes[minute] = [t.minute_requests, t.minute_tokens]
                 if current is not None:
-                    state.holds = current.holds
+                    state.holds, state.unsynced = current.holds, current.unsynced
                     state.balance_synced, state.credits, state.spent = current.balance_synced, current.credits, current.spent
                 self._scopes[scope.name] = state
             state = self._scopes[scope.name]
-            if scope.prepaid and not state.balance_synced:
+            rebuilt_balance = scope.prepaid and not state.balance_synced
+            if rebuilt_balance:
                 state.credits.update(t.credits)  # rows applied meanwhile stay applied once
                 state.spent, state.balance_synced = t.spent, True
+            if state.unsynced:
+                read = await present(list(state.unsynced)) if present is not None else set()
+                for rid, (tokens, nanos, of_month, spends) in state.unsynced.items():
+                    if rid in read:
+                        continue  # the ledger read holds its row
+                    if of_month == state.month:
+                        state.month_tokens += tokens
+                        state.month_nanos += nanos
+                    if spends and rebuilt_balance:
+                        state.spent += nanos
+                state.unsynced.clear()
 
     async def _renew(self, holds: list[Hold], expiry: float) -> None:
         for hold in holds:
@@ -117,6 +133,8 @@ class MemoryLimiter(Limiter):
             if state.month == hold.month:
                 state.month_tokens += tokens
                 state.month_nanos += nanos
+            elif not state.month and (tokens or nanos):  # invalidated: its rebuild counts it unless its read holds the row
+                state.unsynced[hold.row] = (tokens, nanos, hold.month, scope.prepaid)
             if state.balance_synced:
                 state.spent += nanos
         return True

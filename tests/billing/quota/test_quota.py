@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from decimal import Decimal
@@ -295,6 +296,58 @@ async def test_counters_are_rebuilt_from_the_ledger(limiter: Limiter, ledger_url
     await limiter.reserve(rid(), [key], 200, 0, now=NOW)
     counters = await limiter.counters(key, now=NOW)
     assert counters["month_tokens"] == 800 and counters["month_nanos"] == 14
+
+
+class GatedTotals:
+    """The limiter's ledger read-back, held at the start of a rebuild's snapshot until released."""
+
+    def __init__(self, inner: LedgerTotals) -> None:
+        self.inner = inner
+        self.gate = False
+        self.inside = asyncio.Event()
+        self.go = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self, scopes: list[Scope], now: float) -> Any:
+        if self.gate:
+            self.inside.set()
+            await self.go.wait()
+        async with self.inner.snapshot(scopes, now) as snap:
+            yield snap
+
+
+async def test_usage_settled_while_its_counters_are_rebuilt_counts_once(limiter: Limiter, ledger_url: str) -> None:
+    """A request that settles while its scope's counters are being rebuilt from the ledger (a limits
+    change invalidated them), its row still in the writer's queue, counts once: in the rebuild, which
+    its ledger read does not hold it for, and not again once its row is in the ledger. Before, the
+    in-process limiter dropped it (the rebuild overwrote counters that had not taken it): a prepaid
+    balance believed spent money unspent (an audit: a final balance of -200,000,000 nano-USD)."""
+    account = scope("account", monthly_tokens=100_000)
+    first = await limiter.reserve(rid(), [account], 100, 0, now=NOW)
+    await limiter.invalidate(account)
+    gated = GatedTotals(limiter.totals)
+    limiter.totals = gated  # type: ignore[assignment]
+    gated.gate = True
+    rebuilding = asyncio.create_task(limiter.reserve(rid(), [account], 10, 0, now=NOW))
+    await gated.inside.wait()
+    await limiter.settle(first, 60, 0)  # its row is not in the ledger yet
+    gated.go.set()
+    await rebuilding
+    assert (await limiter.counters(account, now=NOW))["month_tokens"] == 60
+    gated.gate = False
+    db = create_engine(ledger_url)
+    try:
+        await write_records(db, [UsageRecord(request_id=first.request_id, account_id=account.id, key_id=1, model="m", prompt_tokens=60,
+                                             completion_tokens=0, status="completed", finish_reason="stop", total_ms=1.0,
+                                             created_at=month_start(NOW).replace(day=2))])
+    finally:
+        await db.dispose()
+    await limiter.invalidate(account)
+    await limiter.reserve(rid(), [account], 10, 0, now=NOW)  # rebuilt again: the ledger holds it now
+    assert (await limiter.counters(account, now=NOW))["month_tokens"] == 60
 
 
 async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:
