@@ -22,6 +22,9 @@ def async_url(url: str) -> str:
 
 def create_engine(url: str, **kwargs: object) -> AsyncEngine:
     aurl = async_url(url)
+    # A statement's parameters (a customer's text, an uploaded file's bytes, a key's hash) stay out
+    # of the exception text that error logs carry.
+    kwargs.setdefault("hide_parameters", True)
     if aurl.startswith("sqlite"):
         engine = create_async_engine(aurl, **kwargs)  # type: ignore[arg-type]
 

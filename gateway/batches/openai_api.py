@@ -7,14 +7,14 @@ from datetime import timedelta
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from billing.batches.store import new_batch_id
 from billing.models import utcnow
 from gateway.batches.results import OPENAI_ENDPOINTS, WINDOWS, BadInput, openai_view, parse_input
-from gateway.http.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from gateway.http.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, RequestTimeout, ServiceUnavailable
 from gateway.http.requests import authenticate, header, query_limit, read_json
 from gateway.http.json_response import json_response
 
@@ -57,26 +57,36 @@ async def upload_file(request: Request) -> Response:
         raise PayloadTooLarge(f"the file is larger than the {most}-byte limit", param="file")
     if not (header(request, b"content-type") or "").startswith("multipart/form-data"):
         raise InvalidRequest("send the file as multipart/form-data with the fields file and purpose", param="file")
-    async with request.form(max_files=1, max_fields=8) as form:
-        purpose = form.get("purpose")
-        upload = form.get("file")
-        if not isinstance(purpose, str) or not purpose:
-            raise InvalidRequest("purpose is required", param="purpose")
-        if purpose not in UPLOAD_PURPOSES:
-            raise InvalidRequest(f"purpose {purpose!r} is not supported here; use one of {list(UPLOAD_PURPOSES)}", param="purpose",
-                                 code="invalid_purpose")
-        if upload is None or isinstance(upload, str):
-            raise InvalidRequest("file is required", param="file")
-        anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
-        expires_after = None if anchor is None and seconds is None else expiry_seconds(anchor, seconds, "expires_after")
-        content = await upload.read(most + 1)
-        filename = (upload.filename or "upload.jsonl")[:255]
+    try:
+        async with request.form(max_files=1, max_fields=8) as form:
+            purpose, filename, content, expires_after = await _upload_of(form, most)
+    except ClientDisconnect:  # the client left mid-upload: nobody reads the answer
+        raise RequestTimeout("the upload did not arrive") from None
     if len(content) > most:
         raise PayloadTooLarge(f"the file is larger than the {most}-byte limit", param="file")
     if not content:
         raise InvalidRequest("the file is empty", param="file")
     info = await state.files.put(principal.account_id, purpose, filename, content, expires_after)
     return json_response(info.view())
+
+
+async def _upload_of(form: Any, most: int) -> tuple[str, str, bytes, int | None]:
+    """The form's purpose, filename, content (at most `most` + 1 bytes read) and expires_after."""
+    purpose = form.get("purpose")
+    upload = form.get("file")
+    if not isinstance(purpose, str) or not purpose:
+        raise InvalidRequest("purpose is required", param="purpose")
+    if purpose not in UPLOAD_PURPOSES:
+        raise InvalidRequest(f"purpose {purpose!r} is not supported here; use one of {list(UPLOAD_PURPOSES)}", param="purpose",
+                             code="invalid_purpose")
+    if upload is None or isinstance(upload, str):
+        raise InvalidRequest("file is required", param="file")
+    filename = (upload.filename or "upload.jsonl")[:255]
+    if "\x00" in filename:  # kept in a text column
+        raise InvalidRequest("the file's name must not contain NUL characters (\\u0000)", param="file")
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    expires_after = None if anchor is None and seconds is None else expiry_seconds(anchor, seconds, "expires_after")
+    return purpose, filename, await upload.read(most + 1), expires_after
 
 
 async def list_files(request: Request) -> Response:

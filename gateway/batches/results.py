@@ -73,6 +73,8 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tup
         body = item.get("body")
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             raise BadInput("body must be a JSON object with a model", number, param="body.model")
+        if "\x00" in body["model"]:  # kept in a text column (the batch's model)
+            raise BadInput("body.model must not contain NUL characters (\\u0000)", number, param="body.model")
         if model is None:
             model = body["model"]
         elif body["model"] != model:  # OpenAI: one model per input file

@@ -89,7 +89,7 @@ class JsonFormatter(logging.Formatter):
             "ts": iso_ms(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": mask_keys(record.getMessage()),  # a key a message or a library's exception text carries
         }
         rid = request_id_var.get()
         if rid is not None:
@@ -101,8 +101,15 @@ class JsonFormatter(logging.Formatter):
         if isinstance(fields, dict):
             entry.update(fields)
         if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
+            entry["exc"] = mask_keys(self.formatException(record.exc_info))
         return orjson.dumps(entry, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """`TOLLGATE_LOG_FORMAT=text`: one plain line, with what is shaped like a key masked as in JSON."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_keys(super().format(record))
 
 
 def configure_logging(fmt: str = "json", level: str = "info") -> None:
@@ -111,7 +118,7 @@ def configure_logging(fmt: str = "json", level: str = "info") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

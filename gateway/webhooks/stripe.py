@@ -15,27 +15,18 @@ from stripe import StripeError
 from billing.stripe.webhooks import WebhookRejected
 from gateway.api.account.documents import billing_of
 from gateway.billing import StripeFailed
-from gateway.http.errors import InvalidRequest, NotFound, PayloadTooLarge
+from gateway.http.errors import InvalidRequest, NotFound
+from gateway.http.requests import read_body
 from gateway.http.json_response import json_response
 
 log = logging.getLogger("tollgate.billing")
-
-
-async def _raw_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is larger than the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def stripe_webhook(request: Request) -> Response:
     billing = billing_of(request)
     if billing.webhooks is None:
         raise NotFound("Stripe webhooks are not configured on this server.")
-    payload = await _raw_body(request, request.app.state.settings.http.max_body_bytes)  # the signature covers these bytes
+    payload = await read_body(request, request.app.state.settings.http.max_body_bytes)  # the signature covers these bytes
     try:
         result = await billing.webhooks.handle(payload, request.headers.get("stripe-signature"))
     except WebhookRejected as exc:

@@ -632,6 +632,12 @@ async def test_a_nul_in_an_input_line_is_refused_with_its_line_number(batch_gate
         uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2) + bad)), purpose="batch")
         error = await failed_validation(client, uploaded.id)
         assert (error.line, error.param) == (3, "custom_id") and "NUL" in error.message, error
+    # the model is kept in a text column too (the batch's model): a failed batch naming it, not a 500
+    nul_model = json.dumps({"custom_id": "m", "method": "POST", "url": "/v1/chat/completions",
+                            "body": {"model": MODEL + "\u0000", "messages": [{"role": "user", "content": "Hi"}]}}).encode() + b"\n"
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(nul_model)), purpose="batch")
+    error = await failed_validation(client, uploaded.id)
+    assert (error.line, error.param) == (1, "body.model") and "NUL" in error.message, error
     # A NUL in a line's body is stored escaped (the body is JSON text): the line runs and its route
     # refuses it as it refuses any request body with one, a 400 in the error file.
     uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1) + line("nul", "H\u0000i"))), purpose="batch")

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -358,6 +359,11 @@ async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Ga
             (secure_gw.admin_key, "GET", f"/admin/keys/{secure_gw.admin_key}", None, {}),
             ("", "GET", "/v1/models", None, {"Authorization": f"Basic {a}"}),
             ("", "GET", "/v1/models", None, {"Authorization": f"Bearer {a} {a}"}),
+            # an upload whose file name holds a NUL (no text column can keep it) and whose content a key:
+            # a 400 naming the file, not a database error whose text carried the file's bytes into the log
+            (a, "POST", "/v1/files", b"--XX\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--XX\r\n"
+             b"Content-Disposition: form-data; name=\"file\"; filename=\"a\x00b\"\r\n\r\n{\"note\": \"" + a.encode() + b"\"}\n\r\n--XX--\r\n",
+             {"content-type": "multipart/form-data; boundary=XX"}),
         ]
         statuses = set()
         answered: list[str] = []  # the server's request ids: each must have its access line before we look
@@ -369,6 +375,8 @@ async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Ga
                 kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
                 r = await c.request(method, path, headers=hdrs, **kwargs)
                 statuses.add(r.status_code)
+                if path == "/v1/files":
+                    assert r.status_code == 400 and r.json()["error"]["param"] == "file", r.text
                 exposed.append(r.text + str(r.headers))
                 answered.append(r.headers["x-request-id"])
             exposed.append((await c.get("/metrics")).text)
@@ -406,6 +414,63 @@ async def test_keys_never_leak_into_logs_metrics_errors_or_storage(secure_gw: Ga
         for secret in secrets:
             assert secret not in text, f"a raw key appears in {where}"
             assert secret[3:] not in text, f"a raw key's secret part appears in {where}"
+
+
+async def test_error_logs_carry_no_statement_parameters_and_no_key(fresh_pg_database: Any) -> None:
+    """What reaches an error log from a failed statement: its SQL, never its parameters (a customer's
+    text, a file's bytes: `hide_parameters`), and anything shaped like a key in a message or an
+    exception's text is masked (JsonFormatter). Before, an upload that failed in the database logged
+    the file's first bytes, a key in them included."""
+    from sqlalchemy.exc import DBAPIError
+
+    key = "sk-" + uuid.uuid4().hex + uuid.uuid4().hex
+    db = create_engine(fresh_pg_database(migrated=True))
+    try:
+        async with db.connect() as conn:
+            with pytest.raises(DBAPIError) as failed:
+                await conn.execute(sa.text("SELECT CAST(:v AS text)"), {"v": key + "\x00"})
+    finally:
+        await db.dispose()
+    assert key not in str(failed.value) and "hidden due to hide_parameters" in str(failed.value)
+    record = logging.LogRecord("tollgate", logging.ERROR, __file__, 1, "unhandled on %s", (f"/v1/files?k={key}",), None)
+    try:
+        raise RuntimeError(f"a library's text with {key}")
+    except RuntimeError:
+        record.exc_info = sys.exc_info()
+    line = JsonFormatter().format(record)
+    assert key not in line and key[3:] not in line and line.count("sk-***") == 2, line
+
+
+async def test_a_client_leaving_mid_upload_is_no_server_error(secure_gw: Gateway, two_accounts: dict[str, Any]) -> None:
+    """An upload whose client closes the connection before its body has arrived is answered 499 in
+    the access log and logs no error (the form's ClientDisconnect is the client's doing). Before, it
+    was an `unhandled ClientDisconnect` error with a traceback."""
+    captured = Captured()
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(captured)
+    root.setLevel(logging.INFO)  # the access lines
+    mark = "cut-upload-" + uuid.uuid4().hex[:8]
+    try:
+        host, port = secure_gw.base_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        part = b'--XX\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n{"a": 1'
+        writer.write(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + two_accounts["a"]["key"].encode() +
+                     b"\r\nx-client-request-id: " + mark.encode() + b"\r\nContent-Type: multipart/form-data; boundary=XX\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + part)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        deadline = time.monotonic() + 30
+        while not (lines := [line for line in captured.lines if mark in line and '"tollgate.access"' in line]):
+            assert time.monotonic() < deadline, "no access line for the cut upload"
+            await asyncio.sleep(0.02)
+    finally:
+        root.removeHandler(captured)
+        root.setLevel(old_level)
+    assert '"status":499' in lines[0].replace(" ", ""), lines
+    errors = [line for line in captured.lines if '"level":"error"' in line.replace(" ", "")]
+    assert not errors, errors
 
 
 def blackhole() -> tuple[socket.socket, int]:
