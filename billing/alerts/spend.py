@@ -58,6 +58,11 @@ def verify(secret: str, body: bytes, header: str, tolerance: float = 300.0) -> b
     return abs(time.time() - timestamp) <= tolerance and hmac.compare_digest(sign(secret, body, timestamp), header)
 
 
+# How long after a month has ended its late rows can still make its crossing (a request admitted at
+# its end and still running, a journal replayed after an outage): the month is read this long.
+LATE_ROWS = timedelta(days=3)
+
+
 def _month_start(now: datetime) -> datetime:
     return datetime(now.year, now.month, 1, tzinfo=timezone.utc)
 
@@ -117,33 +122,45 @@ class AlertService:
             rules = (await conn.execute(sa.select(RULES).order_by(RULES.c.id))).all()
         made = []
         for rule in rules:
-            seen = await self._crossing(rule, now)
-            if seen is None:
-                continue
-            event_id = await self._record(rule, *seen, now)
-            if event_id is not None:
+            for seen in await self._crossings(rule, now):
+                event_id = await self._record(rule, *seen, now)
+                if event_id is None:
+                    continue
                 made.append(event_id)
                 task = asyncio.get_running_loop().create_task(self.deliver(event_id))
                 self._delivering.add(task)
                 task.add_done_callback(self._delivering.discard)
         return made
 
-    async def _crossing(self, rule: Any, now: datetime) -> tuple[str, int, int, str] | None:
-        """(crossing key, value, threshold, message) when the rule's metric is past its threshold now."""
-        owner = f"key {rule.key_id}" if rule.key_id else f"account {rule.account_id}"
+    async def _crossings(self, rule: Any, now: datetime) -> list[tuple[str, int, int, str]]:
+        """Each (crossing key, value, threshold, message) of the rule's metric past its threshold now. A
+        monthly metric is read for this month and, for `LATE_ROWS` after it ended, the month before: a
+        row admitted in that month may reach the ledger after it (a request still running at its end),
+        and the crossing it makes is that month's, as invoices count it."""
         if rule.metric == "balance_below":
-            balance = await self._credits.balance(rule.account_id)
-            if balance is None or balance["billing_mode"] != "prepaid":
-                return None
-            if balance["balance_nanos"] >= rule.threshold:
-                await self._rearm(rule)
-                return None
-            return (f"below-{rule.rearmed}", balance["balance_nanos"], rule.threshold,
-                    f"The prepaid balance of {owner} is ${usd(balance['balance_nanos'])}, below ${usd(rule.threshold)}.")
+            seen = await self._balance_crossing(rule)
+            return [] if seen is None else [seen]
+        start = _month_start(now)
+        months = [start] + ([_month_start(start - timedelta(days=1))] if now - start < LATE_ROWS else [])
+        return [seen for month in months if (seen := await self._month_crossing(rule, month)) is not None]
+
+    async def _balance_crossing(self, rule: Any) -> tuple[str, int, int, str] | None:
+        owner = f"key {rule.key_id}" if rule.key_id else f"account {rule.account_id}"
+        balance = await self._credits.balance(rule.account_id)
+        if balance is None or balance["billing_mode"] != "prepaid":
+            return None
+        if balance["balance_nanos"] >= rule.threshold:
+            await self._rearm(rule)
+            return None
+        return (f"below-{rule.rearmed}", balance["balance_nanos"], rule.threshold,
+                f"The prepaid balance of {owner} is ${usd(balance['balance_nanos'])}, below ${usd(rule.threshold)}.")
+
+    async def _month_crossing(self, rule: Any, start: datetime) -> tuple[str, int, int, str] | None:
+        """The crossing of the month that begins at `start`, if its metric is past the threshold."""
+        owner = f"key {rule.key_id}" if rule.key_id else f"account {rule.account_id}"
         column = LEDGER.c.key_id if rule.key_id else LEDGER.c.account_id
         measure = sa.func.sum(LEDGER.c.cost_nanos) if rule.metric == "monthly_spend" else sa.func.sum(LEDGER.c.prompt_tokens + LEDGER.c.completion_tokens)
         async with self._engine.connect() as conn:
-            start = _month_start(now)
             end = _month_start(start + timedelta(days=32))
             # the month a row counts in is the one it was admitted in (as invoices and quotas count it)
             value = int((await conn.execute(sa.select(sa.func.coalesce(measure, 0)).where(
@@ -162,7 +179,8 @@ class AlertService:
         shown = (lambda n: f"${usd(n)}") if rule.metric == "monthly_spend" else (lambda n: f"{n:,} tokens")
         what = "spend" if rule.metric == "monthly_spend" else "token use"
         pct = f" ({rule.percent}% of its limit)" if rule.percent is not None else ""
-        return (f"{now:%Y-%m}", value, threshold, f"The monthly {what} of {owner} is {shown(value)}, past {shown(threshold)}{pct}.")
+        return (f"{start:%Y-%m}", value, threshold,
+                f"The monthly {what} of {owner} for {start:%Y-%m} is {shown(value)}, past {shown(threshold)}{pct}.")
 
     async def _rearm(self, rule: Any) -> None:
         """The balance is back at or above the threshold: the next fall below is a new crossing. Only

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -111,12 +112,53 @@ async def test_a_crossing_is_one_signed_webhook_across_two_processes(db_url: str
             assert await first.check() == [] and await second.check() == []
             events = await first.events(account)
             assert {e["message"] for e in events} >= {
-                f"The monthly spend of account {account} is $0.080000001, past $0.080000000 (80% of its limit)."}
+                f"The monthly spend of account {account} for {utcnow():%Y-%m} is $0.080000001, past $0.080000000 (80% of its limit)."}
     finally:
         await first.close()
         await second.close()
         await db.dispose()
         await other_db.dispose()
+
+
+async def test_a_month_crossed_by_a_row_written_after_it_ended_is_alerted_once(db_url: str) -> None:
+    """A request admitted on Oct 31 23:59:59 whose row is written on Nov 1 (it was still running) may
+    cross October's threshold after October ended: the check reads the month before for a few days
+    (LATE_ROWS) and records October's crossing, once, keyed and worded by October. Before, a check only
+    read the month of its own clock, so that crossing was never alerted (an audit: October's $1.40
+    against a $1 rule, no event)."""
+    from datetime import datetime, timezone
+
+    from billing.alerts.spend import LATE_ROWS
+
+    def at(month: int, day: int, *hms: int) -> datetime:
+        return datetime(2026, month, day, *hms, tzinfo=timezone.utc)
+
+    db = create_engine(db_url)
+    service = AlertService(db, CreditBook(db), backoff=0.01)
+    try:
+        keys = KeyStore(db, SECRET.encode())
+        account = (await keys.create_account("late-" + uuid.uuid4().hex[:6]))["id"]
+
+        async def row(nanos: int, admitted: datetime, written: datetime) -> None:
+            await write_records(db, [UsageRecord(
+                request_id=uuid.uuid4().hex, account_id=account, key_id=1, model="m", prompt_tokens=1, completion_tokens=0,
+                status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=nanos, created_at=written, admitted_at=admitted)])
+
+        with Receiver() as receiver:
+            await service.add_rule(account, "monthly_spend", threshold=100 * CENT, url=receiver.url)
+            await row(90 * CENT, at(10, 20), at(10, 20))
+            assert await service.check(now=at(10, 31, 23, 59, 30)) == []
+            await row(50 * CENT, at(10, 31, 23, 59, 59), at(11, 1, 0, 0, 20))  # October's, written in November
+            assert await service.check(at(11, 1) + LATE_ROWS + timedelta(seconds=1)) == []  # too late to read October
+            [made] = await service.check(now=at(11, 1, 0, 0, 30))
+            assert await service.check(now=at(11, 2)) == []  # once
+            await service.drain()
+            [event] = await service.events(account)
+            assert event["id"] == made and event["crossing"] == "2026-10" and event["value"] == 140 * CENT, event
+            assert event["message"] == f"The monthly spend of account {account} for 2026-10 is $1.400000000, past $1.000000000.", event
+    finally:
+        await service.close()
+        await db.dispose()
 
 
 async def test_balance_below_fires_once_and_rearms_only_when_the_balance_rises_above(db_url: str) -> None:
