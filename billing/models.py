@@ -129,7 +129,8 @@ class LedgerEntry(SQLModel, table=True):
     batch_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(40), nullable=True))
     # Admitted for a key whose account was postpaid then: its hold held no prepaid balance, so the
     # row is invoiced even if the account is prepaid by its admission instant (billing/ledger/records.py).
-    postpaid: bool = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=False, default=False, server_default=sa.false()))
+    # NULL on rows written before migration 0022: the finish instant decides for them, as it did then.
+    postpaid: bool | None = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=True, default=False))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )

@@ -136,12 +136,15 @@ class AlertService:
         """Each (crossing key, value, threshold, message) of the rule's metric past its threshold now. A
         monthly metric is read for this month and, for `LATE_ROWS` after it ended, the month before: a
         row admitted in that month may reach the ledger after it (a request still running at its end),
-        and the crossing it makes is that month's, as invoices count it."""
+        and the crossing it makes is that month's, as invoices count it. A rule made after that month
+        ended says nothing of it."""
         if rule.metric == "balance_below":
             seen = await self._balance_crossing(rule)
             return [] if seen is None else [seen]
         start = _month_start(now)
-        months = [start] + ([_month_start(start - timedelta(days=1))] if now - start < LATE_ROWS else [])
+        made = rule.created_at if rule.created_at.tzinfo else rule.created_at.replace(tzinfo=timezone.utc)
+        late = now - start < LATE_ROWS and made < start
+        months = [start] + ([_month_start(start - timedelta(days=1))] if late else [])
         return [seen for month in months if (seen := await self._month_crossing(rule, month)) is not None]
 
     async def _balance_crossing(self, rule: Any) -> tuple[str, int, int, str] | None:

@@ -28,9 +28,11 @@ def spends_balance(since: Any) -> Any:
     `prepaid_since` (a value or its column), for a key the account was prepaid for (not `postpaid`).
     These are the rows whose quota holds counted against the balance: a request admitted before the
     switch, or authenticated just before it (a key cached for a second, another process), held none
-    and is invoiced, however late it finishes."""
-    table = LedgerEntry.__table__
-    return sa.and_(table.c.admitted_at >= since, table.c.postpaid.is_(False))
+    and is invoiced, however late it finishes. A row written before migration 0022 (`postpaid` NULL)
+    stays under the rule it was posted and invoiced under: finished at or after `since`."""
+    c = LedgerEntry.__table__.c
+    return sa.or_(sa.and_(c.postpaid.is_(False), c.admitted_at >= since),
+                  sa.and_(c.postpaid.is_(None), c.created_at >= since))
 
 
 @dataclass

@@ -79,6 +79,12 @@ def _limit_args(lim: Limits, prepaid: bool = False) -> tuple[int, ...]:
     return (*(UNLIMITED if v is None else int(v) for v in values), 1 if prepaid else 0)
 
 
+def _row_of(hold_id: str) -> str:
+    """The row id of a hold journaled without one (before `row_id`): a batch line's run holds under
+    `<request id>/<run>`, and no other request id has a '/'."""
+    return hold_id.split("/", 1)[0] if "/" in hold_id else ""
+
+
 @dataclass
 class Hold:
     """What admission reserved for one request."""
@@ -119,7 +125,7 @@ class Hold:
         scopes = tuple(Scope(str(kind), int(sid), Limits()) for kind, sid in raw["scopes"])
         tag = str(raw.get("tag") or group_tag(scopes))  # a journal written before hash tags has none
         return cls(raw["request_id"], scopes, int(raw["tokens"]), int(raw["nanos"]), int(raw["minute"]), str(raw["month"]),
-                   bool(raw.get("degraded", False)), tag, row_id=str(raw.get("row_id") or ""))
+                   bool(raw.get("degraded", False)), tag, row_id=str(raw.get("row_id") or _row_of(str(raw["request_id"]))))
 
 
 def group_tag(scopes: Any) -> str:

@@ -81,6 +81,13 @@ class MemoryLimiter(Limiter):
 
     async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float, present: Any = None) -> None:
         month, minute = month_of(now), minute_of(now)
+        # Which usage settled while waiting the ledger read holds: asked until nothing new has come
+        # (a settlement may land during the question), so that from the last answer on nothing awaits
+        # and the counters below are put in place in one step.
+        read: dict[str, bool] = {}
+        while asked := [rid for s in scopes if s.name in self._scopes for rid in self._scopes[s.name].unsynced if rid not in read]:
+            found = await present(asked) if present is not None else set()
+            read.update((rid, rid in found) for rid in asked)
         for scope in scopes:
             current = self._scopes.get(scope.name)
             t = totals[scope.name]
@@ -97,9 +104,8 @@ class MemoryLimiter(Limiter):
                 state.credits.update(t.credits)  # rows applied meanwhile stay applied once
                 state.spent, state.balance_synced = t.spent, True
             if state.unsynced:
-                read = await present(list(state.unsynced)) if present is not None else set()
                 for rid, (tokens, nanos, of_month, spends) in state.unsynced.items():
-                    if rid in read:
+                    if read[rid]:
                         continue  # the ledger read holds its row
                     if of_month == state.month:
                         state.month_tokens += tokens

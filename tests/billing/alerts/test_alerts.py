@@ -145,7 +145,10 @@ async def test_a_month_crossed_by_a_row_written_after_it_ended_is_alerted_once(d
                 status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=nanos, created_at=written, admitted_at=admitted)])
 
         with Receiver() as receiver:
-            await service.add_rule(account, "monthly_spend", threshold=100 * CENT, url=receiver.url)
+            rule = await service.add_rule(account, "monthly_spend", threshold=100 * CENT, url=receiver.url)
+            async with db.begin() as conn:  # made in October
+                await conn.execute(sa.text("UPDATE alert_rules SET created_at = :t WHERE id = :r"), {"t": at(10, 1), "r": rule["id"]})
+            late = await service.add_rule(account, "monthly_spend", threshold=100 * CENT, url=receiver.url)  # made after October: silent on it
             await row(90 * CENT, at(10, 20), at(10, 20))
             assert await service.check(now=at(10, 31, 23, 59, 30)) == []
             await row(50 * CENT, at(10, 31, 23, 59, 59), at(11, 1, 0, 0, 20))  # October's, written in November
@@ -155,6 +158,7 @@ async def test_a_month_crossed_by_a_row_written_after_it_ended_is_alerted_once(d
             await service.drain()
             [event] = await service.events(account)
             assert event["id"] == made and event["crossing"] == "2026-10" and event["value"] == 140 * CENT, event
+            assert event["rule_id"] == rule["id"] != late["id"]
             assert event["message"] == f"The monthly spend of account {account} for 2026-10 is $1.400000000, past $1.000000000.", event
     finally:
         await service.close()

@@ -130,17 +130,23 @@ async def test_a_request_admitted_before_the_switch_to_prepaid_is_invoiced_not_s
         await credits.add(a, "topup", 100 * CENT, now=at(9, 10, 1), external_id="cs_test_switch")
         await spend(db, a, 8 * CENT, at(9, 9, 23, 59), finished=at(9, 10, 0, 1))  # running across the switch
         await spend(db, a, 2 * CENT, at(9, 10, 2))  # admitted prepaid
+        # A row written before migration 0022 (postpaid NULL) keeps the rule it was posted under then,
+        # its finish: it was paid from the balance, so it is not invoiced as well.
+        await spend(db, a, 4 * CENT, at(9, 9, 23, 58), finished=at(9, 10, 0, 2))
+        async with db.begin() as conn:
+            await conn.execute(sa.text("UPDATE ledger_entries SET postpaid = NULL WHERE account_id = :a AND cost_nanos = :c"),
+                               {"a": a, "c": 4 * CENT})
         balance = await credits.balance(a)
-        assert balance is not None and balance["balance_nanos"] == 98 * CENT, balance
+        assert balance is not None and balance["balance_nanos"] == 94 * CENT, balance
         async with db.connect() as conn:
             _, spent = await prepaid_totals(conn, a)  # what the limiter is seeded with: the same rows
-        assert spent == 2 * CENT
+        assert spent == 6 * CENT
         await CreditBook(db, settle_seconds=0).post_usage(a)  # posted to the credit ledger: the same rows
-        assert -sum(e["amount_nanos"] for e in await credits.entries(a) if e["kind"] == "usage") == 2 * CENT
+        assert -sum(e["amount_nanos"] for e in await credits.entries(a) if e["kind"] == "usage") == 6 * CENT
 
         await close_period(db, book, Period.parse("2026-09"), now=at(10, 2))
         [sept] = await list_statements(db, account_id=a)
-        assert (sept["usage_nanos"], sept["closing_balance_nanos"]) == (2 * CENT, 98 * CENT)
+        assert (sept["usage_nanos"], sept["closing_balance_nanos"]) == (6 * CENT, 94 * CENT)
         async with db.connect() as conn:  # the straddling row's 15 tokens are September's invoice's
             invoiced = (await conn.execute(sa.text(
                 "SELECT sum(l.tokens) FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.account_id = :a"), {"a": a})).scalar()

@@ -306,6 +306,8 @@ class GatedTotals:
         self.gate = False
         self.inside = asyncio.Event()
         self.go = asyncio.Event()
+        self.asked = asyncio.Event()
+        self.answer = asyncio.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -316,7 +318,19 @@ class GatedTotals:
             self.inside.set()
             await self.go.wait()
         async with self.inner.snapshot(scopes, now) as snap:
-            yield snap
+            if not self.gate_present:
+                yield snap
+                return
+
+            async def present(request_ids: list[str]) -> set[str]:  # held on its first question
+                if not self.asked.is_set():
+                    self.asked.set()
+                    await self.answer.wait()
+                return await snap.present(request_ids)
+
+            yield type(snap)(snap.totals, present)
+
+    gate_present = False
 
 
 async def test_usage_settled_while_its_counters_are_rebuilt_counts_once(limiter: Limiter, ledger_url: str) -> None:
@@ -348,6 +362,34 @@ async def test_usage_settled_while_its_counters_are_rebuilt_counts_once(limiter:
     await limiter.invalidate(account)
     await limiter.reserve(rid(), [account], 10, 0, now=NOW)  # rebuilt again: the ledger holds it now
     assert (await limiter.counters(account, now=NOW))["month_tokens"] == 60
+
+
+async def test_usage_settled_while_a_rebuild_asks_the_ledger_counts_once(limiter: Limiter, ledger_url: str) -> None:
+    """A settlement that lands while the rebuild is asking the ledger which settled rows it holds,
+    whose row the ledger read does hold, counts once: from the ledger. (Before, the in-process
+    limiter put its new counters in place before asking, so such a settlement was added on top of a
+    ledger read that already held it.)"""
+    account = scope("account", monthly_tokens=100_000)
+    first = await limiter.reserve(rid(), [account], 100, 0, now=NOW)
+    second = await limiter.reserve(rid(), [account], 100, 0, now=NOW)
+    await limiter.invalidate(account)
+    await limiter.settle(first, 60, 0)  # waits for the rebuild: its row is not in the ledger
+    db = create_engine(ledger_url)
+    try:  # the second's row is in the ledger before the rebuild reads it; its settlement comes later
+        await write_records(db, [UsageRecord(request_id=second.request_id, account_id=account.id, key_id=1, model="m",
+                                             prompt_tokens=70, completion_tokens=0, status="completed", finish_reason="stop",
+                                             total_ms=1.0, created_at=month_start(NOW).replace(day=2))])
+    finally:
+        await db.dispose()
+    gated = GatedTotals(limiter.totals)
+    limiter.totals = gated  # type: ignore[assignment]
+    gated.gate_present = True
+    rebuilding = asyncio.create_task(limiter.reserve(rid(), [account], 10, 0, now=NOW))
+    await gated.asked.wait()
+    await limiter.settle(second, 70, 0)  # while the rebuild asks about the first
+    gated.answer.set()
+    await rebuilding
+    assert (await limiter.counters(account, now=NOW))["month_tokens"] == 130
 
 
 async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:

@@ -19,7 +19,7 @@ from billing.ledger.journal import LedgerJournal
 from billing.keys.store import Principal
 from billing.ledger.writer import LedgerWriter, UsageRecord
 from billing.quota.limits import Limits
-from billing.quota import LedgerTotals, MemoryLimiter, Scope
+from billing.quota import Hold, LedgerTotals, MemoryLimiter, Scope
 from engines.backends.openai_pool import OpenAIPoolEngine
 from engines.base import EngineOverloadedError, EngineRequest
 from engines.wrappers.scheduler import ScheduledEngine
@@ -232,6 +232,8 @@ async def test_a_batch_line_taken_from_its_runner_is_refused_before_its_row(setu
     # is written (tests/billing/quota/test_quota_rebuild.py, the batch line's run)
     assert admission.hold is not None and admission.hold.request_id.startswith("batch_x-1/")
     assert admission.hold.row == "batch_x-1" and admission.hold.to_json()["row_id"] == "batch_x-1"
+    journaled_before = {k: v for k, v in admission.hold.to_json().items() if k != "row_id"}  # a journal line before row_id
+    assert Hold.from_json(journaled_before).row == "batch_x-1"
     admission.settle("completed")
     await setup.service.drain()
     assert [(r.request_id, r.api) for r in setup.rows] == [("batch_x-1", "batch")]
