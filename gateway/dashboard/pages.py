@@ -47,10 +47,12 @@ def fmt_pct(value: Any) -> str:
 
 
 def fmt_usd(nanos: Any) -> str:
-    """Exact dollars from nano-USD, without trailing zeros past the cents: $0.00, $1.50, $0.000123."""
-    whole, _, frac = usd(int(nanos or 0)).partition(".")
+    """Exact dollars from nano-USD, without trailing zeros past the cents: $0.00, $1.50, $0.000123,
+    -$0.10 (a refund, an overdrawn balance: the sign is the amount's, also below a dollar)."""
+    amount = int(nanos or 0)
+    whole, _, frac = usd(abs(amount)).partition(".")
     frac = frac.rstrip("0")
-    return f"${int(whole):,}.{frac.ljust(2, '0')}"
+    return f"{'-' if amount < 0 else ''}${int(whole):,}.{frac.ljust(2, '0')}"
 
 
 templates.env.filters.update(int=fmt_int, ms=fmt_ms, pct=fmt_pct, usd=fmt_usd)

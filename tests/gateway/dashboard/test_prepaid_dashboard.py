@@ -154,3 +154,10 @@ async def test_dashboards_show_cached_tokens_and_their_cost_and_the_prepaid_stat
             assert admin.problems == []
     finally:
         await db.dispose()
+
+
+def test_dashboard_amounts_keep_their_sign_below_a_dollar() -> None:
+    """A refund, a negative adjustment or an overdrawn balance shows its minus sign whatever its size
+    (before, -$0.10 showed as $0.10: the sign went with int("-0"), and -$1 showed as $-1.00)."""
+    shown = [fmt_usd(n) for n in (-1, -100_000_000, -999_999_999, -1_000_000_000, -1_234_567_890_000, 0, 1_500_000_000)]
+    assert shown == ["-$0.000000001", "-$0.10", "-$0.999999999", "-$1.00", "-$1,234.56789", "$0.00", "$1.50"]
