@@ -95,3 +95,38 @@ async def test_a_crash_recovered_row_keeps_its_cached_tokens(fresh_pg_database: 
         assert totals["cached_tokens"] == 80
     finally:
         await db.dispose()
+
+
+async def test_a_row_is_one_utc_instant_and_its_cached_tokens_part_of_its_prompt(database_url: str) -> None:
+    """Whatever a writer is handed, the ledger and its hourly aggregates agree with invoices: cached
+    tokens past the prompt (an engine's over-report) count as the whole prompt, as invoices cap them,
+    and an admission instant given with an offset is the same UTC instant in the row and its hour. Before,
+    the aggregates summed the raw figure (a dashboard's cached cost 10x the invoice's), SQLite stored
+    the clock reading (01:30+02:00 on Apr 1 was April's row, March's instant), and the aggregates' hour
+    cache took a +05:30 reading's hour for another's (the COPY path)."""
+    from datetime import datetime, timedelta, timezone
+
+    db = create_engine(database_url)
+    try:
+        india = timezone(timedelta(hours=5, minutes=30))
+        rows = [
+            record(cached_tokens=1000, model="over"),  # 100-token prompt
+            record(cached_tokens=-3, model="under"),
+            record(model="edge", admitted_at=datetime(2026, 4, 1, 1, 30, tzinfo=timezone(timedelta(hours=2))),
+                   created_at=datetime(2026, 4, 1, 1, 30, 1, tzinfo=timezone(timedelta(hours=2)))),
+            record(model="half", admitted_at=datetime(2026, 5, 4, 10, 15, tzinfo=india), created_at=datetime(2026, 5, 4, 10, 15, 1, tzinfo=india)),
+            record(model="half", admitted_at=datetime(2026, 5, 4, 10, 45, tzinfo=india), created_at=datetime(2026, 5, 4, 10, 45, 1, tzinfo=india)),
+        ]
+        await write_records(db, rows)
+        assert {(r.model, r.cached_tokens) for r in rows if r.model in ("over", "under")} == {("over", 100), ("under", 0)}
+        async with db.connect() as conn:
+            ledger = dict((await conn.execute(sa.text("SELECT model, max(cached_tokens) FROM ledger_entries GROUP BY model"))).all())
+            hourly = dict((await conn.execute(sa.text("SELECT model, sum(cached_tokens) FROM usage_hourly GROUP BY model"))).all())
+            hours = [str(h)[:16] for h in (await conn.execute(sa.text(
+                "SELECT hour FROM usage_hourly WHERE model IN ('edge', 'half') ORDER BY hour"))).scalars()]
+        assert (ledger["over"], ledger["under"], hourly["over"], hourly["under"]) == (100, 0, 100, 0)
+        assert hours == ["2026-03-31 23:00", "2026-05-04 04:00", "2026-05-04 05:00"], hours
+        march = await usage_groups(db, Period(datetime(2026, 3, 1, tzinfo=timezone.utc), datetime(2026, 4, 1, tzinfo=timezone.utc)), ["model"])
+        assert [g["model"] for g in march] == ["edge"]
+    finally:
+        await db.dispose()
