@@ -65,6 +65,29 @@ def test_accounts_and_keys(data_dir: Path) -> None:
     assert (data_dir / "secret").stat().st_mode & 0o077 == 0
 
 
+def test_bad_input_and_a_bad_database_are_one_line_of_error_not_a_traceback(tmp_path: Path) -> None:
+    """What an audit found printing a Python traceback: an unmigrated database, one that does not exist,
+    an unknown backend, an id past the database's 32-bit ids, months of partitions by the hundred
+    thousand, and an account name the API refuses (it was created)."""
+    def refused(*args: str, env: dict[str, str] | None = None, code: int = 1) -> str:
+        result = tollgate(tmp_path, *args) if env is None else cli_runner.tollgate(args, env)
+        assert result.returncode == code and "Traceback" not in result.stderr, (args, result.stderr)
+        return result.stderr
+
+    assert "run `tollgate migrate`" in refused("accounts", "list")  # the SQLite file is not migrated yet
+    base = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "TOLLGATE_SECRET")}
+    base["TOLLGATE_DATA_DIR"] = str(tmp_path)
+    assert "does not exist" in refused("accounts", "list", env={**base, "DATABASE_URL": "postgresql://postgres@127.0.0.1:5432/tg_no_such_db"})
+    assert "unsupported database backend" in refused("accounts", "list", env={**base, "DATABASE_URL": "bogus://x"})
+    assert tollgate(tmp_path, "migrate").returncode == 0
+    assert "not from 1 to 2147483647" in refused("keys", "revoke", "99999999999999999999", code=2)
+    assert "not from 1 to 2147483647" in refused("invoices", "show", "0", code=2)
+    assert "not from 0 to 120" in refused("ledger", "create-partitions", "--ahead", "100000", code=2)
+    for name in ("", " acme"):
+        assert "1 to 200 characters" in refused("accounts", "create", name)
+    assert json.loads(tollgate(tmp_path, "accounts", "list").stdout) == []
+
+
 def test_limits_from_the_cli(data_dir: Path) -> None:
     assert tollgate(data_dir, "accounts", "create", "lim").returncode == 0
     key = json.loads(tollgate(data_dir, "keys", "create", "--account", "lim").stdout)

@@ -34,6 +34,7 @@ from billing.invoices.close import CloseResult, PeriodNotEnded, close_period
 from billing.keys.store import KeyStore
 from billing.invoices.periods import InvalidPeriod, Period
 from billing.prices.book import InvalidPrice, PriceBook
+from gateway.cli import db_id
 from gateway.config import Settings
 
 
@@ -319,16 +320,16 @@ def register(sub: Any) -> None:
     list_.add_argument("--account", help="only this account (name)")
     list_.set_defaults(func=_guarded(cmd_invoices_list))
     show = inv.add_parser("show", help="one invoice as JSON, HTML or PDF")
-    show.add_argument("id", type=int)
+    show.add_argument("id", type=db_id)
     show.add_argument("--format", choices=["json", "html", "pdf"], default="json")
     show.add_argument("--output", help="write to this file instead of stdout")
     show.set_defaults(func=_guarded(cmd_invoices_show))
     sync = inv.add_parser("sync", help="push invoices to Stripe (safe to repeat)")
-    sync.add_argument("id", type=int, nargs="?", help="one invoice id")
+    sync.add_argument("id", type=db_id, nargs="?", help="one invoice id")
     sync.add_argument("--period", help="every invoice of this month")
     sync.set_defaults(func=_guarded(cmd_invoices_sync))
     credit = inv.add_parser("credit", help="issue a credit note against an invoice (the invoice is never edited)")
-    credit.add_argument("id", type=int)
+    credit.add_argument("id", type=db_id)
     credit.add_argument("--amount-cents", type=int, help="how much to credit, tax included (default: all that is left: a void)")
     credit.add_argument("--reason", choices=["duplicate", "fraudulent", "order_change", "product_unsatisfactory"])
     credit.add_argument("--memo", help="printed on the credit note")

@@ -20,6 +20,7 @@ from billing.ledger import partitions
 from billing.db import create_engine
 from billing.models import utcnow
 from billing.invoices.periods import InvalidPeriod, Period
+from gateway.cli import bounded
 from gateway.config import Settings
 
 
@@ -93,7 +94,8 @@ def register(sub: Any) -> None:
     p_list.add_argument("--json", action="store_true")
     p_list.set_defaults(func=cmd_partitions)
     p_create = ledger.add_parser("create-partitions", help="create this month's partition and the next ones")
-    p_create.add_argument("--ahead", type=int, default=partitions.AHEAD_MONTHS, help="months after this one (default 3)")
+    p_create.add_argument("--ahead", type=bounded(0, 120, "a number of months"), default=partitions.AHEAD_MONTHS,
+                          help="months after this one (default 3; at most 120)")
     p_create.set_defaults(func=cmd_create)
     p_archive = ledger.add_parser("archive", help="copy closed months' partitions to files and detach them")
     p_archive.add_argument("--before", required=True, help="archive the months before this one, YYYY-MM")

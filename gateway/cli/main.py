@@ -12,11 +12,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from billing import migrate as migrations
 from billing.db import create_engine
 from billing.keys.store import AccountExists, KeyStore, UnknownAccount
 from gateway.cli import bench as cli_bench, billing as cli_billing, credits as cli_credits, ledger as cli_ledger, ops as cli_ops
 from gateway.config import Settings, for_workers, load_settings, worker_settings
+from gateway.cli import db_id
 from gateway.http.logs import configure_logging
 
 
@@ -180,6 +183,9 @@ def worker_app() -> Any:
 
 
 def cmd_accounts_create(settings: Settings, args: argparse.Namespace) -> int:
+    if not args.name or args.name.strip() != args.name or len(args.name) > 200:  # as POST /admin/accounts checks it
+        print("error: an account's name is 1 to 200 characters, without whitespace at either end", file=sys.stderr)
+        return 1
     try:
         _print(_with_keys(settings, lambda keys: keys.create_account(args.name)))
     except AccountExists:
@@ -368,10 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     k_list.add_argument("--account", help="only this account's keys")
     k_list.set_defaults(func=cmd_keys_list)
     k_revoke = keys.add_parser("revoke", help="revoke a key by id")
-    k_revoke.add_argument("id", type=int)
+    k_revoke.add_argument("id", type=db_id)
     k_revoke.set_defaults(func=cmd_keys_revoke)
     k_limits = keys.add_parser("limits", help="set or clear a key's limits")
-    k_limits.add_argument("id", type=int)
+    k_limits.add_argument("id", type=db_id)
     _add_limit_flags(k_limits)
     k_limits.set_defaults(func=cmd_keys_limits)
     cli_ops.register(sub)
@@ -384,7 +390,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return int(args.func(load_settings(), args))
+    try:
+        return int(args.func(load_settings(), args))
+    except (SQLAlchemyError, OSError, ValueError) as exc:  # the database, a file, a setting: one line, not a traceback
+        print(f"error: {_described(exc)}", file=sys.stderr)
+        return 1
+
+
+def _described(exc: Exception) -> str:
+    """The first line of what went wrong (a database error's driver message, not its SQL)."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, SQLAlchemyError) and ("no such table" in text or ("relation" in text and "does not exist" in text)):
+        text += " (is the database migrated? run `tollgate migrate`)"
+    return text
 
 
 if __name__ == "__main__":
