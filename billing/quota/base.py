@@ -150,7 +150,8 @@ class QuotaExceeded(Exception):
         self.error_type = "insufficient_quota" if limit in MONTHLY or limit == BALANCE else "rate_limit_exceeded"
         owner = "API key" if scope.kind == "key" else "account"
         if limit == BALANCE:
-            super().__init__(f"The account's prepaid balance (${usd(balance or 0)} available) is too low for this "
+            left = balance or 0
+            super().__init__(f"The account's prepaid balance ({'-' if left < 0 else ''}${usd(abs(left))} available) is too low for this "
                              "request's worst-case cost; add credit to continue.")
             return
         value = scope.limits.view().get(limit)

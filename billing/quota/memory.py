@@ -66,7 +66,7 @@ class MemoryLimiter(Limiter):
             )
             if denied:
                 return ("deny", scope.name, denied, [(max(0, rpm - requests), max(0, tpm - tokens)) for _ in hold.scopes],
-                        max(0, available))
+                        available)  # below zero when a refund took more than was left: said as it is
             remaining.append((rpm - requests - 1, tpm - tokens - hold.tokens))
         expiry = now + self.hold_seconds
         for scope in hold.scopes:

@@ -82,7 +82,8 @@ for _, s in ipairs(scopes) do
   end
   remaining[#remaining + 1] = {s.rpm - requests, s.tpm - tokens}
 end
-if denied then return {'deny', denied[1], denied[2], remaining, math.max(0, available)} end
+-- `available` as it is, below zero too (a refund took more than was left): the refusal says so.
+if denied then return {'deny', denied[1], denied[2], remaining, available} end
 for i, s in ipairs(scopes) do
   redis.call('INCR', s.k .. 'rpm:' .. minute)
   redis.call('EXPIRE', s.k .. 'rpm:' .. minute, 180)

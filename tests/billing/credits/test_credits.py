@@ -164,6 +164,29 @@ async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_datab
         await db.dispose()
 
 
+async def test_a_refusal_says_a_balance_below_zero_as_it_is(fresh_pg_database: Any, limiter_kind: str) -> None:
+    """A refund of a top-up already spent takes the balance below zero; the refusal names that figure
+    (before, it said "$0.000000000 available", as for an empty balance)."""
+    url = fresh_pg_database(migrated=True)
+    migrate.upgrade(url)
+    db = create_engine(url)
+    one, two = _limiters(limiter_kind, db)
+    try:
+        a = await new_account(db)
+        book = CreditBook(db, one, settle_seconds=0)
+        await book.set_mode(a, "prepaid")
+        await book.add(a, "topup", CENT, external_id="cs_test_refunded")
+        await book.add(a, "refund", -3 * CENT, external_id="re_test_more")
+        with pytest.raises(QuotaExceeded) as refused:
+            await two.reserve(uuid.uuid4().hex, [Scope("account", a, Limits(), prepaid=True)], 1, 1)
+        assert "prepaid balance (-$0.020000000 available)" in str(refused.value), str(refused.value)
+    finally:
+        await one.close()
+        if two is not one:
+            await two.close()
+        await db.dispose()
+
+
 async def test_a_top_up_reaches_a_running_limiter_once(fresh_pg_database: Any, limiter_kind: str) -> None:
     url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
