@@ -141,7 +141,7 @@ class MemoryLimiter(Limiter):
                 state.month_nanos += nanos
             elif not state.month and (tokens or nanos):  # invalidated: its rebuild counts it unless its read holds the row
                 state.unsynced[hold.row] = (tokens, nanos, hold.month, scope.prepaid)
-            if state.balance_synced:
+            if state.balance_synced and scope.prepaid:  # a hold taken for a postpaid key spent no balance
                 state.spent += nanos
         return True
 

@@ -297,7 +297,8 @@ class RedisLimiter(Limiter):
         args.append(len(unwritten))
         for row in unwritten:
             month = month_of(row.admitted_at.timestamp())
-            args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month}",
+            spends = ":0" if getattr(row, "postpaid", False) else ""  # a postpaid key's row spends no balance
+            args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month}{spends}",
                      month, 2, f"k{row.key_id}", f"a{row.account_id}"]
         args += [len(self._reserving), *self._reserving, 1 if bump else 0]
         return args, live
@@ -380,7 +381,7 @@ class RedisLimiter(Limiter):
         if len(strike) > 500:
             strike, self._struck[tag] = strike[:500], strike[500:]
         return [self.group(tag), hold.request_id, hold.month, tokens, nanos, len(hold.scopes), *[s.name for s in hold.scopes], keep,
-                1 if file_usage else 0, len(strike), *strike, hold.row]
+                1 if file_usage else 0, len(strike), *strike, hold.row, "".join("1" if s.prepaid else "0" for s in hold.scopes)]
 
     def _filed(self, rid: str, tag: str) -> None:
         """A settlement that filed its usage in `unc` has been answered (or failed): from now on its

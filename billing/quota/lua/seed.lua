@@ -34,7 +34,9 @@ local unknown = {}
 local asked = {}
 local extra = {}
 local counted = {}
-local function tally(k, rid, t, c, m)
+-- `spends`: whether its nanos spent a prepaid balance (a postpaid key's did not: marked ':0' in
+-- `pend`, '!' after the scope's name in `unc`).
+local function tally(k, rid, t, c, m, spends)
   if counted[k][rid] then return end
   counted[k][rid] = true
   local seen = checked[rid]
@@ -43,7 +45,7 @@ local function tally(k, rid, t, c, m)
   elseif seen == false then
     local e = extra[k]
     if m == month then e[1] = e[1] + tonumber(t); e[2] = e[2] + tonumber(c) end
-    e[3] = e[3] + tonumber(c)
+    if spends then e[3] = e[3] + tonumber(c) end
   end
 end
 for k in pairs(rebuilt) do
@@ -51,8 +53,8 @@ for k in pairs(rebuilt) do
   counted[k] = {}
   local flat = redis.call('HGETALL', k .. 'pend')
   for x = 1, #flat, 2 do
-    local t, c, m = string.match(flat[x + 1], '^(%d+):(%d+):(%d+)$')
-    if t then tally(k, flat[x], t, c, m) end
+    local t, c, m, none = string.match(flat[x + 1], '^(%d+):(%d+):(%d+)(:?0?)$')
+    if t then tally(k, flat[x], t, c, m, none == '') end
   end
 end
 local unc = redis.call('HGETALL', p .. 'unc')
@@ -60,8 +62,9 @@ for x = 1, #unc, 2 do
   local t, c, m, names = string.match(unc[x + 1], '^(%d+):(%d+):(%d+):(.*)$')
   if t then
     for name in string.gmatch(names, '[^,]+') do
-      local k = p .. name .. ':'
-      if rebuilt[k] then tally(k, unc[x], t, c, m) end
+      local spends = string.sub(name, -1) ~= '!'
+      local k = p .. (spends and name or string.sub(name, 1, -2)) .. ':'
+      if rebuilt[k] then tally(k, unc[x], t, c, m, spends) end
     end
   end
 end

@@ -8,11 +8,17 @@ if struck > 0 then redis.call('HDEL', p .. 'unc', unpack(ARGV, 10 + n, 9 + n + s
 -- The ledger row's request id (a batch line's run holds under an id of its own): `unc` and `pend`
 -- are looked up by it when a rebuild reads the ledger (seed.lua).
 local row = ARGV[10 + n + struck] or rid
+-- Per scope, '1' where the hold was taken against a prepaid balance (a postpaid key's hold spent
+-- none: its row is invoiced); none given: every scope (a caller from before).
+local spends = ARGV[11 + n + struck] or ''
+local function spending(i) return spends == '' or string.sub(spends, i + 1, i + 1) == '1' end
 if not redis.call('SET', p .. 'settled:' .. rid, '1', 'NX', 'EX', keep) then return 0 end
 -- Usage settled whose row the ledger may not hold yet (ARGV[8 + n] = 1): a rebuild counts it unless
 -- its ledger read holds the row (seed.lua), even if the process that settled it is gone by then.
 if ARGV[8 + n] == '1' and (tok > 0 or nanos > 0) then
-  redis.call('HSET', p .. 'unc', row, tok .. ':' .. nanos .. ':' .. month .. ':' .. table.concat(ARGV, ',', 7, 6 + n))
+  local names = {}
+  for i = 0, n - 1 do names[#names + 1] = ARGV[7 + i] .. (spending(i) and '' or '!') end  -- '!': spends no balance
+  redis.call('HSET', p .. 'unc', row, tok .. ':' .. nanos .. ':' .. month .. ':' .. table.concat(names, ','))
   redis.call('EXPIRE', p .. 'unc', 40 * 86400)
 end
 for i = 0, n - 1 do
@@ -36,9 +42,9 @@ for i = 0, n - 1 do
     -- this usage once, from the ledger if its read holds the row, else from here (seed.lua). A
     -- release with nothing used (a hold whose settlement failed) must not overwrite what a
     -- re-registration put here for the same request.
-    redis.call('HSET', k .. 'pend', row, tok .. ':' .. nanos .. ':' .. month)
+    redis.call('HSET', k .. 'pend', row, tok .. ':' .. nanos .. ':' .. month .. (spending(i) and '' or ':0'))
     redis.call('EXPIRE', k .. 'pend', 40 * 86400)
   end
-  if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 1 then redis.call('INCRBY', k .. 'spent', nanos) end
+  if spending(i) and redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 1 then redis.call('INCRBY', k .. 'spent', nanos) end
 end
 return 1

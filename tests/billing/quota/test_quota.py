@@ -392,6 +392,27 @@ async def test_usage_settled_while_a_rebuild_asks_the_ledger_counts_once(limiter
     assert (await limiter.counters(account, now=NOW))["month_tokens"] == 130
 
 
+async def test_a_postpaid_keys_usage_spends_no_prepaid_balance(limiter: Limiter) -> None:
+    """A request authenticated as postpaid just before its account became prepaid holds no balance
+    and its row is invoiced (billing/ledger/records.py: `postpaid`): its usage counts in the month's
+    counters but never in the balance's `spent`, settled directly or through a rebuild (`pend`).
+    Before, the limiters added every settlement to `spent` once the balance was synced, and refused
+    with money left until the next rebuild."""
+    account = int(uuid.uuid4().int % 10**9)
+    limits = Limits(monthly_tokens=100_000)
+    prepaid, postpaid = Scope("account", account, limits, True), Scope("account", account, limits, False)
+    await limiter.credit(account, 1, 1_000)
+    stale = await limiter.reserve(rid(), [postpaid], 10, 300, now=NOW)
+    await limiter.invalidate(prepaid)  # a limits change: the next admission rebuilds from the ledger
+    await limiter.settle(stale, 10, 300)  # waits for that rebuild
+    held = await limiter.reserve(rid(), [prepaid], 10, 100, now=NOW)  # rebuilds the month and the balance
+    late = await limiter.reserve(rid(), [postpaid], 10, 300, now=NOW)
+    await limiter.settle(late, 10, 300)
+    await limiter.settle(held, 10, 100)
+    counters = await limiter.counters(prepaid, now=NOW)
+    assert (counters["spent_nanos"], counters["month_tokens"], counters["month_nanos"]) == (100, 30, 700), counters
+
+
 async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:
     hold = await limiter.reserve(rid(), [scope(), scope("account")], 10**6, 10**9, now=NOW)
     assert hold.scopes == () and hold.remaining == ()
