@@ -52,10 +52,14 @@ PG_BATCH = (
     f"SELECT hour, account_id, key_id, model, {', '.join(_PG_ADDED[c] for c in _ADDED)} FROM fresh "
     "GROUP BY hour, account_id, key_id, model ORDER BY hour, account_id, key_id, model "  # one lock order in every writer
     "ON CONFLICT (hour, account_id, key_id, model) DO UPDATE SET "
-    f"{', '.join(f'{c} = {HOURLY.name}.{c} + EXCLUDED.{c}' for c in _ADDED)}), "
+    f"{', '.join(f'{c} = {HOURLY.name}.{c} + EXCLUDED.{c}' for c in _ADDED)} RETURNING 1), "
+    # After `usage`, as every writer takes them (the COPY fast path's upserts too): the CTEs of one
+    # statement run in no set order, and two writers taking the two tables in opposite orders
+    # deadlock. The one-time filter reads `usage` to its end before this insert takes a row.
     f"latency AS (INSERT INTO {LATENCY.name} (hour, model, metric, bucket, count) "
     "SELECT hour, model, metric, bucket, count(*) FROM (SELECT hour, model, 'total' AS metric, total_bucket AS bucket FROM fresh "
     "UNION ALL SELECT hour, model, 'ttft', ttft_bucket FROM fresh WHERE ttft_ms IS NOT NULL) AS m "
+    "WHERE (SELECT count(*) FROM usage) >= 0 "
     "GROUP BY hour, model, metric, bucket ORDER BY hour, model, metric, bucket "
     f"ON CONFLICT (hour, model, metric, bucket) DO UPDATE SET count = {LATENCY.name}.count + EXCLUDED.count) "
     "SELECT count(*) FROM ins"
