@@ -6,6 +6,7 @@ property over concurrent requests, top-ups, process restarts and lost counters."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -115,7 +116,9 @@ def limiter_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_database: Any, limiter_kind: str) -> None:
+@contextlib.asynccontextmanager
+async def prepaid_account(fresh_pg_database: Any, limiter_kind: str) -> Any:
+    """(database, two limiters sharing one store, a CreditBook told of credits, a new prepaid account)."""
     url = fresh_pg_database(migrated=True)
     migrate.upgrade(url)
     db = create_engine(url)
@@ -124,6 +127,16 @@ async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_datab
         a = await new_account(db)
         book = CreditBook(db, one, settle_seconds=0)
         await book.set_mode(a, "prepaid")
+        yield db, one, two, book, a
+    finally:
+        await one.close()
+        if two is not one:
+            await two.close()
+        await db.dispose()
+
+
+async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_database: Any, limiter_kind: str) -> None:
+    async with prepaid_account(fresh_pg_database, limiter_kind) as (db, one, two, book, a):
         await book.add(a, "topup", CENT)
         scope = [Scope("account", a, Limits(), prepaid=True)]
         worst = 199_997  # 7 tokens x 28,571 nano-USD: 50 fit in $0.01 with 150 nanos left
@@ -157,34 +170,17 @@ async def test_200_concurrent_reservations_never_overspend_a_cent(fresh_pg_datab
         await one.settle(last, 1, 0)
         await book.post_usage(a)
         assert await ledger_sum(db, a) == CENT - spent
-    finally:
-        await one.close()
-        if two is not one:
-            await two.close()
-        await db.dispose()
 
 
 async def test_a_refusal_says_a_balance_below_zero_as_it_is(fresh_pg_database: Any, limiter_kind: str) -> None:
     """A refund of a top-up already spent takes the balance below zero; the refusal names that figure
     (before, it said "$0.000000000 available", as for an empty balance)."""
-    url = fresh_pg_database(migrated=True)
-    migrate.upgrade(url)
-    db = create_engine(url)
-    one, two = _limiters(limiter_kind, db)
-    try:
-        a = await new_account(db)
-        book = CreditBook(db, one, settle_seconds=0)
-        await book.set_mode(a, "prepaid")
+    async with prepaid_account(fresh_pg_database, limiter_kind) as (_db, one, two, book, a):
         await book.add(a, "topup", CENT, external_id="cs_test_refunded")
         await book.add(a, "refund", -3 * CENT, external_id="re_test_more")
         with pytest.raises(QuotaExceeded) as refused:
             await two.reserve(uuid.uuid4().hex, [Scope("account", a, Limits(), prepaid=True)], 1, 1)
         assert "prepaid balance (-$0.020000000 available)" in str(refused.value), str(refused.value)
-    finally:
-        await one.close()
-        if two is not one:
-            await two.close()
-        await db.dispose()
 
 
 async def test_a_top_up_reaches_a_running_limiter_once(fresh_pg_database: Any, limiter_kind: str) -> None:

@@ -77,6 +77,18 @@ async def ended(client: Any, batch_id: str, timeout: float = 240.0) -> Any:
     return got["b"]
 
 
+async def message_batch_ended(client: Any, batch_id: str, timeout: float = 120.0) -> Any:
+    """The Message Batch once its processing_status is `ended` (the anthropic SDK's client)."""
+    got: dict[str, Any] = {}
+
+    async def done() -> bool:
+        got["b"] = await client.messages.batches.retrieve(batch_id)
+        return bool(got["b"].processing_status == "ended")
+
+    await until(done, f"message batch {batch_id} ended", timeout=timeout, every=0.25)
+    return got["b"]
+
+
 async def failed_validation(client: Any, file_id: str, endpoint: str = "/v1/chat/completions") -> Any:
     """The batch an input file that is no batch makes: created, `failed` at once, its one error in
     `errors.data` (OpenAI's BatchError), nothing in it run; the error returned."""
@@ -145,14 +157,8 @@ async def test_anthropic_message_batch_results(batch_gateway: Gateway) -> None:
                 for i in range(6)]
     batch = await client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
     assert batch.id.startswith("msgbatch_") and batch.processing_status == "in_progress"
-    got: dict[str, Any] = {}
-
-    async def done() -> bool:
-        got["b"] = await client.messages.batches.retrieve(batch.id)
-        return bool(got["b"].processing_status == "ended")
-
-    await until(done, "message batch ended", timeout=120, every=0.25)
-    assert got["b"].request_counts.succeeded == 6 and got["b"].results_url
+    ended_batch = await message_batch_ended(client, batch.id)
+    assert ended_batch.request_counts.succeeded == 6 and ended_batch.results_url
     results = [r async for r in await client.messages.batches.results(batch.id)]
     assert sorted(r.custom_id for r in results) == [f"m-{i}" for i in range(6)]
     for r in results:
@@ -195,14 +201,8 @@ async def test_a_message_batch_is_bounded_like_a_batch_file_and_checks_each_requ
              {"custom_id": "no-max", "params": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}},
              {"custom_id": "bad-model", "params": {"model": 5, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}}]
     batch = await client.messages.batches.create(requests=mixed)  # type: ignore[arg-type]
-    got: dict[str, Any] = {}
-
-    async def done() -> bool:
-        got["b"] = await client.messages.batches.retrieve(batch.id)
-        return bool(got["b"].processing_status == "ended")
-
-    await until(done, "message batch ended", timeout=120, every=0.25)
-    assert (got["b"].request_counts.succeeded, got["b"].request_counts.errored) == (1, 2)
+    counts = (await message_batch_ended(client, batch.id)).request_counts
+    assert (counts.succeeded, counts.errored) == (1, 2)
     results = {r.custom_id: r.result async for r in await client.messages.batches.results(batch.id)}
     assert results["ok"].type == "succeeded"
     for custom_id in ("no-max", "bad-model"):
