@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -181,19 +180,7 @@ def quota_process_ids(ledger: LedgerWriter) -> tuple[str | None, str | None]:
     same journal had (kept in the journal's directory: one process per directory), so a restart
     after a crash does not wait for a registration that will never come back. (None, None) without
     a journal."""
-    if ledger.journal is None:
-        return None, None
-    path = ledger.journal.directory / "quota-process"
-    try:
-        previous: str | None = path.read_text().strip() or None
-    except OSError:
-        previous = None
-    current = uuid.uuid4().hex
-    try:
-        path.write_text(current)
-    except OSError as exc:
-        log.warning("could not keep the quota registration id in %s: %s", path, type(exc).__name__)
-    return current, previous
+    return (None, None) if ledger.journal is None else ledger.journal.run_ids("quota-process")
 
 
 async def finish_crashed_run(ledger: LedgerWriter, limiter: Limiter, recovered: Recovered, previous: str | None) -> None:

@@ -214,6 +214,16 @@ class BatchStore:
             ).values(state="pending", claimed_at=None, claimed_by=None))
         return bool(done.rowcount)
 
+    async def reopen(self, line: Line, runner_id: str) -> bool:
+        """Puts back a line `runner_id` claimed and marked admitted but never journaled (its process was
+        killed in between, so it never ran and has no row); whether it did."""
+        async with self._db.begin() as conn:
+            done = await conn.execute(LINES.update().where(
+                LINES.c.batch_id == line.batch_id, LINES.c.line == line.line, LINES.c.state == "claimed",
+                LINES.c.claimed_by == runner_id, LINES.c.admitted_at.is_not(None),
+            ).values(state="pending", claimed_at=None, claimed_by=None, admitted_at=None))
+        return bool(done.rowcount)
+
     async def finish(self, line: Line, outcome: str, status_code: int | None, result: str | None, runner_id: str | None) -> bool:
         """Ends the line `runner_id` claimed with its answer; False: it is not that runner's claim
         (another runner took the batch over and ended it meanwhile: its end stays)."""

@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import threading
+import uuid
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
@@ -117,6 +118,22 @@ class LedgerJournal:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
+
+    def run_ids(self, name: str) -> tuple[str, str | None]:
+        """A new id for this run under `name` (the quota store's registration, the batch runner) and
+        the one the previous run on this journal had: one process holds the directory at a time, so
+        that run is over and its rows are replayed here."""
+        path = self.directory / name
+        try:
+            previous: str | None = path.read_text().strip() or None
+        except OSError:
+            previous = None
+        current = uuid.uuid4().hex
+        try:
+            path.write_text(current)
+        except OSError as exc:
+            log.warning("could not keep the %s id in %s: %s", name, path, type(exc).__name__)
+        return current, previous
 
     # writing (event loop thread; never raises) -------------------------------------------------
     def admitted(self, record: Any, hold: dict[str, Any] | None) -> None:

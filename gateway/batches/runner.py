@@ -20,7 +20,9 @@ stopped leaves claimed lines; the next one, once the ledger has the rows its jou
 finds each claimed line's row: a line with a row ran (in part) and is not run again (it ends
 `errored`: interrupted); a line marked admitted without a row ran on a runner whose journal is not
 here (another instance's volume; its row comes when that instance comes back) and is not run again
-either (`errored`: interrupted); only a line never admitted goes back to pending. A runner whose
+either (`errored`: interrupted), unless that runner was the previous run on this process's journal
+(its id is kept there), whose rows are all replayed by now: it was killed between the mark and the
+journal, so the line never ran and goes back to pending with a line never admitted. A runner whose
 line was put back or ended by another (its lease lapsed while it stalled) cannot mark it: that run
 is refused before its row and leaves the line alone. A line refused before admission (429/503:
 queue full, quota) is put back and retried until the batch's window ends. So a line is admitted
@@ -92,7 +94,7 @@ def _round_failed(exc: Exception) -> None:  # the database is out: the next roun
 class BatchRunner:
     def __init__(
         self, app: Any, store: BatchStore, files: FileStore, keys: KeyStore, settings: BatchSettings, *,
-        lowest_class: str | None, flush: Callable[[], Any],
+        lowest_class: str | None, flush: Callable[[], Any], runner_id: str | None = None, previous_run: str | None = None,
     ) -> None:
         self._app = app
         self._store = store
@@ -109,7 +111,9 @@ class BatchRunner:
                              first=True, wake=self._wake)
         self._stopping = False
         self._endpoints: dict[str, Any] = {}
-        self.runner_id = uuid.uuid4().hex  # this process's runner, in the leases it holds
+        self.runner_id = runner_id or uuid.uuid4().hex  # this process's runner, in the leases it holds
+        # The runner the previous run on this process's journal had: its rows are replayed here.
+        self._previous_run = previous_run
 
     def start(self) -> None:
         self._endpoints = {r.path: r.endpoint for r in self._app.routes
@@ -316,6 +320,8 @@ class BatchRunner:
             if line.request_id in ran:
                 error = INTERRUPTED if ran[line.request_id] == "interrupted" else ANSWER_LOST
                 await self._store.finish(line, "errored", 500, orjson.dumps(error).decode(), line.claimed_by)
+            elif line.admitted and line.claimed_by == self._previous_run and await self._store.reopen(line, line.claimed_by):
+                pass  # admitted by the previous run on this journal, never journaled (killed in between): it never ran
             elif line.admitted or not await self._store.release(line, line.claimed_by):  # not put back: admitted meanwhile
                 elsewhere += 1
                 await self._store.finish(line, "errored", 500, orjson.dumps(ADMITTED_ELSEWHERE).decode(), line.claimed_by)

@@ -18,10 +18,14 @@ async def start(app: Any) -> None:
     classes = parse_classes(settings.scheduler.classes)
     state.files = SqlFileStore(state.db)
     state.batch_store = BatchStore(state.db)
+    # The runner's id is kept with this process's journal: a line the previous run on it marked
+    # admitted and never journaled (killed in between) is known to have no row coming (BatchRunner._recover).
+    journal = state.ledger.journal
+    runner_id, previous = journal.run_ids("batch-runner") if journal is not None else (None, None)
     state.batch_runner = BatchRunner(
         app, state.batch_store, state.files, state.keys, settings.batches,
         lowest_class=classes[-1].name if len(classes) > 1 else None,  # the scheduler's lowest class
-        flush=lambda: state.ledger.flush(timeout=30.0),
+        flush=lambda: state.ledger.flush(timeout=30.0), runner_id=runner_id, previous_run=previous,
     )
     state.batch_runner.start()
 

@@ -191,3 +191,44 @@ async def test_a_stalled_runner_cannot_admit_a_line_taken_from_it(fresh_pg_datab
         assert [(line.state, line.result) for line in await store.lines(batch_id)] == [("done", '{"by": "B"}')] * 2
     finally:
         await db.dispose()
+
+
+async def test_a_line_admitted_by_the_killed_run_on_this_journal_but_never_journaled_runs_again(fresh_pg_database: Any) -> None:
+    """A run killed between marking a line admitted and journaling it leaves the line admitted with no
+    row, and none is coming: the restarted process on the same journal has replayed it. Its runner
+    knows the killed run's runner id (kept in the journal's directory) and puts such a line back to
+    pending, so it runs once and has its one row. A line admitted by another runner (another
+    instance's journal) still ends `errored`, its row to come from there. Before, the first also ended
+    `errored` with no row: test_a_batch_survives_a_sigkill saw 49 rows for 50 lines in a CI run."""
+    from billing.batches.store import BatchStore, new_batch_id
+    from gateway.batches.runner import BatchRunner
+    from gateway.config import BatchSettings
+
+    url = fresh_pg_database(migrated=True)
+    db = create_engine(url)
+    try:
+        store = BatchStore(db)
+        batch_id = new_batch_id()
+        now = utcnow()
+        await store.create({"id": batch_id, "account_id": 1, "key_id": 1, "api": "openai", "endpoint": "/v1/chat/completions",
+                            "completion_window": "24h", "status": "in_progress", "created_at": now, "expires_at": now},
+                           [("mine", "{}"), ("theirs", "{}"), ("unmarked", "{}")])
+        mine, theirs, unmarked = await store.pending(batch_id, 3)
+        for line, runner in ((mine, "killed-run"), (theirs, "other-instance"), (unmarked, "killed-run")):
+            assert await store.claim(line, runner)
+        assert await store.admitted(mine, "killed-run") and await store.admitted(theirs, "other-instance")
+
+        async def flushed() -> None:
+            return None
+
+        runner = BatchRunner(None, store, None, None, BatchSettings(), lowest_class=None, flush=flushed,  # type: ignore[arg-type]
+                             runner_id="restarted", previous_run="killed-run")
+        assert await runner._recover(batch_id) == 3
+        lines = {line.custom_id: line for line in await store.lines(batch_id)}
+        assert (lines["mine"].state, lines["mine"].admitted, lines["mine"].claimed_by) == ("pending", False, None)
+        assert lines["unmarked"].state == "pending"
+        assert (lines["theirs"].state, lines["theirs"].outcome) == ("done", "errored")
+        (again, _) = await store.pending(batch_id, 3)
+        assert again.custom_id == "mine" and await store.claim(again, "restarted") and await store.admitted(again, "restarted")
+    finally:
+        await db.dispose()
