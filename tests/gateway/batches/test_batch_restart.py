@@ -150,24 +150,28 @@ async def test_a_batch_taken_over_by_another_instance_runs_no_line_twice(fresh_p
         b.stop()
 
 
+async def running_batch(db: Any, *custom_ids: str) -> tuple[Any, str, list[Any]]:
+    """(the batch store, a new in-progress batch of empty lines with these custom ids, its lines pending)."""
+    from billing.batches.store import BatchStore, new_batch_id
+
+    store = BatchStore(db)
+    batch_id = new_batch_id()
+    now = utcnow()
+    await store.create({"id": batch_id, "account_id": 1, "key_id": 1, "api": "openai", "endpoint": "/v1/chat/completions",
+                        "completion_window": "24h", "status": "in_progress", "created_at": now, "expires_at": now},
+                       [(custom_id, "{}") for custom_id in custom_ids])
+    return store, batch_id, await store.pending(batch_id, len(custom_ids))
+
+
 async def test_a_stalled_runner_cannot_admit_a_line_taken_from_it(fresh_pg_database: Any) -> None:
     """Runner A claims a line and stalls past its lease; runner B takes the batch over and puts the line
     back (never admitted), then claims it itself. A, awake again, cannot mark it admitted (its admission
     is refused before its row), nor put it back, nor end it; B can, and once B has admitted it nobody
     can put it back. A line A had admitted before the takeover is not put back either: B ends it, and
     A cannot overwrite that end."""
-    from billing.batches.store import BatchStore, new_batch_id
-
-    url = fresh_pg_database(migrated=True)
-    db = create_engine(url)
+    db = create_engine(fresh_pg_database(migrated=True))
     try:
-        store = BatchStore(db)
-        batch_id = new_batch_id()
-        now = utcnow()
-        await store.create({"id": batch_id, "account_id": 1, "key_id": 1, "api": "openai", "endpoint": "/v1/chat/completions",
-                            "completion_window": "24h", "status": "in_progress", "created_at": now, "expires_at": now},
-                           [("taken", "{}"), ("kept", "{}")])
-        taken, kept = await store.pending(batch_id, 2)
+        store, batch_id, (taken, kept) = await running_batch(db, "taken", "kept")
         assert await store.claim(taken, "A") and await store.claim(kept, "A")
         assert await store.admitted(kept, "A")  # A admitted this one before it stalled
 
@@ -200,20 +204,12 @@ async def test_a_line_admitted_by_the_killed_run_on_this_journal_but_never_journ
     pending, so it runs once and has its one row. A line admitted by another runner (another
     instance's journal) still ends `errored`, its row to come from there. Before, the first also ended
     `errored` with no row: test_a_batch_survives_a_sigkill saw 49 rows for 50 lines in a CI run."""
-    from billing.batches.store import BatchStore, new_batch_id
     from gateway.batches.runner import BatchRunner
     from gateway.config import BatchSettings
 
-    url = fresh_pg_database(migrated=True)
-    db = create_engine(url)
+    db = create_engine(fresh_pg_database(migrated=True))
     try:
-        store = BatchStore(db)
-        batch_id = new_batch_id()
-        now = utcnow()
-        await store.create({"id": batch_id, "account_id": 1, "key_id": 1, "api": "openai", "endpoint": "/v1/chat/completions",
-                            "completion_window": "24h", "status": "in_progress", "created_at": now, "expires_at": now},
-                           [("mine", "{}"), ("theirs", "{}"), ("unmarked", "{}")])
-        mine, theirs, unmarked = await store.pending(batch_id, 3)
+        store, batch_id, (mine, theirs, unmarked) = await running_batch(db, "mine", "theirs", "unmarked")
         for line, runner in ((mine, "killed-run"), (theirs, "other-instance"), (unmarked, "killed-run")):
             assert await store.claim(line, runner)
         assert await store.admitted(mine, "killed-run") and await store.admitted(theirs, "other-instance")
