@@ -166,6 +166,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             log.warning("closing a connection whose request body did not arrive within %gs", self.read_timeout)
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request the parser refused (conflicting Content-Length and Transfer-Encoding, a bad
+        length, bytes no request line has): a 400 in the API's shape, as the 408 and 431 are, not
+        uvicorn's plain text."""
+        self._refuse(400, InvalidRequest(f"the HTTP request is malformed: {msg.rstrip('.')}", code="malformed_request"))
+
     def _refuse(self, status: int, err: APIError) -> None:
         # in the shape of the API called (Anthropic's on /v1/messages), as far as the request line came
         path = self.cycle.scope.get("path", "") if self.cycle is not None else (getattr(self, "url", b"") or b"").decode("latin-1")

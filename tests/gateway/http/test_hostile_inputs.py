@@ -111,6 +111,23 @@ async def test_oversized_headers_are_431(hostile_gw: Gateway, customer_key: dict
     await still_serving(hostile_gw, customer_key["key"])
 
 
+async def test_a_malformed_request_is_a_400_in_the_apis_shape(hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
+    """What the HTTP parser refuses (a Content-Length beside chunked, two lengths, a negative one) is
+    a 400 in the API's error shape, Anthropic's on its routes, and the server keeps serving. Before,
+    uvicorn's plain-text "Invalid HTTP request received." (an audit)."""
+    framings = [b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", b"Content-Length: 5\r\nContent-Length: 7\r\n",
+                b"Content-Length: -1\r\n"]
+    for framing in framings:
+        answer = await raw(hostile_gw, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n{}")
+        assert answer.startswith(b"HTTP/1.1 400 ") and b"application/json" in answer.split(b"\r\n\r\n", 1)[0], answer[:200]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "malformed_request") and "malformed" in error["message"], error
+    answer = await raw(hostile_gw, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n" + framings[0] + b"\r\n{}")
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    await still_serving(hostile_gw, customer_key["key"])
+
+
 async def test_refusals_before_the_app_speak_anthropics_shape_on_its_routes(hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
     """431 and 408 are written by the connection, before any route: on /v1/messages they are
     Anthropic's `{"type": "error", "error": {"type", "message"}}` (its SDKs read `error.type`), as
