@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.alerts.models import ALERT_METRICS, AlertDelivery, AlertEvent, AlertRule
 from billing.credits.balance import MAX_NANOS, CreditBook, CreditError, usd
+from billing.credits.views import aware
 from billing.quota.limits import Limits
 from billing.models import Account, ApiKey, LedgerEntry, utcnow
 
@@ -142,8 +143,7 @@ class AlertService:
             seen = await self._balance_crossing(rule)
             return [] if seen is None else [seen]
         start = _month_start(now)
-        made = rule.created_at if rule.created_at.tzinfo else rule.created_at.replace(tzinfo=timezone.utc)
-        late = now - start < LATE_ROWS and made < start
+        late = now - start < LATE_ROWS and aware(rule.created_at) < start
         months = [start] + ([_month_start(start - timedelta(days=1))] if late else [])
         return [seen for month in months if (seen := await self._month_crossing(rule, month)) is not None]
 

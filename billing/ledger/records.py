@@ -8,12 +8,12 @@ depend on it and not on each other (an import cycle otherwise).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 
-from billing.models import LedgerEntry, utcnow
+from billing.models import LedgerEntry, as_utc, utcnow
 
 __all__ = ["BILLED_STATUSES", "UsageRecord", "spends_balance"]
 
@@ -63,17 +63,12 @@ class UsageRecord:
     def __post_init__(self) -> None:
         # One instant whatever offset it came with: hours, days and months are UTC's everywhere (the
         # aggregates' hour cache keys on the clock reading, and SQLite keeps no offset).
-        self.created_at = _utc(self.created_at)
+        self.created_at = as_utc(self.created_at)
         if self.admitted_at is None:
             self.admitted_at = self.created_at - timedelta(milliseconds=self.total_ms or 0.0)
         else:
-            self.admitted_at = _utc(self.admitted_at)
+            self.admitted_at = as_utc(self.admitted_at)
         if self.cached_tokens is not None and not 0 <= self.cached_tokens <= self.prompt_tokens:
             # part of the prompt, as invoices and statements count it: the aggregates and dashboards too
             self.cached_tokens = max(0, min(self.cached_tokens, self.prompt_tokens))
 
-
-def _utc(at: datetime) -> datetime:
-    if at.tzinfo is timezone.utc:
-        return at
-    return at.replace(tzinfo=timezone.utc) if at.tzinfo is None else at.astimezone(timezone.utc)
