@@ -461,6 +461,8 @@ class StripeSync:
             made, post_payment = await self._find_credit_note(note.number, invoice.stripe_invoice_id)
             if made is None and remote["status"] in ("draft", "void"):
                 return {**result, "result": f"skipped: the Stripe invoice is {remote['status']}", "stripe_credit_note_id": None}
+            if made is None and remote["status"] == "uncollectible":
+                return {**result, **await self._uncollectible(invoice, remote), "stripe_credit_note_id": None}
             if made is None:
                 params: dict[str, Any] = {
                     "invoice": invoice.stripe_invoice_id, "amount": int(note.total_cents),
@@ -492,6 +494,19 @@ class StripeSync:
                 await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice.id, INVOICES.c.status == "void").values(
                     status="paid", paid_at=datetime.fromtimestamp(paid, tz=timezone.utc) if paid else utcnow()))
         return {**result, "result": "synced", "stripe_credit_note_id": made}
+
+    async def _uncollectible(self, invoice: Any, remote: dict[str, Any]) -> dict[str, str]:
+        """Stripe takes credit notes on open or paid invoices only, and an uncollectible one can still
+        be paid. When our notes took all of ours (void), Stripe's is voided so that it collects nothing;
+        a partial note waits: pushed once the invoice is paid (to the balance) or skipped once void."""
+        if invoice.status != "void":
+            return {"result": "skipped: the Stripe invoice is uncollectible (Stripe credits open or paid invoices); "
+                              "pushed once it is paid"}
+        await self._stripe.v1.invoices.void_invoice_async(
+            remote["id"], options={"idempotency_key": f"tollgate-void-{remote['id']}"})
+        async with self._db.begin() as conn:
+            await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice.id).values(stripe_status="void"))
+        return {"result": "synced: the uncollectible Stripe invoice voided (credit notes take open or paid invoices)"}
 
     async def _find_credit_note(self, number: str, stripe_invoice: str) -> tuple[str | None, int]:
         """The Stripe credit note an earlier run made for our note `number` (listing is strongly

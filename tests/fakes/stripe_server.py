@@ -231,7 +231,7 @@ class FakeStripe:
     def pay(self, invoice_id: str) -> dict[str, Any]:
         with self._lock:
             inv = self.invoices[invoice_id]
-            assert inv["status"] == "open", inv["status"]
+            assert inv["status"] in ("open", "uncollectible"), inv["status"]  # an uncollectible invoice can still be paid
             now = int(time.time())
             inv.update(status="paid", attempted=True, attempt_count=inv["attempt_count"] + 1,
                        amount_paid=inv["amount_due"], amount_remaining=0)
@@ -249,6 +249,11 @@ class FakeStripe:
         """The invoice voided in Stripe's dashboard (or by another integration): its `invoice.voided`."""
         with self._lock:
             return self._event("invoice.voided", self._void({}, invoice_id))
+
+    def mark_uncollectible(self, invoice_id: str) -> dict[str, Any]:
+        """The invoice written off in Stripe's dashboard (or by its retry settings): its `invoice.marked_uncollectible`."""
+        with self._lock:
+            return self._event("invoice.marked_uncollectible", self._mark_uncollectible({}, invoice_id))
 
     def invoice_event(self, kind: str, invoice_id: str) -> dict[str, Any]:
         """An `invoice.*` event carrying the invoice as it is now (e.g. a late or re-sent delivery)."""
@@ -377,6 +382,7 @@ class FakeStripe:
             ("POST", r"/v1/invoices/(?P<id>[^/]+)/finalize", self._finalize),
             ("POST", r"/v1/invoices/(?P<id>[^/]+)/send", self._send),
             ("POST", r"/v1/invoices/(?P<id>[^/]+)/void", self._void),
+            ("POST", r"/v1/invoices/(?P<id>[^/]+)/mark_uncollectible", self._mark_uncollectible),
             ("POST", r"/v1/invoiceitems", self._create_item),
             ("GET", r"/v1/invoiceitems", lambda p: self._list("/v1/invoiceitems", self.items, p, "invoice")),
             ("GET", r"/v1/subscriptions/(?P<id>[^/]+)", lambda p, id: self._get(self.subscriptions, "subscription", id)),
@@ -581,7 +587,7 @@ class FakeStripe:
             "ending_balance": None, "pre_payment_credit_notes_amount": 0, "post_payment_credit_notes_amount": 0,
             "customer_name": None, "customer_email": None, "customer_address": None, "customer_tax_ids": [],
             "attempted": False, "attempt_count": 0, "next_payment_attempt": None,
-            "status_transitions": {"finalized_at": None, "paid_at": None, "voided_at": None},
+            "status_transitions": {"finalized_at": None, "marked_uncollectible_at": None, "paid_at": None, "voided_at": None},
             "lines": {"object": "list", "url": "/v1/invoices/lines", "has_more": False, "data": []},
             "created": now, "livemode": False, "hosted_invoice_url": None,
         }
@@ -669,6 +675,17 @@ class FakeStripe:
         if applied:
             self._balance(self.customers[invoice["customer"]], -applied, "unapplied_from_invoice",
                           currency=invoice["currency"], invoice=invoice["id"])
+        return invoice
+
+    def _mark_uncollectible(self, params: dict[str, Any], id: str) -> dict[str, Any]:
+        """Only an open invoice (docs.stripe.com/invoicing/overview: an unpaid invoice can be marked
+        `uncollectible`); it turns off automatic advancement and can still be paid."""
+        invoice = self._get(self.invoices, "invoice", id)
+        if invoice["status"] != "open":
+            raise StripeFailure(400, f"You can only mark open invoices as uncollectible; {id} is {invoice['status']}.",
+                                code="invoice_not_editable")
+        invoice.update(status="uncollectible", auto_advance=False)
+        invoice["status_transitions"]["marked_uncollectible_at"] = int(time.time())
         return invoice
 
     def _create_credit_note(self, params: dict[str, Any]) -> dict[str, Any]:

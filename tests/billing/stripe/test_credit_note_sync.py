@@ -160,3 +160,39 @@ async def test_an_invoice_voided_by_a_credit_note_stays_void_when_stripe_marks_i
             paid = fake.pay(b["stripe"]["invoice_id"])  # an invoice really paid still becomes paid
             assert (await fake.deliver(paid, app.base_url + "/webhooks/stripe")).status_code == 200
             assert (await admin.get(f"/admin/invoices/{b['id']}")).json()["status"] == "paid"
+
+
+async def test_a_credit_note_on_an_invoice_stripe_wrote_off_never_leaves_stripe_collecting_what_we_credited(
+        db_url: str, db: Any, fake: FakeStripe, tmp_path: Path) -> None:
+    """Stripe takes credit notes on open or paid invoices only, and an uncollectible invoice can still
+    be paid. A note that takes all of ours voids Stripe's (the customer can no longer pay what we
+    voided); a partial one waits, and reaches the customer's balance once the invoice is paid."""
+    ids = await september(db)
+    with serve(db_url, tmp_path, **env_for(fake)) as app:
+        async with app.admin() as admin:
+            a, b = await on_stripe(admin, ids)
+            remote_a, remote_b = fake.invoices[a["stripe"]["invoice_id"]], fake.invoices[b["stripe"]["invoice_id"]]
+            for remote in (remote_a, remote_b):
+                event = fake.mark_uncollectible(remote["id"])
+                assert (await fake.deliver(event, app.base_url + "/webhooks/stripe")).status_code == 200
+
+            void = (await admin.post(f"/admin/invoices/{b['id']}/credit_notes", json={})).json()
+            assert void["kind"] == "void" and void["stripe"]["result"].startswith("synced: the uncollectible Stripe invoice voided"), void
+            assert remote_b["status"] == "void" and remote_b["amount_paid"] == 0 and fake.credit_notes == {}
+            ours_b = (await admin.get(f"/admin/invoices/{b['id']}")).json()
+            assert ours_b["status"] == "void" and ours_b["stripe"]["status"] == "void"
+
+            partial = (await admin.post(f"/admin/invoices/{a['id']}/credit_notes", json={"amount_cents": 30})).json()
+            assert partial["stripe"]["result"].startswith("skipped: the Stripe invoice is uncollectible"), partial
+            note = await note_of(admin, partial["id"])
+            assert note["stripe_credit_note_id"] is None, note
+            assert remote_a["status"] == "uncollectible" and fake.credit_notes == {}
+
+            paid = fake.pay(remote_a["id"])  # the customer pays the whole 89 cents after all
+            assert (await fake.deliver(paid, app.base_url + "/webhooks/stripe")).status_code == 200
+            r = await admin.post(f"/admin/invoices/{a['id']}/sync")
+            assert r.status_code == 200, r.text
+            [made] = fake.credit_notes.values()
+            assert (made["invoice"], made["pre_payment_amount"], made["post_payment_amount"]) == (remote_a["id"], 0, 30)
+            assert fake.customers[remote_a["customer"]]["balance"] == -30  # the 30 cents credited, for the next invoice
+            assert (await note_of(admin, partial["id"]))["stripe_credit_note_id"] == made["id"]
