@@ -22,7 +22,9 @@ refused (400) instead of running unbounded. Every dropped field is logged at deb
 Under either policy, fields that reach past what the gateway counted and reserved (`INTERNAL`:
 token ids or embeddings instead of the counted prompt, another request's KV state, an adapter
 path, server-side code or ids) are refused with a 400 naming the field, unless the model's
-`params.allow` lists it. A client's `priority` is never forwarded: with `params.priority` set, the
+`params.allow` lists it. So are chat template variables (`chat_template_kwargs`) that carry text
+into the prompt rather than switch the template (`documents`, `tools`, lists, objects, long
+strings), unless `allow` lists `chat_template_kwargs`. A client's `priority` is never forwarded: with `params.priority` set, the
 account's scheduling class is sent in the upstream's own terms instead (`upstream_priority`).
 
     params: {policy: pass, allow: [prompt_token_ids]}        # a trusted caller's token-id prompts
@@ -140,6 +142,13 @@ INTERNAL: dict[str, str] = {
 }
 # Fields that multiply the sequences generated past the `n` the gateway reserved for (chat).
 MULTIPLIERS = ("best_of",)
+# The chat template's variables (vLLM and trtllm-serve): the upstream renders them into the prompt,
+# which the gateway counted without them. Switches (`enable_thinking: false`, `reasoning_effort:
+# "low"`) change a few tokens the template itself holds; text of the caller's (HF's `documents`,
+# `tools`, a long string, a list or an object) is prompt the gateway did not count or reserve.
+TEMPLATE_VARIABLES = "chat_template_kwargs"
+TEMPLATE_TEXT = ("documents", "tools", "messages", "conversation", "chat_template")
+TEMPLATE_SWITCH_CHARS = 64
 # The scheduling priority, in each upstream's terms (read from their protocol and engine sources):
 # trtllm-serve a float in [0, 1], higher first (0.5 when unset, honoured with
 # scheduler_config.waiting_queue_policy=priority); vLLM an integer, lower first (0 when unset; any
@@ -180,9 +189,10 @@ def check_params(value: Any) -> str | None:
     if allow is not None:
         if not isinstance(allow, list) or not all(isinstance(n, str) for n in allow):
             return "allow must be a list of field names"
-        unknown_allow = [n for n in allow if n not in INTERNAL and n not in MULTIPLIERS]
+        refusable = [*INTERNAL, *MULTIPLIERS, TEMPLATE_VARIABLES]
+        unknown_allow = [n for n in allow if n not in refusable]
         if unknown_allow:
-            return f"allow lists {unknown_allow[0]!r}, which is not refused (refused: {', '.join([*INTERNAL, *MULTIPLIERS])})"
+            return f"allow lists {unknown_allow[0]!r}, which is not refused (refused: {', '.join(refusable)})"
     problem = _check_priority(value.get("priority"), upstream)
     if problem:
         return problem
@@ -265,6 +275,7 @@ class ParamPolicy:
         self._drop = frozenset(self.drop) | {"priority"}  # a tenant's own priority never goes through
         self._refused = {k: v for k, v in INTERNAL.items() if k not in self.allow}
         self._multipliers = tuple(m for m in MULTIPLIERS if m not in self.allow)
+        self._template_text = TEMPLATE_VARIABLES not in self.allow
         self._classes: tuple[str, ...] = ()
 
     def use_classes(self, names: tuple[str, ...]) -> None:
@@ -297,6 +308,8 @@ class ParamPolicy:
             reason = self._refused.get(name)
             if reason is not None and body[name] is not None:
                 raise ParamRefused(name, self.upstream or "", reason)
+        if self._template_text and body.get(TEMPLATE_VARIABLES) is not None:
+            _refuse_template_text(body[TEMPLATE_VARIABLES], self.upstream or "")
         if chat:
             for name in self._multipliers:
                 value = body.get(name)
@@ -340,3 +353,17 @@ class ParamPolicy:
             for name in removed:
                 self.dropped[name if name in self.dropped or len(self.dropped) < _MAX_NAMES_COUNTED else "(other)"] += 1
         return removed
+
+
+def _refuse_template_text(variables: Any, upstream: str) -> None:
+    """Raises ParamRefused for chat template variables that carry text into the prompt (TEMPLATE_TEXT)."""
+    if not isinstance(variables, dict):
+        raise ParamRefused(TEMPLATE_VARIABLES, upstream, "must be an object of the chat template's variables")
+    for name, value in variables.items():
+        text = (name in TEMPLATE_TEXT or isinstance(value, (dict, list))
+                or (isinstance(value, str) and len(value) > TEMPLATE_SWITCH_CHARS))
+        if text and value is not None:
+            raise ParamRefused(f"{TEMPLATE_VARIABLES}.{name}", upstream,
+                               "text the chat template adds to the prompt, which the gateway does not count "
+                               f"(a template variable may be a switch: a boolean, a number or at most "
+                               f"{TEMPLATE_SWITCH_CHARS} characters)")

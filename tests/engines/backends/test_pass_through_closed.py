@@ -94,6 +94,33 @@ def test_a_model_may_allow_an_internal_field_and_only_those_listed() -> None:
     assert check_params({"allow": "prompt_token_ids"}) == "allow must be a list of field names"
 
 
+# vLLM's build_chat_params merges chat_template_kwargs into the template's variables and keeps those
+# the template uses plus HF's standard ones (documents, tools); trtllm-serve renders them too.
+TEMPLATE_TEXT = {
+    "documents": [{"title": "t", "text": "long " * 1000}],
+    "tools": [{"type": "function", "function": {"name": "f", "description": "long " * 1000}}],
+    "system_note": "long " * 200,  # a variable of the model's template, rendered as it is
+    "extra": {"anything": "long " * 100},
+}
+
+
+@pytest.mark.parametrize("config", [None, {"policy": "drop", "upstream": "trtllm-serve"}, {"policy": "drop", "upstream": "vllm"}])
+def test_chat_template_variables_carrying_text_are_refused_and_switches_pass(config: dict[str, Any] | None) -> None:
+    policy = ParamPolicy.from_config(config)
+    for name, value in TEMPLATE_TEXT.items():
+        with pytest.raises(ParamRefused) as refused:
+            policy.apply({"model": "m", "messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False, name: value}}, chat=True)
+        assert refused.value.name == f"chat_template_kwargs.{name}" and "does not count" in str(refused.value)
+    with pytest.raises(ParamRefused, match="must be an object"):
+        policy.apply({"model": "m", "messages": QUESTION, "chat_template_kwargs": ["documents"]}, chat=True)
+    switches = {"enable_thinking": False, "reasoning_effort": "low", "thinking_budget": 128, "documents": None}
+    body = {"model": "m", "messages": QUESTION, "chat_template_kwargs": dict(switches)}
+    assert policy.apply(body, chat=True) == [] and body["chat_template_kwargs"] == switches
+    trusted = ParamPolicy.from_config({**(config or {}), "allow": ["chat_template_kwargs"]})
+    body = {"model": "m", "messages": QUESTION, "chat_template_kwargs": {"documents": TEMPLATE_TEXT["documents"]}}
+    assert trusted.apply(body, chat=True) == [] and body["chat_template_kwargs"]["documents"] == TEMPLATE_TEXT["documents"]
+
+
 def test_chat_best_of_beyond_n_is_refused_and_text_best_of_is_the_gateways() -> None:
     policy = ParamPolicy.from_config(None)
     with pytest.raises(ParamRefused) as refused:
@@ -146,6 +173,11 @@ async def test_a_tenant_cannot_spend_past_its_reservation_through_engine_fields(
         error = refused.value.body
         assert refused.value.status_code == 400 and error["param"] == name, (name, error)
         assert error["type"] == "invalid_request_error" and name in error["message"]
+    for name, value in TEMPLATE_TEXT.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="pool", messages=QUESTION, max_tokens=5,
+                                                 extra_body={"chat_template_kwargs": {name: value}})
+        assert refused.value.status_code == 400 and refused.value.body["param"] == f"chat_template_kwargs.{name}", refused.value.body
     assert up.requests == []  # none reached the upstream
     # refused before admission: nothing held, no row, nothing billed
     assert await rows_of(gw, key["id"]) == []
