@@ -464,6 +464,8 @@ class AnswerShape:
         self.parser: ToolCallParser = parser_for(parser)
         self.calls: list[ToolCall] = []
         self.content: list[str] = []
+        self._held = ""  # streamed whitespace before any other content: content only if no call comes
+        self._said = False
 
     def shaped(self, out: EngineOutput) -> EngineOutput:
         if self.deltas is not None:
@@ -477,6 +479,7 @@ class AnswerShape:
         out.text = text
         finish = self._finish(out)
         if self.stream:  # a parser that knows a call only once it is whole: each call in one delta
+            text = out.text = self._content(text, out.finished)
             delta: dict[str, Any] = {"content": text} if text else {}
             if calls:
                 delta["tool_calls"] = [c.openai(first + i) for i, c in enumerate(calls)]
@@ -486,7 +489,9 @@ class AnswerShape:
         self.content.append(text)
         if out.finished:
             content = "".join(self.content)
-            message: dict[str, Any] = {"role": "assistant", "content": content if content or not self.calls else None}
+            # Whitespace around or between calls (a newline after `</tool_call>`) is no content: OpenAI's
+            # message that only calls tools has content null.
+            message: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not self.calls else None}
             if self.calls:
                 message["tool_calls"] = [{k: v for k, v in c.openai(i).items() if k != "index"} for i, c in enumerate(self.calls)]
             out.raw_choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
@@ -496,13 +501,27 @@ class AnswerShape:
         assert self.deltas is not None
         text, deltas = self.deltas.push(out.text, final=out.finished)
         self.calls = self.deltas.calls
-        out.text = text
+        text = out.text = self._content(text, out.finished)
         delta: dict[str, Any] = {"content": text} if text else {}
         if deltas:
             delta["tool_calls"] = deltas
         if delta or out.finished:
             out.raw_choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self._finish(out)}
         return out
+
+    def _content(self, text: str, finished: bool) -> str:
+        """The content to stream now: whitespace before any other content is held until text follows
+        it, and dropped when the answer calls a tool, as the whole answer's message drops it."""
+        if self._said:
+            return text
+        self._held += text
+        if self._held.strip():
+            text, self._held, self._said = self._held, "", True
+            return text
+        if finished and not self.calls:
+            text, self._held = self._held, ""
+            return text
+        return ""
 
     def _finish(self, out: EngineOutput) -> str | None:
         if not out.finished:

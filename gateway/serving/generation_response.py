@@ -38,6 +38,7 @@ class ChunkRenderer:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.body_object = "chat.completion" if chat else "text_completion"
         self._head: bytes | None = None  # `data: {"id":...,"choices":[` of this response's chunks
+        self._tail = b""  # and what follows the choice: `]}` (`],"usage":null}` with include_usage)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         chunk = {
@@ -46,6 +47,8 @@ class ChunkRenderer:
             "created": self.gen.created,
             "model": self.gen.model,
             "choices": choices,
+            # with include_usage every other chunk carries `usage: null` (OpenAI's stream_options)
+            **({"usage": None} if self.gen.include_usage else {}),
             **extra,
         }
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
@@ -64,11 +67,11 @@ class ChunkRenderer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         # What every chunk of this response shares is encoded once: `_chunk` with one choice, byte for byte.
-        head = self._head
-        if head is None:
+        if self._head is None:
             whole = self._chunk([None])
-            head = self._head = whole[: whole.rindex(b"[null]") + 1]
-        return head + orjson.dumps(choice) + b"]}\n\n"
+            at = whole.rindex(b"[null]")
+            self._head, self._tail = whole[: at + 1], whole[at + 5:]
+        return self._head + orjson.dumps(choice) + self._tail
 
     def usage(self) -> bytes:
         return self._chunk([], usage=usage_body(self.gen))

@@ -245,7 +245,7 @@ class ResponseRenderer:
             text, calls = message.get("content") or "", message.get("tool_calls") or []
         status = self._item_status()
         output = [self._message(0, status, [self._part(text)])] if text or not calls else []
-        output += [self._function_call(len(output), call, "completed") for call in calls]
+        output += [self._function_call(index, call, "completed") for index, call in enumerate(calls, start=len(output))]
         return orjson.dumps(self._finished(output))
 
 

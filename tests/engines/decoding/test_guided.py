@@ -66,6 +66,48 @@ def test_the_whole_answer_non_streamed_carries_the_calls() -> None:
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'} and out.raw_choice["message"]["content"] is None
 
 
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
+def shaped_answer(text: str, cuts: list[int], stream: bool) -> tuple[str | None, list[str]]:
+    """(content, call arguments) of an answer shaped from `text` cut at `cuts`, as the client gets it."""
+    shape = AnswerShape("hermes", stream=stream)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    content: str | None = None
+    args: dict[int, str] = {}
+    for i, piece in enumerate(pieces):
+        out = shape.shaped(EngineOutput(text=piece, finish_reason=FINISH_STOP if i == len(pieces) - 1 else None))
+        if out.raw_choice is None:
+            continue
+        if stream:
+            delta = out.raw_choice["delta"]
+            if "content" in delta:
+                content = (content or "") + delta["content"]
+            for d in delta.get("tool_calls") or []:
+                args[d["index"]] = args.get(d["index"], "") + (d["function"].get("arguments") or "")
+        elif out.raw_choice.get("message"):
+            content = out.raw_choice["message"]["content"]
+            args = {i: c["function"]["arguments"] for i, c in enumerate(out.raw_choice["message"].get("tool_calls") or [])}
+    return content, [args[i] for i in sorted(args)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_whitespace_between_calls_is_no_content_streamed_or_not(seed: int) -> None:
+    """OpenAI's message that only calls tools has content null, and its stream no content delta: the
+    newline a hermes model writes between two calls is neither, however the text is cut. Text before
+    a call is content, the same streamed and not."""
+    rng = random.Random(seed)
+    for text, content in ((TWO_CALLS, None), ("\n" + TWO_CALLS + "\n", None), ("Sure.\n" + TWO_CALLS, "Sure.\n\n"),
+                          ("\n\nHello \n", "\n\nHello \n")):
+        cuts = sorted(rng.sample(range(1, len(text)), 6))
+        for stream in (False, True):
+            got, args = shaped_answer(text, cuts, stream)
+            assert got == content, (stream, cuts, got)
+            assert args == ([] if "tool_call" not in text else ['{"city": "Oslo"}', '{"city": "Rome"}']), (stream, args)
+    assert shaped_answer(" \n", [1], stream=True) == (" \n", [])  # no call: whitespace is the answer
+
+
 def test_plans_name_the_field_they_refuse() -> None:
     with pytest.raises(EngineRequestRejected) as caught:
         plan({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, "hermes", True)

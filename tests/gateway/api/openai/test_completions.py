@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -74,6 +75,29 @@ async def test_chat_streaming_usage_chunk_equals_ledger_row(gateway: Gateway, cu
     assert row["completion_tokens"] == usage.completion_tokens
     assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+async def test_with_include_usage_every_other_chunk_says_usage_null(customer: dict[str, Any], client_for: Any, kind: str) -> None:
+    """OpenAI's stream_options.include_usage: "All other chunks will also include a `usage` field,
+    but with a null value" (the SDK's ChatCompletionStreamOptionsParam); without it, none has one."""
+    client = client_for(customer["key"])
+    for include in (True, False):
+        request: dict[str, Any] = {"model": MODEL, "max_tokens": 5, "temperature": 0, "stream": True}
+        if include:
+            request["stream_options"] = {"include_usage": True}
+        if kind == "chat":
+            raw = await client.chat.completions.with_raw_response.create(messages=QUESTION, **request)
+        else:
+            raw = await client.completions.with_raw_response.create(prompt="Once upon a time", **request)
+        text = (await raw.http_response.aread()).decode()
+        chunks = [json.loads(b.removeprefix("data: ")) for b in text.split("\n\n") if b.startswith("data: {")]
+        assert len(chunks) >= 3 and text.rstrip().endswith("data: [DONE]")
+        if include:
+            assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), [c for c in chunks[:-1] if "usage" not in c]
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+        else:
+            assert not any("usage" in c for c in chunks), chunks
 
 
 async def test_stream_without_include_usage_sends_no_usage_chunk(customer: dict[str, Any], client_for: Any) -> None:

@@ -65,6 +65,35 @@ async def test_responses_named_tool_call_round_trip(gateway: Gateway, client: An
     assert second.usage.input_tokens == len(gateway.engine.encode_chat(conversation))  # the call and its result are the billed prompt
 
 
+TWO_TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+             {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}]
+
+
+async def test_parallel_calls_are_items_of_their_own_and_no_content_streamed_or_not(gateway: Gateway, client: Any) -> None:
+    """With tool_choice required the model writes two calls, a newline between them. Each call is an
+    output item with an id of its own, and the newline is no message: streamed and not, the same
+    items in the same order (Responses); a chat message with calls only has content null and its
+    stream no content delta (OpenAI's shapes)."""
+    ask = {"model": MODEL, "input": QUESTION, "tools": TWO_TOOLS, "tool_choice": "required", "max_output_tokens": 100, **GREEDY}
+    whole = await client.responses.create(**ask)
+    assert [o.type for o in whole.output] == ["function_call", "function_call"], whole.output
+    ids = [o.id for o in whole.output]
+    assert len(set(ids)) == 2 and [o.id for o in (await client.responses.retrieve(whole.id)).output] == ids
+    async with client.responses.stream(**ask) as stream:
+        final = await stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [(o.type, o.name, o.arguments) for o in whole.output]
+    assert len({o.id for o in final.output}) == 2
+
+    tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TWO_TOOLS]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "tools": tools, "tool_choice": "required",
+            "max_tokens": 100, **GREEDY}
+    message = (await client.chat.completions.create(**chat)).choices[0].message
+    assert message.content is None and len(message.tool_calls) == 2, message
+    chunks = [c async for c in await client.chat.completions.create(**chat, stream=True)]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices), [c.choices[0].delta for c in chunks if c.choices]
+    assert len({d.index for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []}) == 2
+
+
 async def test_responses_parse_with_a_pydantic_model(gateway: Gateway, client: Any) -> None:
     class City(BaseModel):
         name: str
