@@ -186,7 +186,7 @@ def template_knows_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, role: Any = None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -194,6 +194,9 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            if role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+                parts.append(part["refusal"])  # an earlier answer's refusal, replayed: what the model said
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{where}.content[{j}]: content part type {kind!r} is not supported by this model; only 'text' parts are")
@@ -235,7 +238,7 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
         if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be an object")
         role = "system" if m.get("role") == "developer" else m.get("role")
-        text = _text(m.get("content"), f"messages[{i}]")
+        text = _text(m.get("content"), f"messages[{i}]", role)
         calls = m.get("tool_calls") if role == "assistant" else None
         if calls is not None and not (isinstance(calls, list) and all(_call_shaped(c) for c in calls)):
             raise ValueError(f"messages[{i}].tool_calls must be a list of {{\"type\": \"function\", \"id\", "

@@ -447,8 +447,11 @@ def failure_text(exc: Exception) -> str:
 
 
 def usage_body(gen: Generation) -> dict[str, Any]:
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
     }
+    if gen.cached_tokens is not None:  # the engine said how much of the prompt its cache served (the row's cached_tokens)
+        usage["prompt_tokens_details"] = {"cached_tokens": min(gen.cached_tokens, gen.prompt_tokens)}
+    return usage

@@ -170,7 +170,7 @@ async def create_embeddings(request: Request) -> Response:
             await asyncio.wait_for(model.start(), timeout=60)
         except Exception:
             raise EngineNotReady(f"The model {body.model!r} is still loading; retry shortly.", headers={"Retry-After": "5"}) from None
-    if body.dimensions is not None and body.dimensions != model.dimensions and not model.matryoshka:
+    if body.dimensions is not None and body.dimensions != model.dimensions:
         shape([0.0] * model.dimensions, body.dimensions, model)  # raises the 400 before any quota is held
     ids = token_ids(model, body.inputs)
     tokens = sum(len(x) for x in ids)

@@ -32,12 +32,14 @@ class StreamOptions(_Model):
 class TextPart(_Model):
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -48,6 +50,9 @@ class ChatMessage(_Model):
             return self.content
         pieces = []
         for j, part in enumerate(self.content):
+            if part.type == "refusal" and self.role == "assistant" and part.refusal is not None:
+                pieces.append(part.refusal)  # an earlier answer's refusal, replayed: what the model said
+                continue
             if part.type != "text" or part.text is None:
                 raise InvalidRequest(
                     f"content part type {part.type!r} is not supported by this model; only 'text' parts are",
@@ -132,11 +137,36 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self, passthrough: bool = False) -> None:
         super().check_supported(passthrough)
+        self._check_tool_results()
+        for name in ("functions", "function_call"):  # deprecated by OpenAI for tools and tool_choice
+            if self.raw_body.get(name) is not None:
+                raise InvalidRequest(f"{name} is not supported; use {'tools' if name == 'functions' else 'tool_choice'}",
+                                     param=name, code="unsupported_parameter")
         if passthrough:
             return
         if self.logprobs or self.top_logprobs:
             raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
         # tools, tool_choice and response_format: the engine judges them (Engine.check_request, at prepare).
+
+    def _check_tool_results(self) -> None:
+        """A `tool` message answers a call an earlier assistant message made (OpenAI: tool_call_id is
+        required, and a tool message must respond to a preceding message with tool_calls)."""
+        raw = self.raw_body.get("messages")
+        called: set[str] = set()
+        misshapen = False  # an assistant's tool_calls that are no list: the engine names that error
+        for i, message in enumerate(self.messages):
+            if message.role == "assistant" and isinstance(raw, list) and i < len(raw) and isinstance(raw[i], dict):
+                calls = raw[i].get("tool_calls")
+                misshapen |= calls is not None and not isinstance(calls, list)
+                called |= {c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)} if isinstance(calls, list) else set()
+            if message.role != "tool":
+                continue
+            if not message.tool_call_id:
+                raise InvalidRequest(f"messages[{i}].tool_call_id is required for a message with role 'tool'",
+                                     param=f"messages[{i}].tool_call_id")
+            if message.tool_call_id not in called and not misshapen:
+                raise InvalidRequest(f"messages[{i}] with role 'tool' must answer a call of an earlier assistant message: "
+                                     f"no tool call has id {message.tool_call_id!r}", param=f"messages[{i}].tool_call_id")
 
     def uses_tools(self) -> bool:
         """Whether the conversation offers tools or carries tool calls or results (the messages then

@@ -19,7 +19,8 @@ async def test_upstream_cached_tokens_reach_the_ledger_and_the_usage_api(upstrea
     key = await gw.new_key()
     client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
     up.script.append(Behaviour(usage={"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 96}}))  # type: ignore[dict-item]
-    streamed = [c async for c in await client.chat.completions.create(model="pool", messages=QUESTION, stream=True)]
+    streamed = [c async for c in await client.chat.completions.create(model="pool", messages=QUESTION, stream=True,
+                                                                      stream_options={"include_usage": True})]
     up.script.append(Behaviour(usage={"prompt_tokens": 30, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 16}}))  # type: ignore[dict-item]
     whole = await client.chat.completions.create(model="pool", messages=QUESTION)
     up.script.append(Behaviour(usage={"prompt_tokens": 30, "completion_tokens": 7}))  # says nothing of its cache
@@ -27,6 +28,10 @@ async def test_upstream_cached_tokens_reach_the_ledger_and_the_usage_api(upstrea
 
     rows = [await gw.ledger_row(request_id_of(i)) for i in (streamed[0].id, whole.id, silent.id)]
     assert [(r["prompt_tokens"], r["cached_tokens"]) for r in rows] == [(120, 96), (30, 16), (30, None)]
+    # the client's usage says what the row says (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    usages = [streamed[-1].usage, whole.usage, silent.usage]
+    assert [(u.prompt_tokens, u.prompt_tokens_details and u.prompt_tokens_details.cached_tokens) for u in usages if u] == [
+        (120, 96), (30, 16), (30, None)]
     await gw.flush_ledger()
     async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key['key']}"}, timeout=30) as http:
         usage = (await http.get("/v1/usage", params={"group_by": "model"})).json()

@@ -18,6 +18,8 @@ from gateway.config import Settings
 from tests.conftest import MODEL, SECRET, Gateway, ServerThread, bootstrap
 
 QUESTION = [{"role": "user", "content": "Say hi."}]
+ASSISTANT_CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
 
 
 def assert_openai_shape(body: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +106,13 @@ async def test_unknown_model_is_404(client_for: Any, customer: dict[str, Any]) -
         ({"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
         ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type"),
+        # OpenAI's deprecated function calling: refused by name, not run without the functions
+        ({"model": MODEL, "messages": QUESTION, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+        ({"model": MODEL, "messages": QUESTION, "function_call": {"name": "f"}}, "function_call"),
+        # a tool result answers a call made earlier in the conversation, by its id
+        ({"model": MODEL, "messages": [*QUESTION, {"role": "tool", "content": "18 degrees"}]}, "messages[1].tool_call_id"),
+        ({"model": MODEL, "messages": [*QUESTION, ASSISTANT_CALL, {"role": "tool", "tool_call_id": "call_other", "content": "x"}]},
+         "messages[2].tool_call_id"),
     ],
 )
 async def test_invalid_chat_requests_are_400(gateway: Gateway, customer: dict[str, Any], body: dict[str, Any], param: str) -> None:
@@ -111,6 +120,22 @@ async def test_invalid_chat_requests_are_400(gateway: Gateway, customer: dict[st
         r = await c.post("/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert assert_openai_shape(r.json())["param"] == param
+
+
+async def test_a_replayed_conversation_with_a_refusal_and_a_tool_result_is_served(gateway: Gateway, customer: dict[str, Any]) -> None:
+    """What OpenAI's SDK sends back of earlier turns: an assistant refusal part (the SDK's
+    ChatCompletionContentPartRefusalParam) and a tool result answering its call. The refusal is
+    what the model said; the prompt billed holds it."""
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot say."}]}
+    messages = [*QUESTION, refusal, {"role": "user", "content": "Then the weather?"}, ASSISTANT_CALL,
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    async with httpx.AsyncClient(base_url=gateway.v1, headers={"Authorization": f"Bearer {customer['key']}"}, timeout=60) as c:
+        r = await c.post("/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        plain = [*QUESTION, {"role": "assistant", "content": "I cannot say."}, {"role": "user", "content": "Then the weather?"}]
+        counted = await c.post("/chat/completions", json={"model": MODEL, "messages": plain, "max_tokens": 3})
+    assert counted.json()["usage"]["prompt_tokens"] < r.json()["usage"]["prompt_tokens"]
+    assert counted.json()["usage"]["prompt_tokens"] == len(gateway.engine.encode_chat(plain))
 
 
 async def test_sdk_raises_bad_request_for_n_above_the_engines_limit(client_for: Any, customer: dict[str, Any]) -> None:

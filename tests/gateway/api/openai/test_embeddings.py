@@ -128,6 +128,25 @@ async def test_errors_dimensions_and_limits(gateway: Gateway, client_for: Any) -
     assert await gateway.ledger_count(key_id=limited["id"]) == 1  # the refusal left none
 
 
+async def test_a_matryoshka_model_cuts_to_fewer_dimensions_and_refuses_more_before_admission(gateway: Gateway, client_for: Any) -> None:
+    """Fewer dimensions than the model's: the vector cut and normalised; more: a 400 and no row (the
+    refusal came after the request was admitted and billed, a `completed` row for a 400)."""
+    key = await gateway.new_key()
+    client = client_for(key["key"])
+    model = gateway.app.state.embeddings.models[EMB]
+    model.matryoshka = True  # a model built in code with it; models.yaml has no such setting
+    try:
+        cut = await client.embeddings.create(model=EMB, input="hello world", dimensions=128, encoding_format="float")
+        assert len(cut.data[0].embedding) == 128 and abs(float(np.linalg.norm(cut.data[0].embedding)) - 1.0) < 1e-6
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.embeddings.create(model=EMB, input="hello world", dimensions=1000)
+        assert err.value.body["param"] == "dimensions"
+    finally:
+        model.matryoshka = False
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=key["id"]) == 1  # the cut one's; the refusal left none
+
+
 async def test_priced_like_completions(gateway: Gateway, client_for: Any) -> None:
     async with gateway.admin_client() as admin:
         r = await admin.post("/admin/prices", json={"model": EMB, "input_per_million": "0.020", "output_per_million": "0"})
