@@ -92,7 +92,9 @@ class HermesParser(ToolCallParser):
         buf, self._buf = self._buf, ""
         if self._in_call:  # the answer ended inside a call (e.g. cut by max_tokens): one last try
             self._in_call = False
-            call = self._parse(buf)
+            # without the start of a closing tag the cut left (`...}}\n</tool_call`), as the stream parses it
+            tail = next((n for n in range(min(len(buf), len(self.CLOSE) - 1), 0, -1) if self.CLOSE.startswith(buf[-n:])), 0)
+            call = self._parse(buf[: len(buf) - tail])
             return ("", [call]) if call is not None else (self.OPEN + buf, [])
         return buf, []
 

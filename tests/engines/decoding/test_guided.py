@@ -108,6 +108,15 @@ def test_whitespace_between_calls_is_no_content_streamed_or_not(seed: int) -> No
     assert shaped_answer(" \n", [1], stream=True) == (" \n", [])  # no call: whitespace is the answer
 
 
+@pytest.mark.parametrize("cut", ["\n</tool_call", "\n</tool_", "\n<", "\n", ""])
+def test_a_whole_call_whose_closing_tag_was_cut_is_a_call_streamed_or_not(cut: str) -> None:
+    """max_tokens ended the answer inside `</tool_call>`, after the call's JSON: a call both ways
+    (the non-streamed answer used to give the call's markup as content while the stream gave a call)."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' + cut
+    for stream in (False, True):
+        assert shaped_answer(text, [9, 30], stream) == (None, ['{"city": "Oslo"}']), (stream, cut)
+
+
 def test_plans_name_the_field_they_refuse() -> None:
     with pytest.raises(EngineRequestRejected) as caught:
         plan({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, "hermes", True)
