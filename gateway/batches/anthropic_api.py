@@ -20,6 +20,7 @@ from gateway.batches.results import WINDOWS, anthropic_line, anthropic_view
 from gateway.http.errors import InvalidRequest, NotFound, ServiceUnavailable
 from gateway.http.requests import authenticate, public_origin, query_limit, read_json
 from gateway.http.json_response import json_response
+from gateway.http.logs import request_id_of
 
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
@@ -131,7 +132,10 @@ async def _delete(request: Request, request_id: str) -> Response:
 
 def _route(handler: Any) -> Any:
     async def endpoint(request: Request) -> Any:
-        return await _answered(request, handler)
+        response = await _answered(request, handler)
+        # Anthropic's request id on every answer (the SDK's `_request_id`), as its errors carry it
+        response.headers.setdefault("request-id", request_id_of(request))
+        return response
 
     return endpoint
 

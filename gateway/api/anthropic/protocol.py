@@ -74,7 +74,9 @@ class InputMessage(_Model):
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
         for j, block in enumerate(self.content):
-            if block.type == "text" and block.text is not None:
+            if block.type == "text":
+                if not isinstance(block.text, str):
+                    raise InvalidRequest("a text block needs its text (a string)", param=f"{param}[{j}].text")
                 texts.append(block.text)
             elif block.type == "tool_use" and self.role == "assistant":
                 if not block.id or not block.name or not isinstance(block.input, dict):
@@ -182,7 +184,17 @@ class _ToolsAndMessages(_Model):
     tools: list[Any] | None = None
     tool_choice: Any = None
 
+    thinking: Any = None
+
     def check_supported(self, passthrough: bool = False) -> None:
+        """What a Messages request refuses of its prompt, which count_tokens refuses the same way."""
+        thinking = self.thinking.get("type") if isinstance(self.thinking, dict) else self.thinking
+        if thinking not in (None, "disabled", "adaptive"):  # adaptive: the model decides, and this one does not think
+            raise InvalidRequest("extended thinking is not supported by this model; leave thinking out or send "
+                                 "{\"type\": \"disabled\"}", param="thinking")
+        if self.messages[-1].role == "assistant":
+            # The chat template would close the assistant turn and start a new one: not a continuation.
+            raise InvalidRequest("a final assistant message (prefill) is not supported", param=f"messages[{len(self.messages) - 1}].role")
         if self.tools:
             chat_tools(self.tools)
         chat_tool_choice(self.tool_choice, self.tools)
@@ -219,7 +231,6 @@ class MessagesRequest(_ToolsAndMessages):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
-    thinking: Any = None
     output_config: Any = None
     _chat: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -249,14 +260,7 @@ class MessagesRequest(_ToolsAndMessages):
     def check_supported(self, passthrough: bool = False) -> None:
         if self.top_k:
             raise InvalidRequest("top_k is not supported", param="top_k")
-        thinking = self.thinking.get("type") if isinstance(self.thinking, dict) else self.thinking
-        if thinking not in (None, "disabled", "adaptive"):  # adaptive: the model decides, and this one does not think
-            raise InvalidRequest("extended thinking is not supported by this model; leave thinking out or send "
-                                 "{\"type\": \"disabled\"}", param="thinking")
         self.response_format()
-        if self.messages[-1].role == "assistant":
-            # The chat template would close the assistant turn and start a new one: not a continuation.
-            raise InvalidRequest("a final assistant message (prefill) is not supported", param=f"messages[{len(self.messages) - 1}].role")
         super().check_supported(passthrough)
 
     def response_format(self) -> dict[str, Any] | None:

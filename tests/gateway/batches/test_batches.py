@@ -168,6 +168,9 @@ async def test_anthropic_message_batch_results(batch_gateway: Gateway) -> None:
     assert all(r["cost_nanos"] == r["prompt_tokens"] * NANOS_IN + r["completion_tokens"] * NANOS_OUT for r in rows)
     listed = await client.messages.batches.list()
     assert batch.id in [b.id for b in listed.data]
+    # every answer carries Anthropic's request-id, which the SDK reads as `_request_id`
+    answers = [batch, ended_batch, listed, await client.messages.batches.with_raw_response.results(batch.id)]
+    assert all(getattr(a, "_request_id", None) or getattr(a, "request_id", None) for a in answers), answers
     other = AsyncAnthropic(base_url=gw.base_url, api_key=(await gw.new_key())["key"], max_retries=0)
     from anthropic import NotFoundError
 

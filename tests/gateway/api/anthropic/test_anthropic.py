@@ -277,6 +277,22 @@ async def test_count_tokens_equals_the_billed_prompt(gateway: Gateway, claude: A
     assert await gateway.ledger_count(key_id=(await gateway.ledger_row(request_id_of(msg.id)))["key_id"]) == 1
 
 
+async def test_count_tokens_refuses_what_messages_refuses(claude: Any) -> None:
+    """A prompt /v1/messages refuses is no prompt to count: extended thinking, a final assistant
+    prefill (count_tokens used to answer 37 and 45 for them)."""
+    for extra, param in (({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+                         ({"messages": [*QUESTION, {"role": "assistant", "content": "The capital is"}]}, "messages[1].role")):
+        ask = {"model": MODEL, "messages": QUESTION, **extra}
+        for call in (lambda: claude.messages.count_tokens(**ask), lambda: claude.messages.create(max_tokens=2, **ask)):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await call()
+            assert param in refused.value.message or param == "thinking" and "thinking" in refused.value.message, refused.value.message
+    assert (await claude.messages.count_tokens(model=MODEL, messages=QUESTION, thinking={"type": "disabled"})).input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError) as refused:  # said as what it is, not as an unsupported block type
+        await claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [{"type": "text"}]}])
+    assert "needs its text" in refused.value.message, refused.value.message
+
+
 def test_error_shapes_and_statuses() -> None:
     assert error_shape(EngineOverloaded("full")) == (529, {"type": "error", "error": {"type": "overloaded_error", "message": "full"}})
     assert error_shape(EngineNotReady("loading"))[0:1] == (503,) and error_shape(EngineNotReady("x"))[1]["error"]["type"] == "api_error"
