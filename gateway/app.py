@@ -15,7 +15,7 @@ from engines.base import Engine
 from gateway.admin import routes as admin
 from gateway.api.account import alerts as account_alerts, credits as account_credits, invoices as account_invoices
 from gateway.api.account.usage import get_usage
-from gateway.api.anthropic import messages as anthropic_api
+from gateway.api.anthropic import messages as anthropic_api, models as anthropic_models
 from gateway.api.openai import chat as openai_chat, embeddings as embeddings_api, models as openai_models, responses as openai_responses
 from gateway.api.openapi import openapi_document
 from gateway.batches import anthropic_api as batch_anthropic, openai_api as batch_openai
@@ -37,9 +37,18 @@ __all__ = [
 # Most of the traffic: dispatched before Starlette's router (Gateway below).
 HOT = {"/v1/chat/completions": openai_chat.chat_completions, "/v1/completions": openai_chat.completions}
 
+def _by_caller(openai_endpoint: Any, anthropic_endpoint: Any) -> Any:
+    async def endpoint(request: Request) -> Any:
+        return await (anthropic_endpoint if anthropic_models.anthropic_caller(request) else openai_endpoint)(request)
+
+    return endpoint
+
+
 ROUTES = [
     *openai_chat.routes,
-    *openai_models.routes,
+    # One path, both APIs: Anthropic's shape for a caller that speaks it (anthropic-version, x-api-key).
+    Route("/v1/models", _by_caller(openai_models.list_models, anthropic_models.list_models), methods=["GET"]),
+    Route("/v1/models/{model_id:path}", _by_caller(openai_models.get_model, anthropic_models.get_model), methods=["GET"]),
     *health.routes,
     Route("/openapi.json", openapi_document, methods=["GET"]),
     *admin.routes,  # /admin/...: every one behind the admin-key check (gateway/admin/guard.py)

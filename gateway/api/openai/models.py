@@ -7,7 +7,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from billing.keys.store import Principal
 from billing.prices.book import EffectivePrice
@@ -67,8 +66,3 @@ async def get_model(request: Request) -> Response:
         return json_response(await _embedding_card(request, principal, embedding))
     raise NotFound(f"The model {model_id!r} does not exist.", param="model", code="model_not_found")
 
-
-routes = [
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
-]

@@ -293,6 +293,34 @@ async def test_count_tokens_refuses_what_messages_refuses(claude: Any) -> None:
     assert "needs its text" in refused.value.message, refused.value.message
 
 
+async def test_models_answer_anthropic_callers_in_anthropics_shape(gateway: Gateway, claude: Any, customer: dict[str, Any],
+                                                                    client_for: Any) -> None:
+    """Anthropic's SDK and docs call /v1/models with x-api-key and anthropic-version: ModelInfo objects
+    (the SDK's type, no field it does not declare), paged, generation models only; errors in
+    Anthropic's shape. The OpenAI SDK on the same path still gets OpenAI's list."""
+    from anthropic.types import ModelInfo
+
+    page = await claude.models.list()
+    assert [m.id for m in page.data] == [MODEL] and page.first_id == page.last_id == MODEL and page.has_more is False
+    for info in [*page.data, await claude.models.retrieve(MODEL)]:
+        assert (info.type, info.display_name, info.lifecycle, info.max_input_tokens) == ("model", MODEL, "active", gateway.engine.context_length)
+        assert info.created_at.year == 1970 and not info.model_extra
+        ModelInfo.model_validate(info.model_dump(mode="json"))
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers={"x-api-key": customer["key"], "anthropic-version": "2023-06-01"}) as raw:
+        listed = await raw.get("/v1/models", params={"limit": 1})
+        assert listed.status_code == 200 and listed.headers["request-id"] and set(listed.json()) == {"data", "first_id", "last_id", "has_more"}
+        assert (await raw.get("/v1/models", params={"after_id": MODEL})).json() == {"data": [], "first_id": None, "last_id": None, "has_more": False}
+        for path, params, status, kind in (("/v1/models/no-such-model", {}, 404, "not_found_error"),
+                                           ("/v1/models", {"limit": "0"}, 400, "invalid_request_error"),
+                                           ("/v1/models", {"after_id": "nope"}, 400, "invalid_request_error")):
+            r = await raw.get(path, params=params)
+            assert r.status_code == status and r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
+        r = await raw.get("/v1/models", headers={"x-api-key": "sk-" + "x" * 43})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    openai_page = await client_for(customer["key"]).models.list()
+    assert {m.object for m in openai_page.data} == {"model"} and MODEL in {m.id for m in openai_page.data}
+
+
 def test_error_shapes_and_statuses() -> None:
     assert error_shape(EngineOverloaded("full")) == (529, {"type": "error", "error": {"type": "overloaded_error", "message": "full"}})
     assert error_shape(EngineNotReady("loading"))[0:1] == (503,) and error_shape(EngineNotReady("x"))[1]["error"]["type"] == "api_error"
