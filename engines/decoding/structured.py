@@ -277,8 +277,9 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments
 
 class HermesDeltas:
     """Hermes tool calls from streamed text as OpenAI's stream carries them: a call's id and name as
-    soon as the model has written its name, then its arguments as the model writes them. Text outside
-    `<tool_call>` tags is content; text that may begin a tag is held back."""
+    soon as the model has written its name, then its arguments as the model writes them. Text before
+    the first call is content (text that may begin a tag is held back); text after a call is not, as
+    the whole answer's parser (tool_calls.HermesParser) and vLLM's hermes parser have it."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -299,10 +300,10 @@ class HermesDeltas:
                 start = self._buf.find(self.OPEN)
                 if start < 0:
                     keep = 0 if final else _partial(self._buf, self.OPEN)
-                    content += self._buf[: len(self._buf) - keep]
+                    content += "" if self.calls else self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     return content, deltas
-                content += self._buf[:start]
+                content += "" if self.calls else self._buf[:start]
                 self._buf, self._in_call, self._call, self._sent = self._buf[start + len(self.OPEN):], True, None, 0
             end = self._buf.find(self.CLOSE)
             body = self._buf if end < 0 else self._buf[:end]
@@ -327,7 +328,7 @@ class HermesDeltas:
             if self._call is None:  # never looked like a call as it streamed: one last parse of the whole
                 whole = _whole_call(body)
                 if whole is None:
-                    content += self.OPEN + body + (self.CLOSE if end >= 0 else "")
+                    content += "" if self.calls else self.OPEN + body + (self.CLOSE if end >= 0 else "")
                 else:
                     deltas.append({**whole.openai(len(self.calls))})
                     self.calls.append(whole)

@@ -50,11 +50,19 @@ class ToolCallParser(abc.ABC):
 
 
 class HermesParser(ToolCallParser):
+    """`<tool_call>{json}</tool_call>` calls. The content is the text before the first call; what the
+    model writes after a call (a newline between two calls) is not content, as vLLM's hermes parser
+    has it, so that an answer's content and calls are the same streamed (HermesDeltas) or not."""
+
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False
+        self._called = False
+
+    def _content(self, text: str) -> str:
+        return "" if self._called else text
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buf += text
@@ -67,17 +75,18 @@ class HermesParser(ToolCallParser):
                 body, self._buf, self._in_call = self._buf[:end], self._buf[end + len(self.CLOSE):], False
                 call = self._parse(body)
                 if call is None:  # not a call after all: what the model wrote is content
-                    content += self.OPEN + body + self.CLOSE
+                    content += self._content(self.OPEN + body + self.CLOSE)
                 else:
                     calls.append(call)
+                    self._called = True
                 continue
             start = self._buf.find(self.OPEN)
             if start >= 0:
-                content += self._buf[:start]
+                content += self._content(self._buf[:start])
                 self._buf, self._in_call = self._buf[start + len(self.OPEN):], True
                 continue
             keep = next((n for n in range(min(len(self._buf), len(self.OPEN) - 1), 0, -1) if self.OPEN.startswith(self._buf[-n:])), 0)
-            content += self._buf[: len(self._buf) - keep]
+            content += self._content(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return content, calls
 
@@ -95,8 +104,8 @@ class HermesParser(ToolCallParser):
             # without the start of a closing tag the cut left (`...}}\n</tool_call`), as the stream parses it
             tail = next((n for n in range(min(len(buf), len(self.CLOSE) - 1), 0, -1) if self.CLOSE.startswith(buf[-n:])), 0)
             call = self._parse(buf[: len(buf) - tail])
-            return ("", [call]) if call is not None else (self.OPEN + buf, [])
-        return buf, []
+            return ("", [call]) if call is not None else (self._content(self.OPEN + buf), [])
+        return self._content(buf), []
 
 
 class Llama3JsonParser(ToolCallParser):
