@@ -14,6 +14,7 @@ when DATABASE_READ_URL is set, `app.state.read_db`), as the usage dashboards' do
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.requests import Request
@@ -21,6 +22,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from billing.credits.balance import CreditError
 from billing.stripe.checkout import CheckoutService
+from stripe import StripeError
 from gateway.api.account.credits import cents, credit_book
 from starlette.routing import Route
 
@@ -35,6 +37,8 @@ from billing.invoices.render import (
 from billing.invoices.statements import get_statement, list_statements
 from gateway.dashboard.pages import SECURITY_HEADERS, form_with_csrf, message_page, refused, session_or_none, to_login
 from gateway.http.requests import id_value, public_origin
+
+log = logging.getLogger("tollgate.billing")
 
 STATE_LABELS = {"active": "Active", "past_due": "Past due", "suspended": "Suspended"}
 
@@ -169,6 +173,9 @@ async def dashboard_checkout(request: Request) -> Response:
             success_url=f"{base}/dashboard/account?checkout=done", cancel_url=f"{base}/dashboard/account?checkout=cancelled")
     except CreditError:
         return RedirectResponse("/dashboard/account?checkout=invalid", status_code=303)
+    except StripeError as exc:  # Stripe refused or could not be reached: nothing was charged
+        log.error("Checkout Session for account %s failed: %s", session.principal.account_id, type(exc).__name__)
+        return RedirectResponse("/dashboard/account?checkout=failed", status_code=303)
     return RedirectResponse(created["url"], status_code=303)
 
 

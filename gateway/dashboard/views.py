@@ -418,8 +418,19 @@ async def customer_view(request: Request) -> Response:
         "credit": await request.app.state.credits.balance(account_id), "alerts": await request.app.state.alerts.events(account_id, 20),
         "statements": await statements_table(request, account_id),
         "checkout_enabled": request.app.state.checkout is not None,
+        "checkout_said": CHECKOUT_SAID.get(request.query_params.get("checkout", "")),
     }
     return page(request, "customer.html", context)
+
+
+# Where the "Add credit" form came back to (gateway/dashboard/billing.py and Stripe's return URLs).
+CHECKOUT_SAID = {
+    "done": "Payment made: the credit shows here once Stripe confirms it.",
+    "cancelled": "Payment cancelled: nothing was charged.",
+    "invalid": "That amount cannot be bought: give dollars and cents, at least the minimum.",
+    "unavailable": "Buying credit is not available for this account.",
+    "failed": "Stripe could not start the payment: nothing was charged; try again shortly.",
+}
 
 
 async def plotly_js(request: Request) -> Response:

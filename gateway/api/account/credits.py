@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.requests import Request
@@ -21,12 +22,16 @@ from billing.invoices.render import render_statement_html, render_statement_pdf
 from billing.invoices.statements import get_statement, list_statements
 from billing.models import utcnow
 from billing.stripe.checkout import CheckoutService, NANOS_PER_CENT
+from stripe import StripeError
 from gateway.admin.accounts import StrictStr
 from gateway.api.account.documents import document_response
 from gateway.api.openai.protocol import StrictInt, _Model, parse
+from gateway.billing import StripeFailed
 from gateway.http.errors import InvalidRequest, NotFound
 from gateway.http.json_response import json_response
 from gateway.http.requests import authenticate, path_id, public_origin, read_json
+
+log = logging.getLogger("tollgate.billing")
 
 
 def credit_book(request: Request) -> CreditBook:
@@ -119,6 +124,9 @@ async def create_checkout(request: Request) -> Response:
             success_url=f"{base}/dashboard/account?checkout=done", cancel_url=f"{base}/dashboard/account?checkout=cancelled")
     except CreditError as exc:
         raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
+    except StripeError as exc:  # Stripe refused or could not be reached: nothing was charged
+        log.error("Checkout Session for account %s failed: %s", principal.account_id, type(exc).__name__)
+        raise StripeFailed("Stripe could not start the payment; retry shortly.", headers={"Retry-After": "5"}) from None
     return json_response(session)
 
 

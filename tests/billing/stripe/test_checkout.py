@@ -292,3 +292,45 @@ def test_stripe_event_sequences_credit_what_stripe_collected_once(fake: FakeStri
                 assert sum(e["amount_nanos"] for e in entries) == collected() * CENT
 
         run_coro(scenario())
+
+
+def test_a_checkout_stripe_cannot_make_is_a_502_and_the_dashboard_says_so(fake: FakeStripePayments, fresh_pg_database: Any,
+                                                                          tmp_path: Path) -> None:
+    """Stripe down (connection refused) when a customer buys credit: the API answers 502 stripe_error
+    with Retry-After, the dashboard goes back to the account page saying it failed (both were a 500),
+    nothing is credited, and the server keeps serving."""
+    url = fresh_pg_database(migrated=True)
+    migrate.upgrade(url)
+
+    async def make() -> tuple[int, str]:
+        db = create_engine(url)
+        try:
+            keys = KeyStore(db, SECRET.encode())
+            account = (await keys.create_account("pre-" + uuid.uuid4().hex[:6]))["id"]
+            return account, (await keys.create_key(account))["key"]
+        finally:
+            await db.dispose()
+
+    account, key = run_coro(make())
+    env = {**stripe_env(fake), "TOLLGATE_STRIPE_MAX_RETRIES": "0"}
+    fake.stop()  # nothing answers at its address now
+    with serve(url, tmp_path, **env) as app:
+
+        async def scenario() -> None:
+            async with app.admin() as admin, app.as_key(key) as customer:
+                assert (await admin.put(f"/admin/accounts/{account}/billing_mode", json={"billing_mode": "prepaid"})).status_code == 200
+                r = await customer.post("/v1/billing/checkout", json={"amount": "10.00"})
+                assert r.status_code == 502 and r.json()["error"]["code"] == "stripe_error" and r.headers["retry-after"], r.text
+                assert (await customer.get("/v1/billing/balance")).json()["balance"] == "0.000000000"
+            async with httpx.AsyncClient(base_url=app.base_url, timeout=30, headers={"origin": app.base_url}) as browser:
+                form = (await browser.get("/dashboard/login")).text
+                csrf = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)  # type: ignore[union-attr]
+                assert (await browser.post("/dashboard/login", data={"csrf_token": csrf, "api_key": key})).status_code == 303
+                page = (await browser.get("/dashboard/account")).text
+                csrf = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+                r = await browser.post("/dashboard/checkout", data={"csrf_token": csrf, "amount": "10.00"})
+                assert r.status_code == 303 and r.headers["location"] == "/dashboard/account?checkout=failed", (r.status_code, r.text[:200])
+                said = (await browser.get(r.headers["location"])).text
+                assert re.search(r'id="checkout-said">Stripe could not start the payment', said), said[-2000:]
+
+        run_coro(scenario())
