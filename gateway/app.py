@@ -20,6 +20,7 @@ from gateway.api.openai import chat as openai_chat, embeddings as embeddings_api
 from gateway.api.openapi import openapi_document
 from gateway.batches import anthropic_api as batch_anthropic, openai_api as batch_openai
 from gateway.dashboard import views as dashboard
+from gateway.dashboard.pages import UnreadableForm, unreadable_form
 from gateway.http import drain, health
 from gateway.config import Settings
 from gateway.http.error_handlers import HANDLERS, api_error, database_unreachable, error_response, http_error, unexpected_error
@@ -119,5 +120,5 @@ def create_app(
         routes=ROUTES,
         lifespan=lifespan(settings, engines, freeze_gc=freeze_gc, exit_on_load_failure=exit_on_load_failure),
         middleware=[Middleware(RequestContext)],  # ids, logs, metrics, security headers, query guard: one layer
-        exception_handlers=HANDLERS,
+        exception_handlers={**HANDLERS, UnreadableForm: unreadable_form},
     )

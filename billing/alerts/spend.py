@@ -27,6 +27,7 @@ import secrets
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import sqlalchemy as sa
@@ -96,8 +97,8 @@ class AlertService:
             raise CreditError("give threshold, or percent (1-1000) of a monthly limit", "threshold")
         if threshold is not None and not 0 <= threshold <= MAX_NANOS:
             raise CreditError(f"threshold must be between 0 and {MAX_NANOS}", "threshold")
-        if not url.startswith(("http://", "https://")):
-            raise CreditError("url must be an http(s) URL", "url")
+        if not _deliverable(url):
+            raise CreditError("url must be an http(s) URL with a host, without spaces or control characters", "url")
         secret = secret or "whsec_tg_" + secrets.token_hex(24)
         async with self._engine.begin() as conn:
             if key_id is not None and (await conn.execute(sa.select(KEYS.c.id).where(KEYS.c.id == key_id, KEYS.c.account_id == account_id))).first() is None:
@@ -245,3 +246,15 @@ class AlertService:
         for task in list(self._delivering):
             task.cancel()
         await self._http.aclose()
+
+
+def _deliverable(url: str) -> bool:
+    """Whether an alert can be posted to `url`: http(s), a host, no whitespace or control characters."""
+    if len(url) > 2000 or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a port out of range)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)

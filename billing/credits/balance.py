@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from billing.decimals import plain_decimal
 from billing.credits.models import CREDIT_KINDS, CreditEntry, CreditUsageMark
 from billing.ledger.records import spends_balance
 from billing.credits.views import NANOS_PER_USD, aware, entry_view, iso, usd
@@ -59,7 +60,7 @@ def parse_usd(value: Any, field: str = "amount", *, signed: bool = False) -> int
     if isinstance(value, bool) or isinstance(value, float) or not isinstance(value, (int, str)):
         raise CreditError(f'{field} must be a decimal string of USD like "10.00" (or an integer), not a float', field)
     try:
-        amount = Decimal(str(value))
+        amount = plain_decimal(value)
     except InvalidOperation:
         raise CreditError(f"{field} must be a decimal number of USD", field) from None
     if not amount.is_finite():

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from billing.decimals import plain_decimal
 from billing.invoices.models import BillingDetails, DocumentSequence, TaxRate
 from billing.models import utcnow
 
@@ -59,7 +60,7 @@ def parse_rate(value: Any, field: str = "tax_rate") -> Decimal:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise InvalidBillingDetails(field, f"{field} must be a decimal string of a percentage such as \"19.000\"")
     try:
-        rate = Decimal(str(value).strip())
+        rate = plain_decimal(value)
     except InvalidOperation:
         raise InvalidBillingDetails(field, f"{field} must be a decimal percentage such as \"19.000\", got {value!r}") from None
     if not rate.is_finite() or rate < 0 or rate > MAX_RATE:
@@ -97,7 +98,7 @@ def validate(body: dict[str, Any], current: dict[str, Any] | None = None) -> dic
         elif name == "country":
             value = parse_country(value)
         elif name == "tax_id_type":
-            if value is not None and value not in TAX_ID_TYPES:
+            if value is not None and (not isinstance(value, str) or value not in TAX_ID_TYPES):
                 raise InvalidBillingDetails(name, f"tax_id_type must be one of {', '.join(sorted(TAX_ID_TYPES))} (Stripe's names)")
         elif name == "tax_rate":
             value = None if value is None else parse_rate(value)

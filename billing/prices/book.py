@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from billing.decimals import plain_decimal
 from billing.invoices.models import ANY_MODEL, BillingPeriod, PriceOverride
 from billing.models import Price, utcnow
 
@@ -51,7 +52,9 @@ EXACT = decimal.Context(prec=80)
 
 
 class InvalidPrice(ValueError):
-    pass
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the field it names, for the API's error
 
 
 class PriceConflict(InvalidPrice):
@@ -61,17 +64,17 @@ class PriceConflict(InvalidPrice):
 def parse_price(value: Any, field: str) -> Decimal:
     """A non-negative USD-per-million price with at most 3 decimal places; floats are refused."""
     if isinstance(value, bool) or isinstance(value, float) or value is None:
-        raise InvalidPrice(f"{field} must be a decimal string or integer, e.g. \"0.150\"")
+        raise InvalidPrice(f"{field} must be a decimal string or integer, e.g. \"0.150\"", field)
     try:
-        price = Decimal(str(value))
+        price = plain_decimal(value)
     except InvalidOperation:
-        raise InvalidPrice(f"{field} must be a decimal number") from None
+        raise InvalidPrice(f"{field} must be a decimal number", field) from None
     if not price.is_finite() or price < 0:
-        raise InvalidPrice(f"{field} must be a non-negative number")
+        raise InvalidPrice(f"{field} must be a non-negative number", field)
     if price >= Decimal(10) ** 15:  # before quantize, which cannot hold huge values
-        raise InvalidPrice(f"{field} is too large")
+        raise InvalidPrice(f"{field} is too large", field)
     if price != price.quantize(Decimal(1).scaleb(-MAX_PRICE_PLACES)):
-        raise InvalidPrice(f"{field} may have at most {MAX_PRICE_PLACES} decimal places (USD per million tokens)")
+        raise InvalidPrice(f"{field} may have at most {MAX_PRICE_PLACES} decimal places (USD per million tokens)", field)
     return price
 
 
@@ -119,17 +122,17 @@ def cached_part(prompt_tokens: int, cached_tokens: int | None, cached_price: Dec
 def parse_multiplier(value: Any, field: str = "multiplier") -> Decimal:
     """A positive multiplier with at most 6 decimal places; floats are refused."""
     if isinstance(value, bool) or isinstance(value, float) or value is None:
-        raise InvalidPrice(f"{field} must be a decimal string or integer, e.g. \"0.85\"")
+        raise InvalidPrice(f"{field} must be a decimal string or integer, e.g. \"0.85\"", field)
     try:
-        multiplier = Decimal(str(value))
+        multiplier = plain_decimal(value)
     except InvalidOperation:
-        raise InvalidPrice(f"{field} must be a decimal number") from None
+        raise InvalidPrice(f"{field} must be a decimal number", field) from None
     if not multiplier.is_finite() or multiplier <= 0:
-        raise InvalidPrice(f"{field} must be a positive number")
+        raise InvalidPrice(f"{field} must be a positive number", field)
     if multiplier >= 1_000_000:
-        raise InvalidPrice(f"{field} is too large")
+        raise InvalidPrice(f"{field} is too large", field)
     if multiplier != multiplier.quantize(Decimal(1).scaleb(-MAX_MULTIPLIER_PLACES)):
-        raise InvalidPrice(f"{field} may have at most {MAX_MULTIPLIER_PLACES} decimal places")
+        raise InvalidPrice(f"{field} may have at most {MAX_MULTIPLIER_PLACES} decimal places", field)
     return multiplier
 
 
@@ -462,7 +465,7 @@ class PriceBook:
         now = utcnow()
         start = _aware(effective_from) if effective_from else now
         if not model or len(model) > 128:
-            raise InvalidPrice("model must be a model id of 1 to 128 characters")
+            raise InvalidPrice("model must be a model id of 1 to 128 characters", "model")
         values = dict(
             model=model,
             input_per_million=parse_price(input_per_million, "input_per_million"),
@@ -506,7 +509,7 @@ class PriceBook:
         now = utcnow()
         start = _aware(effective_from) if effective_from else now
         if not model or len(model) > 128:
-            raise InvalidPrice("model must be a model id of 1 to 128 characters, or \"*\"")
+            raise InvalidPrice("model must be a model id of 1 to 128 characters, or \"*\"", "model")
         has_prices = input_per_million is not None or output_per_million is not None
         if cached_input_per_million is not None and not has_prices:
             raise InvalidPrice("cached_input_per_million goes with a custom price (input_per_million and output_per_million)")
@@ -543,10 +546,10 @@ async def _check_start(conn: Any, start: datetime, now: datetime, backdate: bool
     if start >= now - PAST_SLACK:
         return
     if not backdate:
-        raise InvalidPrice("effective_from must not be in the past: billed periods are never re-priced")
+        raise InvalidPrice("effective_from must not be in the past: billed periods are never re-priced", "effective_from")
     latest_end = (await conn.execute(sa.select(sa.func.max(PERIODS.c.period)))).scalar_one_or_none()
     if latest_end is not None:
         year, month = (int(x) for x in latest_end.split("-"))
         closed_until = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=timezone.utc)
         if start < closed_until:
-            raise InvalidPrice(f"effective_from falls in billing period {latest_end} or earlier, which is closed")
+            raise InvalidPrice(f"effective_from falls in billing period {latest_end} or earlier, which is closed", "effective_from")

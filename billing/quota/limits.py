@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from billing.decimals import plain_decimal
+
 NANOS_PER_USD = 10**9
 INT_LIMITS = ("rpm", "tpm", "max_concurrent", "monthly_tokens")
 MAX_INT_LIMIT = 2**53 - 1  # exact in Redis' Lua numbers
@@ -51,12 +53,18 @@ class Limits:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                out[f.name] = str(value) if isinstance(value, Decimal) else value
+                out[f.name] = format(value, "f") if isinstance(value, Decimal) else value  # never "1E-7"
         return out
 
     @classmethod
     def from_json(cls, raw: str | None) -> "Limits":
-        return cls() if not raw else cls().patched(json.loads(raw))
+        if not raw:
+            return cls()
+        stored = json.loads(raw)
+        spend = stored.get("monthly_spend") if isinstance(stored, dict) else None
+        if isinstance(spend, str):  # ours: written before view() wrote plain decimals, it may read "1E-7" or "0E-9"
+            stored["monthly_spend"] = format(Decimal(spend), "f")
+        return cls().patched(stored)
 
     def patched(self, changes: Any) -> "Limits":
         """Applies a PATCH-style object: a value sets a limit, null removes it, absent keys stay."""
@@ -83,7 +91,7 @@ def _parse(name: str, value: Any) -> int | Decimal:
     if isinstance(value, bool) or isinstance(value, float) or not isinstance(value, (int, str)):
         raise InvalidLimits(f"{name} must be a decimal string like \"25.00\" (or an integer), not a float", param)
     try:
-        amount = Decimal(str(value))
+        amount = plain_decimal(value)
     except InvalidOperation:
         raise InvalidLimits(f"{name} must be a decimal number of USD", param) from None
     if not amount.is_finite() or amount < 0:

@@ -34,7 +34,11 @@ SUBSCRIPTION_EVENTS = ("customer.subscription.updated", "customer.subscription.d
 
 
 class WebhookRejected(ValueError):
-    """The delivery is not a genuine Stripe event (bad signature or body): answer 400."""
+    """The delivery is not a genuine Stripe event (bad signature or body): answer 400. `code`: which."""
+
+    def __init__(self, message: str, code: str = "invalid_event") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
@@ -65,15 +69,16 @@ class WebhookHandler:
         try:
             event = _plain(self._stripe.construct_event(payload, signature, self._secret))
         except SignatureVerificationError:
-            raise WebhookRejected("Stripe signature verification failed.") from None
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):  # AttributeError: a signed JSON non-object
+            raise WebhookRejected("Stripe signature verification failed.", "invalid_signature") from None
+        # AttributeError: a signed JSON non-object; RecursionError: JSON nested past what the parser takes
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError):
             raise WebhookRejected("The body is not a Stripe event.") from None
         if not isinstance(event, dict):
             raise WebhookRejected("The body is not a Stripe event.")
-        event_id, kind = str(event.get("id") or ""), str(event.get("type") or "")
+        event_id, kind = event.get("id"), event.get("type")
         data = event.get("data")
         obj = data.get("object") if isinstance(data, dict) else None
-        if not event_id or not kind or not isinstance(obj, dict):
+        if not _name(event_id, 255) or not _name(kind, 128) or not isinstance(obj, dict):
             raise WebhookRejected("The event has no id, type or data.object.")
         if await self._seen(event_id):
             return {"received": True, "id": event_id, "duplicate": True}
@@ -141,6 +146,12 @@ class WebhookHandler:
             .values(subscription_id=remote["id"], subscription_status=status, subscription_delinquent_since=since)
         )
         return int(row.account_id)
+
+
+def _name(value: Any, longest: int) -> bool:
+    """An event's id or type as Stripe writes them (`evt_...`, `invoice.paid`): printable ASCII, at
+    most the column's length. Anything else is no Stripe event, never a database error."""
+    return isinstance(value, str) and 0 < len(value) <= longest and value.isascii() and value.isprintable()
 
 
 async def apply_stripe_invoice(conn: AsyncConnection, remote: dict[str, Any], created: datetime) -> int | None:

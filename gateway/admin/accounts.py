@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -16,13 +16,28 @@ from billing.quota.limits import InvalidLimits, Limits
 from billing.prices.book import InvalidPrice
 from billing.quota import Scope
 from billing.models import as_utc
-from gateway.api.account.usage import parse_time
+from gateway.api.account.usage import EARLIEST, LATEST, parse_time
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.requests import MAX_ID, path_id, read_json
 from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
 from gateway.http.json_response import json_response
 
 StrictStr = Annotated[str, Field(strict=True)]
+
+
+def _instant(value: datetime) -> datetime:
+    """A time of the admin API in UTC (SQLite keeps a time's clock reading and drops its offset),
+    within what the database and datetime both hold (as GET /v1/usage reads its times)."""
+    try:
+        utc = as_utc(value)
+    except OverflowError:  # 0001-01-01T00:00:00+14:00 is before the first UTC instant datetime holds
+        utc = None
+    if utc is None or not EARLIEST <= utc <= LATEST:
+        raise ValueError(f"must be between {EARLIEST.isoformat()} and {LATEST.isoformat()}")
+    return utc
+
+
+Instant = Annotated[datetime, AfterValidator(_instant)]
 
 
 
@@ -39,11 +54,10 @@ class CreateKey(_StrictModel):
     account_id: int = Field(strict=True, ge=1, le=MAX_ID)
     name: str | None = Field(default=None, max_length=200)
     models: list[str] | None = None
-    expires_at: datetime | None = None
+    expires_at: Instant | None = None
 
     def check_supported(self) -> None:
-        if self.expires_at is not None:  # in UTC: SQLite keeps a time's clock reading and drops its offset
-            self.expires_at = as_utc(self.expires_at)
+        return None
 
 
 class PatchLimits(_StrictModel):
@@ -71,7 +85,7 @@ class AddPrice(_StrictModel):
     cached_input_per_million: StrictStr | StrictInt | None = None  # prompt tokens served from the engine's prefix cache
     batch_input_per_million: StrictStr | StrictInt | None = None  # a batch line's price; absent: the normal one
     batch_output_per_million: StrictStr | StrictInt | None = None
-    effective_from: datetime | None = None
+    effective_from: Instant | None = None
 
     def check_supported(self) -> None:
         return None
@@ -161,7 +175,7 @@ async def add_price(request: Request) -> Response:
                                          batch_input_per_million=body.batch_input_per_million,
                                          batch_output_per_million=body.batch_output_per_million)
     except InvalidPrice as exc:
-        raise InvalidRequest(str(exc), code="invalid_value") from None
+        raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
     return json_response(version.view(), 201)
 
 

@@ -14,8 +14,6 @@ its auto-recharge, and the periodic credit work run now.
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,8 +24,7 @@ from billing.invoices.periods import InvalidPeriod, Period
 from billing.invoices.statements import get_statement, list_statements
 from billing.quota import Scope
 from billing.stripe.checkout import CheckoutService
-from billing.models import as_utc
-from gateway.admin.accounts import StrictStr
+from gateway.admin.accounts import Instant, StrictStr
 from gateway.admin.guard import admin_principal
 from gateway.api.account.credits import cents, checkout_service, credit_book, statement_for, statement_id, statement_response
 from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
@@ -40,11 +37,10 @@ class AddCredit(_StrictModel):
     kind: str = Field(min_length=1, max_length=16)
     amount: StrictStr | StrictInt  # USD; a refund may be given positive (it is debited)
     reason: str | None = Field(default=None, max_length=2000)
-    expires_at: datetime | None = None
+    expires_at: Instant | None = None
 
     def check_supported(self, passthrough: bool = False) -> None:
-        if self.expires_at is not None:  # in UTC: SQLite keeps a time's clock reading and drops its offset
-            self.expires_at = as_utc(self.expires_at)
+        return None
 
 
 class BillingMode(_StrictModel):

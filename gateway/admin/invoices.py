@@ -33,10 +33,9 @@ from billing.invoices.credit_notes import CreditNoteRefused, CreditRequest, get_
 from billing.invoices.views import get_invoice, list_invoices
 from billing.prices.book import InvalidPrice, PriceConflict
 from billing.stripe.sync import StripeSyncError, StripeTotalMismatch
-from billing.models import as_utc
-from gateway.admin.accounts import StrictStr
+from gateway.admin.accounts import Instant, StrictStr
 from gateway.api.account.documents import billing_of, credit_note_response, document_format, invoice_response, period_param, query_id
-from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
+from gateway.api.openai.protocol import StrictBool, StrictInt, _StrictModel, parse
 from gateway.billing import StripeFailed
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.json_response import json_response
@@ -68,7 +67,7 @@ async def admin_invoice(request: Request) -> Response:
 
 class CloseRequest(_StrictModel):
     period: str
-    wait: bool = True
+    wait: StrictBool = True
 
     def check_supported(self, passthrough: bool = False) -> None:
         return None
@@ -146,12 +145,11 @@ class AddOverride(_StrictModel):
     output_per_million: StrictStr | StrictInt | None = None
     cached_input_per_million: StrictStr | StrictInt | None = None  # with a custom price only
     multiplier: StrictStr | StrictInt | None = None
-    clear: bool = False
-    effective_from: datetime | None = None
+    clear: StrictBool = False
+    effective_from: Instant | None = None
 
     def check_supported(self, passthrough: bool = False) -> None:
-        if self.effective_from is not None:  # in UTC: SQLite keeps a time's clock reading and drops its offset
-            self.effective_from = as_utc(self.effective_from)
+        return None
 
 
 async def admin_add_override(request: Request) -> Response:
@@ -172,7 +170,7 @@ async def admin_add_override(request: Request) -> Response:
     except PriceConflict as exc:
         raise Conflict(str(exc), param="effective_from") from None
     except InvalidPrice as exc:
-        raise InvalidRequest(str(exc), code="invalid_value") from None
+        raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
     return json_response(version.view(), 201)
 
 

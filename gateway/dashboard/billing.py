@@ -169,7 +169,7 @@ async def dashboard_checkout(request: Request) -> Response:
     base = public_origin(request)  # TOLLGATE_PUBLIC_URL behind a proxy, never a Host the proxy passed on
     try:
         created = await checkout.create_session(
-            session.principal.account_id, cents(str(form.get("amount") or ""), "amount"),
+            session.principal.account_id, cents(str(form.get("amount") or "").strip(), "amount"),  # a pasted " 10.00"
             success_url=f"{base}/dashboard/account?checkout=done", cancel_url=f"{base}/dashboard/account?checkout=cancelled")
     except CreditError:
         return RedirectResponse("/dashboard/account?checkout=invalid", status_code=303)

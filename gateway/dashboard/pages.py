@@ -76,13 +76,32 @@ async def session_or_none(request: Request) -> Session | None:
     return await current_session(request)
 
 
+class UnreadableForm(Exception):
+    """A form field no page stores: a NUL character (the database refuses it in text). Answered with
+    a 400 page (`unreadable_form`, the app's handler for it)."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(field)
+        self.field = field
+
+
 async def form_with_csrf(request: Request, session: Session) -> FormData | None:
-    """The POSTed form when its CSRF token (and Origin, when sent) check out; None otherwise."""
+    """The POSTed form when its CSRF token (and Origin, when sent) check out; None otherwise.
+    UnreadableForm for a field that holds a NUL character."""
     form = await request.form()
     token = form.get("csrf_token")
     if not same_origin(request) or not session.csrf_ok(token if isinstance(token, str) else None):
         return None
+    for name, value in form.multi_items():
+        if "\x00" in name or (isinstance(value, str) and "\x00" in value):
+            raise UnreadableForm(name.replace("\x00", ""))
     return form
+
+
+async def unreadable_form(request: Request, exc: Exception) -> Response:
+    field = exc.field if isinstance(exc, UnreadableForm) else "?"
+    return message_page(request, "Not saved", f"The field {field!r} holds a NUL character, which no field takes. Go back, "
+                        "correct it and send the form again.", 400, await session_or_none(request))
 
 
 async def admin_session(request: Request) -> Session | Response:

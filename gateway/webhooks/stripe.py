@@ -30,7 +30,7 @@ async def stripe_webhook(request: Request) -> Response:
     try:
         result = await billing.webhooks.handle(payload, request.headers.get("stripe-signature"))
     except WebhookRejected as exc:
-        raise InvalidRequest(str(exc), code="invalid_signature") from None
+        raise InvalidRequest(str(exc), code=exc.code) from None
     except StripeError as exc:  # could not re-read the object: Stripe delivers again later
         log.error("webhook: Stripe re-read failed: %s", exc)
         raise StripeFailed("Could not read the object from Stripe; retry later.") from None

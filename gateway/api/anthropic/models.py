@@ -42,7 +42,7 @@ def _limit(request: Request) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
         return LIMIT_DEFAULT
-    if not raw.isdigit() or not 1 <= int(raw) <= LIMIT_MAX:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= LIMIT_MAX:  # "²" is a digit int() refuses
         raise InvalidRequest(f"limit: must be an integer from 1 to {LIMIT_MAX}", param="limit")
     return int(raw)
 

@@ -25,6 +25,7 @@ async def _generate(request: Request, model: type[Any], kind: str) -> Any:
     raw, engine = service.resolve(raw, kind)  # the model, once: a routing model (`auto`) names the one it chooses
     body = parse(model, raw, passthrough=engine is not None and engine.passthrough)  # see Engine.passthrough
     if kind == "chat":
+        body.check_tool_results()
         gen = service.prepare_chat(principal, body, request_id, engine)
     else:
         gen = service.prepare_text(principal, body, request_id, engine)

@@ -137,7 +137,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self, passthrough: bool = False) -> None:
         super().check_supported(passthrough)
-        self._check_tool_results()
         for name in ("functions", "function_call"):  # deprecated by OpenAI for tools and tool_choice
             if self.raw_body.get(name) is not None:
                 raise InvalidRequest(f"{name} is not supported; use {'tools' if name == 'functions' else 'tool_choice'}",
@@ -148,9 +147,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
         # tools, tool_choice and response_format: the engine judges them (Engine.check_request, at prepare).
 
-    def _check_tool_results(self) -> None:
+    def check_tool_results(self) -> None:
         """A `tool` message answers a call an earlier assistant message made (OpenAI: tool_call_id is
-        required, and a tool message must respond to a preceding message with tool_calls)."""
+        required, and a tool message must respond to a preceding message with tool_calls). For a
+        client's own chat messages: the Responses and Messages APIs check their call ids themselves,
+        and a Responses truncation tries conversations that start with a call's output."""
         raw = self.raw_body.get("messages")
         called: set[str] = set()
         misshapen = False  # an assistant's tool_calls that are no list: the engine names that error

@@ -254,11 +254,22 @@ async def test_webhooks_drive_billing_state(db_url: str, db: Any, fake: FakeStri
             # signed bodies that are JSON but not an event object: a 400, never a 500
             before = await events()
             async with app.as_key(key) as raw:
+                # and events whose id or type no Stripe event has (a NUL, a lone surrogate, past the column, not
+                # a string), or JSON nested past what the parser takes: a 500 with a traceback before
+                odd = [b'"evt_\\u0000"', b'"\\ud800"', b'"evt_' + b"x" * 300 + b'"', b'["evt_1"]', b'{"a": 1}']
                 for body in (b"[]", b'["evt_1"]', b"42", b'{"id": "evt_x", "type": "invoice.paid", "data": []}',
                              *(b'{"id": "evt_t", "type": "invoice.paid", "created": %s, "data": {"object": {"id": "in_1"}}}' % t
-                               for t in (b'"abc"', b"1e400", b"true", b"99999999999999999999"))):
+                               for t in (b'"abc"', b"1e400", b"true", b"99999999999999999999")),
+                             *(b'{"id": %s, "type": "invoice.paid", "created": 1, "data": {"object": {"id": "in_1"}}}' % i for i in odd),
+                             b'{"id": "evt_y", "type": "invoice.' + b"x" * 200 + b'", "created": 1, "data": {"object": {"id": "in_1"}}}',
+                             b'{"id": "evt_z", "type": "invoice.paid\\u0000", "created": 1, "data": {"object": {"id": "in_1"}}}',
+                             b"[" * 3000 + b"]" * 3000):
                     r = await raw.post("/webhooks/stripe", content=body, headers={"Stripe-Signature": fake.sign(body)})
-                    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)
+                    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (body[:80], r.text)
+                    assert r.json()["error"]["code"] == "invalid_event", r.text  # signed: the body is at fault, not the signature
+                body = b'{"id": "evt_s", "type": "invoice.paid", "created": 1, "data": {"object": {"id": "in_1"}}}'
+                r = await raw.post("/webhooks/stripe", content=body, headers={"Stripe-Signature": fake.sign(body, secret="whsec_wrong")})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_signature"
             assert await events() == before
 
 

@@ -49,6 +49,26 @@ def test_login_needs_its_token_and_sets_a_strict_cookie(gateway: Gateway) -> Non
     assert gateway.admin_key not in cookie
 
 
+def test_a_nul_in_a_form_field_is_a_400_page_and_stores_nothing(gateway: Gateway) -> None:
+    """No column takes a NUL: the account's name was a 500 (JSON, a traceback in the log), a key's
+    models were stored with it. Now the form is refused with a page naming the field, urlencoded or
+    multipart, and nothing is stored."""
+    c, token = log_in(gateway, gateway.admin_key)
+    account = c.post("/dashboard/admin/accounts", data={"name": f"nul-{uuid.uuid4().hex[:6]}", "csrf_token": token})
+    account_url = account.headers["location"]
+    account_id = int(account_url.rsplit("/", 1)[1])
+    name = f"a\x00b-{uuid.uuid4().hex[:6]}"
+    for path, data in (("/dashboard/admin/accounts", {"name": name}),
+                       (f"/dashboard/admin/accounts/{account_id}/keys", {"name": "a\x00b"}),
+                       (f"/dashboard/admin/accounts/{account_id}/keys", {"name": "k", "models": f"{MODEL}\x00x"})):
+        for multipart in (False, True):
+            fields = {**data, "csrf_token": token}
+            r = c.post(path, files={k: (None, v) for k, v in fields.items()}) if multipart else c.post(path, data=fields)
+            assert r.status_code == 400 and "NUL" in r.text and r.headers["content-type"].startswith("text/html"), (path, r.status_code, r.text[:200])
+    assert "data-key-id" not in c.get(account_url).text  # no key was made
+    assert name.split("\x00")[1] not in c.get("/dashboard/admin/accounts").text
+
+
 def test_every_post_needs_the_session_token(gateway: Gateway) -> None:
     c, token = log_in(gateway, gateway.admin_key)
     name = f"csrf-{uuid.uuid4().hex[:6]}"

@@ -314,6 +314,53 @@ async def test_bad_admin_limits_and_ids(hostile_gw: Gateway, customer_key: dict[
     await still_serving(hostile_gw, customer_key["key"])
 
 
+async def test_admin_values_no_column_or_parser_takes_are_400s_naming_them(hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
+    """What the fuzz audit found as 500s or taken: instants that leave datetime's range in UTC, a
+    tax_id_type that is no string, Decimal-only spellings of an amount ("1_000", " 1 ", "1e3"), lax
+    booleans, alert URLs nothing can be posted to. Each a 400 naming its field."""
+    account = customer_key["account_id"]
+    edges = ("0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00")
+    async with hostile_gw.admin_client() as a:
+        for when in edges:
+            for path, body, field in (
+                ("/admin/keys", {"account_id": account, "expires_at": when}, "expires_at"),
+                (f"/admin/accounts/{account}/prices", {"model": MODEL, "multiplier": "2", "effective_from": when}, "effective_from"),
+                (f"/admin/accounts/{account}/credits", {"kind": "grant", "amount": "1", "expires_at": when}, "expires_at"),
+                ("/admin/prices", {"model": MODEL, "input_per_million": "1", "output_per_million": "1", "effective_from": when}, "effective_from"),
+            ):
+                assert clear_error(await a.post(path, json=body), 400)["param"] == field, (path, when)
+        past = {"model": MODEL, "input_per_million": "1", "output_per_million": "1", "effective_from": "2001-01-01T00:00:00Z"}
+        assert clear_error(await a.post("/admin/prices", json=past), 400)["param"] == "effective_from"
+        details = {"legal_name": "Acme", "country": "DE", "tax_id": "DE123456789"}
+        for bad in ([], {}, ["eu_vat"], 7):
+            r = await a.put(f"/admin/accounts/{account}/billing_details", json={**details, "tax_id_type": bad})
+            assert clear_error(r, 400)["param"] == "tax_id_type", bad
+        for amount in ("1_000", " 1 ", "1e3", "0x10", "1,5"):
+            assert clear_error(await a.post(f"/admin/accounts/{account}/credits", json={"kind": "grant", "amount": amount}), 400)["param"] == "amount"
+            clear_error(await a.patch(f"/admin/keys/{customer_key['id']}", json={"limits": {"monthly_spend": amount}}), 400)
+            price = {"model": MODEL, "input_per_million": amount, "output_per_million": "1"}
+            assert clear_error(await a.post("/admin/prices", json=price), 400)["param"] == "input_per_million"
+            r = await a.post(f"/admin/accounts/{account}/alerts", json={"metric": "monthly_spend", "threshold": amount, "url": "https://example.com/h"})
+            assert clear_error(r, 400)["param"] == "threshold", amount
+        # a limit Decimal would print in exponent form ("1E-7", "0E-9") is stored and read back plainly,
+        # and the key still authenticates (a stored "1E-7" used to lock the account's keys out)
+        for spend in ("0.0000001", "0.000000000"):
+            r = await a.patch(f"/admin/keys/{customer_key['id']}", json={"limits": {"monthly_spend": spend}})
+            assert r.status_code == 200 and r.json()["limits"]["monthly_spend"] == spend, r.text
+            async with httpx.AsyncClient(base_url=hostile_gw.v1, headers={"Authorization": f"Bearer {customer_key['key']}"}) as c:
+                assert (await c.get("/models")).status_code == 200
+        assert (await a.patch(f"/admin/keys/{customer_key['id']}", json={"limits": {"monthly_spend": None}})).status_code == 200
+        r = await a.put("/admin/tax_rates/DE", json={"rate": "-0"})
+        assert r.status_code == 200 and r.json()["rate"] == "0.000", r.text
+        assert (await a.delete("/admin/tax_rates/DE")).status_code in (200, 204)
+        clear_error(await a.post("/admin/invoices/close", json={"period": "2026-01", "wait": 0}), 400)
+        clear_error(await a.post(f"/admin/accounts/{account}/prices", json={"model": MODEL, "clear": 1}), 400)
+        for url in ("https://", "http://a b", "https://x\ny", "ftp://example.com/h", "https://example.com:99999/h"):
+            r = await a.post(f"/admin/accounts/{account}/alerts", json={"metric": "monthly_spend", "threshold": "1.00", "url": url})
+            assert clear_error(r, 400)["param"] == "url", url
+    await still_serving(hostile_gw, customer_key["key"])
+
+
 async def test_path_traversal_in_invoice_downloads(hostile_gw: Gateway, customer_key: dict[str, Any]) -> None:
     paths = [
         "/v1/invoices/..%2F..%2F..%2Fetc%2Fpasswd", "/v1/invoices/1/..%2F..%2Fetc%2Fpasswd", "/v1/invoices/%2e%2e/pdf",

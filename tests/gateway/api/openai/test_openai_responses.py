@@ -415,3 +415,25 @@ async def test_suspended_account_is_refused_before_admission(
     assert await gateway.ledger_count(key_id=customer["id"]) == 0
     monkeypatch.setattr(states, "suspension", real)
     assert (await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3)).usage.output_tokens == 3
+
+
+def test_a_truncation_that_starts_at_a_calls_output_is_a_conversation_it_may_try() -> None:
+    """`truncation: auto` tries cuts of the conversation; one can start with a call's output whose
+    call was cut away. The chat check that a tool message answers an earlier call is the chat API's
+    own (the Responses API checks its call ids itself): such a cut is tried, not a 400 (the review
+    of this change found the check there refusing it)."""
+    from gateway.api.openai.protocol import parse
+    from gateway.api.openai.responses_protocol import ResponsesRequest
+    from gateway.serving.completions import chat_equivalent
+
+    request = parse(ResponsesRequest, {"model": "m", "truncation": "auto", "input": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"type": "function_call", "call_id": "a", "name": "w", "arguments": "{}"},
+        {"type": "function_call", "call_id": "b", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "b", "output": "rain"}]})
+    body = request.chat_body()
+    for keep in range(1, request.droppable() + 1):
+        cut = {**body, "messages": list(body["messages"])}
+        request.keep_from(cut["messages"], keep)
+        assert chat_equivalent(cut, False, ()).messages, keep
