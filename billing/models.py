@@ -19,6 +19,22 @@ def as_utc(dt: datetime) -> datetime:
     return dt.replace(tzinfo=timezone.utc) if dt.tzinfo is None else dt.astimezone(timezone.utc)
 
 
+# The instants a caller may give (API, CLI): what the database and datetime both hold, in UTC.
+EARLIEST = datetime(1970, 1, 1, tzinfo=timezone.utc)
+LATEST = datetime(9999, 12, 1, tzinfo=timezone.utc)
+
+
+def given_instant(dt: datetime) -> datetime:
+    """A caller's time in UTC (as_utc), ValueError outside EARLIEST..LATEST."""
+    try:
+        utc = as_utc(dt)
+    except OverflowError:  # 0001-01-01T00:00:00+14:00 is before the first UTC instant datetime holds
+        utc = None
+    if utc is None or not EARLIEST <= utc <= LATEST:
+        raise ValueError(f"must be between {EARLIEST.isoformat()} and {LATEST.isoformat()}")
+    return utc
+
+
 class Account(SQLModel, table=True):
     __tablename__ = "accounts"
 

@@ -86,6 +86,12 @@ def test_bad_input_and_a_bad_database_are_one_line_of_error_not_a_traceback(tmp_
     for name in ("", " acme"):
         assert "1 to 200 characters" in refused("accounts", "create", name)
     assert json.loads(tollgate(tmp_path, "accounts", "list").stdout) == []
+    # times the API refuses, refused the same way by every command that takes one (keys create took
+    # them, to an OverflowError when one left datetime's range in UTC)
+    for args in (("keys", "create", "--account", "x", "--expires-at"), ("prices", "add", "m", "--input", "1", "--output", "1", "--effective-from"),
+                 ("credits", "add", "--account", "x", "--kind", "grant", "--amount", "1", "--expires-at")):
+        assert "must be between 1970-01-01" in refused(*args, "0001-01-01T00:00:00+14:00", code=2)
+        assert "not an ISO 8601 time" in refused(*args, "tomorrow", code=2)
 
 
 def test_limits_from_the_cli(data_dir: Path) -> None:

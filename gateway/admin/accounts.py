@@ -15,8 +15,8 @@ from billing.ledger.writer import usage_rows, usage_totals
 from billing.quota.limits import InvalidLimits, Limits
 from billing.prices.book import InvalidPrice
 from billing.quota import Scope
-from billing.models import as_utc
-from gateway.api.account.usage import EARLIEST, LATEST, parse_time
+from billing.models import given_instant
+from gateway.api.account.usage import parse_time
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.requests import MAX_ID, path_id, read_json
 from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
@@ -25,19 +25,9 @@ from gateway.http.json_response import json_response
 StrictStr = Annotated[str, Field(strict=True)]
 
 
-def _instant(value: datetime) -> datetime:
-    """A time of the admin API in UTC (SQLite keeps a time's clock reading and drops its offset),
-    within what the database and datetime both hold (as GET /v1/usage reads its times)."""
-    try:
-        utc = as_utc(value)
-    except OverflowError:  # 0001-01-01T00:00:00+14:00 is before the first UTC instant datetime holds
-        utc = None
-    if utc is None or not EARLIEST <= utc <= LATEST:
-        raise ValueError(f"must be between {EARLIEST.isoformat()} and {LATEST.isoformat()}")
-    return utc
-
-
-Instant = Annotated[datetime, AfterValidator(_instant)]
+# A time of the admin API: in UTC (SQLite keeps a time's clock reading and drops its offset), within
+# what the database and datetime both hold.
+Instant = Annotated[datetime, AfterValidator(given_instant)]
 
 
 

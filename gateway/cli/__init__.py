@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from datetime import datetime
 
+from billing.models import given_instant
 from gateway.http.requests import MAX_ID
 
 
@@ -23,3 +25,16 @@ def bounded(low: int, high: int, what: str = "a whole number"):  # type: ignore[
 
 
 db_id = bounded(1, MAX_ID, "an id")  # ids are 32-bit in the database
+
+
+def iso_time(raw: str) -> datetime:
+    """An argparse type: an ISO 8601 time, in UTC (one without an offset is UTC), within what the API
+    takes (billing.models.given_instant), or argparse's own error saying why."""
+    try:
+        value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not an ISO 8601 time") from None
+    try:
+        return given_instant(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{raw!r} {exc}") from None

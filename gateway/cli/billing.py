@@ -22,7 +22,6 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from billing.invoices.close import CloseResult, PeriodNotEnded, close_period
 from billing.keys.store import KeyStore
 from billing.invoices.periods import InvalidPeriod, Period
 from billing.prices.book import InvalidPrice, PriceBook
-from gateway.cli import db_id
+from gateway.cli import db_id, iso_time
 from gateway.config import Settings
 
 
@@ -72,16 +71,6 @@ def _period(raw: str) -> Period:
         return Period.parse(raw)
     except InvalidPeriod as exc:
         raise CommandError(str(exc)) from None
-
-
-def _time(raw: str | None) -> datetime | None:
-    if raw is None:
-        return None
-    try:
-        value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except ValueError:
-        raise CommandError(f"not an ISO 8601 time: {raw!r}") from None
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
 
 async def _account_id(settings: Settings, db: Any, name: str) -> int:
@@ -279,7 +268,7 @@ def cmd_prices_list(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_prices_add(settings: Settings, args: argparse.Namespace) -> int:
     version = _run(
         settings,
-        lambda db: PriceBook(db).add(args.model, args.input, args.output, _time(args.effective_from), backdate=args.backdate,
+        lambda db: PriceBook(db).add(args.model, args.input, args.output, args.effective_from, backdate=args.backdate,
                                      cached_input_per_million=args.cached_input),
     )
     _print(version.view())
@@ -299,7 +288,7 @@ def cmd_prices_override(settings: Settings, args: argparse.Namespace) -> int:
         account_id = await _account_id(settings, db, args.account)
         return await PriceBook(db).add_override(
             account_id, args.model, input_per_million=args.input, output_per_million=args.output,
-            multiplier=args.multiplier, clear=args.clear, effective_from=_time(args.effective_from), backdate=args.backdate,
+            multiplier=args.multiplier, clear=args.clear, effective_from=args.effective_from, backdate=args.backdate,
             cached_input_per_million=args.cached_input,
         )
 
@@ -359,7 +348,7 @@ def register(sub: Any) -> None:
     p_add.add_argument("--input", required=True, help='input tokens, e.g. "0.150"')
     p_add.add_argument("--output", required=True, help='output tokens, e.g. "0.600"')
     p_add.add_argument("--cached-input", help='prompt tokens served from the prefix cache, e.g. "0.075" (default: the input price)')
-    p_add.add_argument("--effective-from", help="ISO 8601 (default: now); a future time schedules it")
+    p_add.add_argument("--effective-from", type=iso_time, help="ISO 8601 (default: now); a future time schedules it")
     p_add.add_argument("--backdate", action="store_true", help="allow a past time (never inside a closed period)")
     p_add.set_defaults(func=_guarded(cmd_prices_add))
     p_ovs = pr.add_parser("overrides", help="list an account's overrides")
@@ -373,6 +362,6 @@ def register(sub: Any) -> None:
     p_ov.add_argument("--cached-input", help="custom price for cached prompt tokens (with --input/--output)")
     p_ov.add_argument("--multiplier", help='e.g. "0.85"')
     p_ov.add_argument("--clear", action="store_true", help="end the override (back to the base price)")
-    p_ov.add_argument("--effective-from", help="ISO 8601 (default: now)")
+    p_ov.add_argument("--effective-from", type=iso_time, help="ISO 8601 (default: now)")
     p_ov.add_argument("--backdate", action="store_true", help="allow a past time (never inside a closed period)")
     p_ov.set_defaults(func=_guarded(cmd_prices_override))

@@ -16,7 +16,8 @@ from typing import Any
 
 from billing.credits.balance import CreditBook, CreditError, parse_usd
 from billing.quota import LedgerTotals, RedisLimiter
-from gateway.cli.billing import CommandError, _account_id, _guarded, _print, _run, _time
+from gateway.cli import iso_time
+from gateway.cli.billing import CommandError, _account_id, _guarded, _print, _run
 from gateway.config import Settings
 from billing.credits.housekeeping import housekeeping
 
@@ -55,7 +56,7 @@ def cmd_add(settings: Settings, args: argparse.Namespace) -> int:
             if args.kind == "refund":
                 nanos = -abs(nanos)
             return await book.add(await _account_id(settings, db, args.account), args.kind, nanos,
-                                  reason=args.reason or ("cli" if args.kind != "adjustment" else None), expires_at=_time(args.expires_at))
+                                  reason=args.reason or ("cli" if args.kind != "adjustment" else None), expires_at=args.expires_at)
         except CreditError as exc:
             raise CommandError(str(exc)) from None
         finally:
@@ -95,7 +96,7 @@ def register(sub: Any) -> None:
     add.add_argument("--kind", required=True, choices=["topup", "grant", "refund", "adjustment"])
     add.add_argument("--amount", required=True, help='USD, e.g. "10.00" (an adjustment may be negative)')
     add.add_argument("--reason", help="why (required for an adjustment)")
-    add.add_argument("--expires-at", help="a grant's expiry (ISO 8601)")
+    add.add_argument("--expires-at", type=iso_time, help="a grant's expiry (ISO 8601)")
     add.set_defaults(func=_guarded(cmd_add))
     post = cr.add_parser("post", help="post prepaid usage to the credit ledger and remove expired grants now")
     post.set_defaults(func=_guarded(cmd_post))

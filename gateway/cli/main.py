@@ -9,7 +9,6 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -19,7 +18,7 @@ from billing.db import create_engine
 from billing.keys.store import AccountExists, KeyStore, UnknownAccount
 from gateway.cli import bench as cli_bench, billing as cli_billing, credits as cli_credits, ledger as cli_ledger, ops as cli_ops
 from gateway.config import Settings, for_workers, load_settings, worker_settings
-from gateway.cli import db_id
+from gateway.cli import db_id, iso_time
 from gateway.http.logs import configure_logging
 
 
@@ -199,20 +198,13 @@ def cmd_accounts_list(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_time(raw: str | None) -> datetime | None:
-    if raw is None:
-        return None
-    value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-
-
 def cmd_keys_create(settings: Settings, args: argparse.Namespace) -> int:
     async def create(keys: KeyStore) -> Any:
         account = await keys.get_account(name=args.account)
         if account is None:
             raise UnknownAccount(args.account)
         models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
-        return await keys.create_key(account["id"], name=args.name, models=models, expires_at=_parse_time(args.expires_at))
+        return await keys.create_key(account["id"], name=args.name, models=models, expires_at=args.expires_at)
 
     try:
         created = _with_keys(settings, create)
@@ -368,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     k_create.add_argument("--account", required=True, help="account name")
     k_create.add_argument("--name", help="a label for the key")
     k_create.add_argument("--models", help="comma-separated model ids the key may use (default: all)")
-    k_create.add_argument("--expires-at", help="ISO 8601 expiry time (UTC when no offset)")
+    k_create.add_argument("--expires-at", type=iso_time, help="ISO 8601 expiry time (UTC when no offset)")
     k_create.set_defaults(func=cmd_keys_create)
     k_list = keys.add_parser("list", help="list keys (never their secrets)")
     k_list.add_argument("--account", help="only this account's keys")

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from billing.keys.store import Principal
 from billing.ledger.aggregates import GROUPS, Period, usage_groups
+from billing.models import given_instant
 from gateway.http.errors import InvalidRequest, PermissionDenied
 from gateway.http.requests import MAX_ID, authenticate, id_value
 from gateway.dashboard.sessions import current_session
@@ -28,8 +29,6 @@ MAX_DAYS = 3 * 366
 # The instants a usage query may name: from the Unix epoch (no usage is older) to well before the
 # end of datetime's range, so the whole hours covering them (and a default start 30 days before an
 # end) can always be computed.
-EARLIEST = datetime(1970, 1, 1, tzinfo=timezone.utc)
-LATEST = datetime(9999, 12, 1, tzinfo=timezone.utc)
 
 
 async def caller(request: Request) -> Principal:
@@ -53,12 +52,9 @@ def parse_time(raw: str | None, name: str) -> datetime | None:
         raise InvalidRequest(f"{name} must be an ISO 8601 date or time, or a Unix timestamp", param=name) from None
     value = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
     try:
-        in_range = EARLIEST <= value.astimezone(timezone.utc) <= LATEST
-    except OverflowError:  # 0001-01-01T00:00:00+01:00 is before the first UTC instant datetime holds
-        in_range = False
-    if not in_range:
-        raise InvalidRequest(f"{name} must be between {EARLIEST.isoformat()} and {LATEST.isoformat()}", param=name,
-                             code="invalid_value")
+        given_instant(value)
+    except ValueError as exc:
+        raise InvalidRequest(f"{name} {exc}", param=name, code="invalid_value") from None
     return value
 
 
