@@ -43,6 +43,22 @@ def stripe_env(fake: FakeStripePayments) -> dict[str, str]:
             "TOLLGATE_CREDITS_CHECK_SECONDS": "0"}
 
 
+def account_with_key(url: str, prefix: str) -> tuple[int, str]:
+    """A new account of the migrated database at `url` and a key of it."""
+    migrate.upgrade(url)
+
+    async def make() -> tuple[int, str]:
+        db = create_engine(url)
+        try:
+            keys = KeyStore(db, SECRET.encode())
+            account = (await keys.create_account(f"{prefix}-" + uuid.uuid4().hex[:6]))["id"]
+            return account, (await keys.create_key(account))["key"]
+        finally:
+            await db.dispose()
+
+    return run_coro(make())  # type: ignore[no-any-return]
+
+
 def test_checkout_top_up_credits_once_refund_debits_and_auto_recharge(fake: FakeStripePayments, fresh_pg_database: Any,
                                                                        tmp_path: Path) -> None:
     url = fresh_pg_database(migrated=True)
@@ -178,18 +194,7 @@ def test_stripe_event_sequences_credit_what_stripe_collected_once(fake: FakeStri
     completes unpaid and then succeeds or fails, a refund that later fails, an off-session
     recharge declined for authentication, and one whose answer from Stripe was lost."""
     url = fresh_pg_database(migrated=True)
-    migrate.upgrade(url)
-
-    async def make() -> tuple[int, str]:
-        db = create_engine(url)
-        try:
-            keys = KeyStore(db, SECRET.encode())
-            account = (await keys.create_account("seq-" + uuid.uuid4().hex[:6]))["id"]
-            return account, (await keys.create_key(account))["key"]
-        finally:
-            await db.dispose()
-
-    account, key = run_coro(make())
+    account, key = account_with_key(url, "seq")
     rng = random.Random(34)
     with serve(url, tmp_path, **stripe_env(fake)) as app:
         hook = app.base_url + "/webhooks/stripe"
@@ -300,18 +305,7 @@ def test_a_checkout_stripe_cannot_make_is_a_502_and_the_dashboard_says_so(fake: 
     with Retry-After, the dashboard goes back to the account page saying it failed (both were a 500),
     nothing is credited, and the server keeps serving."""
     url = fresh_pg_database(migrated=True)
-    migrate.upgrade(url)
-
-    async def make() -> tuple[int, str]:
-        db = create_engine(url)
-        try:
-            keys = KeyStore(db, SECRET.encode())
-            account = (await keys.create_account("pre-" + uuid.uuid4().hex[:6]))["id"]
-            return account, (await keys.create_key(account))["key"]
-        finally:
-            await db.dispose()
-
-    account, key = run_coro(make())
+    account, key = account_with_key(url, "pre")
     env = {**stripe_env(fake), "TOLLGATE_STRIPE_MAX_RETRIES": "0"}
     fake.stop()  # nothing answers at its address now
     with serve(url, tmp_path, **env) as app:
