@@ -305,17 +305,36 @@ def cached_tokens(usage: dict[str, Any] | None) -> int | None:
 
 
 def upstream_error_message(raw: bytes) -> tuple[str, str | None, str | None]:
-    """(message, param, code) from an upstream's error body, whatever its flavour."""
+    """(message, param, code) from an upstream's error body, whatever its flavour. `code` as OpenAI's
+    (a short string or none): vLLM's and trtllm-serve's are the HTTP status as a number, which is
+    none; their context overflow is OpenAI's `context_length_exceeded`."""
     try:
         payload = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return raw.decode("utf-8", "replace")[:500] or "no message", None, None
     error = payload.get("error", payload) if isinstance(payload, dict) else payload
     if isinstance(error, dict):
-        message = error.get("message") or error.get("detail") or str(error)
+        message = str(error.get("message") or error.get("detail") or str(error))
         code = error.get("code")
-        return str(message)[:500], error.get("param"), str(code) if code is not None else None
+        named = code if isinstance(code, str) and not code.isdigit() else None
+        if named is None and "maximum context length" in message:
+            named = "context_length_exceeded"
+        param = error.get("param")
+        return message[:500], param if isinstance(param, str) else None, named
     return str(error)[:500], None, None
+
+
+def event_status(error: Any) -> int | None:
+    """The HTTP status an upstream's in-stream error event stands for: its numeric `code` (vLLM,
+    trtllm-serve), else 400 for a bad-request type; None when it says none."""
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if type(code) is int and 400 <= code <= 599:
+        return code
+    return 400 if error.get("type") in ("BadRequestError", "invalid_request_error") else None
 
 
 class OpenAIPoolEngine(Engine):
@@ -703,7 +722,15 @@ class OpenAIPoolEngine(Engine):
                             continue  # not an event we understand; keep reading
                         choices = chunk.get("choices")
                         if chunk.get("error") and not choices:
-                            kind, value = "error", "error event: " + upstream_error_message(orjson.dumps(chunk))[0]
+                            status = event_status(chunk["error"])
+                            if status in CLIENT_ERRORS and first_at is None:
+                                # vLLM checks some fields only once its stream has begun (top_logprobs past
+                                # 20, a logit_bias id past the vocabulary): 200, then an error event with
+                                # code 400. The request's fault as its 400 would be: relayed, never retried,
+                                # never a failure of the replica (three such requests ejected it for everyone).
+                                kind, value = "status", (status, orjson.dumps(chunk))
+                            else:
+                                kind, value = "error", "error event: " + upstream_error_message(orjson.dumps(chunk))[0]
                             break
                         usage = chunk.get("usage") or usage
                         for choice in choices or ():

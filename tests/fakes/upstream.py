@@ -34,6 +34,7 @@ class Behaviour:
     tool_calls: list[dict[str, Any]] | None = None  # stream these calls (name, arguments) instead of text
     finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
     error_event_after: int | None = None  # after this many chunks, send an `error` event and end
+    error_event: dict[str, Any] | None = None  # that event's body (vLLM's ErrorResponse for a bad field); default a bare message
     ending: str = "done"  # after the finish (and usage): "done" sends [DONE], "eof" just ends the body, "drop" breaks it
     error_body: dict[str, Any] | None = None  # with a status: this body as it is (e.g. trtllm-serve's ErrorResponse)
     # Generate at most the body's max_tokens (chat: max_completion_tokens, else max_tokens) of `tokens`,
@@ -188,7 +189,8 @@ class ScriptedUpstream:
             if behaviour.drop_after is not None and n == behaviour.drop_after:
                 raise ConnectionAbortedError("scripted connection drop")  # uvicorn closes the socket mid-body
             if behaviour.error_event_after is not None and n == behaviour.error_event_after:
-                await send({"type": "http.response.body", "body": b'data: {"error": {"message": "scripted error event"}}\n\n', "more_body": False})
+                event = behaviour.error_event or {"error": {"message": "scripted error event"}}
+                await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n", "more_body": False})
                 return
             await emit([{"index": 0, "logprobs": None, "finish_reason": None, **piece}])
             seen.chunks_sent += 1

