@@ -13,11 +13,7 @@ _PLAIN = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 
 def plain_decimal(value: Any) -> Decimal:
     """The amount `value` (an int, a Decimal, or a string as above) says; InvalidOperation for anything else."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return Decimal(value)
-    if isinstance(value, Decimal):  # the code's own, exact already
-        return value if value or not value.is_signed() else abs(value)
-    if not isinstance(value, str) or not _PLAIN.fullmatch(value):
+    if isinstance(value, bool) or not (isinstance(value, (int, Decimal)) or (isinstance(value, str) and _PLAIN.fullmatch(value))):
         raise InvalidOperation(f"not a plain decimal: {value!r}")
     amount = Decimal(value)
-    return amount if amount else Decimal(0).quantize(amount)  # "-0.00" is 0.00
+    return amount if amount else abs(amount)  # "-0.00" is 0.00

@@ -23,7 +23,7 @@ from typing import Any
 
 from engines.decoding import guided
 from engines.base import FINISH_STOP, EngineOutput, EngineRequestRejected
-from engines.decoding.tool_calls import ToolCall, ToolCallParser, parser_for
+from engines.decoding.tool_calls import ToolCall, ToolCallParser, parser_for, partial_tag
 
 CALL_FORMATS = {
     "hermes": (
@@ -299,7 +299,7 @@ class HermesDeltas:
             if not self._in_call:
                 start = self._buf.find(self.OPEN)
                 if start < 0:
-                    keep = 0 if final else _partial(self._buf, self.OPEN)
+                    keep = 0 if final else partial_tag(self._buf, self.OPEN)
                     content += "" if self.calls else self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     return content, deltas
@@ -336,10 +336,6 @@ class HermesDeltas:
                 return content, deltas
 
 
-def _partial(buf: str, tag: str) -> int:
-    return next((n for n in range(min(len(buf), len(tag) - 1), 0, -1) if tag.startswith(buf[-n:])), 0)
-
-
 def _args_end(args: str) -> str:
     """A finished call's arguments: its text without the call object's closing brace."""
     args = args.rstrip()
@@ -349,7 +345,7 @@ def _args_end(args: str) -> str:
 def _args_safe(args: str) -> str:
     """What of a call's arguments can be sent while it streams: all but a tail that may still turn
     out to be the call object's closing brace (or the start of the closing tag)."""
-    args = args[: len(args) - _partial(args, HermesDeltas.CLOSE)]
+    args = args[: len(args) - partial_tag(args, HermesDeltas.CLOSE)]
     return _args_end(args)
 
 

@@ -39,6 +39,11 @@ def _call_from(obj: Any, args_key: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
+def partial_tag(buf: str, tag: str) -> int:
+    """How many characters at the end of `buf` may be the start of `tag` (held back until known)."""
+    return next((n for n in range(min(len(buf), len(tag) - 1), 0, -1) if tag.startswith(buf[-n:])), 0)
+
+
 class ToolCallParser(abc.ABC):
     """push(text) -> (content, calls completed by it); finish() -> (content left, calls left)."""
 
@@ -85,7 +90,7 @@ class HermesParser(ToolCallParser):
                 content += self._content(self._buf[:start])
                 self._buf, self._in_call = self._buf[start + len(self.OPEN):], True
                 continue
-            keep = next((n for n in range(min(len(self._buf), len(self.OPEN) - 1), 0, -1) if self.OPEN.startswith(self._buf[-n:])), 0)
+            keep = partial_tag(self._buf, self.OPEN)
             content += self._content(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return content, calls
@@ -102,8 +107,7 @@ class HermesParser(ToolCallParser):
         if self._in_call:  # the answer ended inside a call (e.g. cut by max_tokens): one last try
             self._in_call = False
             # without the start of a closing tag the cut left (`...}}\n</tool_call`), as the stream parses it
-            tail = next((n for n in range(min(len(buf), len(self.CLOSE) - 1), 0, -1) if self.CLOSE.startswith(buf[-n:])), 0)
-            call = self._parse(buf[: len(buf) - tail])
+            call = self._parse(buf[: len(buf) - partial_tag(buf, self.CLOSE)])
             return ("", [call]) if call is not None else (self._content(self.OPEN + buf), [])
         return self._content(buf), []
 

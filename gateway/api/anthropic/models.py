@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from engines.base import Engine
 from gateway.api.anthropic.messages import _answered, api_key
+from gateway.api.openai.models import usable_engines
 from gateway.http.errors import InvalidRequest, NotFound
 from gateway.http.json_response import json_response
 from gateway.http.requests import authenticate
@@ -32,12 +33,6 @@ def _info(engine: Engine) -> dict[str, Any]:
     return info
 
 
-def _usable(request: Request, principal: Any) -> list[Engine]:
-    engines: dict[str, Engine] = request.app.state.service.engines
-    # Aliases resolve to the same engine under another key; the list names each model once.
-    return [e for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
-
-
 def _limit(request: Request) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
@@ -49,7 +44,7 @@ def _limit(request: Request) -> int:
 
 async def _list(request: Request, request_id: str) -> Response:
     principal = await authenticate(request, request.app.state.keys, api_key(request))
-    models = [_info(e) for e in _usable(request, principal)]
+    models = [_info(e) for e in usable_engines(request, principal)]
     ids = [m["id"] for m in models]
     after, before, limit = request.query_params.get("after_id"), request.query_params.get("before_id"), _limit(request)
     if after is not None and before is not None:

@@ -46,11 +46,16 @@ def _embedding_models(request: Request) -> dict[str, Any]:
     return service.models if service is not None else {}
 
 
+def usable_engines(request: Request, principal: Principal) -> list[Engine]:
+    """The generation models the key may use, each once (an alias resolves to the same engine under
+    another name), for both APIs' model lists."""
+    engines: dict[str, Engine] = request.app.state.service.engines
+    return [e for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
+
+
 async def list_models(request: Request) -> Response:
     principal = await authenticate(request, request.app.state.keys)
-    engines: dict[str, Engine] = request.app.state.service.engines
-    # Aliases resolve to the same engine under another key; the list names each model once.
-    data = [await _priced_card(request, principal, e) for mid, e in engines.items() if mid == e.model_id and principal.may_use(mid)]
+    data = [await _priced_card(request, principal, e) for e in usable_engines(request, principal)]
     data += [await _embedding_card(request, principal, m) for mid, m in _embedding_models(request).items() if principal.may_use(mid)]
     return json_response({"object": "list", "data": data})
 
