@@ -45,6 +45,7 @@ from engines.backends.openai_stream import (
     ChoiceAccumulator,
     SSEDecoder,
     TokenCounter,
+    chunk_choice,
     delta_is_empty,
     non_text_parts,
     normalized_finish,
@@ -759,7 +760,7 @@ class OpenAIPoolEngine(Engine):
                             if not collect:
                                 batch.append(EngineOutput(
                                     text, [], None, prompt_estimate, completion_estimate,
-                                    estimated=True, raw_choice=choice if streaming else None,
+                                    estimated=True, raw_choice=chunk_choice(choice) if streaming else None,
                                 ))
                     else:
                         if not done:
@@ -779,7 +780,7 @@ class OpenAIPoolEngine(Engine):
                     self.pool.succeeded(replica)
                     reason = normalized_finish(finish.get("finish_reason")) if finish else "stop"
                     if streaming:
-                        raw = {**finish, "finish_reason": reason} if finish else None
+                        raw = {**chunk_choice(finish), "finish_reason": reason} if finish else None
                     else:
                         raw = merged.choice() if relay else None
                     text = self._text_of(finish, chat) if finish else ""

@@ -50,6 +50,19 @@ class SSEDecoder:
         return data
 
 
+# The keys of a choice in OpenAI's stream chunk (chat: `delta`; completions: `text`). vLLM and
+# trtllm-serve add their own (`stop_reason`, `token_ids`, ...): not relayed, as the unstreamed body,
+# merged from the same chunks, has none of them either.
+CHUNK_CHOICE_KEYS = frozenset({"index", "delta", "text", "logprobs", "finish_reason"})
+
+
+def chunk_choice(choice: dict[str, Any]) -> dict[str, Any]:
+    """An upstream's streamed choice as OpenAI's chunk has it: the choice itself when it has no other key."""
+    if choice.keys() <= CHUNK_CHOICE_KEYS:
+        return choice
+    return {key: value for key, value in choice.items() if key in CHUNK_CHOICE_KEYS}
+
+
 def normalized_finish(reason: Any) -> str:
     if reason in EARLY_ENDS:
         return "length"

@@ -422,6 +422,28 @@ async def test_the_stop_string_vllm_stopped_at_is_anthropics_stop_sequence(vllm:
         assert msg.content[0].type == "text" and word not in msg.content[0].text and answer.startswith(msg.content[0].text.rstrip())
 
 
+async def test_streamed_choices_carry_only_openais_keys(vllm: VLLMServer, pool: ModelsGateway, tenant_key: str) -> None:
+    """vLLM's streamed choices carry its own keys (the finish chunk's `stop_reason`); OpenAI's chunk
+    has none, nor does the unstreamed body the pool merges from the same chunks: relayed without them."""
+    stop = ["zzz", " Paris"]  # vLLM names the stop string in `stop_reason`; null where it stopped otherwise
+
+    async def extra_keys(client: AsyncOpenAI, model: str, chat: bool) -> set[str]:
+        if chat:
+            stream = await client.chat.completions.create(model=model, messages=HI, max_tokens=16, temperature=0, stop=stop, stream=True)
+        else:
+            stream = await client.completions.create(model=model, prompt="The capital of France is", max_tokens=16, temperature=0,
+                                                     stop=stop, stream=True)
+        keys: set[str] = set()
+        async for chunk in stream:
+            for choice in chunk.choices:
+                keys |= set(choice.model_extra or {})
+        return keys
+
+    for chat in (True, False):
+        assert "stop_reason" in await extra_keys(direct(vllm), SERVED, chat), chat  # what vLLM streams
+        assert await extra_keys(through(pool, tenant_key), POOL, chat) == set(), chat
+
+
 # a client that leaves: vLLM aborts, the row has what was delivered --------------------------------
 async def test_client_disconnect_aborts_the_request_in_vllm(vllm: VLLMServer, pool: ModelsGateway, tenant_key: str) -> None:
     # ignore_eos is vLLM's own field (passed through): without the abort it would run all 200 tokens
