@@ -62,6 +62,8 @@ def test_accounts_and_keys(data_dir: Path) -> None:
     assert json.loads(revoked.stdout)["revoked_at"] is not None
     assert tollgate(data_dir, "keys", "revoke", "999").returncode == 1
     assert tollgate(data_dir, "keys", "create", "--account", "nobody").returncode == 1
+    past = tollgate(data_dir, "keys", "create", "--account", "acme", "--expires-at", "2001-01-01T00:00:00Z")
+    assert past.returncode == 1 and "expires_at must be in the future" in past.stderr, past.stderr
     assert (data_dir / "secret").stat().st_mode & 0o077 == 0
 
 

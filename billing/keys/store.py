@@ -36,6 +36,10 @@ class UnknownAccount(Exception):
     pass
 
 
+class PastExpiry(ValueError):
+    """A key created with an `expires_at` already past: it would never authenticate."""
+
+
 class KeyStoreUnavailable(Exception):
     """The database could not be asked about a key that is not cached."""
 
@@ -167,6 +171,8 @@ class KeyStore:
         key: str | None = None,
     ) -> dict[str, Any]:
         """Creates a key; the returned dict holds the secret under "key", the only time it is shown."""
+        if expires_at is not None and _aware(expires_at) <= utcnow():
+            raise PastExpiry("expires_at must be in the future: the key would never authenticate")
         if await self.get_account(account_id=account_id) is None:
             raise UnknownAccount(str(account_id))
         secret_key = key or generate_key()

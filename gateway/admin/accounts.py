@@ -10,7 +10,7 @@ from pydantic import AfterValidator, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from billing.keys.store import AccountExists, UnknownAccount
+from billing.keys.store import AccountExists, PastExpiry, UnknownAccount
 from billing.ledger.writer import usage_rows, usage_totals
 from billing.quota.limits import InvalidLimits, Limits
 from billing.prices.book import InvalidPrice
@@ -189,6 +189,8 @@ async def create_key(request: Request) -> Response:
     body = parse(CreateKey, await read_json(request, state.settings.http.max_body_bytes))
     try:
         key = await state.keys.create_key(body.account_id, name=body.name, models=body.models, expires_at=body.expires_at)
+    except PastExpiry as exc:
+        raise InvalidRequest(str(exc), param="expires_at", code="invalid_value") from None
     except UnknownAccount:
         raise NotFound(f"No account with id {body.account_id}.", param="account_id") from None
     return json_response(key, 201)

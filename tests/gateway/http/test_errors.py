@@ -11,7 +11,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+import sqlalchemy as sa
 
+from billing.db import create_engine
 from engines.backends.hf import HFEngine
 from gateway.app import create_app
 from gateway.config import Settings
@@ -65,11 +67,26 @@ async def test_revoked_key_is_401(gateway: Gateway, client_for: Any) -> None:
 
 
 async def test_expired_key_is_401(gateway: Gateway, client_for: Any) -> None:
-    past = (datetime.now(timezone.utc) - timedelta(minutes=1)).isoformat()
-    key = await gateway.new_key(expires_at=past)
+    key = await gateway.new_key(expires_at=(datetime.now(timezone.utc) + timedelta(hours=1)).isoformat())
+    db = create_engine(gateway.db_url)
+    try:  # its hour has passed (before its first use: nothing cached it)
+        async with db.begin() as conn:
+            await conn.execute(sa.text("UPDATE api_keys SET expires_at = :t WHERE id = :i"),
+                               {"t": datetime.now(timezone.utc) - timedelta(minutes=1), "i": key["id"]})
+    finally:
+        await db.dispose()
     with pytest.raises(openai.AuthenticationError) as info:
         await client_for(key["key"]).chat.completions.create(model=MODEL, messages=QUESTION)
     assert assert_openai_shape(info.value.response.json())["code"] == "key_expired"
+
+
+async def test_a_key_cannot_be_created_already_expired(gateway: Gateway) -> None:
+    """It would never authenticate: a 400 naming `expires_at`, before the account is looked up."""
+    past = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
+    async with gateway.admin_client() as admin:
+        for account_id in ((await gateway.new_account())["id"], 10**9):
+            r = await admin.post("/admin/keys", json={"account_id": account_id, "expires_at": past})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "expires_at", r.text
 
 
 async def test_model_not_allowed_for_key_is_403(gateway: Gateway, client_for: Any) -> None:
