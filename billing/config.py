@@ -158,8 +158,9 @@ class BillingConfig:
             lookback_months=env_int(env, "TOLLGATE_BILLING_LOOKBACK_MONTHS", 3),
             grace_seconds=env_float(env, "TOLLGATE_BILLING_GRACE_SECONDS", 7 * 86400.0),
             state_refresh_seconds=env_float(env, "TOLLGATE_BILLING_STATE_REFRESH_SECONDS", 1.0),
-            stripe_api_key=env.get("TOLLGATE_STRIPE_API_KEY") or None,
-            stripe_webhook_secret=env.get("TOLLGATE_STRIPE_WEBHOOK_SECRET") or None,
+            # A secret read from a file into the environment ends in a newline, which no header may hold.
+            stripe_api_key=(env.get("TOLLGATE_STRIPE_API_KEY") or "").strip() or None,
+            stripe_webhook_secret=(env.get("TOLLGATE_STRIPE_WEBHOOK_SECRET") or "").strip() or None,
             stripe_api_base=env.get("TOLLGATE_STRIPE_API_BASE") or None,
             stripe_max_retries=env_int(env, "TOLLGATE_STRIPE_MAX_RETRIES", 2),
             collection_method=method,

@@ -82,6 +82,13 @@ def _names(v: Any) -> str | None:
     return None if len(set(v)) == len(v) else "lists a name twice"
 
 
+def upstream_key(value: str) -> str | None:
+    """An upstream key as read from the environment: its surrounding whitespace dropped (a key read
+    from a file ends in a newline), None when what is left could not be sent in a header."""
+    key = value.strip()
+    return key if key and all(" " < c < "\x7f" for c in key) else None
+
+
 def _urls(v: Any) -> str | None:
     if not isinstance(v, list) or not v:
         return f"must be a non-empty list of base URLs, got {_show(v)}"
@@ -363,16 +370,26 @@ def _parse_entry(
     if backend == "openai" and _int(1)(bound) is None and _int(16)(context) is None and bound > context:
         problem(path + ("tokens_per_non_text_part",), f"must be at most context_length ({context}), got {bound}")
         ok = False
-    if backend == "openai" and isinstance(entry.get("api_key_env"), str) and entry["api_key_env"] not in environ:
-        problem(path + ("api_key_env",), f"environment variable {entry['api_key_env']} is not set")
-        ok = False
+    key_env = entry.get("api_key_env") if backend == "openai" else None
+    if isinstance(key_env, str):
+        # Never quoted unless it is a variable's name: a key pasted here by mistake is not printed.
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
+            problem(path + ("api_key_env",), "must be the name of an environment variable (letters, digits and _), not the key itself")
+            ok = False
+        elif key_env not in environ:
+            problem(path + ("api_key_env",), f"environment variable {key_env} is not set")
+            ok = False
+        elif not upstream_key(environ[key_env]):
+            problem(path + ("api_key_env",), f"environment variable {key_env} holds no usable key: empty, or spaces or control "
+                                             "characters inside it")
+            ok = False
     if not ok:
         return None
     params = {k: v for k, v in entry.items() if k not in COMMON}
     if backend == "openai":
         params["context_length"] = entry["context_length"]
         key_env = params.pop("api_key_env", None)
-        params["api_key"] = environ[key_env] if key_env else None
+        params["api_key"] = upstream_key(environ[key_env]) if key_env else None
     return ModelSpec(
         id=entry["id"],
         backend=backend,

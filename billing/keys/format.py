@@ -22,6 +22,10 @@ _KEY = re.compile(rf"sk-[{_CHARS}]{{{MIN_LENGTH - len(PREFIX)},{MAX_LENGTH - len
 # anything, a whole key's length of them (a client's "zz<key>" still holds the key).
 _KEY_IN_TEXT = re.compile(rf"(?<![A-Za-z0-9])sk-[{_CHARS}]{{4,}}|sk-[{_CHARS}]{{{MIN_LENGTH - len(PREFIX)},}}")
 MASK = "sk-***"
+# Stripe's secrets that the billing settings hold (secret and restricted keys, the webhook signing
+# secret): masked too, should a library's error or a log line quote one.
+_STRIPE_SECRET = re.compile(r"(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{8,}|whsec_[A-Za-z0-9+/=]{8,}")
+STRIPE_MASK = "***"
 
 
 def key_problem(key: str) -> str | None:
@@ -44,5 +48,9 @@ def looks_like_key(key: str) -> bool:
 
 
 def mask_keys(text: str) -> str:
-    """`text` with everything shaped like an API key replaced by `sk-***`."""
-    return _KEY_IN_TEXT.sub(MASK, text) if PREFIX in text else text
+    """`text` with everything shaped like an API key replaced by `sk-***`, and Stripe's secrets by `***`."""
+    if PREFIX in text:
+        text = _KEY_IN_TEXT.sub(MASK, text)
+    if "k_" in text or "whsec_" in text:
+        text = _STRIPE_SECRET.sub(STRIPE_MASK, text)
+    return text

@@ -98,6 +98,14 @@ class Replica:
         """How clients see it in error messages (never the internal address)."""
         return f"replica #{self.index}"
 
+    @property
+    def shown(self) -> str:
+        """Its URL for the logs: credentials written into it (`https://user:token@host/v1`) left out."""
+        parts = urlsplit(self.url)
+        if "@" not in parts.netloc:
+            return self.url
+        return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+
 
 class ReplicaPool:
     """Least-outstanding-requests balancing with passive and active ejection.
@@ -168,7 +176,7 @@ class ReplicaPool:
     def failed(self, replica: Replica, reason: str) -> None:
         replica.failures += 1
         replica.last_error = reason
-        log.warning("upstream %s failed (%d in a row): %s", replica.url, replica.failures, reason)
+        log.warning("upstream %s failed (%d in a row): %s", replica.shown, replica.failures, reason)
         if replica.failures >= self.eject_after:
             self.eject(replica, reason)
 
@@ -177,7 +185,7 @@ class ReplicaPool:
             replica.ejected = True
             replica.ejections += 1
             replica.ejected_until = self._clock() + self.cooldown
-            log.warning("upstream %s ejected for %.0fs: %s", replica.url, self.cooldown, reason)
+            log.warning("upstream %s ejected for %.0fs: %s", replica.shown, self.cooldown, reason)
 
     def health_result(self, replica: Replica, ok: bool, reason: str = "") -> None:
         if not ok:
@@ -189,11 +197,11 @@ class ReplicaPool:
     def _reinstate(self, replica: Replica) -> None:
         replica.ejected = False
         replica.failures = 0
-        log.info("upstream %s back in rotation", replica.url)
+        log.info("upstream %s back in rotation", replica.shown)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [
-            {"url": r.url, "outstanding": r.outstanding, "ejected": r.ejected, "failures": r.failures,
+            {"url": r.shown, "outstanding": r.outstanding, "ejected": r.ejected, "failures": r.failures,
              "ejections": r.ejections, "served": r.served, "last_error": r.last_error}
             for r in self.replicas
         ]
@@ -795,6 +803,7 @@ class OpenAIPoolEngine(Engine):
                     return
                 # an error: retry elsewhere while no output has come from this replica, else end the
                 # stream with it (after what came: the client has it or is about to)
+                value = self._scrubbed(value)
                 self.pool.failed(replica, value)
                 if first_at is None:
                     raise _Retryable(f"{replica.label}: {value}")
@@ -814,8 +823,14 @@ class OpenAIPoolEngine(Engine):
             live.exchange = None
             await exchange.close(grace=1.0 if clean_end else 0.0)
 
+    def _scrubbed(self, text: str) -> str:
+        """`text` without this pool's upstream key: an HTTP library's error may quote the header it
+        refused, and an upstream's error may quote the key it was given."""
+        return text.replace(self._api_key, "***") if self._api_key and self._api_key in text else text
+
     def _raise_for_status(self, replica: Replica, status: int, raw: bytes) -> None:
         message, param, code = upstream_error_message(raw)
+        message = self._scrubbed(message)
         if status == 400 and engine_is_dead(message):
             # Not the request's fault and not going to pass: out of rotation now, another replica tries.
             self.pool.failed(replica, f"HTTP 400, engine dead: {message[:200]}")

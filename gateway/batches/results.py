@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from billing.batches.store import Line, line_request_id
+from billing.keys.format import mask_keys
 from gateway.api.anthropic.errors import anthropic_type
 from gateway.http.requests import MAX_JSON_DEPTH, too_deep
 
@@ -26,6 +27,7 @@ class BadInput(ValueError):
     empty_file, too_many_tasks), `line` (1-based; None for the whole file), `param`."""
 
     def __init__(self, message: str, line: int | None = None, code: str = "invalid_request", param: str | None = None) -> None:
+        message = mask_keys(message)  # it may quote a line's custom_id or model: stored, and shown to every reader of the batch
         super().__init__(f"line {line}: {message}" if line else message)
         self.message, self.line, self.code, self.param = message, line, code, param
 

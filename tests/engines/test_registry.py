@@ -183,3 +183,23 @@ def test_the_server_builds_its_engines_from_its_settings_not_the_environment(tmp
     assert type(one) is HFEngine and one._cache_dir == tmp_path / "cache"
     [own_process] = build_engines(Settings(engines=EngineSettings(cache_dir=tmp_path / "cache", process=True))).values()
     assert isinstance(own_process, HFProcessEngine) and own_process._params["cache_dir"] == tmp_path / "cache"
+
+
+def test_an_upstream_key_is_never_quoted_and_must_fit_a_header() -> None:
+    """`api_key_env` names a variable: a key pasted there instead is refused without being printed.
+    The variable's value loses its surrounding whitespace (a key file's newline); one that still
+    could not be a header value is refused, again without printing it."""
+    pasted = "sk-proj-" + "x9" * 20
+
+    def pool(env_name: str) -> str:
+        return f"models:\n  - id: p\n    backend: openai\n    context_length: 4096\n    replicas: [http://x/v1]\n    api_key_env: {env_name}\n"
+
+    said = problems(pool(pasted))
+    assert said == ["models.yaml:6: models[0].api_key_env: must be the name of an environment variable (letters, digits and _), "
+                    "not the key itself"] and pasted not in str(said)
+    for value in ("", " \n", "two words", "tab\tinside"):
+        said = problems(pool("POOL_KEY"), {"POOL_KEY": value})
+        assert said == ["models.yaml:6: models[0].api_key_env: environment variable POOL_KEY holds no usable key: empty, or "
+                        "spaces or control characters inside it"], value
+    table = parse_models(pool("POOL_KEY"), "models.yaml", environ={"POOL_KEY": f" {pasted}\r\n"})
+    assert table.specs["p"].params["api_key"] == pasted

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import textwrap
 import time
 from typing import Any
@@ -275,6 +276,30 @@ async def test_an_upstream_client_error_is_relayed_as_400_and_not_retried(upstre
     assert info.value.body["param"] == "tools"
     assert len(a.requests) + len(b.requests) == 1  # not tried elsewhere
     assert not any(r["ejected"] or r["failures"] for r in gw.pool("pool").snapshot())
+
+
+async def test_the_upstream_key_goes_only_upstream(upstreams: Any, tollgate_with: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The key read from `api_key_env` reaches the upstream as meant (a key file's trailing newline
+    dropped: kept, httpx refused the header and quoted it, key and all, in the tenant's 503) and
+    nowhere else: not when an upstream's error quotes it, not in the logs of a replica whose URL
+    carries credentials."""
+    key, token = "nvapi-" + "k7" * 20, "t0ken" * 6
+    up, url = upstreams()
+    refused = f"http://svc:{token}@127.0.0.1:{closed_port()}/v1"
+    both = pool_yaml(url, extra=FAST + "    api_key_env: POOL_KEY\n") + pool_yaml(refused, model="creds").split("models:", 1)[1]
+    gw = tollgate_with(both, environ={"POOL_KEY": key + "\n"})
+    client = await client_of(gw)
+    with caplog.at_level(logging.DEBUG):
+        await client.chat.completions.create(model="pool", messages=QUESTION)
+        assert up.requests[-1].headers["authorization"] == f"Bearer {key}"
+        up.default = Behaviour(status=500, error_message=f"no tenant has the key {key}")  # as an upstream might say it
+        with pytest.raises(openai.InternalServerError) as refused_here:
+            await client.chat.completions.create(model="pool", messages=QUESTION)
+        with pytest.raises(openai.InternalServerError) as unreachable:
+            await client.chat.completions.create(model="creds", messages=QUESTION)
+    said = caplog.text + refused_here.value.response.text + unreachable.value.response.text
+    assert "upstream http://***@127.0.0.1:" in caplog.text and key not in said and token not in said
+    assert token not in str(gw.pool("creds").snapshot())
 
 
 async def test_every_replica_busy_answers_503(upstreams: Any, tollgate_with: Any) -> None:

@@ -26,11 +26,14 @@ from typing import Any
 
 import httpx
 import orjson
+import orjson
 import pytest
 
 from billing import migrate
 from billing.db import create_engine
+from billing.config import BillingConfig
 from billing.keys.format import MASK, MAX_LENGTH, MIN_LENGTH, key_problem, looks_like_key, mask_keys
+from gateway.batches.results import BadInput, parse_input
 from billing.keys.store import KeyStore, generate_key
 from engines.base import FINISH_CANCELLED, EngineOutput, EngineRequest
 from gateway.http.errors import APIError
@@ -324,6 +327,33 @@ def test_mask_covers_every_key_the_rule_accepts() -> None:
     key = "sk-" + "Zq3_" * 11
     for glued in (f"zz{key}", f"9{key}", f"task-{key}"):  # a whole key glued to a word is still a key
         assert key[3:12] not in mask_keys(glued), mask_keys(glued)
+
+
+def test_stripe_secrets_are_masked_and_read_without_a_files_newline() -> None:
+    """The billing settings hold Stripe's secret and webhook secret: a log line or an error quoting one
+    (httpcore's DEBUG line quoted the header it refused when the key ended in a newline) shows `***`.
+    Read from the environment, they lose the newline a key file leaves, so no header refuses them."""
+    secret, restricted, hook = "sk_test_" + "51Hq" * 12, "rk_live_" + "Ab9" * 10, "whsec_" + "c2VjcmV0" * 4
+    line = f"send_request_headers.failed exception=LocalProtocolError(\"Illegal header value b'Bearer {secret}\\n'\") {restricted} {hook}"
+    masked = mask_keys(line)
+    assert secret not in masked and restricted not in masked and hook not in masked and masked.count("***") == 3, masked
+    assert mask_keys("task_test_case risk_live_x whsec_ ask_test_") == "task_test_case risk_live_x whsec_ ask_test_"
+    config = BillingConfig.from_mapping({"TOLLGATE_STRIPE_API_KEY": secret + "\n", "TOLLGATE_STRIPE_WEBHOOK_SECRET": f" {hook}\r\n"})
+    assert (config.stripe_api_key, config.stripe_webhook_secret) == (secret, hook)
+    assert BillingConfig.from_mapping({"TOLLGATE_STRIPE_API_KEY": "\n"}).stripe_api_key is None
+
+
+def test_a_batch_input_error_does_not_quote_a_key() -> None:
+    """A batch's validation error is stored and shown to whoever reads the batch: a key given as a
+    line's custom_id or model is masked, as every other error message masks it."""
+    key = "sk-" + "Vq8" * 15
+    line = {"method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": []}}
+    twice = b"\n".join(orjson.dumps({**line, "custom_id": key}) for _ in range(2))
+    other_model = orjson.dumps({**line, "custom_id": "a"}) + b"\n" + orjson.dumps({**line, "custom_id": "b", "body": {"model": key}})
+    for content in (twice, other_model):
+        with pytest.raises(BadInput) as bad:
+            parse_input(content, "/v1/chat/completions", 100)
+        assert key[3:12] not in str(bad.value.error()) and MASK in bad.value.error()["message"], bad.value.error()
 
 
 # ------------------------------------------------------------------ fontTools during PDF renders
