@@ -301,6 +301,18 @@ class BatchRunner:
             return False
         return await self._recover(batch_id) == 0
 
+    async def _still_wanted(self, batch: dict[str, Any], principal: Any) -> tuple[Any, bool]:
+        """Whether a line claimed a while ago still runs (its batch in progress and within its window,
+        the server not draining), with its key read again; (principal, False) when it does not."""
+        try:
+            now = await self._store.get(batch["id"])
+        except Exception as exc:  # the database is out: not started; pending again once it is back
+            log.warning("batch %s: could not read it again before a line's start: %s", batch["id"], type(exc).__name__)
+            return principal, False
+        if self.halting or now is None or now["status"] != "in_progress" or time.time() >= self.window_end(now):
+            return principal, False
+        return await self._principal(now), True
+
     async def _principal(self, batch: dict[str, Any]) -> Any:
         principal = await self._keys.principal_of_key(batch["key_id"])
         if principal is None:
@@ -335,25 +347,33 @@ class BatchRunner:
         an error (not run again); storing its end failing raises Unstored, which carries the end."""
         end: End
         retry: float | None = None
-        if principal is None or principal.revoked or principal.expired():
-            end = ("errored", 401, orjson.dumps(KEY_REVOKED).decode())  # as the API answers a revoked or expired key
-        else:
-            context = BatchLine(batch["id"], line.request_id, principal, mark=lambda: self._store.admitted(line, self.runner_id))
-            try:
-                async with self._slots:
-                    status, body, wait = await self._dispatch(batch["endpoint"], line.body, context)
-            except Exception:
-                log.exception("batch %s: line %d raised while it ran (%s); it ends as an error", batch["id"], line.line,
-                              "admitted" if context.admitted else "not admitted")
-                status, body, wait = 500, line_failed(context.admitted), 1.0
-            if context.taken:
-                log.warning("batch %s: line %d was taken over by another runner before it was admitted here; left to it",
-                            batch["id"], line.line)
-                return None
-            if not context.marked and status in RETRIED:
-                end, retry = None, wait
+        waited = self._slots.locked()
+        async with self._slots:  # one limit for every batch of this process: a claimed line may wait here a while
+            wanted = True
+            if waited:
+                # What held when it was claimed may not now: the batch cancelled, its window over, the server
+                # draining, its key revoked. Not started then: pending again (a cancel or expiry ends it as such).
+                principal, wanted = await self._still_wanted(batch, principal)
+            if not wanted:
+                end = None
+            elif principal is None or principal.revoked or principal.expired():
+                end = ("errored", 401, orjson.dumps(KEY_REVOKED).decode())  # as the API answers a revoked or expired key
             else:
-                end = ("succeeded" if 200 <= status < 300 else "errored", status, body.decode("utf-8", "replace"))
+                context = BatchLine(batch["id"], line.request_id, principal, mark=lambda: self._store.admitted(line, self.runner_id))
+                try:
+                    status, body, wait = await self._dispatch(batch["endpoint"], line.body, context)
+                except Exception:
+                    log.exception("batch %s: line %d raised while it ran (%s); it ends as an error", batch["id"], line.line,
+                                  "admitted" if context.admitted else "not admitted")
+                    status, body, wait = 500, line_failed(context.admitted), 1.0
+                if context.taken:
+                    log.warning("batch %s: line %d was taken over by another runner before it was admitted here; left to it",
+                                batch["id"], line.line)
+                    return None
+                if not context.marked and status in RETRIED:
+                    end, retry = None, wait
+                else:
+                    end = ("succeeded" if 200 <= status < 300 else "errored", status, body.decode("utf-8", "replace"))
         try:
             await self._store_end(line, end)
         except Exception as exc:

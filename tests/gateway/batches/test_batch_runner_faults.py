@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from billing.batches.store import BatchStore, LeaseHeld
 from billing.db import create_engine
-from tests.conftest import Gateway, MODEL, start_gateway, stop_server, until
+from tests.conftest import Gateway, MODEL, on_server_loop, start_gateway, stop_server, until
 from tests.gateway.batches.test_batches import chat_lines, ended, openai_client, rows_of
 
 LEASE = 3.0  # seconds: the waits below last several of them (renewed every second: slack for a busy machine)
@@ -179,3 +179,85 @@ async def test_a_cancelled_batch_keeps_its_lease_while_it_waits_for_its_lines(fa
     assert sorted(e["error"]["code"] for e in errors) == ["batch_cancelled"] * (6 - CONCURRENCY)  # the rest never ran
     assert await line_states(gw, batch.id) == {"done": 6}
     assert sorted(r["request_id"] for r in await rows_of(gw, batch.id)) == sorted(entered)  # those in flight ran, once
+
+
+class HeldSlots:
+    """Every run slot of the server's batch runner taken, in the server's loop, until `release()`:
+    as lines of other batches would hold them. One limit serves every batch of a process, so a
+    line claimed meanwhile waits for a slot."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.app, self.loop, self.slots = gw.app, server_loop(gw), gw.app.state.batch_runner._slots
+        self.released = False
+
+    async def __aenter__(self) -> "HeldSlots":
+        async def take() -> None:
+            for _ in range(CONCURRENCY):
+                await self.slots.acquire()
+
+        await asyncio.wait_for(on_server_loop(self.app, take()), 60)
+        return self
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            for _ in range(CONCURRENCY):
+                self.loop.call_soon_threadsafe(self.slots.release)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@pytest.mark.parametrize("change", ["cancelled", "window over", "key revoked", "server draining"])
+async def test_a_line_that_waited_for_a_slot_does_not_start_once_its_batch_should_not_run(fault_gateway: Gateway, change: str) -> None:
+    """Lines claimed while every slot was busy wait for one; by then their batch may be cancelled, past
+    its window, its key revoked, the server draining. Such a line does not start (no row, nothing billed): it is
+    pending again, and ends as its batch does (batch_cancelled, batch_expired; the key's 401) or runs after the drain."""
+    gw = fault_gateway
+    key = await gw.new_key()
+    client = openai_client(gw, key["key"])
+    reader = openai_client(gw, (await gw.new_key(key["account_id"]))["key"])  # the account's other key reads the batch
+    uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(4))), purpose="batch")
+    runner = gw.app.state.batch_runner
+    async with HeldSlots(gw) as held:
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        await until(lambda: _claimed(gw, batch.id), f"{CONCURRENCY} lines claimed, waiting for a slot", timeout=60)
+        if change == "cancelled":
+            await client.batches.cancel(batch.id)
+        elif change == "window over":
+            db = create_engine(gw.db_url)
+            try:
+                async with db.begin() as conn:
+                    await conn.execute(sa.text("UPDATE batches SET expires_at = now() - interval '1 second' WHERE id = :b"), {"b": batch.id})
+            finally:
+                await db.dispose()
+        elif change == "key revoked":
+            async with gw.admin_client() as admin:
+                assert (await admin.delete(f"/admin/keys/{key['id']}")).status_code == 200
+        else:
+            gw.app.draining = True  # what SIGTERM sets (gateway/http/drain.py)
+        held.release()
+        if change == "server draining":
+            try:
+                await until(lambda: batch.id not in runner._jobs, "the runner let the batch go", timeout=60)
+                assert await rows_of(gw, batch.id) == [] and (await line_states(gw, batch.id)).get("pending") == 4
+            finally:
+                gw.app.draining = False
+            runner.wake()
+            assert (await ended(client, batch.id, timeout=120)).status == "completed"
+            assert len(await rows_of(gw, batch.id)) == 4
+            return
+    done = await ended(reader, batch.id, timeout=120)
+    assert await rows_of(gw, batch.id) == []  # none ran
+    errors = [json.loads(x) for x in (await reader.files.content(done.error_file_id)).content.splitlines()]
+    codes = {e["custom_id"]: (e["error"] or e["response"]["body"]["error"])["code"] for e in errors}
+    if change == "cancelled":
+        assert done.status == "cancelled" and set(codes.values()) == {"batch_cancelled"} and len(codes) == 4, codes
+    elif change == "window over":
+        assert done.status == "expired" and set(codes.values()) == {"batch_expired"} and len(codes) == 4, codes
+    else:
+        assert done.status == "completed" and set(codes.values()) == {"key_revoked"} and len(codes) == 4, codes
+
+
+async def _claimed(gw: Gateway, batch_id: str) -> bool:
+    return (await line_states(gw, batch_id)).get("claimed", 0) == CONCURRENCY
