@@ -89,7 +89,9 @@ for i, s in ipairs(scopes) do
   redis.call('EXPIRE', s.k .. 'rpm:' .. minute, 180)
   redis.call('INCRBY', s.k .. 'tpm:' .. minute, tok)
   redis.call('EXPIRE', s.k .. 'tpm:' .. minute, 180)
-  if ARGV[11 + n * 7] == '1' then redis.call('SADD', p .. 'scopes', s.name) end  -- the scopes a failover clears
+  -- The scopes holding here: what a failover clears, and where a restart finds the holds of the run
+  -- it follows (recover.lua), on one Redis as on a replicated one.
+  redis.call('SADD', p .. 'scopes', s.name)
   redis.call('HSET', s.k .. 'holds', rid, tok .. ':' .. nanos .. ':' .. minute .. ':' .. proc)
   redis.call('ZADD', s.k .. 'hexp', expiry, rid)
   redis.call('INCRBY', s.k .. 'held:tok', tok)

@@ -63,9 +63,9 @@ async def limiters(ledger_url: str, redis_url: str) -> AsyncIterator[Callable[..
     prefix = f"tgrebuild:{uuid.uuid4().hex[:8]}:"
     made: list[RedisLimiter] = []
 
-    def limiter(unwritten: list[UsageRecord] | None = None) -> RedisLimiter:
+    def limiter(unwritten: list[UsageRecord] | None = None, process_id: str | None = None) -> RedisLimiter:
         rows = unwritten if unwritten is not None else []
-        lim = RedisLimiter(redis_url, LedgerTotals(db, pending=lambda: list(rows)), prefix=prefix, timeout=2.0)
+        lim = RedisLimiter(redis_url, LedgerTotals(db, pending=lambda: list(rows)), prefix=prefix, timeout=2.0, process_id=process_id)
         made.append(lim)
         return lim
 
@@ -347,3 +347,19 @@ async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_sett
         counters = await live.counters(account, now=now)
         assert (counters["in_flight"], counters["held_tokens"]) == (2, 100 + 400)
         assert running.request_id in live._live
+
+
+async def test_a_restart_drops_the_holds_its_crashed_run_never_journaled(make: Callable[..., RedisLimiter]) -> None:
+    """A run SIGKILLed between a reservation and its journal entry leaves a hold no journal knows of:
+    the restart on that journal (RedisLimiter.recover_groups with the crashed run's registration)
+    drops it with the run's other holds, on one Redis as on a Cluster. Kept, it held a concurrency
+    slot and the tokens until it expired (hold_seconds, 15 min by default): the cause of
+    test_sigkill_under_load_while_postgres_is_down's rare failures ("holds not released")."""
+    key, account = scopes()
+    crashed = make(process_id="crashed" + uuid.uuid4().hex)
+    for _ in range(2):
+        await crashed.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=time.time())
+    assert [(await crashed.counters(s))["in_flight"] for s in (key, account)] == [2, 2]
+    restarted = make()  # on the crashed run's journal: it knows that run's registration
+    await restarted.recover_groups({account.tag}, crashed.process_id)
+    assert [(await restarted.counters(s))[n] for s in (key, account) for n in ("in_flight", "held_tokens")] == [0, 0, 0, 0]
