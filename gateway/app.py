@@ -4,6 +4,7 @@ route table (`ROUTES`: each API's routes, from the module that owns it) and the 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from starlette.applications import Starlette
@@ -45,6 +46,22 @@ def _by_caller(openai_endpoint: Any, anthropic_endpoint: Any) -> Any:
     return endpoint
 
 
+def _no_store(endpoint: Any) -> Any:
+    @functools.wraps(endpoint)  # its name stays the route's label in logs and metrics
+    async def private(request: Request) -> Any:
+        response = await endpoint(request)
+        response.headers.setdefault("cache-control", "no-store")
+        return response
+
+    return private
+
+
+def _private(*routes: Route) -> list[Route]:
+    """A customer's own usage, balance, statements, invoices and alerts (the dashboard's charts read
+    them with its session): `Cache-Control: no-store`, as the dashboard's pages, so no cache keeps them."""
+    return [Route(r.path, _no_store(r.endpoint), methods=sorted((r.methods or set()) - {"HEAD"}), name=r.name) for r in routes]
+
+
 ROUTES = [
     *openai_chat.routes,
     # One path, both APIs: Anthropic's shape for a caller that speaks it (anthropic-version, x-api-key).
@@ -53,13 +70,13 @@ ROUTES = [
     *health.routes,
     Route("/openapi.json", openapi_document, methods=["GET"]),
     *admin.routes,  # /admin/...: every one behind the admin-key check (gateway/admin/guard.py)
-    Route("/v1/usage", get_usage, methods=["GET"]),
+    *_private(Route("/v1/usage", get_usage, methods=["GET"])),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     *dashboard.routes,
-    *account_invoices.routes,
+    *_private(*account_invoices.routes),
     *stripe_webhooks.routes,
-    *account_credits.routes,
-    *account_alerts.routes,
+    *_private(*account_credits.routes),
+    *_private(*account_alerts.routes),
     *embeddings_api.routes,
     *anthropic_api.routes,
     *openai_responses.routes,

@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from billing.ledger.aggregates import usd
-from gateway.http.requests import id_value
+from gateway.http.errors import PayloadTooLarge
+from gateway.http.requests import id_value, read_body
 from gateway.dashboard.sessions import Session, current_session, same_origin
 
 templates = Jinja2Templates(directory=str(Path(__file__).resolve().parent / "templates"))
@@ -77,18 +79,42 @@ async def session_or_none(request: Request) -> Session | None:
 
 
 class UnreadableForm(Exception):
-    """A form field no page stores: a NUL character (the database refuses it in text). Answered with
-    a 400 page (`unreadable_form`, the app's handler for it)."""
+    """A form no page takes: a field with a NUL character (the database refuses it in text), or a
+    body past FORM_MAX_BYTES / FORM_MAX_FIELDS or with a file (`field` None). Answered with a 400 or 413 page
+    (`unreadable_form`, the app's handler for it)."""
 
-    def __init__(self, field: str) -> None:
+    def __init__(self, field: str | None) -> None:
         super().__init__(field)
         self.field = field
 
 
+# The largest form a page sends (a key's model list, an account's billing details) is a few KiB.
+FORM_MAX_BYTES = 64 * 1024
+FORM_MAX_FIELDS = 64
+
+
+async def read_form(request: Request) -> FormData:
+    """A page's POSTed form, read only up to FORM_MAX_BYTES and FORM_MAX_FIELDS (no files):
+    UnreadableForm past them, before anything is parsed. Starlette's parser alone takes 1,000
+    fields of up to 1 MB each: one login POST, before any check, held ~1 GB of the server's memory."""
+    try:
+        body = await read_body(request, FORM_MAX_BYTES)
+    except PayloadTooLarge:
+        raise UnreadableForm(None) from None
+
+    async def replay() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        return await Request(request.scope, replay).form(max_files=0, max_fields=FORM_MAX_FIELDS, max_part_size=FORM_MAX_BYTES)
+    except HTTPException:  # past the fields, or a file
+        raise UnreadableForm(None) from None
+
+
 async def form_with_csrf(request: Request, session: Session) -> FormData | None:
     """The POSTed form when its CSRF token (and Origin, when sent) check out; None otherwise.
-    UnreadableForm for a field that holds a NUL character."""
-    form = await request.form()
+    UnreadableForm for a field that holds a NUL character, or a form past the limits (read_form)."""
+    form = await read_form(request)
     token = form.get("csrf_token")
     if not same_origin(request) or not session.csrf_ok(token if isinstance(token, str) else None):
         return None
@@ -100,6 +126,9 @@ async def form_with_csrf(request: Request, session: Session) -> FormData | None:
 
 async def unreadable_form(request: Request, exc: Exception) -> Response:
     field = exc.field if isinstance(exc, UnreadableForm) else "?"
+    if field is None:
+        return message_page(request, "Not sent", f"The form is larger than any page sends (at most {FORM_MAX_BYTES // 1024} KiB "
+                            f"and {FORM_MAX_FIELDS} fields).", 413, await session_or_none(request))
     return message_page(request, "Not saved", f"The field {field!r} holds a NUL character, which no field takes. Go back, "
                         "correct it and send the form again.", 400, await session_or_none(request))
 

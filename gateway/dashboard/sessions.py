@@ -110,18 +110,35 @@ class SessionStore:
 
 async def current_session(request: Request) -> Session | None:
     store: SessionStore = request.app.state.sessions
-    return await store.get(request.cookies.get(SESSION_COOKIE))
+    return await store.get(read_cookie(request, SESSION_COOKIE))
+
+
+def _secure(request: Request) -> bool:
+    return public_origin(request).startswith("https://")
+
+
+def cookie_name(request: Request, name: str) -> str:
+    """A cookie's name as set and read: `__Host-` first where the dashboard is on https, so a browser
+    takes it only from this host (Secure, Path=/, no Domain): a sibling subdomain cannot plant its own
+    session in a visitor's browser (cookie tossing) and have them act in its account."""
+    return "__Host-" + name if _secure(request) else name
+
+
+def read_cookie(request: Request, name: str) -> str | None:
+    """The cookie's value when the request carries it once. Twice (one set for a parent domain, or
+    over plain http, beside ours) is none: which one a parser keeps is not ours to pick."""
+    wanted = cookie_name(request, name)
+    values = [value for part in request.headers.get("cookie", "").split(";")
+              for key, sep, value in [part.strip().partition("=")] if sep and key == wanted]
+    return values[0] if len(values) == 1 and values[0] else None
 
 
 def set_cookie(response: Response, request: Request, name: str, value: str, max_age: int | None) -> None:
-    response.set_cookie(
-        name, value, max_age=max_age, path="/", httponly=True, samesite="strict",
-        secure=public_origin(request).startswith("https://"),
-    )
+    response.set_cookie(cookie_name(request, name), value, max_age=max_age, path="/", httponly=True, samesite="strict", secure=_secure(request))
 
 
 def clear_cookie(response: Response, request: Request, name: str) -> None:
-    response.delete_cookie(name, path="/", httponly=True, samesite="strict", secure=public_origin(request).startswith("https://"))
+    response.delete_cookie(cookie_name(request, name), path="/", httponly=True, samesite="strict", secure=_secure(request))
 
 
 def same_origin(request: Request) -> bool:

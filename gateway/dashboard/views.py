@@ -39,6 +39,7 @@ from gateway.dashboard.pages import (
     admin_form,
     admin_session,
     form_with_csrf,
+    read_form,
     message_page,
     page,
     path_int,
@@ -52,6 +53,7 @@ from gateway.dashboard.sessions import (
     SESSION_TTL,
     Session,
     clear_cookie,
+    read_cookie,
     same_origin,
     set_cookie,
 )
@@ -104,8 +106,8 @@ async def login_page(request: Request) -> Response:
 
 
 async def login(request: Request) -> Response:
-    form = await request.form()
-    expected = request.cookies.get(LOGIN_CSRF_COOKIE)
+    form = await read_form(request)
+    expected = read_cookie(request, LOGIN_CSRF_COOKIE)
     presented = form.get("csrf_token")
     if not same_origin(request) or not expected or not isinstance(presented, str) or not hmac.compare_digest(expected, presented):
         return login_form(request, "Your login form expired; please try again.", 403)
@@ -127,7 +129,7 @@ async def logout(request: Request) -> Response:
         return to_login()
     if await form_with_csrf(request, session) is None:
         return refused(request, session)
-    await request.app.state.sessions.logout(request.cookies.get(SESSION_COOKIE))
+    await request.app.state.sessions.logout(read_cookie(request, SESSION_COOKIE))
     response = to_login()
     clear_cookie(response, request, SESSION_COOKIE)
     return response

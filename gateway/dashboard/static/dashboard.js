@@ -8,11 +8,17 @@
   const DAY_MS = 86400000;
   const COLORS = ["#2563eb", "#16a34a", "#ea580c", "#9333ea", "#0891b2", "#dc2626", "#ca8a04", "#4b5563"];
 
+  // Plotly reads a trace's name as its own subset of HTML (links, styles): a key's or a model's name
+  // is text, so its markup characters go as entities, which plotly shows as the characters.
+  function text(value) {
+    return String(value).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  }
+
   function label(row, series) {
     if (series === "key") {
-      return (row.key_prefix || ("key " + row.key_id)) + "…" + (row.key_name ? " " + row.key_name : "");
+      return text((row.key_prefix || ("key " + row.key_id)) + "…" + (row.key_name ? " " + row.key_name : ""));
     }
-    return String(row[series]);
+    return text(row[series]);
   }
 
   // Plotly's dates carry no time zone: usage days and period ends are UTC, drawn as such.

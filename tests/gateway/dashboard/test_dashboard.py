@@ -84,6 +84,9 @@ def cell(page: Page, table: str, row: str, column: int) -> Any:
     return page.locator(f"{table} tbody tr{row} td").nth(column)
 
 
+MARKUP = '<a href="https://evil.example/phish"><span style="font-size:40px">browser key</span></a>'
+
+
 async def test_admin_and_customer_journey(browser: Browser, gateway: Gateway, client_for: Any) -> None:
     # Someone else's usage, which the customer must never see.
     stranger = await gateway.new_key(name="stranger-key")
@@ -106,7 +109,8 @@ async def test_admin_and_customer_journey(browser: Browser, gateway: Gateway, cl
     await page.click("#create-account button")
     await expect(page.locator("h1")).to_contain_text(name)
     account_url = page.url
-    await page.fill("#create-key input[name=name]", "browser key")
+    # Markup in a key's name is text everywhere, plotly's legends included (it drew it as a live link)
+    await page.fill("#create-key input[name=name]", MARKUP)
     await page.click("#create-key button")
     secret = (await page.locator("#new-key-secret").inner_text()).strip()
     assert secret.startswith("sk-") and len(secret) > 40
@@ -181,6 +185,10 @@ async def test_admin_and_customer_journey(browser: Browser, gateway: Gateway, cl
     assert float(mine["total"]) == tokens and mine["traces"] == MODEL
     by_key = await chart_ready(cpage, "#chart-keys")
     assert secret[:11] in by_key["traces"] and float(by_key["total"]) == tokens
+    # The trace's name as plotly got it: entities, which it shows as the characters (it drew the raw
+    # name's link and 40px span in a legend of several keys)
+    assert "&lt;a href" in by_key["traces"] and "<a" not in by_key["traces"], by_key["traces"]
+    assert await cpage.locator("#chart-keys a").count() == 0
     await expect(cpage.locator("#quota-table")).to_contain_text("monthly_tokens 100000")
     html = await cpage.content()
     for foreign in (stranger["prefix"], stranger_account["name"], "stranger-key", gateway.admin_key, secret):

@@ -69,6 +69,45 @@ def test_a_nul_in_a_form_field_is_a_400_page_and_stores_nothing(gateway: Gateway
     assert name.split("\x00")[1] not in c.get("/dashboard/admin/accounts").text
 
 
+def test_a_form_past_what_any_page_sends_is_refused_before_it_is_read(gateway: Gateway) -> None:
+    """A form body is read up to 64 KiB and 64 fields, then refused with a 413 page, on the login
+    (no session needed) and on every logged-in form. Starlette's parser alone took 1,000 fields of
+    1 MB: a ~1 GB login POST held ~1 GB of the server's memory before its CSRF check said 403."""
+    form = browser(gateway).get("/dashboard/login")
+    token = TOKEN.search(form.text).group(1)
+    c, session_token = log_in(gateway, gateway.admin_key)
+
+    def chunked(size: int) -> Any:  # no Content-Length: the limit is on what arrives
+        yield b"api_key=" + b"x" * (size - 8)
+
+    for path, fields in (("/dashboard/login", {"csrf_token": token}), ("/dashboard/admin/accounts", {"csrf_token": session_token})):
+        client = browser(gateway) if path == "/dashboard/login" else c
+        if path == "/dashboard/login":
+            client.cookies.update(form.cookies)
+        big = client.post(path, data={**fields, "api_key": "x" * (1 << 20)})
+        many = client.post(path, data={**fields, **{f"f{i}": "1" for i in range(64)}})
+        streamed = client.post(path, content=chunked(70_000), headers={"content-type": "application/x-www-form-urlencoded"})
+        for r in (big, many, streamed):
+            assert r.status_code == 413 and "larger than any page sends" in r.text, (path, r.status_code, r.text[:200])
+    ok = c.post("/dashboard/admin/accounts", data={"name": f"fits-{uuid.uuid4().hex[:6]}", "csrf_token": session_token})
+    assert ok.status_code == 303  # a form of the usual size still goes through
+
+
+def test_a_request_with_two_session_cookies_has_no_session(gateway: Gateway) -> None:
+    """Cookie tossing: a page on a sibling subdomain (or another port of the host, or a plain-http
+    answer) sets its own session cookie for the parent domain, so the browser sends two. Which one a
+    parser keeps is no proof of whose browser it is: with two, neither counts (over https the cookie
+    is also `__Host-` named, which a browser takes from no other host)."""
+    attacker, _ = log_in(gateway, gateway.admin_key)
+    victim, _ = log_in(gateway, gateway.admin_key)
+    tossed = attacker.cookies["tollgate_session"]
+    own = victim.cookies["tollgate_session"]
+    for cookies in (f"tollgate_session={own}; tollgate_session={tossed}", f"tollgate_session={tossed}; tollgate_session={own}"):
+        r = browser(gateway).get("/dashboard/admin/accounts", headers={"cookie": cookies})
+        assert r.status_code == 303 and r.headers["location"] == "/dashboard/login", (cookies, r.status_code)
+    assert browser(gateway).get("/dashboard/admin/accounts", headers={"cookie": f"tollgate_session={own}"}).status_code == 200
+
+
 def test_every_post_needs_the_session_token(gateway: Gateway) -> None:
     c, token = log_in(gateway, gateway.admin_key)
     name = f"csrf-{uuid.uuid4().hex[:6]}"
@@ -133,7 +172,7 @@ def test_behind_a_tls_proxy_the_public_url_makes_cookies_secure_and_its_origin_s
     engine: Any, fresh_pg_database: Any, tmp_path: Any
 ) -> None:
     """A proxy in front terminates TLS, so the server sees http: with TOLLGATE_PUBLIC_URL the session
-    cookie is Secure, a POST from the public origin passes the same-origin check (another origin does
+    cookie is Secure and `__Host-` named, a POST from the public origin passes the same-origin check (another origin does
     not), and a message batch's results_url names the public origin."""
     from tests.conftest import start_gateway, stop_server
 
@@ -154,8 +193,11 @@ def test_behind_a_tls_proxy_the_public_url_makes_cookies_secure_and_its_origin_s
         ok = c.post("/dashboard/login", data={"csrf_token": TOKEN.search(form.text).group(1), "api_key": gw.admin_key},
                     headers={"origin": public})
         assert ok.status_code == 303, ok.text
-        cookie = next(h for h in ok.headers.get_list("set-cookie") if h.startswith("tollgate_session="))
-        assert "Secure" in cookie and "HttpOnly" in cookie
+        # `__Host-`: a browser takes it only from this host (Secure, Path=/, no Domain), so a sibling
+        # subdomain cannot plant its own session (cookie tossing)
+        cookie = next(h for h in ok.headers.get_list("set-cookie") if h.startswith("__Host-tollgate_session="))
+        assert "Secure" in cookie and "HttpOnly" in cookie and "Path=/" in cookie and "domain" not in cookie.lower()
+        assert all(h.startswith("__Host-") for h in form.headers.get_list("set-cookie") + ok.headers.get_list("set-cookie"))
         as_the_proxy_forwards(ok)
         token = TOKEN.search(c.get("/dashboard/admin/accounts").text).group(1)
         name = f"proxied-{uuid.uuid4().hex[:6]}"

@@ -138,6 +138,7 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
         for suffix in ("", "/html", "/pdf"):
             own = await c.get(f"/v1/invoices/{two_accounts['a_invoice']}{suffix}")
             assert own.status_code == 200  # the same call works on its own invoice
+            assert own.headers["cache-control"] == "no-store"  # an account's own documents: no cache keeps them
             other = await c.get(f"/v1/invoices/{two_accounts['b_invoice']}{suffix}")
             assert other.status_code == 404 and str(b["account_id"]) not in other.text.replace(str(two_accounts["b_invoice"]), "")
             checked.add(("GET", "/v1/invoices/{invoice_id}" + ("/{fmt:str}" if suffix else "")))
@@ -146,7 +147,10 @@ async def test_one_account_never_reads_another(secure_gw: Gateway, two_accounts:
         assert (await c.get(f"/v1/usage?account_id={a['account_id']}")).status_code == 200
         refused = await c.get(f"/v1/usage?account_id={b['account_id']}")
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "account_not_allowed"
-        assert (await c.get("/v1/usage")).json()["account_id"] == a["account_id"]
+        usage = await c.get("/v1/usage")
+        assert usage.json()["account_id"] == a["account_id"] and usage.headers["cache-control"] == "no-store"
+        for path in ("/v1/billing/balance", "/v1/statements", "/v1/billing/alerts"):
+            assert (await c.get(path)).headers.get("cache-control") == "no-store", path
     # /v1/models/{id} answers with the caller's account's price: another account's override (a
     # reseller's discount) must never show through it. The model allowlist is per key.
     await models_probe(secure_gw, a)
