@@ -35,6 +35,19 @@ class BadInput(ValueError):
         return {"code": self.code, "line": self.line, "message": self.message, "param": self.param}
 
 
+# OpenAI: "/v1/embeddings batches are also restricted to a maximum of 50,000 embedding inputs across
+# all requests in the batch" (the Batches API reference).
+MAX_EMBEDDING_INPUTS = 50_000
+
+
+def _embedding_inputs(value: Any) -> int:
+    """How many inputs an embeddings body's `input` holds: one string or one token array is one; a list
+    of them is as many (what the route refuses, it refuses when the line runs)."""
+    if isinstance(value, list) and value and not all(isinstance(v, int) for v in value):
+        return len(value)
+    return 1
+
+
 def parse_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tuple[str, str]], str]:
     """OpenAI's batch input: one JSON object a line, {"custom_id", "method": "POST", "url", "body"},
     every body for one model. Returns (custom_id, body JSON) per line and the model; raises
@@ -46,6 +59,7 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tup
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
     model: str | None = None
+    inputs = 0
     # Lines end at "\n" (or "\r\n") only: str.splitlines() would also split at U+2028, U+2029, U+0085...,
     # which a JSON string may hold unescaped.
     for number, raw in enumerate(text.split("\n"), 1):
@@ -85,6 +99,11 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tup
         out.append((custom_id, orjson.dumps(body).decode()))
         if len(out) > max_lines:
             raise BadInput(f"a batch has at most {max_lines} lines", number, "too_many_tasks")
+        if endpoint == "/v1/embeddings":
+            inputs += _embedding_inputs(body.get("input"))
+            if inputs > MAX_EMBEDDING_INPUTS:  # OpenAI's limit, across all of a batch's requests
+                raise BadInput(f"an /v1/embeddings batch has at most {MAX_EMBEDDING_INPUTS} inputs across its requests; "
+                               f"this line brings them to {inputs}", number, param="body.input")
     if model is None:
         raise BadInput("the file has no requests", code="empty_file")
     return out, model

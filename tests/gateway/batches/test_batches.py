@@ -736,3 +736,21 @@ async def test_a_nul_in_an_id_or_cursor_is_answered_as_an_unknown_one(batch_gate
     # The server still serves, on this connection pool and with the database.
     assert (await client.files.retrieve(own.id)).id == own.id
     assert own.id in [f.id for f in (await client.files.list(purpose="batch")).data]
+
+
+def test_an_embeddings_batch_holds_at_most_50000_inputs() -> None:
+    """OpenAI's Batches API reference: "/v1/embeddings batches are also restricted to a maximum of
+    50,000 embedding inputs across all requests in the batch". A list counts its items; one string or
+    one token array counts one. Past the limit the file makes a failed batch naming the line."""
+    from gateway.batches.results import BadInput, parse_input
+
+    def line(i: int, given: Any) -> bytes:
+        return json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": given}}).encode()
+
+    full = [line(i, ["text"] * 2000) for i in range(24)] + [line(24, ["text"] * 1998), line(25, "one"), line(26, [5, 6, 7])]
+    assert len(parse_input(b"\n".join(full), "/v1/embeddings", 50_000)[0]) == 27  # 50,000 inputs exactly
+    with pytest.raises(BadInput) as past:
+        parse_input(b"\n".join([*full, line(27, ["one more"])]), "/v1/embeddings", 50_000)
+    assert (past.value.line, past.value.param) == (28, "body.input") and "50000" in past.value.message
+    assert len(parse_input(b"\n".join([line(i, ["t"] * 2048) for i in range(30)]).replace(b"/v1/embeddings", b"/v1/chat/completions"),
+                           "/v1/chat/completions", 50_000)[0]) == 30  # the limit is the embeddings endpoint's
