@@ -158,7 +158,9 @@ def schedule(served: dict[str, Engine], settings: Settings) -> tuple[dict[str, E
     return schedule_engines(served, make)
 
 
-def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter, process_id: str | None = None) -> Limiter:
+def build_limiter(
+    settings: Settings, db: Any, ledger: LedgerWriter, process_id: str | None = None, on_register: Callable[[str], None] | None = None
+) -> Limiter:
     totals = LedgerTotals(db, flush=lambda: ledger.flush(timeout=2.0), pending=ledger.unconfirmed)
     if settings.redis.url:
         limiter = RedisLimiter(
@@ -169,6 +171,7 @@ def build_limiter(settings: Settings, db: Any, ledger: LedgerWriter, process_id:
             fail_open=settings.quotas.fail_open,
             hold_seconds=settings.quotas.hold_seconds,
             process_id=process_id,
+            on_register=on_register,
         )
         ledger.on_written(limiter.written)  # settled usage the ledger now holds (rebuilds need not keep it)
         return limiter
@@ -183,11 +186,16 @@ def quota_process_ids(ledger: LedgerWriter) -> tuple[str | None, str | None]:
     return (None, None) if ledger.journal is None else ledger.journal.run_ids("quota-process")
 
 
-async def finish_crashed_run(ledger: LedgerWriter, limiter: Limiter, recovered: Recovered, previous: str | None) -> None:
+async def finish_crashed_run(
+    ledger: LedgerWriter, limiter: Limiter, recovered: Recovered, previous: str | None, groups: set[str] | frozenset[str] = frozenset()
+) -> None:
     """What a start does with the journal of a run that crashed: its interrupted requests' holds are
     released with what their rows say; then, on a shared quota store, the counters of every account
     with replayed rows are rebuilt from the ledger and the rows not in it yet (the crashed run had
-    counted them, but a failover meanwhile may have lost that; billing/quota/lua/recover.lua)."""
+    counted them, but a failover meanwhile may have lost that; billing/quota/lua/recover.lua), which
+    also drops the crashed run's other holds there. `groups`: every group the crashed run registered
+    in (its notes); in those without replayed rows its holds are dropped alone (forget.lua): requests
+    it reserved and was killed before journaling."""
     if isinstance(limiter, RedisLimiter):
         limiter.adopt(recovered.replayed)  # the crashed run filed their usage in `unc`
     await release_interrupted(ledger, limiter.settle, recovered, wait=30.0)
@@ -197,6 +205,12 @@ async def finish_crashed_run(ledger: LedgerWriter, limiter: Limiter, recovered: 
             await limiter.recover_groups({f"a{row['account_id']}" for row in rows}, previous)
         except Exception as exc:  # Redis out: the counters are rebuilt when it comes back (a restart or failover)
             log.warning("could not rebuild the quota counters after replaying the journal: %s", type(exc).__name__)
+    rest = set(groups) - {f"a{row['account_id']}" for row in rows}
+    if rest and previous and isinstance(limiter, RedisLimiter):
+        try:
+            await limiter.forget_run(rest, previous)
+        except Exception as exc:  # Redis out: those holds expire by themselves (hold_seconds)
+            log.warning("could not drop the crashed run's holds: %s", type(exc).__name__)
 
 
 def freeze_heap() -> None:
@@ -235,8 +249,11 @@ def lifespan(
         served, schedulers = schedule(engines if engines is not None else build_engines(settings), settings)
         prices = PriceBook(db)
         process_id, previous_process = quota_process_ids(ledger)
-        limiter = build_limiter(settings, db, ledger, process_id)
-        releasing = asyncio.create_task(finish_crashed_run(ledger, limiter, recovered, previous_process))
+        # The quota groups this run registers in, and those the previous run on this journal did.
+        groups = ledger.journal.run_notes("quota-groups") if ledger.journal is not None else None
+        limiter = build_limiter(settings, db, ledger, process_id, on_register=groups.note if groups else None)
+        releasing = asyncio.create_task(
+            finish_crashed_run(ledger, limiter, recovered, previous_process, groups.previous if groups else set()))
         adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]
         partitioning = asyncio.create_task(partitions.keep_ahead(db, utcnow), name="ledger-partitions")  # this and next months' partitions
         state.prices = prices
@@ -287,6 +304,8 @@ def lifespan(
                     await e.stop()
             await state.service.drain()
             await limiter.close()
+            if groups is not None:
+                groups.close(clear=not limiter.holding)  # holding nothing: the next run has nothing to drop
             await ledger.close()
             await db.dispose()
             if read_db is not db:

@@ -60,6 +60,42 @@ def _default(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
+class RunNotes:
+    """Lines a run notes in its journal's directory (the quota groups it registers in), for the run
+    after it: `previous` is what the run before noted, and the file starts empty. A note is one
+    append, in the page cache at once: a SIGKILL right after it keeps it. Never raises."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.previous = {line for line in path.read_text().splitlines() if line}
+        except OSError:
+            self.previous = set()
+        try:
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        except OSError as exc:
+            log.warning("could not keep notes in %s: %s", path, type(exc).__name__)
+            self._fd = None
+
+    def note(self, line: str) -> None:
+        if self._fd is not None:
+            try:
+                os.write(self._fd, line.encode() + b"\n")
+            except OSError as exc:
+                log.warning("could not note in %s: %s", self.path, type(exc).__name__)
+
+    def close(self, clear: bool) -> None:
+        """`clear`: a clean shutdown, nothing left for the next run to look at."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                if clear:
+                    os.ftruncate(fd, 0)
+                os.close(fd)
+            except OSError as exc:
+                log.warning("could not close %s: %s", self.path, type(exc).__name__)
+
+
 class LedgerJournal:
     def __init__(self, directory: Path, *, fsync_interval: float = 0.05, segment_bytes: int = 16 << 20) -> None:
         self.directory = Path(directory)
@@ -134,6 +170,10 @@ class LedgerJournal:
         except OSError as exc:
             log.warning("could not keep the %s id in %s: %s", name, path, type(exc).__name__)
         return current, previous
+
+    def run_notes(self, name: str) -> "RunNotes":
+        """This run's notes under `name` (the quota groups it registers in), with the previous run's."""
+        return RunNotes(self.directory / name)
 
     # writing (event loop thread; never raises) -------------------------------------------------
     def admitted(self, record: Any, hold: dict[str, Any] | None) -> None:

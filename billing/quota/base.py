@@ -336,6 +336,11 @@ class Limiter(abc.ABC):
         self._live: dict[str, tuple[Hold, float]] = {}
         self._earliest = math.inf  # no live hold expires before this: most calls of `_due` look no further
 
+    @property
+    def holding(self) -> bool:
+        """Whether any request of this process still holds (reserved, not settled)."""
+        return bool(self._live)
+
     def _due(self, now: float) -> list[Hold]:
         """Live holds with less than half the hold time left."""
         soon = now + self.hold_seconds / 2

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -32,7 +33,7 @@ from billing.periodic import Periodic
 from billing.quota import resp
 from billing.quota.limits import Limits
 from billing.quota.base import Hold, LedgerTotals, group_tag, Limiter, QuotaUnavailable, Scope, ScopeTotals, minute_of, month_of
-from billing.quota.scripts import CREDIT_LUA, RECOVER_LUA, REHOLD_LUA, RENEW_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
+from billing.quota.scripts import CREDIT_LUA, FORGET_LUA, RECOVER_LUA, REHOLD_LUA, RENEW_LUA, RESERVE_LUA, SEED_LUA, SETTLE_LUA, ScriptClient
 
 log = logging.getLogger("tollgate.quota")
 # How long a settlement nobody waits for may wait to share its Redis round trip with the next call
@@ -92,10 +93,13 @@ class RedisLimiter(Limiter):
         max_connections: int = 64,
         lean: bool = True,
         process_id: str | None = None,
+        on_register: Callable[[str], None] | None = None,
     ) -> None:
         """`lean`: run the Lua scripts through billing.quota.resp (one pipelined connection, a fraction of
         redis-py's CPU per call) where the URL is redis://; redis-py's scripts otherwise (rediss://,
-        unix://, or lean=False). Everything else goes through redis-py either way."""
+        unix://, or lean=False). Everything else goes through redis-py either way. `on_register`: told
+        each group's tag the first time this process registers there (before any hold of its there),
+        so a restart after a crash knows where the crashed run may have left holds (forget_run)."""
         super().__init__(totals, hold_seconds=hold_seconds)
         self.prefix = prefix
         self.fail_open = fail_open
@@ -108,6 +112,8 @@ class RedisLimiter(Limiter):
         # rebuilt from the ledger alone would not see requests still running.
         self._reserving: set[str] = set()  # reservations sent, their answer not read yet
         self._proc = process_id or uuid.uuid4().hex  # this process's registration in each group
+        self._on_register = on_register
+        self._registered: set[str] = set()  # the groups on_register has been told of
         self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
         self._groups: dict[str, str] = {}  # tag -> its group's key prefix
         # Holds to release with nothing counted once Redis answers: reservations whose answer never
@@ -131,8 +137,9 @@ class RedisLimiter(Limiter):
         self._client = ScriptClient(url, timeout=timeout, max_connections=max_connections, lean=lean)
         self._redis = self._client.redis
         (self._reserve_script, self._settle_script, self._seed_script, self._rehold_script, self._credit_script,
-         self._recover_script, self._renew_script) = (
-            self._client.script(lua) for lua in (RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA, RENEW_LUA)
+         self._recover_script, self._renew_script, self._forget_script) = (
+            self._client.script(lua) for lua in (RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA, RENEW_LUA,
+                                                 FORGET_LUA)
         )
 
     @property
@@ -276,6 +283,9 @@ class RedisLimiter(Limiter):
     async def _rehold(self, tag: str, now: float) -> None:
         """Puts this process's unsettled holds of one group back (after Redis lost them) and registers
         the process there."""
+        if self._on_register is not None and tag not in self._registered:
+            self._registered.add(tag)
+            self._on_register(tag)  # before the registration: a hold here can only follow it
         args, live = self._rehold_args(tag, now)
         await self._call(self._rehold_script, args)
         self._renewed(live, now + self.hold_seconds)
@@ -362,6 +372,14 @@ class RedisLimiter(Limiter):
             await self._rehold(tag, now)
         if tags:
             log.warning("quota counters of %d account groups rebuilt after a restart with unwritten ledger rows", len(tags))
+
+    async def forget_run(self, tags: set[str], previous_proc: str) -> None:
+        """After a restart: drops the holds the crashed run (`previous_proc`) left in groups whose
+        counters need no rebuild (it journaled nothing there): reservations it was killed before
+        journaling, settlements it lost. Left, they would hold a concurrency slot and their tokens
+        until they expired (hold_seconds)."""
+        for tag in sorted(tags):
+            await self._client.run(self._forget_script, self.group(tag) + "epoch", [self.group(tag), previous_proc])
 
     async def _release_unsure(self) -> None:
         for rid, hold in list(self._unsure.items()):

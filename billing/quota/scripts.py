@@ -24,8 +24,8 @@ def load(name: str) -> str:
     return (LUA_DIR / "common.lua").read_text() + (LUA_DIR / f"{name}.lua").read_text()
 
 
-RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA, RENEW_LUA = (
-    load(n) for n in ("reserve", "settle", "seed", "rehold", "credit", "recover", "renew"))
+RESERVE_LUA, SETTLE_LUA, SEED_LUA, REHOLD_LUA, CREDIT_LUA, RECOVER_LUA, RENEW_LUA, FORGET_LUA = (
+    load(n) for n in ("reserve", "settle", "seed", "rehold", "credit", "recover", "renew", "forget"))
 
 
 class ScriptClient:

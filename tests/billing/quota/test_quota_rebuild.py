@@ -25,15 +25,18 @@ from dataclasses import asdict
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from billing import migrate
 from billing.db import create_engine
+from billing.ledger.journal import Recovered, RunNotes
 from billing.ledger.writer import UsageRecord, write_records
 from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
+from gateway.wiring import finish_crashed_run
 from tests.conftest import REDIS_URL, require_redis, until
 
 NOW = 1_795_000_000.0  # 2026-11, a fixed instant
@@ -63,9 +66,9 @@ async def limiters(ledger_url: str, redis_url: str) -> AsyncIterator[Callable[..
     prefix = f"tgrebuild:{uuid.uuid4().hex[:8]}:"
     made: list[RedisLimiter] = []
 
-    def limiter(unwritten: list[UsageRecord] | None = None, process_id: str | None = None) -> RedisLimiter:
+    def limiter(unwritten: list[UsageRecord] | None = None, **options: Any) -> RedisLimiter:
         rows = unwritten if unwritten is not None else []
-        lim = RedisLimiter(redis_url, LedgerTotals(db, pending=lambda: list(rows)), prefix=prefix, timeout=2.0, process_id=process_id)
+        lim = RedisLimiter(redis_url, LedgerTotals(db, pending=lambda: list(rows)), prefix=prefix, timeout=2.0, **options)
         made.append(lim)
         return lim
 
@@ -363,3 +366,40 @@ async def test_a_restart_drops_the_holds_its_crashed_run_never_journaled(make: C
     restarted = make()  # on the crashed run's journal: it knows that run's registration
     await restarted.recover_groups({account.tag}, crashed.process_id)
     assert [(await restarted.counters(s))[n] for s in (key, account) for n in ("in_flight", "held_tokens")] == [0, 0, 0, 0]
+
+
+async def test_a_restart_drops_its_crashed_runs_holds_where_it_journaled_nothing(make: Callable[..., RedisLimiter]) -> None:
+    """Where the crashed run journaled nothing (so no group is rebuilt), its holds are found through
+    the groups it noted as it registered in them (gateway/wiring.py keeps them in the journal's
+    directory) and dropped alone (forget.lua); another gateway's running request keeps its hold."""
+    key, account = scopes()
+    noted: list[str] = []
+    crashed = make(process_id="crashed" + uuid.uuid4().hex, on_register=noted.append)
+    for _ in range(2):
+        await crashed.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=time.time())
+    await make().reserve(uuid.uuid4().hex, [key, account], 50, 50, now=time.time())  # another gateway's, still running
+    assert noted == [account.tag]  # once, before its first hold there
+    restarted = make()
+    await restarted.forget_run(set(noted), crashed.process_id)
+    assert [(await restarted.counters(s))[n] for s in (key, account) for n in ("in_flight", "held_tokens")] == [1, 50, 1, 50]
+
+
+async def test_a_start_after_a_crash_drops_the_holds_through_the_crashed_runs_notes(
+    make: Callable[..., RedisLimiter], tmp_path: Path
+) -> None:
+    """The whole path a start takes (gateway/wiring.py:finish_crashed_run): the crashed run noted
+    its groups in the journal's directory (RunNotes: one append each, kept through a SIGKILL); the
+    next run reads them and drops the crashed run's holds. A clean shutdown clears the notes."""
+    key, account = scopes()
+    crashed_notes = RunNotes(tmp_path / "quota-groups")
+    crashed = make(process_id="crashed" + uuid.uuid4().hex, on_register=crashed_notes.note)
+    await crashed.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=time.time())
+    # SIGKILLed: nothing closes; what it noted is in the file
+    notes = RunNotes(tmp_path / "quota-groups")
+    assert notes.previous == {account.tag} and (tmp_path / "quota-groups").read_text() == ""  # this run starts its own
+    restarted = make(on_register=notes.note)
+    await finish_crashed_run(None, restarted, Recovered(), crashed.process_id, notes.previous)  # type: ignore[arg-type]
+    assert [(await restarted.counters(s))["in_flight"] for s in (key, account)] == [0, 0]
+    await restarted.settle(await restarted.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=time.time()), 10, 10)
+    notes.close(clear=not restarted.holding)  # a clean shutdown: nothing for the next run to drop
+    assert RunNotes(tmp_path / "quota-groups").previous == set()
