@@ -17,6 +17,7 @@ from gateway.admin import routes as admin
 from gateway.api.account import alerts as account_alerts, credits as account_credits, invoices as account_invoices
 from gateway.api.account.usage import get_usage
 from gateway.api.anthropic import messages as anthropic_api, models as anthropic_models
+from gateway.api.anthropic.errors import anthropic_caller
 from gateway.api.openai import chat as openai_chat, embeddings as embeddings_api, models as openai_models, responses as openai_responses
 from gateway.api.openapi import openapi_document
 from gateway.batches import anthropic_api as batch_anthropic, openai_api as batch_openai
@@ -41,7 +42,7 @@ HOT = {"/v1/chat/completions": openai_chat.chat_completions, "/v1/completions": 
 
 def _by_caller(openai_endpoint: Any, anthropic_endpoint: Any) -> Any:
     async def endpoint(request: Request) -> Any:
-        return await (anthropic_endpoint if anthropic_models.anthropic_caller(request) else openai_endpoint)(request)
+        return await (anthropic_endpoint if anthropic_caller(request) else openai_endpoint)(request)
 
     return endpoint
 

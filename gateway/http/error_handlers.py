@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from billing.keys.format import mask_keys
-from gateway.api.anthropic.errors import in_the_apis_shape
+from gateway.api.anthropic.errors import anthropic_caller, in_the_apis_shape
+from gateway.api.anthropic.errors import error_response as anthropic_error_response
 from gateway.http.errors import APIError, MethodNotAllowed, NotFound, ServiceUnavailable
 
 log = logging.getLogger("tollgate")
@@ -35,6 +36,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
         err: APIError = MethodNotAllowed(f"Method {request.method} is not allowed for {request.url.path}.")
     elif exc.status_code == 404:
         err = NotFound(f"Unknown path {request.url.path}.")
+        if anthropic_caller(request):
+            # A path no route has, asked by a caller that speaks Anthropic's API (its SDKs send both):
+            # Anthropic's not_found_error, which those SDKs read, whatever the path.
+            return anthropic_error_response(err, request.scope.get("state", {}).get("request_id", ""))
     else:
         err = APIError(str(exc.detail))
         err.status_code = exc.status_code

@@ -54,6 +54,11 @@ def error_response(err: APIError, request_id: str) -> Response:
     return json_response(body, status, headers)
 
 
+def anthropic_caller(request: Any) -> bool:
+    """Whether the request speaks Anthropic's API (its SDKs send both headers; OpenAI's neither)."""
+    return "anthropic-version" in request.headers or "x-api-key" in request.headers
+
+
 def in_the_apis_shape(err: APIError, scope: Any) -> Response:
     """`err` in the shape of the API the request called, for what answers before (or instead of) its
     route: Anthropic's on the Messages routes (its SDKs read `error.type`), else OpenAI's."""

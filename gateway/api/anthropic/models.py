@@ -21,10 +21,6 @@ RELEASED = "1970-01-01T00:00:00Z"  # the release date is unknown: Anthropic's Mo
 LIMIT_DEFAULT, LIMIT_MAX = 20, 1000
 
 
-def anthropic_caller(request: Request) -> bool:
-    return "anthropic-version" in request.headers or "x-api-key" in request.headers
-
-
 def _info(engine: Engine) -> dict[str, Any]:
     info: dict[str, Any] = {"type": "model", "id": engine.model_id, "display_name": engine.model_id, "created_at": RELEASED,
                             "lifecycle": "active"}

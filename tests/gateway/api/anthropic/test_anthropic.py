@@ -317,6 +317,11 @@ async def test_models_answer_anthropic_callers_in_anthropics_shape(gateway: Gate
             assert r.status_code == status and r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
         r = await raw.get("/v1/models", headers={"x-api-key": "sk-" + "x" * 43})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        for typo in ("/v1/messagez", "/v1/message/batches"):  # a path no route has: Anthropic's not_found_error too
+            r = await raw.post(typo, json={})
+            assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error", r.text
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers={"authorization": f"Bearer {customer['key']}"}) as raw:
+        assert (await raw.post("/v1/messagez", json={})).json()["error"]["code"] == "not_found"  # OpenAI's, for its callers
     openai_page = await client_for(customer["key"]).models.list()
     assert {m.object for m in openai_page.data} == {"model"} and MODEL in {m.id for m in openai_page.data}
 
