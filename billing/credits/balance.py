@@ -106,13 +106,17 @@ async def _spent(conn: AsyncConnection, account_id: int, since: datetime | None)
     return int(mark.posted_nanos) + newer, int(mark.posted_nanos)
 
 
-async def prepaid_totals(conn: AsyncConnection, account_id: int) -> tuple[tuple[tuple[int, int], ...], int]:
-    """What the limiter seeds a prepaid account with: its credit rows (id, nanos) other than usage,
-    and the cost of its usage since it became prepaid."""
+async def prepaid_totals(conn: AsyncConnection, account_id: int) -> tuple[tuple[tuple[int, int, float | None], ...], int]:
+    """What the limiter seeds a prepaid account with: its credit rows other than usage, each (id,
+    nanos, expiry), and the cost of its usage since it became prepaid. The expiry (epoch seconds) is
+    a grant's whose end has not come (no expiry row, and something left of it if it has expired):
+    from that instant none of it is available (reserve.lua); None for every other row."""
     rows = (await conn.execute(sa.select(CREDITS.c.id, CREDITS.c.amount_nanos).where(
         CREDITS.c.account_id == account_id, CREDITS.c.kind != "usage").order_by(CREDITS.c.id))).all()
     spent, _ = await _spent(conn, account_id, await _since(conn, account_id))
-    return tuple((int(r.id), int(r.amount_nanos)) for r in rows), spent
+    pending = {g["id"]: g["expires_at"].timestamp() for g in await _grants(conn, account_id)
+               if g["expires_at"] is not None and not g["expired_nanos"] and not (g["expired"] and g["remaining"] <= 0)}
+    return tuple((int(r.id), int(r.amount_nanos), pending.get(int(r.id))) for r in rows), spent
 
 
 class CreditBook:
@@ -126,6 +130,7 @@ class CreditBook:
         if settle_seconds is None:
             settle_seconds = 0.0 if engine.dialect.name == "sqlite" else DEFAULT_SETTLE_SECONDS
         self.settle = timedelta(seconds=settle_seconds)
+        self._ended: set[int] = set()  # grants used up before they expired, whose end the limiter was told
 
     async def set_mode(self, account_id: int, mode: str) -> dict[str, Any] | None:
         if mode not in BILLING_MODES:
@@ -174,9 +179,12 @@ class CreditBook:
         return entry_view(row)
 
     async def apply(self, row: Any) -> None:
-        """Tells the limiter of a committed credit row (idempotent by row id)."""
+        """Tells the limiter of a committed credit row (idempotent by row id): a grant with its expiry
+        (none of it is spent after that), an expiry row as its grant's end."""
         if self._limiter is not None and row.kind != "usage":
-            await self._limiter.credit(int(row.account_id), int(row.id), int(row.amount_nanos))
+            expires = aware(row.expires_at).timestamp() if row.kind == "grant" and row.expires_at is not None else None  # type: ignore[union-attr]
+            ends = int(row.grant_id) if row.kind == "expiry" and row.grant_id is not None else None
+            await self._limiter.credit(int(row.account_id), int(row.id), int(row.amount_nanos), expires_at=expires, ends_grant=ends)
 
     async def sync_recent(self, window: timedelta = timedelta(minutes=10)) -> int:
         """Applies credit rows written lately anywhere (the CLI, another instance); repeats add nothing."""
@@ -355,7 +363,10 @@ class CreditBook:
                 if posted_at is None or aware(posted_at) < aware(grant.expires_at):  # type: ignore[operator]
                     continue  # usage recorded before the expiry is not all posted yet: a later round expires it
                 remaining = next((g["remaining"] for g in await _grants(conn, int(grant.account_id)) if g["id"] == grant.id), 0)
-            if remaining <= 0:
+            if remaining <= 0:  # all of it used before it expired: no expiry row; its end is told all the same
+                if self._limiter is not None and int(grant.id) not in self._ended:
+                    await self._limiter.credit(int(grant.account_id), None, 0, ends_grant=int(grant.id))
+                    self._ended.add(int(grant.id))
                 continue
             row = await self.add(int(grant.account_id), "expiry", -remaining, reason=f"grant {grant.id} expired",
                                  external_id=f"expiry:{grant.id}", now=now, grant_id=int(grant.id))

@@ -208,7 +208,8 @@ class ScopeTotals:
     month_nanos: int = 0
     minute_requests: int = 0
     minute_tokens: int = 0
-    credits: tuple[tuple[int, int], ...] = ()  # prepaid: (credit row id, nano-USD) of every non-usage row
+    # prepaid: (credit row id, nano-USD, a pending grant's expiry or None) of every non-usage row
+    credits: tuple[tuple[int, int, float | None], ...] = ()
     spent: int = 0  # prepaid: cost of usage since the account became prepaid
 
 
@@ -446,8 +447,12 @@ class Limiter(abc.ABC):
         (RedisLimiter: up to SETTLE_LINGER seconds)."""
 
     @abc.abstractmethod
-    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
-        """A credit-ledger row (not usage) changed a prepaid balance: applied once per row id."""
+    async def credit(self, account_id: int, entry_id: int | None, nanos: int, *, expires_at: float | None = None,
+                     ends_grant: int | None = None) -> None:
+        """A credit-ledger row (not usage) changed a prepaid balance: applied once per row id.
+        `expires_at` (epoch seconds): the row is a grant that expires then; from then on none of it is
+        available until its end is told: `ends_grant`, its id (its expiry row; or `entry_id` None when
+        nothing was left of it to expire)."""
 
     @abc.abstractmethod
     async def invalidate(self, scope: Scope) -> None:

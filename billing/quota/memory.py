@@ -20,6 +20,8 @@ class _ScopeState:
     holds: dict[str, tuple[int, int, int, float]] = field(default_factory=dict)  # rid -> tokens, nanos, minute, expiry
     balance_synced: bool = False  # prepaid: credits and spent read from the database
     credits: dict[int, int] = field(default_factory=dict)  # credit row id -> nano-USD
+    expiring: dict[int, float] = field(default_factory=dict)  # grant row id -> its expiry, until its end is told
+    ended: set[int] = field(default_factory=set)  # grants whose end was told
     spent: int = 0
     # Usage settled while the counters wait for their rebuild (invalidated), by ledger row id ->
     # (tokens, nanos, month, whether it spends the balance): the rebuild counts what its ledger read
@@ -55,6 +57,8 @@ class MemoryLimiter(Limiter):
             requests, tokens = state.minutes.get(hold.minute, [0, 0])
             held_tok, held_nanos = state.held()
             available = sum(state.credits.values()) - state.spent - held_nanos
+            # a grant past its expiry whose end is not told yet: none of it is available (as reserve.lua)
+            available -= sum(state.credits.get(g, 0) for g, at in state.expiring.items() if at <= now)
             denied = (
                 "rpm" if rpm >= 0 and requests + 1 > rpm else
                 "tpm" if tpm >= 0 and tokens + hold.tokens > tpm else
@@ -97,11 +101,15 @@ class MemoryLimiter(Limiter):
                 if current is not None:
                     state.holds, state.unsynced = current.holds, current.unsynced
                     state.balance_synced, state.credits, state.spent = current.balance_synced, current.credits, current.spent
+                    state.expiring, state.ended = current.expiring, current.ended
                 self._scopes[scope.name] = state
             state = self._scopes[scope.name]
             rebuilt_balance = scope.prepaid and not state.balance_synced
             if rebuilt_balance:
-                state.credits.update(t.credits)  # rows applied meanwhile stay applied once
+                for entry, nanos, expiry in t.credits:  # rows applied meanwhile stay applied once
+                    state.credits.setdefault(entry, nanos)
+                    if expiry is not None and entry not in state.ended:
+                        state.expiring[entry] = expiry
                 state.spent, state.balance_synced = t.spent, True
             if state.unsynced:
                 for rid, (tokens, nanos, of_month, spends) in state.unsynced.items():
@@ -145,9 +153,16 @@ class MemoryLimiter(Limiter):
                 state.spent += nanos
         return True
 
-    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+    async def credit(self, account_id: int, entry_id: int | None, nanos: int, *, expires_at: float | None = None,
+                     ends_grant: int | None = None) -> None:
         state = self._scopes.setdefault(Scope("account", account_id, Limits()).name, _ScopeState())
-        state.credits.setdefault(entry_id, nanos)
+        if entry_id is not None:
+            state.credits.setdefault(entry_id, nanos)
+            if expires_at is not None and entry_id not in state.ended:
+                state.expiring[entry_id] = expires_at
+        if ends_grant is not None:
+            state.expiring.pop(ends_grant, None)
+            state.ended.add(ends_grant)
 
     async def invalidate(self, scope: Scope) -> None:
         state = self._scopes.get(scope.name)

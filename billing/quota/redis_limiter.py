@@ -260,7 +260,9 @@ class RedisLimiter(Limiter):
         args.append(len(prepaid))
         for scope in prepaid:
             t = totals[scope.name]
-            args += [scope.name, t.spent, len(t.credits), *[v for row in t.credits for v in row]]
+            args += [scope.name, t.spent, len(t.credits)]
+            for entry, nanos, expiry in t.credits:
+                args += [entry, nanos, "" if expiry is None else f"{expiry:.3f}"]
         # Usage settled while the counters were lost (`pend`) counts unless `totals` already hold its
         # row: the script names the request ids it needs to know about, asked in the same ledger read.
         held: set[str] = set()
@@ -275,10 +277,12 @@ class RedisLimiter(Limiter):
             lacking.update(r for r in unknown if r not in found)
         raise QuotaUnavailable("quota counters could not be rebuilt (usage kept arriving)")
 
-    async def credit(self, account_id: int, entry_id: int, nanos: int) -> None:
+    async def credit(self, account_id: int, entry_id: int | None, nanos: int, *, expires_at: float | None = None,
+                     ends_grant: int | None = None) -> None:
         account = Scope("account", account_id, Limits())
         await self._client.run(self._credit_script, self.group(account.tag) + "epoch",
-                               [self.group(account.tag), account.name, entry_id, nanos])
+                               [self.group(account.tag), account.name, "" if entry_id is None else entry_id, nanos,
+                                "" if expires_at is None else f"{expires_at:.3f}", "" if ends_grant is None else ends_grant])
 
     async def _rehold(self, tag: str, now: float) -> None:
         """Puts this process's unsettled holds of one group back (after Redis lost them) and registers

@@ -77,6 +77,11 @@ for _, s in ipairs(scopes) do
     elseif s.mspend >= 0 and num(s.k .. 'mspend:' .. month) + num(s.k .. 'held:nanos') + nanos > s.mspend then denied = {s.name, 'monthly_spend'}
     elseif s.prepaid then
       available = num(s.k .. 'cred:sum') - num(s.k .. 'spent') - num(s.k .. 'held:nanos')
+      -- A grant past its expiry whose end is not told yet (its expiry row waits for the usage admitted
+      -- before it to be posted): none of it is available, so none is spent after it expired.
+      for _, g in ipairs(redis.call('ZRANGEBYSCORE', s.k .. 'cred:exp', '-inf', now)) do
+        available = available - tonumber(redis.call('HGET', s.k .. 'cred', g) or '0')
+      end
       if nanos > available then denied = {s.name, 'insufficient_quota'} end
     end
   end

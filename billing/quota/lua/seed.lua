@@ -1,14 +1,14 @@
 local month = ARGV[2]; local minute = ARGV[3]; local n = tonumber(ARGV[4])
 local ttl = 40 * 86400
 -- ARGV: n scopes (name, month tokens, month nanos, minute requests, minute tokens); then the prepaid
--- scopes (a count; each: name, spent, credit rows, rows x (id, nanos)); then the request ids the
+-- scopes (a count; each: name, spent, credit rows, rows x (id, nanos, a pending grant's expiry or '')); then the request ids the
 -- caller's ledger read holds (a count, ids) and those it does not hold (a count, ids).
 local i = 5 + n * 5
 local balances = {}
 local count = tonumber(ARGV[i] or '0'); i = i + 1
 for _ = 1, count do
   balances[#balances + 1] = i
-  i = i + 3 + tonumber(ARGV[i + 2]) * 2
+  i = i + 3 + tonumber(ARGV[i + 2]) * 3
 end
 local checked = {}
 count = tonumber(ARGV[i] or '0'); i = i + 1
@@ -98,7 +98,12 @@ for _, b in ipairs(balances) do
   local k = p .. ARGV[b] .. ':'
   if redis.call('EXISTS', k .. 'bsynced:' .. epoch) == 0 then
     local rows = tonumber(ARGV[b + 2])
-    for j = 0, rows - 1 do redis.call('HSETNX', k .. 'cred', ARGV[b + 3 + j * 2], ARGV[b + 4 + j * 2]) end
+    for j = 0, rows - 1 do
+      local id, expiry = ARGV[b + 3 + j * 3], ARGV[b + 5 + j * 3]
+      redis.call('HSETNX', k .. 'cred', id, ARGV[b + 4 + j * 3])
+      -- a grant whose end has not come, unless its end was told meanwhile (credit.lua)
+      if expiry ~= '' and redis.call('SISMEMBER', k .. 'cred:ended', id) == 0 then redis.call('ZADD', k .. 'cred:exp', expiry, id) end
+    end
     local sum = 0
     for _, v in ipairs(redis.call('HVALS', k .. 'cred')) do sum = sum + tonumber(v) end
     redis.call('SET', k .. 'cred:sum', sum)

@@ -475,10 +475,11 @@ async def test_a_request_admitted_before_its_grant_expired_is_paid_by_the_grant(
             grant = await book.add(a, "grant", 100 * CENT, expires_at=expires, now=t0)
             assert grant is not None
             scope = Scope("account", a, Limits(), True)
-            hold = await limiter.reserve(uuid.uuid4().hex, [scope], 10, 90 * CENT)  # held against the grant
+            admitted = expires - timedelta(minutes=30)  # before the grant expired: held against it
+            hold = await limiter.reserve(uuid.uuid4().hex, [scope], 10, 90 * CENT, now=admitted.timestamp())
             row = UsageRecord(request_id=hold.request_id, account_id=a, key_id=1, model="m", prompt_tokens=5, completion_tokens=5,
                               status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=90 * CENT,
-                              created_at=expires + timedelta(minutes=30), admitted_at=expires - timedelta(minutes=30))
+                              created_at=expires + timedelta(minutes=30), admitted_at=admitted)
             if lands_before_the_expiry:
                 await write_records(db, [row])
                 expired = await book.expire_grants()
@@ -496,5 +497,48 @@ async def test_a_request_admitted_before_its_grant_expired_is_paid_by_the_grant(
             assert balance is not None and balance["balance_nanos"] == 0 == await ledger_sum(db, a), (lands_before_the_expiry, balance)
             counters = await limiter.counters(scope)
             assert counters["credits_nanos"] - counters["spent_nanos"] - counters["held_nanos"] == 0, counters
+    finally:
+        await db.dispose()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_an_expired_grant_pays_for_no_request_admitted_after_it(db_url: str, kind: str) -> None:
+    """From its expiry instant, none of a grant is available for new requests, although its `expiry`
+    row comes only once the usage admitted before it is posted (CreditBook tells the limiter each
+    grant's expiry; a limiter that lost its state reads it back from the ledger). Before, a $0.01
+    grant paid for 50 requests admitted after it expired, and the balance ended at -$0.01 (the spend
+    audit)."""
+    db = create_engine(db_url)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+
+    def make() -> Limiter:
+        if kind == "memory":
+            return MemoryLimiter(LedgerTotals(db))
+        require_redis(REDIS_URL)
+        return RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=2.0)
+
+    try:
+        limiter = make()
+        book = CreditBook(db, limiter, settle_seconds=0)
+        a = await new_account(db)
+        await book.set_mode(a, "prepaid")
+        t0 = utcnow() - timedelta(hours=2)
+        assert await book.add(a, "topup", 50 * CENT) is not None
+        assert await book.add(a, "grant", 100 * CENT, expires_at=t0 + timedelta(hours=1), now=t0) is not None  # past by now
+        scope = Scope("account", a, Limits(), True)
+        with pytest.raises(QuotaExceeded):  # 150 credited, but 100 of it expired an hour ago
+            await limiter.reserve(uuid.uuid4().hex, [scope], 10, 60 * CENT)
+        restarted = make()  # a limiter that lost its state (a restart; Redis flushed) reads the grant's expiry back
+        if isinstance(restarted, RedisLimiter):
+            await restarted.flush_all()
+        with pytest.raises(QuotaExceeded):
+            await restarted.reserve(uuid.uuid4().hex, [scope], 10, 60 * CENT)
+        await limiter.settle(await limiter.reserve(uuid.uuid4().hex, [scope], 10, 40 * CENT), 10, 40 * CENT)
+        assert [(e["kind"], e["amount_nanos"]) for e in await book.expire_grants()] == [("expiry", -100 * CENT)]
+        with pytest.raises(QuotaExceeded):  # the expiry row: still 10 left, not more
+            await limiter.reserve(uuid.uuid4().hex, [scope], 10, 11 * CENT)
+        await limiter.reserve(uuid.uuid4().hex, [scope], 10, 10 * CENT)
+        for lim in (limiter, restarted):
+            await lim.close()
     finally:
         await db.dispose()

@@ -413,6 +413,33 @@ async def test_a_postpaid_keys_usage_spends_no_prepaid_balance(limiter: Limiter)
     assert (counters["spent_nanos"], counters["month_tokens"], counters["month_nanos"]) == (100, 30, 700), counters
 
 
+async def test_an_expired_grant_pays_for_nothing_before_its_expiry_row(limiter: Limiter) -> None:
+    """A grant's expiry row waits until the usage admitted before the expiry is posted (minutes:
+    billing/credits/balance.py:expire_grants). Until then the limiter held the grant as available,
+    and requests admitted after the expiry spent it (the spend audit: a $0.01 grant, 50 requests
+    admitted after it expired, the balance at -$0.01). Now none of an expired grant is available
+    until its end is told (the expiry row, or that nothing was left of it)."""
+    account = int(uuid.uuid4().int % 10**9)
+    prepaid = Scope("account", account, Limits(monthly_tokens=100_000), True)
+    await limiter.credit(account, 1, 1_000)  # bought
+    await limiter.credit(account, 2, 5_000, expires_at=NOW + 60)  # granted, for a minute
+    await limiter.settle(await limiter.reserve(rid(), [prepaid], 1, 4_000, now=NOW), 1, 4_000)  # the grant pays
+    with pytest.raises(QuotaExceeded):  # past its expiry: what is left of it is not the account's
+        await limiter.reserve(rid(), [prepaid], 1, 500, now=NOW + 61)
+    await limiter.credit(account, 3, -1_000, ends_grant=2)  # its expiry row: 1,000 of it was left
+    await limiter.settle(await limiter.reserve(rid(), [prepaid], 1, 1_000, now=NOW + 62), 1, 1_000)  # the bought 1,000
+    with pytest.raises(QuotaExceeded):
+        await limiter.reserve(rid(), [prepaid], 1, 1, now=NOW + 63)
+    # A grant all used before it expired has no expiry row: its end is told without one.
+    await limiter.credit(account, 4, 2_000, expires_at=NOW + 70)
+    await limiter.settle(await limiter.reserve(rid(), [prepaid], 1, 2_000, now=NOW + 64), 1, 2_000)
+    await limiter.credit(account, 5, 300)
+    with pytest.raises(QuotaExceeded):
+        await limiter.reserve(rid(), [prepaid], 1, 300, now=NOW + 71)
+    await limiter.credit(account, None, 0, ends_grant=4)
+    await limiter.reserve(rid(), [prepaid], 1, 300, now=NOW + 72)
+
+
 async def test_unlimited_scopes_cost_nothing(limiter: Limiter) -> None:
     hold = await limiter.reserve(rid(), [scope(), scope("account")], 10**6, 10**9, now=NOW)
     assert hold.scopes == () and hold.remaining == ()
