@@ -9,6 +9,8 @@ and renders invoices locally.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,26 +19,44 @@ from typing import Any
 COLLECTION_METHODS = ("send_invoice", "charge_automatically")
 
 
-def env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    """The integer setting `name`; unset or empty: `default`; not an integer: exit naming it."""
+def _bounded(name: str, value: float, minimum: float | None, maximum: float | None, positive: bool) -> None:
+    if positive and not value > 0:
+        raise SystemExit(f"{name} must be more than 0, got {value:g}")
+    if minimum is not None and value < minimum:
+        raise SystemExit(f"{name} must be at least {minimum:g}, got {value:g}")
+    if maximum is not None and value > maximum:
+        raise SystemExit(f"{name} must be at most {maximum:g}, got {value:g}")
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int | None = None, maximum: int | None = None,
+            positive: bool = False) -> int:
+    """The integer setting `name`; unset or empty: `default`; not an integer, or outside the bounds
+    given: exit naming it (a nonsense value is a mistake to say, never one to quietly replace)."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError as exc:
         raise SystemExit(f"{name} must be an integer, got {raw!r}") from exc
+    _bounded(name, value, minimum, maximum, positive)
+    return value
 
 
-def env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    """The number setting `name`, as env_int reads an integer."""
+def env_float(env: Mapping[str, str], name: str, default: float, *, minimum: float | None = None, maximum: float | None = None,
+              positive: bool = False) -> float:
+    """The number setting `name`, as env_int reads an integer; never NaN or infinite."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError as exc:
         raise SystemExit(f"{name} must be a number, got {raw!r}") from exc
+    if not math.isfinite(value):
+        raise SystemExit(f"{name} must be a finite number, got {raw!r}")
+    _bounded(name, value, minimum, maximum, positive)
+    return value
 
 
 ON = ("1", "true", "yes", "on")
@@ -153,18 +173,18 @@ class BillingConfig:
             raise SystemExit(f"TOLLGATE_STRIPE_COLLECTION_METHOD must be one of {', '.join(COLLECTION_METHODS)}")
         return cls(
             auto_close=env_flag(env, "TOLLGATE_BILLING_AUTO_CLOSE", True),
-            close_delay_seconds=env_float(env, "TOLLGATE_BILLING_CLOSE_DELAY_SECONDS", 3600.0),
-            check_seconds=env_float(env, "TOLLGATE_BILLING_CHECK_SECONDS", 300.0),
-            lookback_months=env_int(env, "TOLLGATE_BILLING_LOOKBACK_MONTHS", 3),
-            grace_seconds=env_float(env, "TOLLGATE_BILLING_GRACE_SECONDS", 7 * 86400.0),
-            state_refresh_seconds=env_float(env, "TOLLGATE_BILLING_STATE_REFRESH_SECONDS", 1.0),
+            close_delay_seconds=env_float(env, "TOLLGATE_BILLING_CLOSE_DELAY_SECONDS", 3600.0, minimum=0),
+            check_seconds=env_float(env, "TOLLGATE_BILLING_CHECK_SECONDS", 300.0, positive=True),
+            lookback_months=env_int(env, "TOLLGATE_BILLING_LOOKBACK_MONTHS", 3, minimum=0),
+            grace_seconds=env_float(env, "TOLLGATE_BILLING_GRACE_SECONDS", 7 * 86400.0, minimum=0),
+            state_refresh_seconds=env_float(env, "TOLLGATE_BILLING_STATE_REFRESH_SECONDS", 1.0, positive=True),
             # A secret read from a file into the environment ends in a newline, which no header may hold.
             stripe_api_key=(env.get("TOLLGATE_STRIPE_API_KEY") or "").strip() or None,
             stripe_webhook_secret=(env.get("TOLLGATE_STRIPE_WEBHOOK_SECRET") or "").strip() or None,
             stripe_api_base=env.get("TOLLGATE_STRIPE_API_BASE") or None,
-            stripe_max_retries=env_int(env, "TOLLGATE_STRIPE_MAX_RETRIES", 2),
+            stripe_max_retries=env_int(env, "TOLLGATE_STRIPE_MAX_RETRIES", 2, minimum=0),
             collection_method=method,
-            days_until_due=env_int(env, "TOLLGATE_STRIPE_DAYS_UNTIL_DUE", 30),
+            days_until_due=env_int(env, "TOLLGATE_STRIPE_DAYS_UNTIL_DUE", 30, minimum=0),
             send_invoices=env_flag(env, "TOLLGATE_STRIPE_SEND_INVOICES", True),
             sync_after_close=env_flag(env, "TOLLGATE_STRIPE_SYNC_AFTER_CLOSE", True),
             seller=Seller.from_mapping(env),

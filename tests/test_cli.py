@@ -122,3 +122,6 @@ def test_serve_refuses_workers_it_cannot_keep_exact(tmp_path: Path) -> None:
     assert shared.returncode == 2 and ("REDIS_URL" in shared.stderr or "Postgres" in shared.stderr)
     assert not (tmp_path / "tollgate.db").exists()  # nothing migrated for a server that does not start
     assert tollgate(tmp_path, "serve", "--workers", "0").returncode == 2
+    for port in ("70000", "0", "-1"):  # uvicorn listened on 70000 modulo 65536, and took 0 as unset
+        refused = tollgate(tmp_path, "serve", "--port", port)
+        assert refused.returncode == 2 and "is not a port number (1 to 65535)" in refused.stderr, refused.stderr

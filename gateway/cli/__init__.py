@@ -27,6 +27,17 @@ def bounded(low: int, high: int, what: str = "a whole number"):  # type: ignore[
 db_id = bounded(1, MAX_ID, "an id")  # ids are 32-bit in the database
 
 
+def port_number(raw: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535 (uvicorn took 70000 modulo 65536, and 0 as unset)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number (1 to 65535)")
+    return value
+
+
 def iso_time(raw: str) -> datetime:
     """An argparse type: an ISO 8601 time, in UTC (one without an offset is UTC), within what the API
     takes (billing.models.given_instant), or argparse's own error saying why."""

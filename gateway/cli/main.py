@@ -18,7 +18,7 @@ from billing.db import create_engine
 from billing.keys.store import AccountExists, KeyStore, UnknownAccount
 from gateway.cli import bench as cli_bench, billing as cli_billing, credits as cli_credits, ledger as cli_ledger, ops as cli_ops
 from gateway.config import Settings, for_workers, load_settings, worker_settings
-from gateway.cli import db_id, iso_time
+from gateway.cli import db_id, iso_time, port_number
 from gateway.http.logs import configure_logging
 
 
@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="migrate, make sure an admin key exists, and serve the gateway")
     serve.add_argument("--host", help="bind address (default TOLLGATE_HOST or 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default TOLLGATE_PORT or 8000)")
+    serve.add_argument("--port", type=port_number, help="port (default TOLLGATE_PORT or 8000)")
     serve.add_argument("--models", help="models.yaml: the models to serve (default TOLLGATE_MODELS; else the embedded hf model)")
     serve.add_argument("--check", action="store_true", help="only validate the models file, list its models and exit")
     serve.add_argument("--workers", type=int, help="server processes sharing the port (default TOLLGATE_WORKERS or 1); "

@@ -189,7 +189,8 @@ def test_a_hold_time_too_short_to_renew_stops_the_start(raw: str) -> None:
     # A running request's hold is renewed when half of it is left (billing/quota/base.py:Limiter.renew).
     with pytest.raises(SystemExit) as stopped:
         load_settings({"TOLLGATE_QUOTA_HOLD_SECONDS": raw})
-    assert str(stopped.value).startswith("TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1 (seconds), got ")
+    assert str(stopped.value).startswith(("TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1 (seconds), got ",
+                                          "TOLLGATE_QUOTA_HOLD_SECONDS must be a finite number"))
     assert load_settings({"TOLLGATE_QUOTA_HOLD_SECONDS": "1"}).quotas.hold_seconds == 1.0
 
 
@@ -219,3 +220,30 @@ def test_every_on_off_setting_reads_the_same_spellings(name: str) -> None:
     with pytest.raises(SystemExit) as stopped:
         load_settings({name: "flase"})
     assert str(stopped.value) == f"{name} must be on or off (1/true/yes/on, 0/false/no/off), got 'flase'"
+
+
+@pytest.mark.parametrize(("name", "raw", "said"), [
+    ("TOLLGATE_MAX_BODY_BYTES", "-1", "must be more than 0, got -1"),  # every POST was a 413 "larger than the -1-byte limit"
+    ("TOLLGATE_MAX_BATCH_SIZE", "0", "must be more than 0, got 0"),  # every chat a 400 "n must be at most 0"
+    ("TOLLGATE_PORT", "70000", "must be at most 65535, got 70000"),  # uvicorn listened on 70000 - 65536
+    ("TOLLGATE_PORT", "0", "must be at least 1, got 0"),
+    ("TOLLGATE_WORKERS", "0", "must be at least 1, got 0"),  # was 1, quietly
+    ("TOLLGATE_DRAIN_SECONDS", "-5", "must be at least 0, got -5"),  # was 0: streams cut at once on SIGTERM
+    ("TOLLGATE_DRAIN_SECONDS", "nan", "must be a finite number, got 'nan'"),
+    ("TOLLGATE_RESPONSES_RETENTION_DAYS", "-1", "must be at least 0, got -1"),  # was 0: kept forever
+    ("TOLLGATE_CACHE_TTL", "abc", "must be a number, got 'abc'"),  # was Python's "could not convert string to float"
+    ("TOLLGATE_CREDITS_SETTLE_SECONDS", "-3", "must be at least 0, got -3"),
+    ("TOLLGATE_LEDGER_MAX_BACKLOG", "-2", "must be at least 0, got -2"),
+    ("TOLLGATE_BILLING_CHECK_SECONDS", "0", "must be more than 0, got 0"),
+])
+def test_a_setting_out_of_its_range_stops_the_start_naming_it(name: str, raw: str, said: str) -> None:
+    """A nonsense value is a mistake to say at start, not one to quietly replace or to serve with (the
+    operator audit: a server that said it was ready and then refused every request)."""
+    with pytest.raises(SystemExit) as stopped:
+        load_settings({name: raw})
+    assert str(stopped.value) == f"{name} {said}"
+
+
+def test_an_empty_host_is_the_default_never_every_interface() -> None:
+    assert load_settings({"TOLLGATE_HOST": ""}).http.host == "127.0.0.1"  # uvicorn took "" as 0.0.0.0 and ::
+    assert load_settings({"TOLLGATE_HOST": "0.0.0.0"}).http.host == "0.0.0.0"  # asked for: as asked
