@@ -9,7 +9,7 @@
 
 The listening socket stays open while draining: a request that reaches the process after the
 signal (endpoints take a moment to update) gets a clear 503 to retry elsewhere, never a refused
-connection. A second SIGTERM, or SIGINT, stops at once as before.
+connection. A second SIGTERM, or SIGINT, cuts what still runs at once and stops.
 
 With `--workers N` (uvicorn's process manager) the master forwards its SIGTERM to every worker and
 waits for them; each worker drains exactly as a single process does (`install_in_worker`), then
@@ -57,6 +57,7 @@ class Drain:
         self.seconds = seconds
         self.stop_server = stop_server
         self.task: asyncio.Task[None] | None = None
+        self.hurried = False
 
     @property
     def active(self) -> bool:
@@ -67,6 +68,16 @@ class Drain:
             return
         self.app.draining = True
         self.task = asyncio.get_running_loop().create_task(self._run(), name="drain")
+
+    def now(self) -> None:
+        """A second SIGTERM, or SIGINT: the running generations are cut at once (rows written as
+        interrupted, holds settled, as at the deadline), then the server stops as after a drain."""
+        if self.hurried:
+            return
+        self.hurried = True
+        self.app.draining = True
+        log.warning("stopping now: cut %d generations still running", self.app.state.service.cut_live())
+        self.begin()  # the drain (begun already, or now) finds nothing left to wait for
 
     async def _run(self) -> None:
         service = self.app.state.service
@@ -99,17 +110,22 @@ def is_refused(scope: Scope) -> bool:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, except that the first SIGTERM drains instead of closing the listener at
-    once. Another SIGTERM, or SIGINT, stops as uvicorn does."""
+    once, and another SIGTERM, or SIGINT, cuts what still runs at once (rows `interrupted`, holds
+    settled) and stops: uvicorn's own stop waited for every open stream to end by itself."""
 
     drain: Drain | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         drain = self.drain
-        if sig == signal.SIGTERM and drain is not None and not drain.active and not self.should_exit:
+        if drain is not None and not self.should_exit and sig in (signal.SIGTERM, signal.SIGINT):
             # The handler runs on the loop's thread between two steps: the drain starts on the loop.
-            asyncio.get_running_loop().call_soon_threadsafe(drain.begin)
-            return
-        super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and not drain.active:
+                asyncio.get_running_loop().call_soon_threadsafe(drain.begin)
+                return
+            if not drain.hurried:  # another SIGTERM, or SIGINT: what runs is cut now, then the stop
+                asyncio.get_running_loop().call_soon_threadsafe(drain.now)
+                return
+        super().handle_exit(sig, frame)  # a third signal: uvicorn's own (SIGINT then forces the exit)
 
 
 def install_in_worker(app: Any, seconds: float) -> Drain | None:
@@ -117,7 +133,7 @@ def install_in_worker(app: Any, seconds: float) -> Drain | None:
     (not `DrainingServer`). Called while the worker loads its app: uvicorn's server has installed its
     `handle_exit` for SIGTERM by then, so the handler found is that server's bound method. Ours
     replaces it: the first SIGTERM begins the drain, which stops that server when done; another
-    SIGTERM (or SIGINT, left to uvicorn) stops at once. None (uvicorn's plain stop) when the handler
+    SIGTERM cuts what still runs and stops (SIGINT is left to uvicorn). None (uvicorn's plain stop) when the handler
     is not a uvicorn server's, logged: a uvicorn that loads apps elsewhere."""
     previous = signal.getsignal(signal.SIGTERM)
     server = getattr(previous, "__self__", None)
@@ -132,8 +148,11 @@ def install_in_worker(app: Any, seconds: float) -> Drain | None:
     drain = Drain(app, seconds, stop)
 
     def on_sigterm(sig: int, frame: Any) -> None:
-        if not drain.active and not server.should_exit:
+        if not server.should_exit and not drain.active:
             loop.call_soon_threadsafe(drain.begin)
+            return
+        if not server.should_exit and not drain.hurried:  # another SIGTERM: cut now, then stop
+            loop.call_soon_threadsafe(drain.now)
             return
         previous(sig, frame)
 

@@ -157,6 +157,43 @@ async def test_sigterm_drains_streams_then_cuts_them_with_rows_and_settled_holds
         gw.stop()
 
 
+@pytest.mark.parametrize("signals", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT,)])
+async def test_a_second_sigterm_or_sigint_cuts_what_runs_and_stops_at_once(fresh_pg_database: Any, tmp_path: Path,
+                                                                          signals: tuple[int, ...]) -> None:
+    """The drain gives running streams TOLLGATE_DRAIN_SECONDS; an operator who sends SIGTERM again, or
+    SIGINT (Ctrl-C), wants the stop now: the streams are cut at once, as at the deadline (an error
+    event; rows `interrupted`), and the process exits 0. Before, uvicorn's own stop waited for every
+    open stream to end: the whole drain time after a second SIGTERM, and with SIGINT alone for as
+    long as the stream ran (the operator audit: still generating 28 s later)."""
+    url = fresh_pg_database(migrated=True)
+    admin_key = bootstrap(url, SECRET)
+    gw = GatewayProcess(url, tmp_path / "data", admin_key, TOLLGATE_DRAIN_SECONDS="600").start()
+    try:
+        key = await gw.new_key()
+        async with httpx.AsyncClient(base_url=gw.base_url, headers={"Authorization": f"Bearer {key['key']}"}, timeout=120) as c:
+            long = Stream()
+            task = asyncio.create_task(long.run(c, "/v1/chat/completions", {
+                "model": MODEL, "messages": LONG, "max_tokens": 4000, "temperature": 0, "stream": True}))
+            await asyncio.wait_for(long.first.wait(), 120)
+            for sig in signals:
+                gw.proc.send_signal(sig)
+                if sig == signal.SIGTERM and len(signals) > 1:  # the first: the drain has begun
+                    async with httpx.AsyncClient(base_url=gw.base_url, timeout=10) as probe:
+                        while (await probe.get("/readyz")).status_code == 200:
+                            await asyncio.sleep(0.05)
+            signalled = time.monotonic()
+            await asyncio.wait_for(task, 60)
+        rc = gw.proc.wait(timeout=60)
+        gw.proc = None
+        assert long.error is not None and long.error["code"] == "server_draining", long.events[-2:]
+        assert long.ended_at - signalled < 30  # not the 600 s drain, nor the 4,000 tokens
+        assert rc == 0, gw.log_text()[-3000:]
+        row = (await ledger_ids(url, key["id"]))[long.request_id]
+        assert row["status"] == "interrupted" and 0 < row["completion_tokens"] < 4000, row
+    finally:
+        gw.stop()
+
+
 def journal_admitted(directory: Path) -> set[str]:
     """Request ids a worker's ledger journal has admission lines for (`{"a": row, ...}`)."""
     ids = set()
