@@ -228,6 +228,17 @@ class ProcessSettings:
     gc_gen0: int | None = None  # the collector's gen-0 threshold, for operators who measure a gain
 
 
+LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _one_of(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    value = (env.get(name) or default).strip().lower()
+    if value not in choices:
+        raise SystemExit(f"{name} must be one of {', '.join(choices)}, got {env.get(name)!r}")
+    return value
+
+
 def _env_nonnegative(env: Mapping[str, str], name: str, default: int) -> int:
     value = env_int(env, name, default)
     if value < 0:
@@ -501,8 +512,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             metrics_token=env.get("TOLLGATE_METRICS_TOKEN") or None,
         ),
         process=ProcessSettings(
-            log_format=env.get("TOLLGATE_LOG_FORMAT", "json"),
-            log_level=env.get("TOLLGATE_LOG_LEVEL", "info"),
+            log_format=_one_of(env, "TOLLGATE_LOG_FORMAT", LOG_FORMATS, "json"),
+            log_level=_one_of(env, "TOLLGATE_LOG_LEVEL", LOG_LEVELS, "info"),
             gc_gen0=env_int(env, "TOLLGATE_GC_GEN0", 0, minimum=0) or None,
         ),
     )

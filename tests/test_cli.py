@@ -82,6 +82,8 @@ def test_bad_input_and_a_bad_database_are_one_line_of_error_not_a_traceback(tmp_
     assert "does not exist" in refused("accounts", "list", env={**base, "DATABASE_URL": "postgresql://postgres@127.0.0.1:5432/tg_no_such_db"})
     assert "unsupported database backend" in refused("accounts", "list", env={**base, "DATABASE_URL": "bogus://x"})
     assert tollgate(tmp_path, "migrate").returncode == 0
+    assert "Can't locate revision identified by 'nosuchrev'" in refused("migrate", "--revision", "nosuchrev")  # was alembic's traceback
+    assert "Can't locate revision" in refused("migrate", "--downgrade", "--revision", "nosuchrev")
     assert "not from 1 to 2147483647" in refused("keys", "revoke", "99999999999999999999", code=2)
     assert "not from 1 to 2147483647" in refused("invoices", "show", "0", code=2)
     assert "not from 0 to 120" in refused("ledger", "create-partitions", "--ahead", "100000", code=2)

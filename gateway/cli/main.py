@@ -11,13 +11,16 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from alembic.script.revision import RevisionError
+from alembic.util import CommandError as AlembicCommandError
 from sqlalchemy.exc import SQLAlchemyError
 
 from billing import migrate as migrations
 from billing.db import create_engine
 from billing.keys.store import AccountExists, KeyStore, UnknownAccount
+from engines.base import EngineError
 from gateway.cli import bench as cli_bench, billing as cli_billing, credits as cli_credits, ledger as cli_ledger, ops as cli_ops
-from gateway.config import Settings, for_workers, load_settings, worker_settings
+from gateway.config import LOG_FORMATS, LOG_LEVELS, Settings, for_workers, load_settings, worker_settings
 from gateway.cli import db_id, iso_time, port_number
 from gateway.http.logs import configure_logging
 
@@ -66,6 +69,8 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
     host = args.host or settings.http.host
     port = args.port or settings.http.port
+    args.log_level = args.log_level or settings.process.log_level  # the flag, else TOLLGATE_LOG_LEVEL
+    args.log_format = args.log_format or settings.process.log_format
     settings = settings.with_overrides(http={"host": host, "port": port}, engines={"models_file": args.models or settings.engines.models_file})
     if settings.engines.models_file and check_models_file(settings.engines.models_file, quiet=not args.check, environ=settings.engines.environ):
         return 2  # refuse to start on a bad models file, before anything loads
@@ -332,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--check", action="store_true", help="only validate the models file, list its models and exit")
     serve.add_argument("--workers", type=int, help="server processes sharing the port (default TOLLGATE_WORKERS or 1); "
                        "more than one needs remote engines, Postgres and Redis")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument("--log-format", default="json", choices=["json", "text"], help="log lines as JSON (default) or text")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, help="default TOLLGATE_LOG_LEVEL or info")
+    serve.add_argument("--log-format", choices=LOG_FORMATS, help="log lines as JSON or text (default TOLLGATE_LOG_FORMAT or json)")
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="serving benchmark against OpenAI-compatible base URLs (Tollgate or an engine)")
@@ -384,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(load_settings(), args))
-    except (SQLAlchemyError, OSError, ValueError) as exc:  # the database, a file, a setting: one line, not a traceback
+    except (SQLAlchemyError, OSError, ValueError, AlembicCommandError, RevisionError, EngineError) as exc:
+        # the database, a file, a setting, a migration's revision, a model that does not load: one line, not a traceback
         print(f"error: {_described(exc)}", file=sys.stderr)
         return 1
 

@@ -247,3 +247,17 @@ def test_a_setting_out_of_its_range_stops_the_start_naming_it(name: str, raw: st
 def test_an_empty_host_is_the_default_never_every_interface() -> None:
     assert load_settings({"TOLLGATE_HOST": ""}).http.host == "127.0.0.1"  # uvicorn took "" as 0.0.0.0 and ::
     assert load_settings({"TOLLGATE_HOST": "0.0.0.0"}).http.host == "0.0.0.0"  # asked for: as asked
+
+
+def test_log_settings_are_read_checked_and_taken_by_serve() -> None:
+    """TOLLGATE_LOG_FORMAT / TOLLGATE_LOG_LEVEL: checked like every setting, and `serve` takes them
+    when its flags are not given (its flags' defaults used to win, so they did nothing)."""
+    from gateway.cli.main import build_parser
+
+    settings = load_settings({"TOLLGATE_LOG_FORMAT": "text", "TOLLGATE_LOG_LEVEL": "WARNING"})
+    assert (settings.process.log_format, settings.process.log_level) == ("text", "warning")
+    with pytest.raises(SystemExit) as stopped:
+        load_settings({"TOLLGATE_LOG_FORMAT": "xml"})
+    assert str(stopped.value) == "TOLLGATE_LOG_FORMAT must be one of json, text, got 'xml'"
+    args = build_parser().parse_args(["serve"])
+    assert (args.log_format, args.log_level) == (None, None)  # unset: the settings' values
