@@ -358,7 +358,8 @@ async def test_each_row_says_which_api(gateway: Gateway, customer: dict[str, Any
 
 async def test_what_answers_before_the_route_speaks_anthropics_shape_on_its_paths(gateway: Gateway, customer: dict[str, Any]) -> None:
     """An unknown method or path under /v1/messages and a repeated query parameter are refused before
-    any route runs: in Anthropic's shape there (its SDKs read error.type), OpenAI's elsewhere."""
+    any route runs: in Anthropic's shape there (its SDKs read error.type); a path no route has, in
+    the shape of the API its caller speaks."""
     headers = {"x-api-key": customer["key"], "anthropic-version": "2023-06-01"}
     async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=30) as http:
         for method, path, status, kind in (("GET", "/v1/messages", 405, "invalid_request_error"),
@@ -369,7 +370,10 @@ async def test_what_answers_before_the_route_speaks_anthropics_shape_on_its_path
             body = r.json()
             assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"], (path, body)
             assert r.headers["request-id"], path
-        r = await http.get("/v1/nope")  # not Anthropic's: OpenAI's shape
+        r = await http.get("/v1/nope")  # no route's path, asked by a caller that speaks Anthropic's API: its shape too
+        assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers={"authorization": f"Bearer {customer['key']}"}) as http:
+        r = await http.get("/v1/nope")  # an OpenAI caller: OpenAI's shape
         assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     claude = anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=customer["key"], max_retries=0)
     with pytest.raises(anthropic.NotFoundError) as missing:
