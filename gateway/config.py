@@ -279,9 +279,11 @@ class Settings:
         if self.billing is None:
             object.__setattr__(self, "billing", BillingConfig.from_mapping(self.extra))
         if "TOLLGATE_CREDITS_CHECK_SECONDS" in self.extra:
-            object.__setattr__(self, "credits", replace(self.credits, check_seconds=float(self.extra["TOLLGATE_CREDITS_CHECK_SECONDS"])))
+            object.__setattr__(self, "credits", replace(self.credits, check_seconds=env_float(
+                self.extra, "TOLLGATE_CREDITS_CHECK_SECONDS", self.credits.check_seconds, minimum=0)))
         if self.extra.get("TOLLGATE_CREDITS_SETTLE_SECONDS"):
-            object.__setattr__(self, "credits", replace(self.credits, settle_seconds=float(self.extra["TOLLGATE_CREDITS_SETTLE_SECONDS"])))
+            object.__setattr__(self, "credits", replace(self.credits, settle_seconds=env_float(
+                self.extra, "TOLLGATE_CREDITS_SETTLE_SECONDS", 0.0, minimum=0)))
 
     @property
     def sqlite_path(self) -> Path:
@@ -446,7 +448,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             max_batch_size=env_int(env, "TOLLGATE_MAX_BATCH_SIZE", 32, positive=True),
             max_queue=env_int(env, "TOLLGATE_MAX_QUEUE", 256, minimum=0),
             kv_cache_tokens=env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384, minimum=0),
-            max_batch_tokens=env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024, positive=True),
+            max_batch_tokens=env_int(env, "TOLLGATE_MAX_BATCH_TOKENS", 1024, minimum=0),  # 0: transformers decides
             cuda_graphs=env_flag(env, "TOLLGATE_CUDA_GRAPHS", True),
             warmup=env_flag(env, "TOLLGATE_WARMUP", True),
             cache_dir=default_cache_dir(env),
@@ -479,7 +481,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             copy_connections=env_int(env, "TOLLGATE_LEDGER_COPY_CONNECTIONS", 2, minimum=0),
         ),
         credits=CreditSettings(
-            check_seconds=env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0, positive=True),
+            check_seconds=env_float(env, "TOLLGATE_CREDITS_CHECK_SECONDS", 30.0, minimum=0),  # 0: no housekeeping loop
             settle_seconds=env_float(env, "TOLLGATE_CREDITS_SETTLE_SECONDS", 0.0, minimum=0) if env.get("TOLLGATE_CREDITS_SETTLE_SECONDS") else None,
         ),
         responses=ResponsesSettings(

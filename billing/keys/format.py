@@ -24,7 +24,7 @@ _KEY_IN_TEXT = re.compile(rf"(?<![A-Za-z0-9])sk-[{_CHARS}]{{4,}}|sk-[{_CHARS}]{{
 MASK = "sk-***"
 # Stripe's secrets that the billing settings hold (secret and restricted keys, the webhook signing
 # secret): masked too, should a library's error or a log line quote one.
-_STRIPE_SECRET = re.compile(r"(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{8,}|whsec_[A-Za-z0-9+/=]{8,}")
+_STRIPE_SECRET = re.compile(r"(?<![A-Za-z0-9])(?:(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{8,}|whsec_[A-Za-z0-9+/=]{8,})")
 STRIPE_MASK = "***"
 
 

@@ -110,6 +110,8 @@ class MemoryLimiter(Limiter):
                     state.credits.setdefault(entry, nanos)
                     if expiry is not None and entry not in state.ended:
                         state.expiring[entry] = expiry
+                    else:  # the ledger says it is no grant still to end (an end this limiter never heard of)
+                        state.expiring.pop(entry, None)
                 state.spent, state.balance_synced = t.spent, True
             if state.unsynced:
                 for rid, (tokens, nanos, of_month, spends) in state.unsynced.items():

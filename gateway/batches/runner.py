@@ -306,12 +306,12 @@ class BatchRunner:
         the server not draining), with its key read again; (principal, False) when it does not."""
         try:
             now = await self._store.get(batch["id"])
-        except Exception as exc:  # the database is out: not started; pending again once it is back
+            if self.halting or now is None or now["status"] != "in_progress" or time.time() >= self.window_end(now):
+                return principal, False
+            return await self._principal(now), True
+        except Exception as exc:  # the database or the key store is out: not started; pending again once it is back
             log.warning("batch %s: could not read it again before a line's start: %s", batch["id"], type(exc).__name__)
             return principal, False
-        if self.halting or now is None or now["status"] != "in_progress" or time.time() >= self.window_end(now):
-            return principal, False
-        return await self._principal(now), True
 
     async def _principal(self, batch: dict[str, Any]) -> Any:
         principal = await self._keys.principal_of_key(batch["key_id"])

@@ -63,6 +63,11 @@ class Drain:
     def active(self) -> bool:
         return self.task is not None
 
+    @property
+    def serving(self) -> bool:
+        """Whether the app has started (its services exist): before, a signal stops it as uvicorn does."""
+        return getattr(self.app.state, "service", None) is not None
+
     def begin(self) -> None:
         if self.task is not None:
             return
@@ -117,7 +122,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         drain = self.drain
-        if drain is not None and not self.should_exit and sig in (signal.SIGTERM, signal.SIGINT):
+        if drain is not None and drain.serving and not self.should_exit and sig in (signal.SIGTERM, signal.SIGINT):
             # The handler runs on the loop's thread between two steps: the drain starts on the loop.
             if sig == signal.SIGTERM and not drain.active:
                 asyncio.get_running_loop().call_soon_threadsafe(drain.begin)
@@ -148,6 +153,9 @@ def install_in_worker(app: Any, seconds: float) -> Drain | None:
     drain = Drain(app, seconds, stop)
 
     def on_sigterm(sig: int, frame: Any) -> None:
+        if not drain.serving:
+            previous(sig, frame)
+            return
         if not server.should_exit and not drain.active:
             loop.call_soon_threadsafe(drain.begin)
             return

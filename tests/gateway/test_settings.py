@@ -244,6 +244,13 @@ def test_a_setting_out_of_its_range_stops_the_start_naming_it(name: str, raw: st
     assert str(stopped.value) == f"{name} {said}"
 
 
+def test_a_zero_that_means_something_is_kept() -> None:
+    """0 where the setting gives it a meaning (the review: refused by the first bounds): no credits
+    housekeeping loop (an operator who runs it from cron), transformers' own step size, a KV cache sized from free memory."""
+    settings = load_settings({"TOLLGATE_CREDITS_CHECK_SECONDS": "0", "TOLLGATE_MAX_BATCH_TOKENS": "0", "TOLLGATE_KV_CACHE_TOKENS": "0"})
+    assert (settings.credits.check_seconds, settings.engines.max_batch_tokens, settings.engines.kv_cache_tokens) == (0, 0, 0)
+
+
 def test_an_empty_host_is_the_default_never_every_interface() -> None:
     assert load_settings({"TOLLGATE_HOST": ""}).http.host == "127.0.0.1"  # uvicorn took "" as 0.0.0.0 and ::
     assert load_settings({"TOLLGATE_HOST": "0.0.0.0"}).http.host == "0.0.0.0"  # asked for: as asked

@@ -101,8 +101,13 @@ for _, b in ipairs(balances) do
     for j = 0, rows - 1 do
       local id, expiry = ARGV[b + 3 + j * 3], ARGV[b + 5 + j * 3]
       redis.call('HSETNX', k .. 'cred', id, ARGV[b + 4 + j * 3])
-      -- a grant whose end has not come, unless its end was told meanwhile (credit.lua)
-      if expiry ~= '' and redis.call('SISMEMBER', k .. 'cred:ended', id) == 0 then redis.call('ZADD', k .. 'cred:exp', expiry, id) end
+      -- A grant still to end, as the ledger says, unless its end was told meanwhile (credit.lua); a row
+      -- the ledger says is no such grant is none here either (an end this Redis never heard of).
+      if expiry ~= '' and redis.call('SISMEMBER', k .. 'cred:ended', id) == 0 then
+        redis.call('ZADD', k .. 'cred:exp', expiry, id)
+      else
+        redis.call('ZREM', k .. 'cred:exp', id)
+      end
     end
     local sum = 0
     for _, v in ipairs(redis.call('HVALS', k .. 'cred')) do sum = sum + tonumber(v) end

@@ -542,3 +542,35 @@ async def test_an_expired_grant_pays_for_no_request_admitted_after_it(db_url: st
             await lim.close()
     finally:
         await db.dispose()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_grants_end_the_limiter_never_heard_of_comes_back_with_a_rebuild(db_url: str, kind: str) -> None:
+    """A grant's expiry row written where the limiter is not told (the CLI without Redis while the
+    gateways are down, a removal lost in a failover) must not block the balance for good: a rebuild
+    takes the grants still to end from the ledger. The review found the expired grant's whole amount
+    refused through every rebuild."""
+    db = create_engine(db_url)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    limiter: Limiter = MemoryLimiter(LedgerTotals(db))
+    if kind == "redis":
+        require_redis(REDIS_URL)
+        limiter = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=prefix, timeout=2.0)
+    try:
+        told, untold = CreditBook(db, limiter, settle_seconds=0), CreditBook(db, None, settle_seconds=0)
+        a = await new_account(db)
+        await told.set_mode(a, "prepaid")
+        t0 = utcnow() - timedelta(hours=2)
+        assert await told.add(a, "topup", 50 * CENT) is not None
+        assert await told.add(a, "grant", 100 * CENT, expires_at=t0 + timedelta(hours=1), now=t0) is not None
+        scope = Scope("account", a, Limits(), True)
+        with pytest.raises(QuotaExceeded):
+            await limiter.reserve(uuid.uuid4().hex, [scope], 10, 60 * CENT)
+        assert len(await untold.expire_grants()) == 1  # its expiry row, the limiter not told
+        await limiter.invalidate(scope)  # a rebuild reads the ledger: the grant has ended
+        with pytest.raises(QuotaExceeded):
+            await limiter.reserve(uuid.uuid4().hex, [scope], 10, 51 * CENT)
+        await limiter.reserve(uuid.uuid4().hex, [scope], 10, 50 * CENT)
+        await limiter.close()
+    finally:
+        await db.dispose()

@@ -338,6 +338,8 @@ def test_stripe_secrets_are_masked_and_read_without_a_files_newline() -> None:
     masked = mask_keys(line)
     assert secret not in masked and restricted not in masked and hook not in masked and masked.count("***") == 3, masked
     assert mask_keys("task_test_case risk_live_x whsec_ ask_test_") == "task_test_case risk_live_x whsec_ ask_test_"
+    words = "task_test_alpha123 disk_live_backup2026 risk_test_20261207"  # glued to a word: no secret (the review)
+    assert mask_keys(words) == words
     config = BillingConfig.from_mapping({"TOLLGATE_STRIPE_API_KEY": secret + "\n", "TOLLGATE_STRIPE_WEBHOOK_SECRET": f" {hook}\r\n"})
     assert (config.stripe_api_key, config.stripe_webhook_secret) == (secret, hook)
     assert BillingConfig.from_mapping({"TOLLGATE_STRIPE_API_KEY": "\n"}).stripe_api_key is None

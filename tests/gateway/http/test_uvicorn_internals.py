@@ -63,3 +63,22 @@ def test_the_server_hook_drain_overrides_exists() -> None:
     config = inspect.signature(uvicorn.Config).parameters
     assert {"http", "loop", "log_config", "access_log", "proxy_headers"} <= set(config)
     assert {"factory", "workers"} <= set(inspect.signature(uvicorn.run).parameters)
+
+
+def test_a_signal_before_the_app_has_started_stops_it_as_uvicorn_does() -> None:
+    """The drain needs the app's services; before the lifespan has made them (a model loading), a
+    SIGINT or SIGTERM is uvicorn's own stop. The review: a SIGINT then raised AttributeError in the
+    loop and the server went on to serve."""
+    import signal
+    import types
+
+    import uvicorn
+
+    from gateway.http.drain import Drain
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        app = types.SimpleNamespace(state=types.SimpleNamespace(), draining=False)
+        server = DrainingServer(uvicorn.Config(app))
+        server.drain = Drain(app, 30.0, lambda: None)
+        server.handle_exit(sig, None)
+        assert server.should_exit and not server.drain.hurried and not server.drain.active, sig
