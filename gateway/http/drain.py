@@ -66,7 +66,7 @@ class Drain:
     @property
     def serving(self) -> bool:
         """Whether the app has started (its services exist): before, a signal stops it as uvicorn does."""
-        return getattr(self.app.state, "service", None) is not None
+        return self.app.state.service is not None
 
     def begin(self) -> None:
         if self.task is not None:

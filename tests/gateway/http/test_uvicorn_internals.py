@@ -75,9 +75,10 @@ def test_a_signal_before_the_app_has_started_stops_it_as_uvicorn_does() -> None:
     import uvicorn
 
     from gateway.http.drain import Drain
+    from gateway.services import Services
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        app = types.SimpleNamespace(state=types.SimpleNamespace(), draining=False)
+        app = types.SimpleNamespace(state=Services(), draining=False)  # what the lifespan has not filled in yet
         server = DrainingServer(uvicorn.Config(app))
         server.drain = Drain(app, 30.0, lambda: None)
         server.handle_exit(sig, None)
