@@ -239,13 +239,6 @@ def _one_of(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
     return value
 
 
-def _env_nonnegative(env: Mapping[str, str], name: str, default: int) -> int:
-    value = env_int(env, name, default)
-    if value < 0:
-        raise SystemExit(f"{name} must be 0 or more, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class Settings:
     """The whole configuration: the groups, and top-level what they share (module docstring)."""
@@ -358,15 +351,6 @@ def _redis_prefix(raw: str) -> str:
     return raw
 
 
-def _hold_seconds(env: Mapping[str, str]) -> float:
-    # A running request's hold is renewed once less than half of it is left, by a watch that looks a
-    # few times in that half: below a second it would mostly watch.
-    value = env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0)
-    if not 1 <= value < float("inf"):
-        raise SystemExit(f"TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1 (seconds), got {value}")
-    return value
-
-
 def _fail_mode(raw: str) -> bool:
     if raw not in ("open", "closed"):
         raise SystemExit(f"TOLLGATE_QUOTA_FAIL_MODE must be 'open' or 'closed', got {raw!r}")
@@ -444,7 +428,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             models_file=env.get("TOLLGATE_MODELS") or None,
             device=device,
             process=_engine_process(env.get("TOLLGATE_ENGINE_PROCESS", "auto"), device),
-            gather_ms=_env_nonnegative(env, "TOLLGATE_ENGINE_GATHER_MS", 20),
+            gather_ms=env_int(env, "TOLLGATE_ENGINE_GATHER_MS", 20, minimum=0),
             max_batch_size=env_int(env, "TOLLGATE_MAX_BATCH_SIZE", 32, positive=True),
             max_queue=env_int(env, "TOLLGATE_MAX_QUEUE", 256, minimum=0),
             kv_cache_tokens=env_int(env, "TOLLGATE_KV_CACHE_TOKENS", 16384, minimum=0),
@@ -471,7 +455,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             key_cache_seconds=env_float(env, "TOLLGATE_KEY_CACHE_SECONDS", 1.0, minimum=0),
             key_stale_seconds=env_float(env, "TOLLGATE_KEY_STALE_SECONDS", 300.0, minimum=0),
             fail_open=_fail_mode(env.get("TOLLGATE_QUOTA_FAIL_MODE", "closed")),
-            hold_seconds=_hold_seconds(env),
+            # A running request's hold is renewed once less than half of it is left, by a watch that looks a
+            # few times in that half: below a second it would mostly watch.
+            hold_seconds=env_float(env, "TOLLGATE_QUOTA_HOLD_SECONDS", 900.0, minimum=1),
         ),
         ledger=LedgerSettings(
             journal=env_flag(env, "TOLLGATE_LEDGER_JOURNAL", True),

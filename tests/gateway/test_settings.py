@@ -189,7 +189,7 @@ def test_a_hold_time_too_short_to_renew_stops_the_start(raw: str) -> None:
     # A running request's hold is renewed when half of it is left (billing/quota/base.py:Limiter.renew).
     with pytest.raises(SystemExit) as stopped:
         load_settings({"TOLLGATE_QUOTA_HOLD_SECONDS": raw})
-    assert str(stopped.value).startswith(("TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1 (seconds), got ",
+    assert str(stopped.value).startswith(("TOLLGATE_QUOTA_HOLD_SECONDS must be at least 1, got ",
                                           "TOLLGATE_QUOTA_HOLD_SECONDS must be a finite number"))
     assert load_settings({"TOLLGATE_QUOTA_HOLD_SECONDS": "1"}).quotas.hold_seconds == 1.0
 

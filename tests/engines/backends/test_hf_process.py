@@ -302,7 +302,7 @@ def test_gather_ms_is_a_setting_and_a_negative_one_is_refused(monkeypatch: pytes
     monkeypatch.setenv("TOLLGATE_ENGINE_GATHER_MS", "5")
     assert load_settings().engines.gather_ms == 5
     monkeypatch.setenv("TOLLGATE_ENGINE_GATHER_MS", "-1")
-    with pytest.raises(SystemExit, match="TOLLGATE_ENGINE_GATHER_MS must be 0 or more"):
+    with pytest.raises(SystemExit, match="TOLLGATE_ENGINE_GATHER_MS must be at least 0, got -1"):
         load_settings()
     with pytest.raises(ValueError, match="gather_ms must be 0 or more"):
         HFProcessEngine(model_id=MODEL, gather_ms=-1)
