@@ -43,6 +43,8 @@ SETTLE_LINGER = 0.002
 # After a failover, admissions in a group wait this long at most for every process that had
 # registered there to re-register its running holds (each does at its next call, an idle one
 # within its hold watch's interval); a process that died meanwhile stops counting after that.
+# After a plain restart (nothing kept) Redis knows no process to wait for: admissions that need a
+# rebuild wait until Redis has been up this long, time for every live process's watch to come round.
 FAILOVER_WAIT = 3.0
 
 
@@ -229,6 +231,8 @@ class RedisLimiter(Limiter):
                         await self.totals.flush()
                     await self._rehold(hold.tag, now)
                     result = await self._call(self._reserve_script, args)
+                if result[0] == "starting":
+                    result = await self._after_start(args, result)
                 if result[0] == "recovering":
                     raise QuotaUnavailable("quota store recovering from a failover")
             except QuotaUnavailable:
@@ -249,6 +253,18 @@ class RedisLimiter(Limiter):
             return ("sync", list(result[1]))
         finally:
             self._reserving.discard(hold.request_id)
+
+    async def _after_start(self, args: list[Any], result: Any) -> Any:
+        """Redis started moments ago without its state and the group needs its counters rebuilt: the
+        reservation waits until the other processes' hold watches have had FAILOVER_WAIT to put their
+        running holds back (reserve.lua answers `starting` and the milliseconds left), then asks again."""
+        deadline = time.monotonic() + FAILOVER_WAIT + 1.0
+        while result[0] == "starting":
+            if time.monotonic() >= deadline:  # the script counts from Redis's own start: this is a clock gone wrong
+                raise QuotaUnavailable("quota store restarting")
+            await asyncio.sleep(min(0.25, max(0.01, int(result[1]) / 1000)))
+            result = await self._call(self._reserve_script, args)
+        return result
 
     async def _seed(self, hold: Hold, scopes: list[Scope], totals: dict[str, ScopeTotals], now: float,
                     present: Any = None) -> None:

@@ -5,7 +5,9 @@ local proc = ARGV[10 + n * 7]
 -- Replicated Redis (Cluster, Sentinel): a master other than the one that last wrote this group took
 -- over (a failover), and may lack the old one's latest writes. Every process registered here must
 -- re-register its live holds (its registration moves to procs:stale) and the counters are rebuilt
--- from the ledger; admissions wait (up to ARGV[12 + n * 7] ms) until every such process has.
+-- from the ledger; admissions wait (up to ARGV[12 + n * 7] ms) until every such process has. A plain
+-- restart leaves no registry to wait for: admissions that need a rebuild wait that long after
+-- Redis started (below).
 if ARGV[11 + n * 7] == '1' then
   local id = string.match(redis.call('INFO', 'replication'), 'master_replid:(%w+)')
   local seen = redis.call('GET', p .. 'node')
@@ -42,7 +44,16 @@ for i = 0, n - 1 do
   if redis.call('EXISTS', s.k .. 'synced:' .. month .. ':' .. epoch) == 0
      or (s.prepaid and redis.call('EXISTS', s.k .. 'bsynced:' .. epoch) == 0) then missing[#missing + 1] = s.name end
 end
-if #missing > 0 then return {'sync', missing} end
+if #missing > 0 then
+  -- Redis started moments ago (a restart without persistence keeps nothing): the holds of requests
+  -- still running on other processes are not back yet; each process's hold watch puts them back
+  -- within about two seconds of Redis answering. The counters are rebuilt, and admissions here
+  -- resume, only once that time has passed (the caller waits and asks again).
+  local wait_ms = tonumber(ARGV[12 + n * 7])
+  local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
+  if up * 1000 < wait_ms then return {'starting', wait_ms - up * 1000} end
+  return {'sync', missing}
+end
 -- A retried call for a request already reserved changes nothing.
 if redis.call('HEXISTS', scopes[1].k .. 'holds', rid) == 1 then
   local again = {}

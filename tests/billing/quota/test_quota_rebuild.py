@@ -35,7 +35,7 @@ from billing.db import create_engine
 from billing.ledger.journal import Recovered, RunNotes
 from billing.ledger.writer import UsageRecord, write_records
 from billing.quota.limits import Limits
-from billing.quota import LedgerTotals, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
+from billing.quota import LedgerTotals, QuotaExceeded, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
 from gateway.wiring import finish_crashed_run
 from tests.conftest import REDIS_URL, require_redis, until
 
@@ -403,3 +403,66 @@ async def test_a_start_after_a_crash_drops_the_holds_through_the_crashed_runs_no
     await restarted.settle(await restarted.reserve(uuid.uuid4().hex, [key, account], 10, 10, now=time.time()), 10, 10)
     notes.close(clear=not restarted.holding)  # a clean shutdown: nothing for the next run to drop
     assert RunNotes(tmp_path / "quota-groups").previous == set()
+
+
+async def test_a_plain_redis_restart_rebuilds_only_once_the_other_processes_holds_are_back(ledger_url: str, tmp_path: Path) -> None:
+    """Redis restarted without persistence keeps no registry of the processes whose requests still
+    run: the first process to reserve after it must not rebuild the counters from the ledger (which
+    lacks those requests) before the others' hold watches have put their holds back. B holds 8 of a
+    1,000-token budget's 100-token requests; Redis restarts; A asks for 5 more while B's watch is held
+    back. A waits (reserve.lua: `starting`) until Redis has been up FAILOVER_WAIT; B's watch, let go
+    once A waits, re-registers its holds meanwhile; A gets the 2 that fit. Before, A rebuilt at once
+    and got all 5: 1,300 tokens against 1,000 (the spend audit's two-gateway run: $0.017 against a
+    $0.01 balance)."""
+    from tests.gateway.serving.test_quota_redis_failures import RedisServer
+
+    redis = RedisServer(tmp_path)
+    redis.start()
+    try:
+        async with limiters(ledger_url, redis.url) as make:
+            a, b = make(), make()
+            account_id = int(uuid.uuid4().int % 10**9)
+            key = Scope("key", int(uuid.uuid4().int % 10**9), Limits(), account=account_id)
+            account = Scope("account", account_id, Limits(monthly_tokens=1_000))
+            for _ in range(8):
+                await b.reserve(uuid.uuid4().hex, [key, account], 100, 100)  # running: its watch keeps them
+            let_go = asyncio.Event()
+            lost_groups = b._client.lost_groups
+
+            async def held_back(*args: Any) -> list[str]:  # B's watch comes round only once A waits
+                await let_go.wait()
+                return await lost_groups(*args)
+
+            b._client.lost_groups = held_back  # type: ignore[method-assign]
+            redis.kill()
+            redis.start()  # empty: every hold is gone
+            waits = asyncio.Event()
+            call = a._call
+
+            async def seen(script: Any, args: list[Any], linger: float = 0.0) -> Any:
+                result = await call(script, args, linger)
+                if isinstance(result, list) and result and result[0] == "starting":
+                    waits.set()
+                return result
+
+            a._call = seen  # type: ignore[method-assign]
+
+            async def five() -> int:
+                admitted = 0
+                for _ in range(5):
+                    try:
+                        await a.reserve(uuid.uuid4().hex, [key, account], 100, 100)
+                        admitted += 1
+                    except QuotaExceeded:
+                        pass
+                return admitted
+
+            asking = asyncio.create_task(five())
+            waiting = asyncio.create_task(waits.wait())
+            await asyncio.wait({asking, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            let_go.set()
+            waiting.cancel()
+            assert await asking == 2, "admitted without waiting for B's running holds"
+            assert (await a.counters(account))["held_tokens"] == 1_000
+    finally:
+        redis.kill()
