@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.tollgate-installed
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 
-.PHONY: serve test setup vllm browser services migrate bench clean
+.PHONY: serve test setup vllm browser services migrate bench clean clean-data
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,5 +50,10 @@ test: setup vllm browser services
 bench: setup
 	$(BIN)/python bench/engine_scaling.py
 
+# The environments only: .tollgate holds `make serve`'s database, ledger journal (rows not yet in the
+# database) and secret (every key's hash depends on it). Removing those is asked for by name.
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .tollgate
+	rm -rf $(VENV) $(VLLM_VENV)
+
+clean-data:
+	rm -rf .tollgate

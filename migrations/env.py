@@ -11,6 +11,7 @@ from billing.db import create_engine
 from billing.models import SQLModel
 
 config = context.config
+MIGRATION_LOCK = 0x746F6C6C67617465  # 'tollgate': one lock key per database for the migrations
 target_metadata = SQLModel.metadata
 
 
@@ -33,6 +34,11 @@ def run_with(connection: Connection) -> None:
         render_as_batch=connection.dialect.name == "sqlite",
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Replicas started together each migrate before they serve: they take turns, and the
+            # later ones read the version the first wrote (Alembic reads it after this, in the same
+            # transaction) and have nothing left to do. The lock goes with the transaction.
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
         context.run_migrations()
 
 

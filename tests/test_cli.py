@@ -84,6 +84,8 @@ def test_bad_input_and_a_bad_database_are_one_line_of_error_not_a_traceback(tmp_
     assert tollgate(tmp_path, "migrate").returncode == 0
     assert "Can't locate revision identified by 'nosuchrev'" in refused("migrate", "--revision", "nosuchrev")  # was alembic's traceback
     assert "Can't locate revision" in refused("migrate", "--downgrade", "--revision", "nosuchrev")
+    assert "--downgrade needs --revision" in refused("migrate", "--downgrade", code=2)  # it went to base: every table dropped
+    assert json.loads(tollgate(tmp_path, "accounts", "list").stdout) == []  # still migrated
     assert "not from 1 to 2147483647" in refused("keys", "revoke", "99999999999999999999", code=2)
     assert "not from 1 to 2147483647" in refused("invoices", "show", "0", code=2)
     assert "not from 0 to 120" in refused("ledger", "create-partitions", "--ahead", "100000", code=2)

@@ -41,12 +41,17 @@ def _print(payload: Any) -> None:
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    if args.downgrade and not args.revision:
+        # `base` drops every table, the ledger's too: that is asked for by name, never a default.
+        print("error: --downgrade needs --revision (the revision to go back to; `base` drops every table, "
+              "the ledger and invoices too)", file=sys.stderr)
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if args.downgrade:
-        migrations.downgrade(settings.resolved_database_url, args.revision or "base")
+        migrations.downgrade(settings.resolved_database_url, args.revision)
     else:
         migrations.upgrade(settings.resolved_database_url, args.revision or "head")
-    print(f"migrations applied ({'downgrade' if args.downgrade else 'upgrade'} to {args.revision or ('base' if args.downgrade else 'head')})")
+    print(f"migrations applied ({'downgrade' if args.downgrade else 'upgrade'} to {args.revision or 'head'})")
     return 0
 
 
@@ -346,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     mig = sub.add_parser("migrate", help="apply database migrations (DATABASE_URL, else the SQLite file)")
-    mig.add_argument("--revision", help="target revision (default: head, or base with --downgrade)")
+    mig.add_argument("--revision", help="target revision (default: head; required with --downgrade, where base drops every table)")
     mig.add_argument("--downgrade", action="store_true", help="downgrade instead of upgrade")
     mig.set_defaults(func=cmd_migrate)
 

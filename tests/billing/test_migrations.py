@@ -53,3 +53,20 @@ def test_upgrade_downgrade_upgrade(database_url: str) -> None:
     assert run_coro(_tables_and_diff(database_url))[0] == set()
     migrate.upgrade(database_url)
     assert run_coro(_tables_and_diff(database_url))[0] == TABLES
+
+
+def test_two_processes_migrating_one_database_at_once_both_succeed(fresh_pg_database: Any) -> None:
+    """Replicas that start together each run the migrations (`tollgate serve` does before it serves):
+    on Postgres they take turns (an advisory lock held for the migration's transaction), and the
+    second finds the history applied. Before, the second failed on the first's half-made tables
+    (duplicate key in pg_type / relation already exists) and that replica did not start."""
+    import subprocess
+    import sys
+
+    url = fresh_pg_database()
+    code = "import sys; from billing import migrate; migrate.upgrade(sys.argv[1])"
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(4)]
+    failures = [err.decode()[-600:] for p in procs for _, err in [p.communicate(timeout=120)] if p.returncode != 0]
+    assert failures == []
+    assert run_coro(_tables_and_diff(url))[0] == TABLES
