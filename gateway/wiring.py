@@ -26,13 +26,21 @@ from gateway import billing
 from gateway.api.openai import embeddings as embeddings_api
 from gateway.serving import cache as response_cache
 from gateway.batches import service as batches
-from gateway.config import Settings
+from gateway.config import EngineSettings, Settings
 from gateway.http.metrics import Metrics
 from gateway.serving.completions import CompletionService
 from gateway.services import Services
 from gateway.dashboard.sessions import SessionStore
 
 log = logging.getLogger("tollgate")
+
+
+def unserved_backend(config: EngineSettings) -> str | None:
+    """Why `config` (the engine settings) names a backend that cannot be served (None: it can be)."""
+    if config.models_file or config.backend == "hf":
+        return None
+    return (f"TOLLGATE_ENGINE={config.backend!r}: without a models file only the hf backend is served; "
+            "describe trtllm and openai models in a models.yaml (TOLLGATE_MODELS or --models)")
 
 
 def build_engines(settings: Settings) -> dict[str, Engine]:
@@ -54,11 +62,9 @@ def build_engines(settings: Settings) -> dict[str, Engine]:
 
             connect_hosted(built, config.engine_hosts)
         return built
-    if config.backend != "hf":
-        raise SystemExit(
-            f"TOLLGATE_ENGINE={config.backend!r}: without a models file only the hf backend is served; "
-            "describe trtllm and openai models in a models.yaml (TOLLGATE_MODELS or --models)"
-        )
+    refused = unserved_backend(config)
+    if refused:
+        raise SystemExit(refused)
     from engines.backends.hf import HFEngine
     from engines.backends.hf_process import HFProcessEngine
 

@@ -81,6 +81,10 @@ def test_bad_input_and_a_bad_database_are_one_line_of_error_not_a_traceback(tmp_
     base["TOLLGATE_DATA_DIR"] = str(tmp_path)
     assert "does not exist" in refused("accounts", "list", env={**base, "DATABASE_URL": "postgresql://postgres@127.0.0.1:5432/tg_no_such_db"})
     assert "unsupported database backend" in refused("accounts", "list", env={**base, "DATABASE_URL": "bogus://x"})
+    # refused before the model loads (they were a traceback in the JSON log once it had)
+    assert "TOLLGATE_ENGINE='foo': without a models file" in refused("serve", env={**base, "TOLLGATE_ENGINE": "foo"}, code=2)
+    assert "DATABASE_READ_URL: Could not parse" in refused("serve", env={**base, "DATABASE_READ_URL": "garbage"}, code=2)
+    assert "DATABASE_READ_URL: unsupported database backend" in refused("serve", env={**base, "DATABASE_READ_URL": "mysql://x/y"}, code=2)
     assert tollgate(tmp_path, "migrate").returncode == 0
     assert "Can't locate revision identified by 'nosuchrev'" in refused("migrate", "--revision", "nosuchrev")  # was alembic's traceback
     assert "Can't locate revision" in refused("migrate", "--downgrade", "--revision", "nosuchrev")

@@ -16,7 +16,7 @@ from alembic.util import CommandError as AlembicCommandError
 from sqlalchemy.exc import SQLAlchemyError
 
 from billing import migrate as migrations
-from billing.db import create_engine
+from billing.db import async_url, create_engine
 from billing.keys.store import AccountExists, KeyStore, UnknownAccount
 from engines.base import EngineError
 from gateway.cli import bench as cli_bench, billing as cli_billing, credits as cli_credits, ledger as cli_ledger, ops as cli_ops
@@ -90,6 +90,10 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     if refused:
         print(f"error: --workers {workers}: {refused}", file=sys.stderr)
         return 2
+    refused = _unstartable(settings)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)  # one line, before anything loads (it was a traceback in the log)
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrations.upgrade(settings.resolved_database_url)
     created = _with_keys(settings, lambda keys: keys.ensure_admin_key(settings.admin_key))
@@ -117,6 +121,21 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
         print(f"error: {fatal}", file=sys.stderr)
         return 1
     return 0
+
+
+def _unstartable(settings: Settings) -> str | None:
+    """What the server's start would fail on after the model loads, told before: a backend without a
+    models file, a read-replica URL that does not parse."""
+    from gateway.wiring import unserved_backend
+
+    refused = unserved_backend(settings.engines)
+    if refused or not settings.database_read_url:
+        return refused
+    try:
+        async_url(settings.database_read_url)
+    except (SQLAlchemyError, ValueError) as exc:
+        return f"DATABASE_READ_URL: {_described(exc)}"
+    return None
 
 
 def workers_refused(settings: Settings) -> str | None:
