@@ -342,6 +342,10 @@ class Limiter(abc.ABC):
         """Whether any request of this process still holds (reserved, not settled)."""
         return bool(self._live)
 
+    async def reachable(self) -> bool | None:
+        """Whether the shared store answers now (/readyz says so); None: the counters are this process's."""
+        return None
+
     def _due(self, now: float) -> list[Hold]:
         """Live holds with less than half the hold time left."""
         soon = now + self.hold_seconds / 2

@@ -504,6 +504,12 @@ class RedisLimiter(Limiter):
             log.warning("could not invalidate quota counters for %s: %s", scope.name, type(exc).__name__)
             self._resync.add(tag)
 
+    async def reachable(self) -> bool:
+        try:
+            return bool(await self._redis.ping())  # within the client's timeout; refused at once when Redis is down
+        except Exception:
+            return False
+
     async def counters(self, scope: Scope, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
         k = f"{self.group(await self._tag_of(scope))}{scope.name}:"

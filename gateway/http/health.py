@@ -1,5 +1,5 @@
-"""GET /healthz (the process answers) and GET /readyz (every model loaded, not draining): what a
-load balancer or an orchestrator probes."""
+"""GET /healthz (the process answers) and GET /readyz (every model loaded, not draining; whether the
+quota store answers, in its body): what a load balancer or an orchestrator probes."""
 
 from __future__ import annotations
 
@@ -27,7 +27,12 @@ async def readyz(request: Request) -> Response:
     pending = [mid for mid, e in engines.items() if not e.ready]
     if pending:
         return EngineNotReady(f"models still loading: {', '.join(pending)}", headers={"Retry-After": "5"}).response()
-    return json_response({"status": "ready", "models": list(engines)})
+    # Redis out is not a reason to leave the load balancer: every process shares it, and each answers
+    # for itself (fail-closed: 503 `quota_unavailable`; fail-open: served, counted from the ledger).
+    # What an operator's monitoring reads instead: `quota_store`.
+    reachable = await request.app.state.limiter.reachable()
+    store = "in-process" if reachable is None else "reachable" if reachable else "unreachable"
+    return json_response({"status": "ready", "models": list(engines), "quota_store": store})
 
 
 routes = [

@@ -11,4 +11,5 @@ async def test_healthz_and_readyz(gateway: Gateway) -> None:
         ready = await c.get("/readyz")
         assert ready.status_code == 200
         assert ready.json()["status"] == "ready"
+        assert ready.json()["quota_store"] == "in-process"  # this gateway has no REDIS_URL
 

@@ -78,6 +78,13 @@ async def post_chat(gw: Gateway, key: str) -> httpx.Response:
         return await c.post("/chat/completions", json={"model": MODEL, "messages": PROMPT, "max_tokens": 3, "temperature": 0})
 
 
+async def quota_store(gw: Gateway) -> tuple[int, str]:
+    """/readyz's status and what it says of the quota store."""
+    async with httpx.AsyncClient(base_url=gw.base_url, timeout=10) as c:
+        ready = await c.get("/readyz")
+        return ready.status_code, ready.json().get("quota_store")
+
+
 async def wait_rows(gw: Gateway, key_id: int, n: int) -> None:
     deadline = time.monotonic() + 10
     while await gw.ledger_count(key_id=key_id) < n:
@@ -99,7 +106,10 @@ async def test_redis_killed_fail_closed_and_fail_open_then_rebuilt(
         for gw in (closed, opened):
             assert (await post_chat(gw, key["key"])).status_code == 200
 
+        assert await quota_store(closed) == (200, "reachable")
         private_redis.kill()
+        # still ready (each process answers by its fail mode); the body tells monitoring
+        assert await quota_store(closed) == await quota_store(opened) == (200, "unreachable")
         started = time.monotonic()
         refused = await post_chat(closed, key["key"])
         assert refused.status_code == 503
@@ -118,6 +128,7 @@ async def test_redis_killed_fail_closed_and_fail_open_then_rebuilt(
         await asyncio.sleep(1.1)  # breaker cool-down
         for gw in (closed, opened):
             assert (await post_chat(gw, key["key"])).status_code == 200
+        assert await quota_store(closed) == (200, "reachable")
         await wait_rows(closed, key["id"], 7)
         c = await settled_at(closed, private_redis, prefix, key["id"])
         _count, tokens = await ledger_tokens(closed, "key_id", key["id"])
