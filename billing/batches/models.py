@@ -73,7 +73,12 @@ class Batch(SQLModel, table=True):
 
 class BatchLine(SQLModel, table=True):
     __tablename__ = "batch_lines"
-    __table_args__ = (sa.Index("ix_batch_lines_state", "batch_id", "state"),)
+    __table_args__ = (
+        sa.Index("ix_batch_lines_state", "batch_id", "state"),
+        # The lines a runner marked admitted, by runner: a restart's sweep (migration 0023)
+        sa.Index("ix_batch_lines_admitted_by", "claimed_by", postgresql_where=sa.text("admitted_at IS NOT NULL"),
+                 sqlite_where=sa.text("admitted_at IS NOT NULL")),
+    )
 
     batch_id: str = Field(sa_column=sa.Column(sa.String(40), primary_key=True))
     line: int = Field(sa_column=sa.Column(sa.Integer, primary_key=True, autoincrement=False))

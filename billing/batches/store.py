@@ -4,7 +4,9 @@ A line goes pending -> claimed -> done. `claim()` is a conditional update (one w
 any number of runners), which names the runner; `admitted()` marks it admitted for that runner only,
 before its ledger row is journaled; `finish()` stores its answer; `release()` puts back a line that
 was never admitted (it has no ledger row, so it may run later) and only then; both, and
-`finish()`, act only on the claim of the runner they name.
+`finish()`, act only on the claim of the runner they name. `admitted_without_row()` finds the lines
+a runner marked admitted that have no ledger row (the sweep of a killed run's lines), and
+`add_rows()` writes their rows through the ledger's own idempotent insert.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.batches.models import Batch, BatchLine
+from billing.ledger.records import UsageRecord
+from billing.ledger.writer import write_records
 from billing.models import LedgerEntry, utcnow
 
 BATCHES = Batch.__table__
@@ -71,6 +75,17 @@ class Line:
     @property
     def request_id(self) -> str:
         return line_request_id(self.batch_id, self.line)
+
+
+@dataclass(frozen=True)
+class Unjournaled:
+    """A line a runner marked admitted and that has no ledger row, with what a row of it needs."""
+
+    line: Line
+    admitted_at: datetime  # its mark's instant
+    account_id: int  # the batch's
+    key_id: int
+    batch_model: str | None  # the model an OpenAI batch's lines name (None: an Anthropic batch, or an older one)
 
 
 def _line(row: Any) -> Line:
@@ -244,6 +259,24 @@ class BatchStore:
         async with self._db.connect() as conn:
             rows = (await conn.execute(sa.select(LINES).where(LINES.c.batch_id == batch_id, LINES.c.state == "claimed"))).all()
         return [_line(r) for r in rows]
+
+    async def admitted_without_row(self, runner_id: str) -> list[Unjournaled]:
+        """Every line `runner_id` marked admitted that has no ledger row, in any batch and state
+        (claimed, or ended by a runner that took its batch over): one query, on
+        ix_batch_lines_admitted_by and the ledger's unique key."""
+        row = sa.select(LEDGER.c.request_id).where(LEDGER.c.request_id == LINES.c.batch_id + "-" + sa.cast(LINES.c.line, sa.String))
+        query = (sa.select(LINES, BATCHES.c.account_id, BATCHES.c.key_id, BATCHES.c.model.label("batch_model"))
+                 .join(BATCHES, BATCHES.c.id == LINES.c.batch_id)
+                 .where(LINES.c.claimed_by == runner_id, LINES.c.admitted_at.is_not(None), ~sa.exists(row))
+                 .order_by(LINES.c.batch_id, LINES.c.line))
+        async with self._db.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [Unjournaled(_line(r), aware(r.admitted_at), r.account_id, r.key_id, r.batch_model) for r in rows]  # type: ignore[arg-type]
+
+    async def add_rows(self, records: list[UsageRecord]) -> int:
+        """Writes ledger rows as the ledger's writer does (a row with the same request id and
+        admitted_at already there stays as it is, the aggregates count only new ones); how many were new."""
+        return await write_records(self._db, records)
 
     async def lines(self, batch_id: str) -> list[Line]:
         async with self._db.connect() as conn:

@@ -20,13 +20,16 @@ stopped leaves claimed lines; the next one, once the ledger has the rows its jou
 finds each claimed line's row: a line with a row ran (in part) and is not run again (it ends
 `errored`: interrupted); a line marked admitted without a row ran on a runner whose journal is not
 here (another instance's volume; its row comes when that instance comes back) and is not run again
-either (`errored`: interrupted), unless that runner was the previous run on this process's journal
-(its id is kept there), whose rows are all replayed by now: it was killed between the mark and the
-journal, so the line never ran and goes back to pending with a line never admitted. A runner whose
-line was put back or ended by another (its lease lapsed while it stalled) cannot mark it: that run
-is refused before its row and leaves the line alone. A line refused before admission (429/503:
-queue full, quota) is put back and retried until the batch's window ends. So a line is admitted
-once, and has one row, whichever runners and instances handle it.
+either (`errored`: interrupted). Before judging or claiming any line, a runner sweeps once, in every
+batch, the lines the previous run on this process's journal (its id is kept there) marked admitted
+and that have no row although that journal is replayed: it was killed between the mark and the
+journal, so they never ran. One still claimed goes back to pending with the lines never admitted;
+one another instance ended meanwhile (admitted elsewhere, it judged) gets its one row there and
+then, `interrupted` and billed nothing (`_sweep`; one that fails runs again at the next round). A
+runner whose line was put back or ended by another (its lease lapsed while it stalled) cannot mark
+it: that run is refused before its row and leaves the line alone. A line refused before admission
+(429/503: queue full, quota) is put back and retried until the batch's window ends. So a line is
+admitted once, and has one row, whichever runners and instances handle it.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ import orjson
 from starlette.requests import Request
 from starlette.routing import Route
 
-from billing.batches.store import BatchStore, LeaseHeld, Line
+from billing.batches.store import BatchStore, LeaseHeld, Line, Unjournaled
 from billing.batches.files import FileStore
 from billing.keys.store import KeyStore
+from billing.ledger.records import UsageRecord
 from billing.models import utcnow
 from billing.periodic import Periodic
 from gateway.batches import results
@@ -54,6 +58,7 @@ from gateway.batches.line import SCOPE_KEY, BatchLine
 from gateway.config import BatchSettings
 
 log = logging.getLogger("tollgate.batches")
+SWEEP_SECONDS = 60.0  # a sweep stuck on the database gives up; the next round runs it again
 RETRIED = (429, 503, 529)  # refused before admission (529: Anthropic's overloaded): no row, may run later
 INTERRUPTED = {"error": {"message": "The gateway restarted while this request ran; it was not run again (its usage is in the ledger).",
                          "type": "server_error", "param": None, "code": "interrupted"}}
@@ -87,6 +92,24 @@ class Unstored(Exception):
         self.line, self.end = line, end
 
 
+def interrupted_row(found: Unjournaled) -> UsageRecord:
+    """The one row of a line its run marked admitted and never journaled (killed in between): it
+    never reached the engine, so nothing used, nothing billed; admitted when it was marked."""
+    line = found.line
+    try:
+        body = orjson.loads(line.body)
+    except orjson.JSONDecodeError:
+        body = None
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model:
+        model = found.batch_model or "unknown"  # the model an OpenAI batch's lines all name
+    return UsageRecord(
+        request_id=line.request_id, account_id=found.account_id, key_id=found.key_id, model=model[:128],
+        prompt_tokens=0, completion_tokens=0, status="interrupted", finish_reason=None, total_ms=0.0, cost_nanos=0,
+        api="batch", batch_id=line.batch_id, created_at=found.admitted_at, admitted_at=found.admitted_at,
+    )
+
+
 def _round_failed(exc: Exception) -> None:  # the database is out: the next round tries again
     log.warning("could not list active batches: %s", type(exc).__name__)
 
@@ -114,6 +137,8 @@ class BatchRunner:
         self.runner_id = runner_id or uuid.uuid4().hex  # this process's runner, in the leases it holds
         # The runner the previous run on this process's journal had: its rows are replayed here.
         self._previous_run = previous_run
+        self._swept = False  # its lines marked admitted and never journaled are seen to (`_sweep`)
+        self._sweeping = asyncio.Lock()
 
     def start(self) -> None:
         self._endpoints = {r.path: r.endpoint for r in self._app.routes
@@ -146,6 +171,10 @@ class BatchRunner:
     async def _round(self) -> None:
         if self.halting:
             return  # claims nothing more
+        try:
+            await self._sweep()
+        except Exception as exc:  # the database is out: the next round, or a batch's recovery, runs it again
+            log.warning("the previous run's admitted lines were not swept: %s; trying again", type(exc).__name__)
         try:
             await self._files.delete_expired()  # files past their expires_after (no read finds them meanwhile)
         except Exception as exc:  # the database is out: the next round, and the claims below still try
@@ -319,12 +348,48 @@ class BatchRunner:
             return None
         return dataclasses.replace(principal, priority=self._lowest) if self._lowest else principal
 
+    async def _sweep(self) -> list[Line]:
+        """Once, before this runner judges or claims a line: the lines the previous run on this
+        journal marked admitted and never journaled (killed between the two, so they never ran, and
+        with its journal replayed and flushed no row of theirs is coming), in every batch. One still
+        claimed goes back to pending, to run once; one a runner that took its batch over has ended
+        meanwhile (admitted elsewhere, it judged: its row to come from a journal) gets that row now,
+        `interrupted` and billed nothing. Returns the lines put back (none once it has run); raises
+        when it could not run (the database is out), and the next caller runs it again."""
+        previous = self._previous_run
+        if self._swept or previous is None:
+            return []
+        async with self._sweeping:  # the round and the batches' recoveries: one sweep at a time
+            if self._swept:
+                return []
+            async with asyncio.timeout(SWEEP_SECONDS):
+                reopened, rows, written = await self._sweep_lines(previous)
+            self._swept = True
+        if reopened or rows:
+            log.warning("the previous run %s marked %d lines admitted and was killed before journaling them: %d go back "
+                        "to pending, %d ended by another runner get their interrupted row (%d written)",
+                        previous, len(reopened) + rows, len(reopened), rows, written)
+        return reopened
+
+    async def _sweep_lines(self, previous: str) -> tuple[list[Line], int, int]:
+        """(the lines put back, the rows owed, those of them written now)."""
+        await self._flush()  # first: a line whose row the replayed journal had is not the sweep's
+        found = await self._store.admitted_without_row(previous)
+        claimed = [f.line for f in found if f.line.state == "claimed"]
+        reopened = [line for line in claimed if await self._store.reopen(line, previous)]
+        if len(reopened) < len(claimed):  # ended meanwhile by a runner that took its batch over: it is owed a row
+            found = await self._store.admitted_without_row(previous)
+        rows = [interrupted_row(f) for f in found if f.line.state == "done"]
+        written = await self._store.add_rows(rows) if rows else 0  # one per request id and instant: a repeat writes none
+        return reopened, len(rows), written
+
     async def _recover(self, batch_id: str) -> int:
         """Lines a stopped run had claimed: done if their ledger row exists, else pending again;
-        how many there were."""
+        how many there were (with those of this batch the sweep put back)."""
+        reopened = sum(line.batch_id == batch_id for line in await self._sweep())
         claimed = await self._store.claimed(batch_id)
         if not claimed:
-            return 0
+            return reopened
         await self._flush()
         ran = await self._store.in_ledger([line.request_id for line in claimed])
         elsewhere = 0
@@ -332,14 +397,12 @@ class BatchRunner:
             if line.request_id in ran:
                 error = INTERRUPTED if ran[line.request_id] == "interrupted" else ANSWER_LOST
                 await self._store.finish(line, "errored", 500, orjson.dumps(error).decode(), line.claimed_by)
-            elif line.admitted and line.claimed_by == self._previous_run and await self._store.reopen(line, line.claimed_by):
-                pass  # admitted by the previous run on this journal, never journaled (killed in between): it never ran
             elif line.admitted or not await self._store.release(line, line.claimed_by):  # not put back: admitted meanwhile
                 elsewhere += 1
                 await self._store.finish(line, "errored", 500, orjson.dumps(ADMITTED_ELSEWHERE).decode(), line.claimed_by)
         log.info("batch %s: %d claimed lines had run, %d were admitted where their rows are not seen, %d go back to pending",
-                 batch_id, len(ran), elsewhere, len(claimed) - len(ran) - elsewhere)
-        return len(claimed)
+                 batch_id, len(ran), elsewhere, len(claimed) - len(ran) - elsewhere + reopened)
+        return reopened + len(claimed)
 
     async def _run_line(self, batch: dict[str, Any], line: Line, principal: Any) -> float | None:
         """Runs one claimed line; returns seconds to wait before claiming more when it was refused

@@ -19,7 +19,7 @@ async def start(app: Any) -> None:
     state.files = SqlFileStore(state.db)
     state.batch_store = BatchStore(state.db)
     # The runner's id is kept with this process's journal: a line the previous run on it marked
-    # admitted and never journaled (killed in between) is known to have no row coming (BatchRunner._recover).
+    # admitted and never journaled (killed in between) is known to have no row coming (BatchRunner._sweep).
     journal = state.ledger.journal
     runner_id, previous = journal.run_ids("batch-runner") if journal is not None else (None, None)
     state.batch_runner = BatchRunner(

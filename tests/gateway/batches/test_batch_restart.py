@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from billing.db import create_engine
@@ -226,5 +227,105 @@ async def test_a_line_admitted_by_the_killed_run_on_this_journal_but_never_journ
         assert (lines["theirs"].state, lines["theirs"].outcome) == ("done", "errored")
         (again, _) = await store.pending(batch_id, 3)
         assert again.custom_id == "mine" and await store.claim(again, "restarted") and await store.admitted(again, "restarted")
+    finally:
+        await db.dispose()
+
+
+async def test_a_line_the_killed_run_admitted_and_another_instance_ended_gets_its_one_row(fresh_pg_database: Any) -> None:
+    """The killed run marked a line admitted and died before journaling it; another instance took the
+    batch over and ended the line `interrupted`, its row to come from the killed run's journal, which
+    has none. Before, that line never got a row: test_a_batch_taken_over_by_another_instance_runs_no_line_twice
+    saw "line 9 without a row" in a CI run. The restarted runner on that journal sweeps the killed
+    run's lines once, in every batch: that line gets its one row (interrupted, nothing used, nothing
+    billed), one it marked and nobody ended goes back to pending, another runner's are left alone,
+    and sweeping again writes nothing more."""
+    from gateway.batches.runner import ADMITTED_ELSEWHERE, BatchRunner
+    from gateway.config import BatchSettings
+
+    db = create_engine(fresh_pg_database(migrated=True))
+    try:
+        store, batch_id, (ended, claimed, theirs, ran) = await running_batch(db, "ended", "claimed", "theirs", "ran")
+        _, other_batch, (elsewhere,) = await running_batch(db, "elsewhere")
+        for line, runner in ((ended, "killed-run"), (claimed, "killed-run"), (theirs, "other-instance"), (ran, "killed-run"),
+                             (elsewhere, "killed-run")):
+            assert await store.claim(line, runner) and await store.admitted(line, runner)
+        async with db.begin() as conn:  # the body as a real line's: its row names its model
+            await conn.execute(sa.text("UPDATE batch_lines SET body = :b WHERE batch_id = :id AND line = 0"),
+                               {"b": json.dumps({"model": "tiny-chat", "messages": []}), "id": batch_id})
+        from billing.batches.store import Unjournaled
+        from gateway.batches.runner import interrupted_row
+
+        (found,) = [f for f in await store.admitted_without_row("killed-run") if f.line.line == 3]
+        await store.add_rows([interrupted_row(Unjournaled(found.line, utcnow(), 1, 1, None))])  # `ran`: its row is in the ledger
+        for line in (ended, elsewhere):  # instance B's recovery: admitted by a runner whose journal is not there
+            (line,) = [x for x in await store.claimed(line.batch_id) if x.line == line.line]
+            assert await store.finish(line, "errored", 500, json.dumps(ADMITTED_ELSEWHERE), "killed-run")
+
+        async def flushed() -> None:
+            return None
+
+        runner = BatchRunner(None, store, None, None, BatchSettings(), lowest_class=None, flush=flushed,  # type: ignore[arg-type]
+                             runner_id="restarted", previous_run="killed-run")
+        reopened = await runner._sweep()
+        assert [(line.batch_id, line.line) for line in reopened] == [(batch_id, 1)]
+        rows = await _rows(db.url.render_as_string(hide_password=False), batch_id) + await _rows(
+            db.url.render_as_string(hide_password=False), other_batch)
+        assert sorted(r["request_id"] for r in rows) == sorted([f"{batch_id}-0", f"{batch_id}-3", f"{other_batch}-0"])
+        async with db.connect() as conn:
+            row = (await conn.execute(sa.text(
+                "SELECT e.status, e.prompt_tokens, e.completion_tokens, e.cost_nanos, e.api, e.batch_id, e.model, e.account_id, "
+                "e.key_id, e.admitted_at = l.admitted_at AS at_mark FROM ledger_entries e JOIN batch_lines l "
+                "ON e.request_id = l.batch_id || '-' || l.line WHERE e.request_id = :r"), {"r": f"{batch_id}-0"})).mappings().one()
+        assert dict(row) == {"status": "interrupted", "prompt_tokens": 0, "completion_tokens": 0, "cost_nanos": 0, "api": "batch",
+                             "batch_id": batch_id, "model": "tiny-chat", "account_id": 1, "key_id": 1, "at_mark": True}
+        lines = {line.custom_id: line for line in await store.lines(batch_id)}
+        assert (lines["claimed"].state, lines["claimed"].admitted, lines["claimed"].claimed_by) == ("pending", False, None)
+        assert (lines["ended"].state, lines["ended"].outcome) == ("done", "errored")  # its answer stays: it was not run
+        assert (lines["theirs"].state, lines["theirs"].admitted, lines["theirs"].claimed_by) == ("claimed", True, "other-instance")
+        assert await store.admitted_without_row("killed-run") == []
+
+        again = BatchRunner(None, store, None, None, BatchSettings(), lowest_class=None, flush=flushed,  # type: ignore[arg-type]
+                            runner_id="restarted-again", previous_run="killed-run")
+        assert await again._sweep() == [] and await runner._sweep() == []
+        async with db.begin() as conn:  # even one that finds the row gone writes it once
+            await conn.execute(sa.text("DELETE FROM ledger_entries WHERE request_id = :r"), {"r": f"{other_batch}-0"})
+        (found,) = await store.admitted_without_row("killed-run")
+        row = interrupted_row(found)
+        assert await store.add_rows([row, row]) == 1 and await store.add_rows([row]) == 0
+        async with db.connect() as conn:
+            counts = dict((await conn.execute(sa.text(
+                "SELECT request_id, count(*) FROM ledger_entries GROUP BY request_id"))).all())
+        assert counts == {f"{batch_id}-0": 1, f"{batch_id}-3": 1, f"{other_batch}-0": 1}
+    finally:
+        await db.dispose()
+
+
+async def test_a_sweep_that_failed_runs_again_and_never_twice_at_once(fresh_pg_database: Any) -> None:
+    """The sweep's flush failing (the database is out) leaves it to run again at the next call (the
+    next round, a batch's recovery); two calls at once run it once."""
+    from gateway.batches.runner import BatchRunner
+    from gateway.config import BatchSettings
+
+    db = create_engine(fresh_pg_database(migrated=True))
+    try:
+        store, batch_id, (line,) = await running_batch(db, "one")
+        assert await store.claim(line, "killed-run") and await store.admitted(line, "killed-run")
+        flushes = []
+
+        async def flush() -> None:
+            flushes.append(1)
+            if len(flushes) == 1:
+                raise ConnectionError("the database is out")
+            await asyncio.sleep(0.05)  # the other call comes meanwhile
+
+        runner = BatchRunner(None, store, None, None, BatchSettings(), lowest_class=None, flush=flush,  # type: ignore[arg-type]
+                             runner_id="restarted", previous_run="killed-run")
+        with pytest.raises(ConnectionError):
+            await runner._sweep()
+        assert [(x.state, x.admitted) for x in await store.lines(batch_id)] == [("claimed", True)]
+        first, second = await asyncio.gather(runner._sweep(), runner._sweep())
+        assert len(flushes) == 2 and [x.line for x in first + second] == [0]
+        assert [(x.state, x.admitted) for x in await store.lines(batch_id)] == [("pending", False)]
+        assert await runner._recover(batch_id) == 0 and len(flushes) == 2  # swept once: nothing more to do
     finally:
         await db.dispose()
