@@ -25,7 +25,7 @@ batch, the lines the previous run on this process's journal (its id is kept ther
 and that have no row although that journal is replayed: it was killed between the mark and the
 journal, so they never ran. One still claimed goes back to pending with the lines never admitted;
 one another instance ended meanwhile (admitted elsewhere, it judged) gets its one row there and
-then, `interrupted` and billed nothing (`_sweep`; one that fails runs again at the next round). A
+then, `interrupted` and billed nothing (`sweep`; one that fails runs again at the next round). A
 runner whose line was put back or ended by another (its lease lapsed while it stalled) cannot mark
 it: that run is refused before its row and leaves the line alone. A line refused before admission
 (429/503: queue full, quota) is put back and retried until the batch's window ends. So a line is
@@ -137,7 +137,7 @@ class BatchRunner:
         self.runner_id = runner_id or uuid.uuid4().hex  # this process's runner, in the leases it holds
         # The runner the previous run on this process's journal had: its rows are replayed here.
         self._previous_run = previous_run
-        self._swept = False  # its lines marked admitted and never journaled are seen to (`_sweep`)
+        self._swept = False  # its lines marked admitted and never journaled are seen to (`sweep`)
         self._sweeping = asyncio.Lock()
 
     def start(self) -> None:
@@ -172,7 +172,7 @@ class BatchRunner:
         if self.halting:
             return  # claims nothing more
         try:
-            await self._sweep()
+            await self.sweep()
         except Exception as exc:  # the database is out: the next round, or a batch's recovery, runs it again
             log.warning("the previous run's admitted lines were not swept: %s; trying again", type(exc).__name__)
         try:
@@ -348,7 +348,7 @@ class BatchRunner:
             return None
         return dataclasses.replace(principal, priority=self._lowest) if self._lowest else principal
 
-    async def _sweep(self) -> list[Line]:
+    async def sweep(self) -> list[Line]:
         """Once, before this runner judges or claims a line: the lines the previous run on this
         journal marked admitted and never journaled (killed between the two, so they never ran, and
         with its journal replayed and flushed no row of theirs is coming), in every batch. One still
@@ -386,7 +386,7 @@ class BatchRunner:
     async def _recover(self, batch_id: str) -> int:
         """Lines a stopped run had claimed: done if their ledger row exists, else pending again;
         how many there were (with those of this batch the sweep put back)."""
-        reopened = sum(line.batch_id == batch_id for line in await self._sweep())
+        reopened = sum(line.batch_id == batch_id for line in await self.sweep())
         claimed = await self._store.claimed(batch_id)
         if not claimed:
             return reopened

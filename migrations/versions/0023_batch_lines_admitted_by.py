@@ -7,7 +7,7 @@ never does), so claims cost it nothing.
 
 Revision ID: 0023_batch_lines_admitted_by
 Revises: 0022_ledger_postpaid
-Create Date: 2026-12-08
+Create Date: 2026-12-07
 """
 
 import sqlalchemy as sa

@@ -266,7 +266,7 @@ async def test_a_line_the_killed_run_admitted_and_another_instance_ended_gets_it
 
         runner = BatchRunner(None, store, None, None, BatchSettings(), lowest_class=None, flush=flushed,  # type: ignore[arg-type]
                              runner_id="restarted", previous_run="killed-run")
-        reopened = await runner._sweep()
+        reopened = await runner.sweep()
         assert [(line.batch_id, line.line) for line in reopened] == [(batch_id, 1)]
         rows = await _rows(db.url.render_as_string(hide_password=False), batch_id) + await _rows(
             db.url.render_as_string(hide_password=False), other_batch)
@@ -286,7 +286,7 @@ async def test_a_line_the_killed_run_admitted_and_another_instance_ended_gets_it
 
         again = BatchRunner(None, store, None, None, BatchSettings(), lowest_class=None, flush=flushed,  # type: ignore[arg-type]
                             runner_id="restarted-again", previous_run="killed-run")
-        assert await again._sweep() == [] and await runner._sweep() == []
+        assert await again.sweep() == [] and await runner.sweep() == []
         async with db.begin() as conn:  # even one that finds the row gone writes it once
             await conn.execute(sa.text("DELETE FROM ledger_entries WHERE request_id = :r"), {"r": f"{other_batch}-0"})
         (found,) = await store.admitted_without_row("killed-run")
@@ -321,9 +321,9 @@ async def test_a_sweep_that_failed_runs_again_and_never_twice_at_once(fresh_pg_d
         runner = BatchRunner(None, store, None, None, BatchSettings(), lowest_class=None, flush=flush,  # type: ignore[arg-type]
                              runner_id="restarted", previous_run="killed-run")
         with pytest.raises(ConnectionError):
-            await runner._sweep()
+            await runner.sweep()
         assert [(x.state, x.admitted) for x in await store.lines(batch_id)] == [("claimed", True)]
-        first, second = await asyncio.gather(runner._sweep(), runner._sweep())
+        first, second = await asyncio.gather(runner.sweep(), runner.sweep())
         assert len(flushes) == 2 and [x.line for x in first + second] == [0]
         assert [(x.state, x.admitted) for x in await store.lines(batch_id)] == [("pending", False)]
         assert await runner._recover(batch_id) == 0 and len(flushes) == 2  # swept once: nothing more to do
