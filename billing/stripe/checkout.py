@@ -7,6 +7,11 @@
                                      as the dispute would have stopped it (GET /v1/disputes?payment_intent=)
     refund.created/updated           -> one `refund` row (negative), external_id = the refund id
     refund.failed (or canceled)      -> that row, and one that gives it back (external_id `<refund id>:failed`)
+    charge.refunded, charge.refund.updated   the same rows, for every refund of the charge (an endpoint on an
+                                     API version before 2024-10-28 gets only these for a card's refunds)
+    a payment in another currency    (a session from before Checkout turned Adaptive Pricing off, with the
+                                     Dashboard's setting on): a refund or dispute debits the same share of
+                                     the USD its Session credited, never its local amount as if it were cents
     charge.dispute.*                 a chargeback on a top-up's or recharge's charge (created, updated, closed,
                                      funds_withdrawn, funds_reinstated: all alike; the Dispute is re-read and its
                                      status decides): funds withdrawn -> one negative `refund` row, external_id =
@@ -92,7 +97,8 @@ def _dispute_reason(dispute: dict[str, Any]) -> str:
 
 
 def _dispute_money(dispute: dict[str, Any]) -> tuple[int, int]:
-    """(cents withdrawn, cents reinstated) by a dispute that took money. Its balance transactions say
+    """(withdrawn, reinstated) by a dispute that took money, in minor units of its currency (cents in
+    USD; _as_credited turns another currency into the credit it reverses). Its balance transactions say
     what moved, when they are in its currency: a bank may dispute a charge's full amount after a
     partial refund, and such a dispute "partially won" is `lost` with the refunded part reinstated
     (support.stripe.com, "Dispute for full charge amount after a partial refund was issued").
@@ -137,6 +143,10 @@ class CheckoutService:
             # the card is saved for auto-recharge; the PaymentIntent carries the account for refunds
             "payment_intent_data": {"metadata": {"tollgate_account": str(account_id)}, "setup_future_usage": "off_session"},
             "client_reference_id": str(account_id),
+            # Charged in USD, what the credit is counted in: Adaptive Pricing (the Dashboard's setting
+            # unless a session says) would charge the customer's currency, and the payment's refunds
+            # and disputes would come in it too.
+            "adaptive_pricing": {"enabled": False},
             "success_url": success_url,
             "cancel_url": cancel_url,
         }
@@ -195,6 +205,10 @@ class CheckoutService:
             "refund.created": self._refund,
             "refund.updated": self._refund,
             "refund.failed": self._refund,
+            # A webhook endpoint on an API version before 2024-10-28 hears of a card's refunds only
+            # through these (refund.* came for them from that version on): the same rows, by refund id.
+            "charge.refunded": self._charge_refunded,
+            "charge.refund.updated": self._refund,
             "charge.dispute.created": self._dispute,
             "charge.dispute.updated": self._dispute,
             "charge.dispute.closed": self._dispute,
@@ -242,23 +256,63 @@ class CheckoutService:
 
     async def _refund(self, obj: dict[str, Any]) -> Apply | None:
         refund = _plain(await self._stripe.v1.refunds.retrieve_async(obj["id"]))
-        status = refund.get("status")
-        if status not in ("succeeded", "pending", "failed", "canceled") or not refund.get("payment_intent"):
-            return None  # requires_action: no money has moved yet
+        if not refund.get("payment_intent"):
+            return None
         intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(refund["payment_intent"]))
+        return await self._refunds_of(intent, [refund])
+
+    async def _charge_refunded(self, obj: dict[str, Any]) -> Apply | None:
+        """charge.refunded: every refund of the charge, each as its own refund.* event would have it."""
+        charge = _plain(await self._stripe.v1.charges.retrieve_async(obj["id"]))
+        if not charge.get("payment_intent"):
+            return None  # a charge made without a PaymentIntent: none of ours
+        intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(charge["payment_intent"]))
+        if _account_of(intent) is None:
+            return None
+        refunds = _plain(await self._stripe.v1.refunds.list_async({"charge": charge["id"], "limit": 100}))
+        return await self._refunds_of(intent, refunds.get("data") or [])
+
+    async def _refunds_of(self, intent: dict[str, Any], refunds: list[dict[str, Any]]) -> Apply | None:
+        """The rows of a payment's refunds: each debits what it gives back (external_id: its id), and
+        one that failed or was canceled gives that back again (the money stayed with us)."""
         account_id = _account_of(intent)
         if account_id is None:
             return None
+        moved = [r for r in refunds if r.get("status") in ("succeeded", "pending", "failed", "canceled")]  # requires_action: nothing yet
+        rows = []
+        for refund in moved:
+            nanos = await self._as_credited(intent, int(refund["amount"]), str(refund.get("currency") or "usd"), refund["id"])
+            if nanos is not None:
+                rows.append((refund, nanos))
+        if not rows:
+            return None
 
         async def apply(conn: AsyncConnection) -> int | None:
-            nanos = int(refund["amount"]) * NANOS_PER_CENT
-            await insert_credit(conn, self._db, account_id, "refund", -nanos, refund["id"], "Stripe refund")
-            if status in ("failed", "canceled"):  # the money stayed with us: the debit is given back, whichever event came first
-                await insert_credit(conn, self._db, account_id, "refund", nanos, f"{refund['id']}:failed",
-                                    f"Stripe refund {status}: {refund.get('failure_reason') or 'no reason given'}")
+            for refund, nanos in rows:
+                await insert_credit(conn, self._db, account_id, "refund", -nanos, refund["id"], "Stripe refund")
+                if refund["status"] in ("failed", "canceled"):  # given back, whichever event came first
+                    await insert_credit(conn, self._db, account_id, "refund", nanos, f"{refund['id']}:failed",
+                                        f"Stripe refund {refund['status']}: {refund.get('failure_reason') or 'no reason given'}")
             return account_id
 
         return apply
+
+    async def _as_credited(self, intent: dict[str, Any], amount: int, currency: str, what: str) -> int | None:
+        """Nano-USD of the credit that `amount` (minor units of `currency`) of this payment gives back.
+        In USD, its cents. In another currency (a top-up paid before Checkout Sessions turned Adaptive
+        Pricing off, the Dashboard's setting on): the same share of what its Session credited in USD,
+        so a full refund takes back the whole top-up at the rate it was paid at. None, logged for a
+        person, when no Session of it says."""
+        if currency == "usd":
+            return amount * NANOS_PER_CENT
+        found = _plain(await self._stripe.v1.checkout.sessions.list_async({"payment_intent": intent["id"], "limit": 1}))
+        session = next(iter(found.get("data") or []), None)
+        paid = int(intent.get("amount_received") or intent.get("amount") or 0)
+        if session is None or session.get("currency") != "usd" or intent.get("currency") != currency or paid <= 0:
+            log.error("%s: %d %s of payment %s not debited: no USD Checkout Session of it says what it credited; "
+                      "debit the account by hand", what, amount, currency, intent["id"])
+            return None
+        return amount * int(session["amount_total"]) * NANOS_PER_CENT // paid
 
     async def _dispute(self, obj: dict[str, Any]) -> Apply | None:
         """Every charge.dispute.* event alike: what the Dispute's status says now decides, so the
@@ -277,13 +331,18 @@ class CheckoutService:
         if account_id is None:
             return None
         reason = _dispute_reason(dispute)
+        currency = str(dispute.get("currency") or "usd")
         withdrawn, reinstated = _dispute_money(dispute)
+        withdrawn_nanos = await self._as_credited(intent, withdrawn, currency, dispute["id"])
+        reinstated_nanos = await self._as_credited(intent, reinstated, currency, dispute["id"]) if reinstated else 0
+        if withdrawn_nanos is None or reinstated_nanos is None:
+            return None
 
         async def apply(conn: AsyncConnection) -> int | None:
-            taken = await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -withdrawn * NANOS_PER_CENT, dispute["id"], reason)
+            taken = await insert_credit(conn, self._db, account_id, DISPUTE_KIND, -withdrawn_nanos, dispute["id"], reason)
             if reinstated:  # funds came back: at most what was debited (its row may be from an earlier event)
                 debit = (await conn.execute(sa.select(CREDITS.c.amount_nanos).where(CREDITS.c.external_id == dispute["id"]))).scalar_one()
-                back = min(-int(debit), reinstated * NANOS_PER_CENT)
+                back = min(-int(debit), reinstated_nanos)
                 cents = back // NANOS_PER_CENT
                 outcome = "won: funds reinstated" if status == "won" else f"partially won: ${cents // 100}.{cents % 100:02d} reinstated"
                 await insert_credit(conn, self._db, account_id, DISPUTE_KIND, back, f"{dispute['id']}:won", f"{reason} {outcome}")

@@ -30,6 +30,11 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
   (payment_intent.created, charge.failed, payment_intent.payment_failed). Stripe sends
   `payment_intent.requires_action` only on-session; an off-session confirm never leaves the
   PaymentIntent in `requires_action`.
+- Adaptive Pricing: a Session records adaptive_pricing[enabled] (else the Dashboard's setting, off
+  unless `localize(currency, rate)` turns it on); an enabled one is paid in that currency (the
+  Session keeps its USD amount_total and gets presentment_details; the PaymentIntent, Charge,
+  Refunds and Disputes are in the local currency). GET /v1/checkout/sessions?payment_intent= and
+  GET /v1/refunds?charge=|payment_intent= list them, newest first.
 - POST /v1/refunds {payment_intent, amount?}: a Refund (no more than what is left to refund),
   `succeeded` or, after `pend_refunds`, `pending`; the Charge's amount_refunded grows. Events:
   refund.created, charge.refunded. GET /v1/refunds/{id}. `fail_refund` (the card was closed: the
@@ -83,6 +88,16 @@ EVIDENCE_FIELDS = (
 )
 
 
+def _flag(params: dict[str, Any], name: str, *, default: bool) -> bool:
+    """`name[enabled]` as the form encoding sends it (true/false), else `default`."""
+    value = (params.get(name) or {}).get("enabled") if isinstance(params.get(name), dict) else None
+    if value is None:
+        return default
+    if value not in ("true", "false"):
+        raise StripeFailure(400, f"Invalid boolean: {value}", param=f"{name}[enabled]")
+    return value == "true"
+
+
 class FakeStripePayments(FakeStripe):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -94,6 +109,9 @@ class FakeStripePayments(FakeStripe):
         self.payment_methods: dict[str, str] = {}  # id -> customer it is attached to
         self._declines: list[str] = []  # error codes of the next off-session charges
         self._refund_status = "succeeded"
+        # The Dashboard's Adaptive Pricing setting (off unless `localize` turns it on): a Session that
+        # does not pass adaptive_pricing[enabled] takes it; an enabled one is paid in the customer's currency.
+        self._local: tuple[str, int] | None = None
         self._arrived: threading.Event | None = None
         self._release: threading.Event | None = None
 
@@ -110,8 +128,12 @@ class FakeStripePayments(FakeStripe):
             pm = f"{payment_method}_{self._id('pm')}"
             if data.get("setup_future_usage"):
                 self.payment_methods[pm] = session["customer"]
-            intent = self._intent(session["amount_total"], session["currency"], session["customer"], pm, _metadata(data),
-                                  "processing" if delayed else "succeeded")
+            amount, currency = session["amount_total"], session["currency"]
+            if session["adaptive_pricing"]["enabled"] and self._local is not None:
+                currency, rate = self._local
+                amount = (amount * rate + 50) // 100
+                session["presentment_details"] = {"presentment_amount": amount, "presentment_currency": currency}
+            intent = self._intent(amount, currency, session["customer"], pm, _metadata(data), "processing" if delayed else "succeeded")
             intent["setup_future_usage"] = data.get("setup_future_usage")
             intent["payment_method_types"] = ["us_bank_account"] if delayed else ["card"]
             charge = self.charges[intent["latest_charge"]]
@@ -145,6 +167,16 @@ class FakeStripePayments(FakeStripe):
                           outcome=self._outcome("payment_method_provider_decline"))
             return [self._event("charge.failed", charge), self._event("payment_intent.payment_failed", intent),
                     self._event("checkout.session.async_payment_failed", session)]
+
+    def localize(self, currency: str = "eur", per_100_usd_cents: int = 92) -> None:
+        """Adaptive Pricing turned on in the Dashboard (docs.stripe.com, Adaptive Pricing: "Defaults to
+        your dashboard setting"): a Checkout Session that does not turn it off is paid in `currency`,
+        `per_100_usd_cents` of its minor units per 100 USD cents (the rate Stripe guarantees for the
+        session). The Session keeps its USD amount_total with presentment_details; the PaymentIntent, its
+        Charge and their Refunds and Disputes are in `currency` (the docs: "make sure any event
+        destinations can handle PaymentIntent objects with local currencies")."""
+        with self._lock:
+            self._local = (currency, per_100_usd_cents)
 
     def pend_refunds(self, pending: bool = True) -> None:
         """New refunds stay `pending` (as bank refunds do) instead of succeeding at once."""
@@ -308,11 +340,13 @@ class FakeStripePayments(FakeStripe):
         routes = [
             ("POST", r"/v1/checkout/sessions", lambda p: self._create_session(p)),
             ("GET", r"/v1/checkout/sessions/(?P<id>[^/]+)", lambda p, id: public(self._get(self.sessions, "checkout.session", id))),
+            ("GET", r"/v1/checkout/sessions", lambda p: self._list_public("/v1/checkout/sessions", self.sessions, p, ("payment_intent",))),
             ("POST", r"/v1/payment_intents", lambda p: self._create_intent(p)),
             ("GET", r"/v1/payment_intents/(?P<id>[^/]+)", lambda p, id: public(self._get(self.payment_intents, "payment_intent", id))),
             ("GET", r"/v1/charges/(?P<id>[^/]+)", lambda p, id: public(self._get(self.charges, "charge", id))),
             ("POST", r"/v1/refunds", lambda p: self._create_refund(p)),
             ("GET", r"/v1/refunds/(?P<id>[^/]+)", lambda p, id: public(self._get(self.refunds, "refund", id))),
+            ("GET", r"/v1/refunds", lambda p: self._list_public("/v1/refunds", self.refunds, p, ("charge", "payment_intent"))),
             ("GET", r"/v1/disputes/(?P<id>[^/]+)", lambda p, id: public(self._get(self.disputes, "dispute", id))),
             ("GET", r"/v1/disputes", lambda p: self._list_disputes(p)),
         ]
@@ -324,9 +358,14 @@ class FakeStripePayments(FakeStripe):
 
     def _list_disputes(self, params: dict[str, Any]) -> dict[str, Any]:
         """GET /v1/disputes, newest first, filtered by `charge` or `payment_intent` (Stripe's list takes both)."""
-        field = next((f for f in ("payment_intent", "charge") if f in params), "payment_intent")
-        found = self._list("/v1/disputes", self.disputes, params, field)
-        return {**found, "data": [public(d) for d in found["data"]]}
+        return self._list_public("/v1/disputes", self.disputes, params, ("payment_intent", "charge"))
+
+    def _list_public(self, url: str, table: dict[str, dict[str, Any]], params: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+        """A list, newest first, filtered by the first of `fields` the call passes (GET /v1/refunds takes
+        `charge` or `payment_intent`, GET /v1/checkout/sessions `payment_intent`)."""
+        field = next((f for f in fields if f in params), fields[0])
+        found = self._list(url, table, params, field)
+        return {**found, "data": [public(o) for o in found["data"]]}
 
     @staticmethod
     def _public(obj: dict[str, Any]) -> dict[str, Any]:
@@ -371,6 +410,8 @@ class FakeStripePayments(FakeStripe):
             "cancel_url": params.get("cancel_url"), "url": f"https://checkout.stripe.com/c/pay/{sid}", "created": now,
             "expires_at": now + 86400, "livemode": False, "payment_method_types": ["card"],
             "_payment_intent_data": params.get("payment_intent_data") or {},
+            "adaptive_pricing": {"enabled": _flag(params, "adaptive_pricing", default=self._local is not None)},
+            "presentment_details": None,
         }
         self.sessions[sid] = session
         return public(session)

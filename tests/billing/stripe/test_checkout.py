@@ -328,3 +328,69 @@ def test_a_checkout_stripe_cannot_make_is_a_502_and_the_dashboard_says_so(fake: 
                 assert re.search(r'id="checkout-said">Stripe could not start the payment', said), said[-2000:]
 
         run_coro(scenario())
+
+
+def test_refunds_and_chargebacks_take_back_the_usd_a_top_up_credited(fake: FakeStripePayments, fresh_pg_database: Any,
+                                                                     tmp_path: Path) -> None:
+    """The credit is USD; what Stripe says a refund or a dispute took back may not be. With the
+    Dashboard's Adaptive Pricing on (`fake.localize`: the customer pays €0.92 per $1.00), a session
+    that does not turn it off is paid in EUR, and its refunds and disputes come in EUR cents.
+    - Tollgate's sessions turn it off: the top-up is charged in USD, and a full refund takes back
+      the whole $10.00. Without it: 920 EUR cents debited as if they were 920 USD cents ($0.80 left).
+    - A session paid in EUR (one from before that change): a refund of half and a chargeback of the
+      rest each take back $5.00 of its $10.00 (the same share of what its Session credited), not
+      460 cents each.
+    - A webhook endpoint on an API version before 2024-10-28 gets `charge.refunded` and no
+      `refund.created` for a card's refund: it debits too (it was acknowledged and ignored)."""
+    url = fresh_pg_database(migrated=True)
+    account, key = account_with_key(url, "fx")
+    fake.localize("eur", 92)
+    with serve(url, tmp_path, **stripe_env(fake)) as app:
+        hook = app.base_url + "/webhooks/stripe"
+
+        async def deliver(events: list[dict[str, Any]]) -> None:
+            for event in events:
+                assert (await fake.deliver(event, hook)).status_code == 200, event["type"]
+
+        async def scenario() -> None:
+            async with app.admin() as admin, app.as_key(key) as customer:
+                assert (await admin.put(f"/admin/accounts/{account}/billing_mode", json={"billing_mode": "prepaid"})).status_code == 200
+
+                async def balance() -> int:
+                    return int((await customer.get("/v1/billing/balance")).json()["balance_nanos"])
+
+                r = await customer.post("/v1/billing/checkout", json={"amount": "10.00"})
+                assert r.status_code == 200, r.text
+                await deliver(fake.complete_session(r.json()["id"]))
+                intent = fake.payment_intents[fake.sessions[r.json()["id"]]["payment_intent"]]
+                assert await balance() == 1000 * CENT
+                await deliver(fake.refund(intent["id"]))
+                assert await balance() == 0
+                assert (intent["currency"], intent["amount"]) == ("usd", 1000)
+                assert fake.sessions[r.json()["id"]]["adaptive_pricing"] == {"enabled": False}
+
+                made_before = fake._create_session({  # as Tollgate made them before it turned Adaptive Pricing off
+                    "mode": "payment", "success_url": "https://x.example/ok", "metadata": {"tollgate_account": str(account)},
+                    "line_items": [{"quantity": "1", "price_data": {"currency": "usd", "unit_amount": "1000",
+                                                                    "product_data": {"name": "Tollgate prepaid credit"}}}],
+                    "payment_intent_data": {"metadata": {"tollgate_account": str(account)}}})
+                await deliver(fake.complete_session(made_before["id"]))
+                intent = fake.payment_intents[fake.sessions[made_before["id"]]["payment_intent"]]
+                assert (intent["currency"], intent["amount"]) == ("eur", 920)
+                assert await balance() == 1000 * CENT
+                await deliver(fake.refund(intent["id"], 460))
+                assert await balance() == 500 * CENT
+                await deliver(fake.dispute(intent["id"]))  # the other 460 EUR cents
+                assert await balance() == 0
+
+                r = await customer.post("/v1/billing/checkout", json={"amount": "7.00"})
+                await deliver(fake.complete_session(r.json()["id"]))
+                intent_id = fake.sessions[r.json()["id"]]["payment_intent"]
+                old_endpoint = [e for e in fake.refund(intent_id, 300) if e["type"] == "charge.refunded"]
+                assert len(old_endpoint) == 1
+                await deliver(old_endpoint)
+                assert await balance() == 400 * CENT
+                entries = (await admin.get(f"/admin/accounts/{account}/credits")).json()["entries"]
+                assert sorted(e["amount_nanos"] // CENT for e in entries if e["kind"] == "refund") == [-1000, -500, -500, -300]
+
+        run_coro(scenario())

@@ -137,6 +137,21 @@ def run_flows(fake: FakeStripePayments) -> None:
     asked = fake.dispute(fake.sessions[bank.id]["payment_intent"], 500, "unrecognized", inquiry=True)[0]["data"]["object"]["id"]
     fake.review_dispute(asked)
     fake.close_dispute(asked, won=True)
+    # Adaptive Pricing on in the Dashboard: a session that leaves it on is paid in EUR (its PaymentIntent,
+    # Charge, Refund, Dispute), one that turns it off in USD; the lists checkout.py reads them back by
+    fake.localize("eur", 92)
+    local, usd = (client.v1.checkout.sessions.create({**params, "adaptive_pricing": {"enabled": on}}) for on in (True, False))
+    assert (local.adaptive_pricing.enabled, usd.adaptive_pricing.enabled) == (True, False)
+    fake.complete_session(local.id)
+    fake.complete_session(usd.id)
+    paid = fake.sessions[local.id]["payment_intent"]
+    assert fake.payment_intents[paid]["currency"] == "eur" and fake.payment_intents[fake.sessions[usd.id]["payment_intent"]]["currency"] == "usd"
+    eur_refund = fake._create_refund({"payment_intent": paid, "amount": "500"})
+    fake.dispute(paid)
+    sessions = client.v1.checkout.sessions.list({"payment_intent": paid, "limit": 1}).data
+    assert [x.id for x in sessions] == [local.id] and check_object(sessions[0].to_dict(), "listed session") == []
+    refunds = client.v1.refunds.list({"charge": fake.payment_intents[paid]["latest_charge"], "limit": 100}).data
+    assert [x.id for x in refunds] == [eur_refund["id"]] and check_object(refunds[0].to_dict(), "listed refund") == []
     partly = fake.payment(900)["id"]  # a full-amount dispute after a partial refund, "partially won"
     fake._create_refund({"payment_intent": partly, "amount": "200"})
     partial = fake.dispute(partly, 900, "credit_not_processed")[0]["data"]["object"]["id"]
