@@ -175,8 +175,22 @@ class CreditBook:
             if external_id is None:
                 raise
             return None
-        await self.apply(row)
+        try:
+            await self.apply(row)
+        except Exception as exc:
+            # The row is committed: the credit is made, and saying otherwise would have a retry make it
+            # twice. The quota store learns of it from the ledger: its group is rebuilt once it answers
+            # (invalidate), and the housekeeping loop's sync_recent applies rows it missed.
+            log.warning("credit %s for account %s recorded; the quota store did not take it (%s): it is rebuilt from the ledger",
+                        row.id, account_id, type(exc).__name__)
+            await self._limiter.invalidate_account(account_id)
         return entry_view(row)
+
+    async def entry_by_external_id(self, external_id: str) -> dict[str, Any] | None:
+        """The credit row recorded under `external_id` (a Stripe object's id, an admin's idempotency key)."""
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sa.select(CREDITS).where(CREDITS.c.external_id == external_id))).first()
+        return None if row is None else entry_view(row)
 
     async def apply(self, row: Any) -> None:
         """Tells the limiter of a committed credit row (idempotent by row id): a grant with its expiry

@@ -462,6 +462,11 @@ class Limiter(abc.ABC):
     async def invalidate(self, scope: Scope) -> None:
         """Limits changed: rebuild this scope's counters from the ledger next time."""
 
+    async def invalidate_account(self, account_id: int) -> None:
+        """The account's counters and balance are rebuilt from the ledger at its next admission (a
+        credit the store did not take when it was made); never raises."""
+        await self.invalidate(Scope("account", account_id, Limits()))
+
     @abc.abstractmethod
     async def counters(self, scope: Scope, now: float | None = None) -> dict[str, int]: ...
 

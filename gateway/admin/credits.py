@@ -28,7 +28,7 @@ from gateway.admin.accounts import Instant, StrictStr
 from gateway.admin.guard import admin_principal
 from gateway.api.account.credits import cents, checkout_service, credit_book, statement_for, statement_id, statement_response
 from gateway.api.openai.protocol import StrictInt, _StrictModel, parse
-from gateway.http.errors import InvalidRequest, NotFound
+from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.json_response import json_response
 from gateway.http.requests import id_value, path_id, read_json
 
@@ -90,17 +90,36 @@ async def admin_add_credit(request: Request) -> Response:
     principal = admin_principal(request)
     account_id = account_id_param(request)
     body = parse(AddCredit, await read_json(request, state.settings.http.max_body_bytes))
+    external_id = idempotency_id(request)
+    book = credit_book(request)
     try:
         nanos = parse_usd(body.amount, "amount", signed=body.kind == "adjustment")
         if body.kind == "refund":
             nanos = -abs(nanos)
-        row = await credit_book(request).add(account_id, body.kind, nanos, reason=body.reason, admin_key_id=principal.key_id,
-                                       expires_at=body.expires_at)
+        row = await book.add(account_id, body.kind, nanos, reason=body.reason, admin_key_id=principal.key_id,
+                             expires_at=body.expires_at, external_id=external_id)
     except CreditError as exc:
         if exc.param == "account_id":
             raise NotFound(str(exc), param="account_id") from None
         raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from None
+    if row is None:  # a retry of a credit made already under this key: that one, made once
+        assert external_id is not None
+        made = await book.entry_by_external_id(external_id)
+        if made is None or made["account_id"] != account_id or made["kind"] != body.kind or made["amount_nanos"] != nanos:
+            raise Conflict("This Idempotency-Key was used for another credit.", param="Idempotency-Key", code="idempotency_key_reused")
+        return json_response(made, 200, headers={"Idempotent-Replayed": "true"})
     return json_response(row, 201)
+
+
+def idempotency_id(request: Request) -> str | None:
+    """The credit's external_id from the request's Idempotency-Key (a retried POST makes it once)."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 200 or not key.isprintable() or not key.isascii():
+        raise InvalidRequest("Idempotency-Key must be 1 to 200 printable ASCII characters.", param="Idempotency-Key",
+                             code="invalid_value")
+    return f"idempotency:{key}"
 
 
 async def admin_billing_mode(request: Request) -> Response:

@@ -138,7 +138,8 @@ async def test_redis_killed_fail_closed_and_fail_open_then_rebuilt(
         stop_server(closed_srv)
 
 
-async def settled_at(gw: Gateway, redis: RedisServer, prefix: str, key_id: int) -> dict[str, int]:
+async def settled_at(gw: Gateway, redis: RedisServer, prefix: str, key_id: int, scope: tuple[str, int] | None = None) -> dict[str, int]:
+    """The counters of the key (or of `scope`, (kind, id)) once none of its requests holds."""
     from billing.db import create_engine
     from billing.quota.limits import Limits
     from billing.quota import LedgerTotals, RedisLimiter, Scope
@@ -148,7 +149,8 @@ async def settled_at(gw: Gateway, redis: RedisServer, prefix: str, key_id: int) 
     try:
         deadline = time.monotonic() + 10
         while True:
-            c = await lim.counters(Scope("key", key_id, Limits()))
+            kind, scope_id = scope or ("key", key_id)
+            c = await lim.counters(Scope(kind, scope_id, Limits()))
             if c["in_flight"] == 0:
                 return c
             assert time.monotonic() < deadline
@@ -272,5 +274,61 @@ async def test_redis_restarted_with_requests_in_flight_no_budget_overrun(
         assert count == 6 + len(served_after)
         assert tokens == (6 + len(served_after)) * per_request == budget, f"budget {budget}: {tokens} tokens used"
         assert c["month_tokens"] == tokens
+    finally:
+        stop_server(srv)
+
+
+async def refuse_writes(redis: RedisServer, refuse: bool) -> None:
+    """Out of memory with no eviction (every write refused, nothing lost), or back to normal."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis.url)
+    try:
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", "1" if refuse else "0")
+    finally:
+        await client.aclose()
+
+
+async def test_a_credit_the_quota_store_does_not_take_is_made_once_and_counted_once_it_answers(
+    private_redis: RedisServer, engine: Any, fresh_pg_database: Any, tmp_path: Path
+) -> None:
+    """An admin's refund while Redis refuses writes: its row is committed, so the answer is 201, not the 503
+    that told the admin to retry and so made it twice (a spend audit: two $0.40 refunds, or two
+    top-ups, for one). A retry with the same Idempotency-Key gets the first one back (200,
+    Idempotent-Replayed) and makes nothing; the same key for another amount is a 409. Redis back
+    with its state, the account's counters are rebuilt from the ledger at the next admission, so the
+    balance it admits against has the refund (before: the limiter kept $1.00 until a housekeeping
+    round, and the refunded $0.40 could be spent)."""
+    db_url = fresh_pg_database(migrated=True)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    srv, gw = start_gateway(db_url, engine, tmp_path / "gw", redis={"url": private_redis.url, "prefix": prefix, "timeout": 0.25},
+                            credits={"check_seconds": 0})
+    try:
+        account = await gw.new_account()
+        key = await gw.new_key(account["id"])
+        credits = f"/admin/accounts/{account['id']}/credits"
+        async with gw.admin_client() as admin:
+            assert (await admin.put(f"/admin/accounts/{account['id']}/billing_mode", json={"billing_mode": "prepaid"})).status_code == 200
+            assert (await admin.post(credits, json={"kind": "topup", "amount": "1.00"})).status_code == 201
+            assert (await post_chat(gw, key["key"])).status_code == 200  # the balance is in Redis now
+            await refuse_writes(private_redis, True)  # OOM: it keeps its state and refuses every write
+            made = await admin.post(credits, json={"kind": "refund", "amount": "0.40"}, headers={"Idempotency-Key": "refund-1"})
+            assert made.status_code == 201, made.text
+            again = await admin.post(credits, json={"kind": "refund", "amount": "0.40"}, headers={"Idempotency-Key": "refund-1"})
+            assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+            assert again.json()["id"] == made.json()["id"]
+            other = await admin.post(credits, json={"kind": "refund", "amount": "0.50"}, headers={"Idempotency-Key": "refund-1"})
+            assert other.status_code == 409 and other.json()["error"]["code"] == "idempotency_key_reused"
+            entries = (await admin.get(credits)).json()["entries"]
+            assert [e["amount_nanos"] for e in entries if e["kind"] == "refund"] == [-400_000_000]
+        await refuse_writes(private_redis, False)
+        deadline = time.monotonic() + 10
+        while (answer := await post_chat(gw, key["key"])).status_code == 503:  # the breaker's cool-down
+            assert time.monotonic() < deadline, answer.text
+            await asyncio.sleep(0.2)
+        assert answer.status_code == 200
+        counters = await settled_at(gw, private_redis, prefix, key["id"], scope=("account", account["id"]))
+        assert counters["credits_nanos"] == 600_000_000  # $1.00 less the $0.40 refund
     finally:
         stop_server(srv)
