@@ -98,6 +98,10 @@ class MemoryLimiter(Limiter):
             if current is None or current.month != month:
                 state = _ScopeState(month=month, month_tokens=t.month_tokens, month_nanos=t.month_nanos)
                 state.minutes[minute] = [t.minute_requests, t.minute_tokens]
+                if current is not None and minute in current.minutes:
+                    # This minute's window counts the requests still running, which the ledger does not
+                    # hold yet: kept, as seed.lua keeps an existing rpm/tpm key (limits changed mid-minute).
+                    state.minutes = current.minutes
                 if current is not None:
                     state.holds, state.unsynced = current.holds, current.unsynced
                     state.balance_synced, state.credits, state.spent = current.balance_synced, current.credits, current.spent

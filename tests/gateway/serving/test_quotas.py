@@ -195,6 +195,31 @@ async def test_rpm_limit_and_ratelimit_headers(gw: Gateway, customer: dict[str, 
         assert third.headers["x-ratelimit-remaining-requests"] == "0"
 
 
+async def test_a_limits_change_mid_minute_keeps_the_requests_running_in_its_window(gw: Gateway, client_for: Any) -> None:
+    """rpm 4 with 4 streams admitted and running, then raised to 5 in the same minute: one more is
+    admitted, not five. The change rebuilds the counters from the ledger, which has no rows for the
+    running requests yet: the in-process limiter took this minute's window from the ledger too and
+    admitted 5 more (9 against 5) while Redis kept its rpm key (a limits audit; seed.lua)."""
+    key = await gw.new_key()
+    client = client_for(key["key"], gw)
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"rpm": 4})
+    await minute_with_room(45)  # the streams and the requests after the change in one minute's window
+    streams = [await client.chat.completions.create(model=MODEL, messages=FILL, max_tokens=200, stream=True) for _ in range(4)]
+    for s in streams:
+        await anext(aiter(s))
+    await set_limits(gw, f"/admin/keys/{key['id']}", {"rpm": 5})
+    admitted = 0
+    for _ in range(3):
+        try:
+            await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1)
+            admitted += 1
+        except openai.RateLimitError as exc:
+            assert exc.response.json()["error"]["code"] == "rpm"
+    for s in streams:
+        await s.close()
+    assert admitted == 1
+
+
 async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_for: Any) -> None:
     model_price = {"model": MODEL, "input_per_million": "1.250", "output_per_million": "2.500"}
     async with gw.admin_client() as admin:
