@@ -19,7 +19,8 @@ from billing.keys.store import KeyStore
 from billing.ledger.writer import LedgerWriter, adopt_journal, release_interrupted
 from billing.models import utcnow
 from billing.prices.book import PriceBook
-from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter
+from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter, Scope
+from billing.quota.limits import Limits
 from engines.base import Engine, EngineError
 from engines.wrappers.scheduler import ScheduledEngine, schedule_engines
 from gateway import billing
@@ -33,6 +34,15 @@ from gateway.services import Services
 from gateway.dashboard.sessions import SessionStore
 
 log = logging.getLogger("tollgate")
+
+
+async def limits_changed(limiter: Limiter, principal: Any) -> None:
+    """A key's or its account's limits (or billing mode) were changed by another process (the CLI,
+    another gateway; the admin API here invalidates itself): the counters are rebuilt from the ledger
+    at the next admission. A scope that had no limits took no holds and settled nothing meanwhile,
+    so its counters would miss that usage for the rest of the month."""
+    await limiter.invalidate(Scope("key", principal.key_id, Limits(), account=principal.account_id))
+    await limiter.invalidate_account(principal.account_id)
 
 
 def unserved_backend(config: EngineSettings) -> str | None:
@@ -258,6 +268,7 @@ def lifespan(
         # The quota groups this run registers in, and those the previous run on this journal did.
         groups = ledger.journal.run_notes("quota-groups") if ledger.journal is not None else None
         limiter = build_limiter(settings, db, ledger, process_id, on_register=groups.note if groups else None)
+        state.keys.on_limits_changed = lambda old, new: limits_changed(limiter, new)
         releasing = asyncio.create_task(
             finish_crashed_run(ledger, limiter, recovered, previous_process, groups.previous if groups else set()))
         adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]

@@ -12,6 +12,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -124,6 +125,10 @@ class KeyStore:
         self._cache: dict[str, tuple[float, Principal | None]] = {}
         self._refreshing: dict[str, asyncio.Future[Principal | None]] = {}
         self._generation = 0
+        # Told, before the new answer is served, when a key's limits (or its account's, or its billing
+        # mode) read from the database differ from what this process served: a change made by another
+        # process (the CLI, another gateway), whose counters must be rebuilt (gateway/wiring.py).
+        self.on_limits_changed: Callable[[Principal, Principal], Awaitable[None]] | None = None
 
     # accounts -------------------------------------------------------------------------------
     async def create_account(self, name: str) -> dict[str, Any]:
@@ -310,6 +315,10 @@ class KeyStore:
             if hit is not None and time.monotonic() - hit[0] < self._stale_seconds:
                 return hit[1]
             raise KeyStoreUnavailable(type(exc).__name__) from None
+        old = hit[1] if hit is not None else None
+        if (old is not None and principal is not None and self.on_limits_changed is not None
+                and (old.key_limits, old.account_limits, old.prepaid) != (principal.key_limits, principal.account_limits, principal.prepaid)):
+            await self.on_limits_changed(old, principal)
         if generation == self._generation:  # not read across a revocation or a limit change
             if len(self._cache) > 100_000:
                 self._cache.clear()

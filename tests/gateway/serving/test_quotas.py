@@ -4,6 +4,7 @@ and a local Redis Cluster of 3 masters + 3 replicas)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from decimal import Decimal
@@ -17,7 +18,7 @@ import sqlalchemy as sa
 from billing.db import create_engine
 from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
-from tests.conftest import MODEL, REDIS_URL, Gateway, minute_with_room, price_in_force, require_redis, start_gateway, stop_server
+from tests.conftest import MODEL, REDIS_URL, SECRET, Gateway, minute_with_room, price_in_force, require_redis, start_gateway, stop_server
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
 # A prompt the model answers at length: every admitted request uses all of its max_tokens, so it
@@ -218,6 +219,61 @@ async def test_a_limits_change_mid_minute_keeps_the_requests_running_in_its_wind
     for s in streams:
         await s.close()
     assert admitted == 1
+
+
+async def test_a_limit_cleared_and_set_again_by_another_process_counts_the_usage_in_between(gw: Gateway, client_for: Any) -> None:
+    """`tollgate keys limits` (another process: the gateway is not told) clears a key's monthly
+    budget, requests run unlimited, then it sets the same budget again: those requests count. An
+    unlimited scope takes no holds and settles nothing, so its counters stood still meanwhile; the
+    gateway now rebuilds them when its key cache reads limits other than those it served
+    (KeyStore.on_limits_changed). Before, 7 of 10 requests were admitted after the limit came back,
+    820 tokens against 410 (a limits audit), on every backend."""
+    from tests import cli_runner
+
+    key = await gw.new_key()
+    client = client_for(key["key"], gw)
+    per = await prompt_tokens(client, PROMPT) + 1  # a request below: its prompt and at most 1 token
+    budget = 10 * per
+    env = {**os.environ, "DATABASE_URL": gw.db_url, "TOLLGATE_SECRET": SECRET}
+
+    def cli(*argv: str) -> None:
+        done = cli_runner.tollgate(["keys", "limits", str(key["id"]), *argv], env)
+        assert done.returncode == 0, done.stderr
+
+    async def budget_seen(limited: bool) -> None:
+        """Until a request holding more than the whole budget is refused (the limit seen) or admitted."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=budget, temperature=0)
+                seen = not limited
+            except openai.RateLimitError:
+                seen = limited
+            if seen:
+                return
+            assert time.monotonic() < deadline, f"the gateway did not see the limit {'set' if limited else 'cleared'}"
+            await asyncio.sleep(0.1)
+
+    async def admitted(n: int) -> int:
+        done = 0
+        for _ in range(n):
+            try:
+                await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1, temperature=0)
+                done += 1
+            except openai.RateLimitError as exc:
+                assert exc.response.json()["error"]["code"] == "monthly_tokens"
+        return done
+
+    cli("--monthly-tokens", str(budget))
+    await budget_seen(limited=True)
+    assert await admitted(3) == 3
+    cli("--clear", "monthly_tokens")
+    await budget_seen(limited=False)
+    assert await admitted(10) == 10  # past the budget, while there is none
+    await gw.flush_ledger()
+    cli("--monthly-tokens", str(budget))
+    await budget_seen(limited=True)
+    assert await admitted(3) == 0
 
 
 async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_for: Any) -> None:
