@@ -1,8 +1,9 @@
 """An account's billing state, derived from facts rather than from the order events came in:
 
-    delinquent_since = earliest of: a failed payment on an invoice still open, a subscription
-                       past_due/unpaid, and (invoices sent for payment, collection method
-                       send_invoice) the due date of an invoice still open on Stripe (NULL when none)
+    delinquent_since = earliest of: a failed payment on an invoice still open, a chargeback of a
+                       paid invoice's payment (not won), a subscription past_due/unpaid, and
+                       (invoices sent for payment, collection method send_invoice) the due date of
+                       an invoice still open on Stripe (NULL when none)
     state            = active     when delinquent_since is NULL or still ahead
                        past_due   while now < delinquent_since + grace (keys keep working)
                        suspended  afterwards (keys get 403 naming the unpaid invoices)
@@ -11,7 +12,9 @@ A sent invoice gets no payment attempt that could fail: without its due date, a 
 pays it would never be suspended. Its due date is known when it reaches Stripe, so it is stored
 ahead of time and the state turns by the clock alone (the monthly job stores it each round).
 Paying (invoice.paid) clears the invoice's failure and its due date, so the state returns to
-active by itself.
+active by itself. A chargeback is a payment that failed after the fact: the invoice stays paid
+(as on Stripe) and is owed again from the dispute's creation until the dispute is won
+(billing/stripe/invoice_disputes.py).
 `AccountStates` keeps the delinquent accounts in memory (refreshed every second or so), so the
 request path checks a key without any I/O.
 """
@@ -60,6 +63,11 @@ def on_stripe_unpaid() -> Any:
     return sa.and_(INVOICES.c.status == "open", INVOICES.c.stripe_status == "open", INVOICES.c.due_at.is_not(None))
 
 
+def still_owed() -> Any:
+    """Invoices the customer owes: open, or paid and then charged back (the bank took the money back)."""
+    return sa.or_(INVOICES.c.status == "open", sa.and_(INVOICES.c.status == "paid", INVOICES.c.charged_back_at.is_not(None)))
+
+
 async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, grace_seconds: float, overdue: bool = False) -> str:
     """Re-derives and stores one account's state from its invoices and subscription; `overdue`:
     invoices are sent for payment by a due date (collection method send_invoice), which counts."""
@@ -67,6 +75,13 @@ async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, gr
         await conn.execute(
             sa.select(sa.func.min(INVOICES.c.payment_failed_at)).where(
                 INVOICES.c.account_id == account_id, INVOICES.c.status == "open", INVOICES.c.payment_failed_at.is_not(None)
+            )
+        )
+    ).scalar_one_or_none()
+    charged_back = (
+        await conn.execute(
+            sa.select(sa.func.min(INVOICES.c.charged_back_at)).where(
+                INVOICES.c.account_id == account_id, INVOICES.c.status == "paid", INVOICES.c.charged_back_at.is_not(None)
             )
         )
     ).scalar_one_or_none()
@@ -78,7 +93,7 @@ async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, gr
         due = (
             await conn.execute(sa.select(sa.func.min(INVOICES.c.due_at)).where(INVOICES.c.account_id == account_id, on_stripe_unpaid()))
         ).scalar_one_or_none()
-    candidates = [t for t in (_aware(failed), _aware(subscription), _aware(due)) if t is not None]
+    candidates = [t for t in (_aware(failed), _aware(charged_back), _aware(subscription), _aware(due)) if t is not None]
     since = min(candidates) if candidates else None
     state = derive_state(since, now, grace_seconds)
     values = dict(state=state, delinquent_since=since, updated_at=now)
@@ -93,8 +108,9 @@ async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: f
         row = (await conn.execute(sa.select(BILLING).where(BILLING.c.account_id == account_id))).first()
         unpaid = (
             await conn.execute(
-                sa.select(INVOICES.c.id, INVOICES.c.number, INVOICES.c.total_cents, INVOICES.c.payment_failed_at, INVOICES.c.due_at)
-                .where(INVOICES.c.account_id == account_id, INVOICES.c.status == "open")
+                sa.select(INVOICES.c.id, INVOICES.c.number, INVOICES.c.total_cents, INVOICES.c.payment_failed_at, INVOICES.c.due_at,
+                          INVOICES.c.charged_back_at)
+                .where(INVOICES.c.account_id == account_id, still_owed())
                 .order_by(INVOICES.c.period)
             )
         ).all()
@@ -112,6 +128,7 @@ async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: f
         "unpaid_invoices": [
             {"id": u.id, "number": u.number, "total_cents": int(u.total_cents), "total": format_cents(int(u.total_cents)),
              "payment_failed": u.payment_failed_at is not None,
+             "charged_back_at": _aware(u.charged_back_at).isoformat() if u.charged_back_at else None,  # type: ignore[union-attr]
              "due_at": _aware(u.due_at).isoformat() if u.due_at else None,  # type: ignore[union-attr]
              "overdue": u.due_at is not None and now >= _aware(u.due_at)}  # type: ignore[operator]
             for u in unpaid
@@ -165,7 +182,7 @@ class AccountStates:
             unpaid = (
                 await conn.execute(
                     sa.select(INVOICES.c.account_id, INVOICES.c.number, INVOICES.c.total_cents)
-                    .where(INVOICES.c.account_id.in_(ids), INVOICES.c.status == "open")
+                    .where(INVOICES.c.account_id.in_(ids), still_owed())
                     .order_by(INVOICES.c.period)
                 )
             ).all() if ids else []

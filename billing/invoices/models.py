@@ -80,6 +80,10 @@ class Invoice(SQLModel, table=True):
     paid_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     # First payment failure seen (a webhook's event time); starts the grace period.
     payment_failed_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    # Its payment charged back (a dispute that took the money back, stored while not won; the
+    # invoice stays paid on Stripe): owed again. The dispute's `created` and id (`du_...`).
+    charged_back_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    chargeback_dispute_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True))
     stripe_invoice_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
     stripe_status: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
     stripe_total_cents: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))

@@ -118,6 +118,8 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
         "price_versions": json.loads(row.price_versions),
         "created_at": _iso(row.created_at),
         "paid_at": _iso(row.paid_at),
+        # its payment taken back by the customer's bank (a dispute not won): owed again, though paid
+        "charged_back_at": _iso(row.charged_back_at),
     }
     if admin:
         view["stripe"] = {
@@ -126,6 +128,7 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
             "total_cents": row.stripe_total_cents,
             "synced_at": _iso(row.stripe_synced_at),
             "error": row.stripe_error,
+            "chargeback_dispute_id": row.chargeback_dispute_id,
         }
         view["payment_failed_at"] = _iso(row.payment_failed_at)
     return view

@@ -23,6 +23,9 @@
                                      the dispute say what was withdrawn and reinstated (_dispute_money).
                                      An inquiry (`warning_*`: the bank asks, nothing is withdrawn) and a
                                      `prevented` one write nothing, unless it escalates to a chargeback
+                                     On the payment of one of our invoices (no tollgate_account: found by
+                                     its InvoicePayment) the invoice is charged back, owed again, until won
+                                     (billing/stripe/invoice_disputes.py)
     recharge_due()                   balance below the account's threshold -> one off-session PaymentIntent
                                      (at most one in flight: a conditional update claims it), credited by its
                                      id; a decline leaves recharge_state `failed` with Stripe's message; a
@@ -52,6 +55,7 @@ from stripe import CardError, IdempotencyError, StripeClient
 from billing.credits.models import CreditEntry, CreditSettings
 from billing.credits.balance import CreditBook, CreditError
 from billing.models import utcnow
+from billing.stripe.invoice_disputes import chargeback, invoices_paid_by
 from billing.stripe.sync import _plain, upsert
 
 log = logging.getLogger("tollgate.checkout")
@@ -328,8 +332,8 @@ class CheckoutService:
             return None
         intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(intent_id))
         account_id = _account_of(intent)
-        if account_id is None:
-            return None
+        if account_id is None:  # not a top-up: maybe the payment of one of our invoices
+            return chargeback(dispute, await invoices_paid_by(self._stripe, intent_id))
         reason = _dispute_reason(dispute)
         currency = str(dispute.get("currency") or "usd")
         withdrawn, reinstated = _dispute_money(dispute)

@@ -121,7 +121,7 @@ RESPONSES: dict[str, dict[str, Any]] = {
     }, {"cached_input_per_million": _nullable(STR)}),
     "Invoice": _obj({
         "id": INT, "object": {"const": "invoice"}, "number": STR, "account_id": INT, "period": STR, "status": STR,
-        "currency": STR, "total_cents": INT, "total": STR,
+        "currency": STR, "total_cents": INT, "total": STR, "charged_back_at": _nullable(STR),
         "lines": {"type": "array", "items": _obj({"object": {"const": "invoice_line"}, "tokens": INT, "amount_cents": INT, "amount": STR})},
     }),
     "UsageReport": _obj({

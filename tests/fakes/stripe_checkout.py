@@ -57,6 +57,12 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
   "partially won" (a full-amount dispute after a partial refund: the refunded part comes back, a
   second balance transaction, charge.dispute.funds_reinstated, the status still `lost`); an inquiry closes
   `warning_closed` (charge.dispute.closed).
+- an invoice paid (`pay`): a succeeded USD PaymentIntent (no metadata: Stripe copies none of the
+  invoice's) and its Charge for the amount paid, and the InvoicePayment (`inpay_...`, `paid`,
+  `is_default`) that links them (since API 2025-03-31 the PaymentIntent and Charge name no
+  invoice). Events: charge.succeeded, payment_intent.succeeded before invoice.paid. GET
+  /v1/invoice_payments (newest first; filtered by `invoice`, `status`, `payment[type]` with
+  `payment[payment_intent]`) and GET /v1/invoice_payments/{id}. `dispute` works on its payment.
 - `payment(amount)`: a card payment made on the same Stripe account without Tollgate (no
   `tollgate_account` metadata), to dispute a charge that is not ours.
 """
@@ -106,6 +112,7 @@ class FakeStripePayments(FakeStripe):
         self.charges: dict[str, dict[str, Any]] = {}
         self.refunds: dict[str, dict[str, Any]] = {}
         self.disputes: dict[str, dict[str, Any]] = {}
+        self.invoice_payments: dict[str, dict[str, Any]] = {}
         self.payment_methods: dict[str, str] = {}  # id -> customer it is attached to
         self._declines: list[str] = []  # error codes of the next off-session charges
         self._refund_status = "succeeded"
@@ -204,6 +211,29 @@ class FakeStripePayments(FakeStripe):
             before = len(self.events)
             self._create_refund({"payment_intent": payment_intent, **({"amount": str(amount)} if amount is not None else {})})
             return self.events[before:]
+
+    def _collect(self, invoice: dict[str, Any], amount: int) -> None:
+        """The card payment of an invoice (paid by the customer's card on file, or on its hosted page)."""
+        if amount <= 0:  # nothing collected: Stripe makes no payment
+            return
+        intent = self._intent(amount, invoice["currency"], invoice["customer"], f"pm_card_visa_{self._id('pm')}", {})
+        intent["description"] = "Payment for Invoice"
+        now = int(time.time())
+        link = {
+            "id": self._id("inpay"), "object": "invoice_payment", "amount_paid": amount, "amount_requested": amount,
+            "created": now, "currency": invoice["currency"], "invoice": invoice["id"], "is_default": True, "livemode": False,
+            "payment": {"type": "payment_intent", "payment_intent": intent["id"]}, "status": "paid",
+            "status_transitions": {"canceled_at": None, "paid_at": now},
+        }
+        self.invoice_payments[link["id"]] = link
+        self._event("charge.succeeded", self.charges[intent["latest_charge"]])
+        self._event("payment_intent.succeeded", intent)
+
+    def payment_of(self, invoice_id: str) -> str:
+        """The PaymentIntent that paid an invoice."""
+        with self._lock:
+            return next(str(p["payment"]["payment_intent"]) for p in reversed(self.invoice_payments.values())
+                        if p["invoice"] == invoice_id and p["status"] == "paid")
 
     def payment(self, amount: int, metadata: dict[str, str] | None = None) -> dict[str, Any]:
         """A succeeded card payment made on this Stripe account by something other than Tollgate."""
@@ -349,6 +379,8 @@ class FakeStripePayments(FakeStripe):
             ("GET", r"/v1/refunds", lambda p: self._list_public("/v1/refunds", self.refunds, p, ("charge", "payment_intent"))),
             ("GET", r"/v1/disputes/(?P<id>[^/]+)", lambda p, id: public(self._get(self.disputes, "dispute", id))),
             ("GET", r"/v1/disputes", lambda p: self._list_disputes(p)),
+            ("GET", r"/v1/invoice_payments/(?P<id>[^/]+)", lambda p, id: public(self._get(self.invoice_payments, "invoice_payment", id))),
+            ("GET", r"/v1/invoice_payments", lambda p: self._list_invoice_payments(p)),
         ]
         for verb, pattern, handler in routes:
             match = re.fullmatch(pattern, path)
@@ -359,6 +391,31 @@ class FakeStripePayments(FakeStripe):
     def _list_disputes(self, params: dict[str, Any]) -> dict[str, Any]:
         """GET /v1/disputes, newest first, filtered by `charge` or `payment_intent` (Stripe's list takes both)."""
         return self._list_public("/v1/disputes", self.disputes, params, ("payment_intent", "charge"))
+
+    def _list_invoice_payments(self, params: dict[str, Any]) -> dict[str, Any]:
+        """GET /v1/invoice_payments, newest first: by `invoice`, `status`, and `payment[type]` with
+        `payment[payment_intent]` (or `payment[payment_record]`, none here)."""
+        payment = params.get("payment")
+        if payment is not None:
+            if not isinstance(payment, dict) or not payment.get("type"):
+                raise StripeFailure(400, "Missing required param: payment[type].", param="payment[type]", code="parameter_missing")
+            if payment["type"] not in ("payment_intent", "payment_record"):
+                raise StripeFailure(400, "Invalid payment[type]: must be one of payment_intent or payment_record",
+                                    param="payment[type]")
+        status = params.get("status")
+        if status is not None and status not in ("canceled", "open", "paid"):
+            raise StripeFailure(400, "Invalid status: must be one of canceled, open, or paid", param="status")
+
+        def matches(link: dict[str, Any]) -> bool:
+            if status is not None and link["status"] != status:
+                return False
+            if payment is None:
+                return True
+            return link["payment"]["type"] == payment["type"] and all(
+                link["payment"].get(k) == payment[k] for k in ("payment_intent", "payment_record") if k in payment)
+
+        table = {k: v for k, v in self.invoice_payments.items() if matches(v)}
+        return self._list_public("/v1/invoice_payments", table, {k: v for k, v in params.items() if k != "status"}, ("invoice",))
 
     def _list_public(self, url: str, table: dict[str, dict[str, Any]], params: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
         """A list, newest first, filtered by the first of `fields` the call passes (GET /v1/refunds takes

@@ -236,7 +236,12 @@ class FakeStripe:
             inv.update(status="paid", attempted=True, attempt_count=inv["attempt_count"] + 1,
                        amount_paid=inv["amount_due"], amount_remaining=0)
             inv["status_transitions"]["paid_at"] = now
+            self._collect(inv, inv["amount_paid"])
             return self._event("invoice.paid", inv)
+
+    def _collect(self, invoice: dict[str, Any], amount: int) -> None:
+        """The payment that paid `amount` of an invoice. This fake has no payment objects
+        (tests/fakes/stripe_checkout.py's makes a PaymentIntent, a Charge and an InvoicePayment)."""
 
     def fail_payment(self, invoice_id: str) -> dict[str, Any]:
         with self._lock:

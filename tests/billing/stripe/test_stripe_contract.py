@@ -188,6 +188,18 @@ def run_flows(fake: FakeStripePayments) -> None:
     client.v1.credit_notes.create({"invoice": invoice.id, "amount": 100})
     fake.fail_payment(invoice.id)
     fake.pay(invoice.id)
+    # its payment (billing/stripe/invoice_disputes.py finds the invoice of a disputed PaymentIntent by it)
+    paid_by = fake.payment_of(invoice.id)
+    links = client.v1.invoice_payments.list({"payment": {"type": "payment_intent", "payment_intent": paid_by}, "status": "paid",
+                                             "limit": 100})
+    assert links.object == "list" and [x.invoice for x in links.data] == [invoice.id]
+    assert check_object(links.data[0].to_dict(), "listed invoice payment") == []
+    link = client.v1.invoice_payments.retrieve(links.data[0].id)
+    assert (link.payment.type, link.payment.payment_intent, link.amount_paid) == ("payment_intent", paid_by, 790)  # 1190 - 300 - 100
+    assert client.v1.payment_intents.retrieve(paid_by).metadata.to_dict() == {}  # the invoice's metadata is not copied
+    assert [x.id for x in client.v1.invoice_payments.list({"invoice": invoice.id}).data] == [link.id]
+    assert client.v1.invoice_payments.list({"invoice": invoice.id, "status": "open"}).data == []
+    fake.dispute(paid_by)
     client.v1.credit_notes.create({"invoice": invoice.id, "amount": 50, "credit_amount": 50})
     fake.set_subscription(customer.id, "past_due")
     assert item.invoice == invoice.id
@@ -209,7 +221,7 @@ def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
     try:
         run_flows(fake)
         objects = [*fake.sessions.values(), *fake.payment_intents.values(), *fake.charges.values(), *fake.refunds.values(),
-                   *fake.disputes.values(),
+                   *fake.disputes.values(), *fake.invoice_payments.values(),
                    *fake.customers.values(), *fake.tax_ids.values(), *fake.invoices.values(), *fake.items.values(),
                    *(line for i in fake.invoices.values() for line in i["lines"]["data"]), *fake.tax_rates.values(),
                    *fake.credit_notes.values(), *fake.subscriptions.values(), *fake.balance_transactions.values()]

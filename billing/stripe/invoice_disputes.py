@@ -1,0 +1,74 @@
+"""Chargebacks on the payments of Tollgate's invoices (postpaid, pushed by billing/stripe/sync.py).
+
+Stripe leaves a paid invoice `paid` (a final status) when the cardholder's bank disputes its payment:
+the dispute comes only as charge.dispute.* about the invoice's PaymentIntent, which carries none of
+the invoice's metadata. Since API version 2025-03-31 neither the PaymentIntent nor the Charge names
+its invoice; the InvoicePayment links them (GET /v1/invoice_payments?payment[type]=payment_intent
+&payment[payment_intent]=pi_...). billing/stripe/checkout.py's dispute handler comes here for a
+payment that is not a top-up's:
+
+    funds withdrawn  (any status but checkout.NOTHING_WITHDRAWN and `won`: needs_response,
+                     under_review, lost, ...) -> each of our invoices it paid is charged back:
+                     charged_back_at = the dispute's `created`, chargeback_dispute_id = its id; the
+                     account owes it again (billing/invoices/account_state.py: still_owed)
+    won              -> cleared: paid again
+    inquiry, prevented  nothing (the caller returns before)
+
+The Dispute is re-read for every event and only its status decides, so events in any order, or
+repeated, end at the same row; the change is applied in the transaction that records the event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+from stripe import StripeClient
+
+from billing.invoices.models import Invoice
+from billing.models import utcnow
+from billing.stripe.sync import _plain
+
+INVOICES = Invoice.__table__
+
+Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
+
+
+async def invoices_paid_by(client: StripeClient, intent_id: str) -> list[str]:
+    """The Stripe invoices this PaymentIntent paid (one, unless it paid several at once)."""
+    found = _plain(await client.v1.invoice_payments.list_async(
+        {"payment": {"type": "payment_intent", "payment_intent": intent_id}, "status": "paid", "limit": 100}))
+    ids = []
+    for payment in found.get("data") or []:
+        invoice = payment.get("invoice")
+        invoice_id = invoice.get("id") if isinstance(invoice, dict) else invoice  # expanded or not
+        if isinstance(invoice_id, str) and invoice_id not in ids:
+            ids.append(invoice_id)
+    return ids
+
+
+def chargeback(dispute: dict[str, Any], stripe_invoice_ids: list[str]) -> Apply | None:
+    """What the dispute (re-read, funds withdrawn or won) says of the invoices its payment paid:
+    the account changed, or None when none of them is ours."""
+    if not stripe_invoice_ids:
+        return None
+    won = dispute.get("status") == "won"
+    created = dispute.get("created")
+    since = datetime.fromtimestamp(created, tz=timezone.utc) if type(created) is int else utcnow()
+
+    async def apply(conn: AsyncConnection) -> int | None:
+        ours = (await conn.execute(sa.select(INVOICES.c.id, INVOICES.c.account_id, INVOICES.c.chargeback_dispute_id)
+                                   .where(INVOICES.c.stripe_invoice_id.in_(stripe_invoice_ids)).order_by(INVOICES.c.id))).all()
+        for row in ours:
+            # another dispute of the same invoice (a second payment of it) keeps its own mark
+            if row.chargeback_dispute_id not in (None, dispute["id"]):
+                continue
+            values = (dict(charged_back_at=None, chargeback_dispute_id=None) if won
+                      else dict(charged_back_at=since, chargeback_dispute_id=dispute["id"]))
+            await conn.execute(INVOICES.update().where(INVOICES.c.id == row.id).values(**values))
+        return int(ours[0].account_id) if ours else None
+
+    return apply
