@@ -36,11 +36,13 @@ from gateway.dashboard.sessions import SessionStore
 log = logging.getLogger("tollgate")
 
 
-async def limits_changed(limiter: Limiter, principal: Any) -> None:
-    """A key's or its account's limits (or billing mode) were changed by another process (the CLI,
-    another gateway; the admin API here invalidates itself): the counters are rebuilt from the ledger
-    at the next admission. A scope that had no limits took no holds and settled nothing meanwhile,
-    so its counters would miss that usage for the rest of the month."""
+async def limits_changed(limiter: Limiter, meter: Any, principal: Any) -> None:
+    """A key's or its account's limits (or billing mode) changed, here or in another process (the
+    CLI, another gateway): the counters are rebuilt from the ledger at the next admission (a scope
+    that had no limits took no holds and settled nothing meanwhile), and the requests still running
+    that were admitted without a hold there settle their usage there when they end (Meter), since
+    their rows come after that rebuild read the ledger."""
+    meter.limits_changed(principal)
     await limiter.invalidate(Scope("key", principal.key_id, Limits(), account=principal.account_id))
     await limiter.invalidate_account(principal.account_id)
 
@@ -268,7 +270,7 @@ def lifespan(
         # The quota groups this run registers in, and those the previous run on this journal did.
         groups = ledger.journal.run_notes("quota-groups") if ledger.journal is not None else None
         limiter = build_limiter(settings, db, ledger, process_id, on_register=groups.note if groups else None)
-        state.keys.on_limits_changed = lambda old, new: limits_changed(limiter, new)
+        state.keys.on_limits_changed = lambda principal: limits_changed(limiter, state.service.meter, principal)
         releasing = asyncio.create_task(
             finish_crashed_run(ledger, limiter, recovered, previous_process, groups.previous if groups else set()))
         adopting = [asyncio.create_task(adopt_journal(ledger, limiter.settle, d)) for d in orphan_journals(settings)]

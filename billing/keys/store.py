@@ -126,9 +126,11 @@ class KeyStore:
         self._refreshing: dict[str, asyncio.Future[Principal | None]] = {}
         self._generation = 0
         # Told, before the new answer is served, when a key's limits (or its account's, or its billing
-        # mode) read from the database differ from what this process served: a change made by another
-        # process (the CLI, another gateway), whose counters must be rebuilt (gateway/wiring.py).
-        self.on_limits_changed: Callable[[Principal, Principal], Awaitable[None]] | None = None
+        # mode) read from the database differ from what this process served before: a change made here
+        # or by another process (the CLI, another gateway). Its counters are rebuilt, and requests
+        # admitted before it settle there (gateway/wiring.py).
+        self.on_limits_changed: Callable[[Principal], Awaitable[None]] | None = None
+        self._served: dict[int, tuple[Limits, Limits, bool]] = {}  # key id -> the limits last served for it
 
     # accounts -------------------------------------------------------------------------------
     async def create_account(self, name: str) -> dict[str, Any]:
@@ -315,10 +317,15 @@ class KeyStore:
             if hit is not None and time.monotonic() - hit[0] < self._stale_seconds:
                 return hit[1]
             raise KeyStoreUnavailable(type(exc).__name__) from None
-        old = hit[1] if hit is not None else None
-        if (old is not None and principal is not None and self.on_limits_changed is not None
-                and (old.key_limits, old.account_limits, old.prepaid) != (principal.key_limits, principal.account_limits, principal.prepaid)):
-            await self.on_limits_changed(old, principal)
+        if principal is not None and self.on_limits_changed is not None:
+            limits = (principal.key_limits, principal.account_limits, principal.prepaid)
+            before = self._served.get(principal.key_id)
+            if before != limits:
+                if before is not None:
+                    await self.on_limits_changed(principal)
+                if len(self._served) > 200_000:
+                    self._served.clear()
+                self._served[principal.key_id] = limits
         if generation == self._generation:  # not read across a revocation or a limit change
             if len(self._cache) > 100_000:
                 self._cache.clear()

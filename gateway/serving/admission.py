@@ -33,6 +33,7 @@ from billing.ledger.writer import LedgerWriter, UsageRecord
 from billing.models import utcnow
 from billing.prices.book import EffectivePrice, PriceBook
 from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
+from billing.quota.base import group_tag
 from engines.base import FINISH_CANCELLED, FINISH_ERROR, FINISH_UPSTREAM_CANCELLED, Engine, EngineOverloadedError, EngineRequest
 from gateway.batches.line import BatchLine
 from gateway.http.errors import APIError, EngineOverloaded, RateLimited, ServiceUnavailable
@@ -131,7 +132,8 @@ class Admission:
                 if self.hold is not None and meter.limiter is not None:
                     # A task: it runs after this call, once the row below is journaled and queued.
                     used = row.prompt_tokens + row.completion_tokens if row is not None else 0
-                    meter.limiter.settle_later(self.hold, used, (row.cost_nanos or 0) if row is not None else 0)
+                    hold = meter.hold_now(self) or self.hold
+                    meter.limiter.settle_later(hold, used, (row.cost_nanos or 0) if row is not None else 0)
             finally:
                 if row is not None:
                     meter.ledger.record(row)  # never raises (its journal's and listeners' failures are logged)
@@ -228,6 +230,30 @@ class Meter:
         self._live: dict[str, Admission] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        # Limits seen to change since this process started (KeyStore.on_limits_changed), by key and by
+        # account: a request admitted without a hold on a scope limited since settles its usage there.
+        self._limits_now: dict[tuple[str, int], Scope] = {}
+
+    def limits_changed(self, principal: Principal) -> None:
+        if len(self._limits_now) > 200_000:
+            self._limits_now.clear()
+        self._limits_now[("key", principal.key_id)] = Scope("key", principal.key_id, principal.key_limits)
+        self._limits_now[("account", principal.account_id)] = Scope("account", principal.account_id, principal.account_limits,
+                                                                    principal.prepaid)
+
+    def hold_now(self, admission: Admission) -> Hold | None:
+        """For a request admitted where nothing was limited: a hold (reserving nothing) on the scopes of
+        its key and account limited since, to settle its usage there; None when none is."""
+        if not self._limits_now or admission.hold is None or admission.hold.scopes:
+            return None
+        principal = admission.principal
+        scopes = [self._limits_now.get(("key", principal.key_id)) or Scope("key", principal.key_id, principal.key_limits),
+                  self._limits_now.get(("account", principal.account_id)) or Scope("account", principal.account_id, principal.account_limits)]
+        limited = tuple(s for s in scopes if s.limited)
+        if not limited:
+            return None
+        old = admission.hold
+        return Hold(old.request_id, limited, 0, 0, old.minute, old.month, tag=group_tag(scopes), row_id=old.row_id)
 
     async def admit(
         self,

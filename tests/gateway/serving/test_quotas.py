@@ -276,6 +276,29 @@ async def test_a_limit_cleared_and_set_again_by_another_process_counts_the_usage
     assert await admitted(3) == 0
 
 
+async def test_a_limit_set_while_unlimited_requests_run_counts_them_when_they_end(gw: Gateway, client_for: Any) -> None:
+    """An account with no limits runs 3 long streams; a monthly budget is set meanwhile. The
+    counters are rebuilt from the ledger at the next admission, which has no rows of the streams
+    yet, and the streams took no hold: they now settle their usage on the newly limited account
+    when they end (Meter.hold_now), so the month's counter equals the ledger. Before, it missed
+    them until the next rebuild: a spend audit set a $0.01 budget during 30 streams and the
+    account went on to $0.016."""
+    account = await gw.new_account()
+    key = await gw.new_key(account["id"])
+    client = client_for(key["key"], gw)
+    streams = [await client.chat.completions.create(model=MODEL, messages=FILL, max_tokens=40, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}) for _ in range(3)]
+    for s in streams:
+        await anext(aiter(s))  # admitted, running, no hold (nothing was limited)
+    await set_limits(gw, f"/admin/accounts/{account['id']}", {"monthly_tokens": 1_000_000})
+    await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1)  # the rebuild: the ledger without the streams
+    for s in streams:
+        async for _ in s:
+            pass
+    _rows, tokens = await ledger_tokens(gw, "account_id", account["id"], rows=4)
+    assert (await settled(gw, "account", account["id"]))["month_tokens"] == tokens
+
+
 async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_for: Any) -> None:
     model_price = {"model": MODEL, "input_per_million": "1.250", "output_per_million": "2.500"}
     async with gw.admin_client() as admin:
