@@ -99,9 +99,12 @@ class MemoryLimiter(Limiter):
                 state = _ScopeState(month=month, month_tokens=t.month_tokens, month_nanos=t.month_nanos)
                 state.minutes[minute] = [t.minute_requests, t.minute_tokens]
                 if current is not None and minute in current.minutes:
-                    # This minute's window counts the requests still running, which the ledger does not
-                    # hold yet: kept, as seed.lua keeps an existing rpm/tpm key (limits changed mid-minute).
-                    state.minutes = current.minutes
+                    # This minute: the larger of the kept window (it counts requests still running, which
+                    # the ledger lacks) and the ledger's (those that ran while the scope had no limits
+                    # took no holds, so the window lacks them); as seed.lua.
+                    kept = current.minutes[minute]
+                    state.minutes = dict(current.minutes)
+                    state.minutes[minute] = [max(kept[0], t.minute_requests), max(kept[1], t.minute_tokens)]
                 if current is not None:
                     state.holds, state.unsynced = current.holds, current.unsynced
                     state.balance_synced, state.credits, state.spent = current.balance_synced, current.credits, current.spent

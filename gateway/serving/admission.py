@@ -242,18 +242,20 @@ class Meter:
                                                                     principal.prepaid)
 
     def hold_now(self, admission: Admission) -> Hold | None:
-        """For a request admitted where nothing was limited: a hold (reserving nothing) on the scopes of
-        its key and account limited since, to settle its usage there; None when none is."""
-        if not self._limits_now or admission.hold is None or admission.hold.scopes:
+        """For a request admitted without a hold on its key's or its account's scope that is limited
+        now: its hold with that scope added (reserving nothing there), to settle its usage there too;
+        None when there is none."""
+        old = admission.hold
+        if not self._limits_now or old is None:
             return None
         principal = admission.principal
         scopes = [self._limits_now.get(("key", principal.key_id)) or Scope("key", principal.key_id, principal.key_limits),
                   self._limits_now.get(("account", principal.account_id)) or Scope("account", principal.account_id, principal.account_limits)]
-        limited = tuple(s for s in scopes if s.limited)
-        if not limited:
+        held = {s.name for s in old.scopes}
+        added = tuple(s for s in scopes if s.limited and s.name not in held)
+        if not added:
             return None
-        old = admission.hold
-        return Hold(old.request_id, limited, 0, 0, old.minute, old.month, tag=group_tag(scopes), row_id=old.row_id)
+        return dataclasses.replace(old, scopes=old.scopes + added, tag=old.tag or group_tag(scopes))
 
     async def admit(
         self,

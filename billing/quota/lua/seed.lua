@@ -86,9 +86,12 @@ for s = 0, n - 1 do
   if redis.call('EXISTS', synced) == 0 then
     redis.call('SET', k .. 'mtok:' .. month, rebuilt_value(k .. 'mtok:' .. month, ARGV[b + 1], extra[k][1]), 'EX', ttl)
     redis.call('SET', k .. 'mspend:' .. month, rebuilt_value(k .. 'mspend:' .. month, ARGV[b + 2], extra[k][2]), 'EX', ttl)
-    if redis.call('EXISTS', k .. 'rpm:' .. minute) == 0 then
-      redis.call('SET', k .. 'rpm:' .. minute, ARGV[b + 3], 'EX', 180)
-      redis.call('SET', k .. 'tpm:' .. minute, ARGV[b + 4], 'EX', 180)
+    -- This minute: the larger of what is kept (it counts requests still running, which the ledger
+    -- lacks) and the ledger's (it counts those that ran while the scope had no limits, which took no
+    -- holds and so are not in what is kept); requests finished with a limit are in both.
+    for i, name in ipairs({'rpm:', 'tpm:'}) do
+      local kept = tonumber(redis.call('GET', k .. name .. minute) or '0')
+      redis.call('SET', k .. name .. minute, math.max(kept, tonumber(ARGV[b + 2 + i])), 'EX', 180)
     end
     redis.call('SET', synced, '1', 'EX', ttl)
   end

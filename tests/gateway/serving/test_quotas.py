@@ -276,27 +276,58 @@ async def test_a_limit_cleared_and_set_again_by_another_process_counts_the_usage
     assert await admitted(3) == 0
 
 
-async def test_a_limit_set_while_unlimited_requests_run_counts_them_when_they_end(gw: Gateway, client_for: Any) -> None:
-    """An account with no limits runs 3 long streams; a monthly budget is set meanwhile. The
+@pytest.mark.parametrize("limited_first", [None, "account"])
+async def test_a_limit_set_while_unlimited_requests_run_counts_them_when_they_end(gw: Gateway, client_for: Any,
+                                                                                 limited_first: str | None) -> None:
+    """An account with no limits (or one whose key has none: its requests hold on the account
+    alone) runs 3 long streams; a monthly budget is set meanwhile on the scope without one. The
     counters are rebuilt from the ledger at the next admission, which has no rows of the streams
-    yet, and the streams took no hold: they now settle their usage on the newly limited account
-    when they end (Meter.hold_now), so the month's counter equals the ledger. Before, it missed
+    yet, and the streams took no hold there: they now settle their usage on the newly limited scope
+    too when they end (Meter.hold_now), so the month's counter equals the ledger. Before, it missed
     them until the next rebuild: a spend audit set a $0.01 budget during 30 streams and the
     account went on to $0.016."""
     account = await gw.new_account()
     key = await gw.new_key(account["id"])
     client = client_for(key["key"], gw)
+    if limited_first == "account":
+        await set_limits(gw, f"/admin/accounts/{account['id']}", {"monthly_tokens": 1_000_000})
+    scope, path = ("account", f"/admin/accounts/{account['id']}") if limited_first is None else ("key", f"/admin/keys/{key['id']}")
     streams = [await client.chat.completions.create(model=MODEL, messages=FILL, max_tokens=40, temperature=0, stream=True,
                                                     stream_options={"include_usage": True}) for _ in range(3)]
     for s in streams:
         await anext(aiter(s))  # admitted, running, no hold (nothing was limited)
-    await set_limits(gw, f"/admin/accounts/{account['id']}", {"monthly_tokens": 1_000_000})
+    await set_limits(gw, path, {"monthly_tokens": 1_000_000})
     await client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1)  # the rebuild: the ledger without the streams
     for s in streams:
         async for _ in s:
             pass
     _rows, tokens = await ledger_tokens(gw, "account_id", account["id"], rows=4)
-    assert (await settled(gw, "account", account["id"]))["month_tokens"] == tokens
+    assert (await settled(gw, scope, account["id"] if scope == "account" else key["id"]))["month_tokens"] == tokens
+    if scope == "key":
+        assert (await settled(gw, "account", account["id"]))["month_tokens"] == tokens  # held there all along
+
+
+async def test_rpm_set_again_in_the_minute_it_was_cleared_counts_the_requests_in_between(gw: Gateway) -> None:
+    """rpm 3, 2 requests, the limit cleared, 5 requests (no holds), rpm 3 again in the same minute:
+    the minute has 7 requests, so none more. The rebuild takes the larger of the kept window (from
+    before the clear) and the ledger's minute, per count; keeping the window alone admitted 1 (a
+    review of the change that kept it)."""
+    key = await gw.new_key()
+    path = f"/admin/keys/{key['id']}"
+    await minute_with_room(30)
+    async with httpx.AsyncClient(base_url=gw.v1, headers={"Authorization": f"Bearer {key['key']}"}, timeout=60) as c:
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 1}
+
+        async def answers(n: int) -> list[int]:
+            return [(await c.post("/chat/completions", json=body)).status_code for _ in range(n)]
+
+        await set_limits(gw, path, {"rpm": 3})
+        assert await answers(2) == [200, 200]
+        await set_limits(gw, path, {"rpm": None})
+        assert await answers(5) == [200] * 5
+        await gw.flush_ledger()
+        await set_limits(gw, path, {"rpm": 3})
+        assert await answers(2) == [429, 429]
 
 
 async def test_spend_budget_reached_at_exact_decimal_price(gw: Gateway, client_for: Any) -> None:
