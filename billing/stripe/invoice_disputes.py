@@ -12,6 +12,8 @@ payment that is not a top-up's:
                      charged_back_at = the dispute's `created`, chargeback_dispute_id = its id; the
                      account owes it again (billing/invoices/account_state.py: still_owed)
     won              -> cleared: paid again
+    lost             stays owed: Stripe's invoice is `paid` and final; once the customer pays outside
+                     it, POST /admin/invoices/{id}/chargeback_settled (chargeback_settled) clears it
     inquiry, prevented  nothing (the caller returns before)
 
 The Dispute is re-read for every event and only its status decides, so events in any order, or
@@ -25,9 +27,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from stripe import StripeClient
 
+from billing.invoices.account_state import recompute
 from billing.invoices.models import Invoice
 from billing.models import utcnow
 from billing.stripe.sync import _plain
@@ -35,6 +38,27 @@ from billing.stripe.sync import _plain
 INVOICES = Invoice.__table__
 
 Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
+
+
+SETTLED = "settled:"  # chargeback_dispute_id's prefix once a person recorded the invoice paid again
+
+
+async def chargeback_settled(db: AsyncEngine, invoice_id: int, *, now: datetime, grace_seconds: float, overdue: bool) -> bool | None:
+    """A person records that a charged-back invoice was paid again outside Stripe (a lost dispute
+    leaves Stripe's invoice `paid`, a final status, so it cannot be paid there): it is paid again and
+    the account's state follows. Its dispute's later events change it no more (the dispute id is
+    kept as `settled:<id>`). None: no such invoice; False: it is not charged back."""
+    async with db.begin() as conn:
+        row = (await conn.execute(sa.select(INVOICES.c.account_id, INVOICES.c.charged_back_at, INVOICES.c.chargeback_dispute_id)
+                                  .where(INVOICES.c.id == invoice_id).with_for_update())).first()
+        if row is None:
+            return None
+        if row.charged_back_at is None:
+            return False
+        await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice_id)
+                           .values(charged_back_at=None, chargeback_dispute_id=SETTLED + str(row.chargeback_dispute_id)))
+        await recompute(conn, int(row.account_id), now=now, grace_seconds=grace_seconds, overdue=overdue)
+    return True
 
 
 async def invoices_paid_by(client: StripeClient, intent_id: str) -> list[str]:

@@ -32,6 +32,7 @@ from billing.invoices.close import PeriodNotEnded, close_period, period_status
 from billing.invoices.credit_notes import CreditNoteRefused, CreditRequest, get_credit_note, issue_credit_note
 from billing.invoices.views import get_invoice, list_invoices
 from billing.prices.book import InvalidPrice, PriceConflict
+from billing.stripe.invoice_disputes import chargeback_settled
 from billing.stripe.sync import StripeSyncError, StripeTotalMismatch
 from gateway.admin.accounts import Instant, StrictStr
 from gateway.api.account.documents import billing_of, credit_note_response, document_format, invoice_response, period_param, query_id
@@ -117,6 +118,19 @@ async def admin_sync(request: Request) -> Response:
     except (StripeError, StripeSyncError) as exc:
         raise StripeFailed(f"Stripe sync failed: {exc}") from None
     return json_response(result)
+
+
+async def admin_chargeback_settled(request: Request) -> Response:
+    """A charged-back invoice paid again outside Stripe (a lost dispute): owed no more."""
+    billing = billing_of(request)
+    invoice_id = path_id(request, "invoice_id", "invoice")
+    done = await chargeback_settled(billing.db, invoice_id, now=datetime.now(timezone.utc), grace_seconds=billing.config.grace_seconds,
+                                    overdue=billing.config.sends_for_payment)
+    if done is None:
+        raise NotFound("No such invoice.", param="id")
+    if not done:
+        raise Conflict("This invoice is not charged back.", param="id", code="not_charged_back")
+    return json_response(await get_invoice(billing.db, invoice_id))
 
 
 async def admin_account_billing(request: Request) -> Response:
@@ -263,6 +277,7 @@ ENDPOINTS = [
     ("/admin/invoices/close", admin_close, ["POST"]),
     ("/admin/invoices/{invoice_id}", admin_invoice, ["GET"]),
     ("/admin/invoices/{invoice_id}/sync", admin_sync, ["POST"]),
+    ("/admin/invoices/{invoice_id}/chargeback_settled", admin_chargeback_settled, ["POST"]),
     ("/admin/invoices/{invoice_id}/{fmt:str}", admin_invoice, ["GET"]),
     ("/admin/billing/periods/{period}", admin_period, ["GET"]),
     ("/admin/accounts/{account_id}/billing", admin_account_billing, ["GET"]),

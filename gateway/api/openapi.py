@@ -300,6 +300,9 @@ def _paths() -> dict[str, Any]:
                                                           params=[*invoice, FORMAT])},
         "/admin/invoices/{invoice_id}/sync": {"post": _op("Push an invoice to Stripe", {"200": _json({"type": "object"})}, *AUTHED, 404, 502,
                                                           params=invoice)},
+        "/admin/invoices/{invoice_id}/chargeback_settled": {"post": _op(
+            "Record a charged-back invoice paid outside Stripe (a lost dispute)", {"200": _json(_ref("Invoice"))}, *AUTHED, 404, 409,
+            params=invoice)},
         "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,
                                                        params=[_path("period", PERIOD)])},
         **_credit_paths(account),  # prepaid credit

@@ -128,7 +128,8 @@ async def test_a_grace_period_applies_to_a_chargeback_as_to_a_failed_payment(
 async def test_dispute_events_in_any_order_and_repeated_end_the_same(db_url: str, db: Any, fake: FakeStripePayments,
                                                                      tmp_path: Path) -> None:
     """a's dispute lost, b's won: all their events, interleaved, shuffled, duplicated and sent again as new
-    events. a's invoice ends charged back (its account suspended), b's paid (active), whatever came first."""
+    events. a's invoice ends charged back (its account suspended), b's paid (active), whatever came first.
+    Then a's chargeback is recorded settled outside Stripe: paid again, and its dispute's events again change nothing."""
     ids, invoices = await closed_september(db)
     with serve(db_url, tmp_path, **env_for(fake, "0")) as app:
         async with app.admin() as admin:
@@ -147,6 +148,18 @@ async def test_dispute_events_in_any_order_and_repeated_end_the_same(db_url: str
                 assert a["charged_back_at"] == (await p.standing("a"))["delinquent_since"]
                 assert ((await p.standing("a"))["state"], (await p.standing("b"))["state"]) == ("suspended", "active")
                 assert (a["status"], b["status"]) == ("paid", "paid")
+
+            # a's dispute is lost: Stripe's invoice stays paid (final); the customer pays outside it and a
+            # person records that. The dispute's events, delivered again, do not make it owed again.
+            settled = await admin.post(f"/admin/invoices/{a['id']}/chargeback_settled")
+            assert settled.status_code == 200, settled.text
+            assert settled.json()["charged_back_at"] is None and settled.json()["stripe"]["chargeback_dispute_id"] == f"settled:{disputes[0]}"
+            assert (await p.standing("a"))["state"] == "active"
+            await p.deliver([fake._event(e["type"], e["data"]["object"]) for e in events], "shuffled")
+            assert (await p.invoice("a"))["charged_back_at"] is None and (await p.standing("a"))["state"] == "active"
+            again = await admin.post(f"/admin/invoices/{a['id']}/chargeback_settled")
+            assert again.status_code == 409 and again.json()["error"]["code"] == "not_charged_back"
+            assert (await admin.post("/admin/invoices/999999/chargeback_settled")).status_code == 404
 
 
 async def test_an_inquiry_and_a_payment_that_is_no_invoice_of_ours_change_nothing(
