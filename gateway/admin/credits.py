@@ -14,6 +14,8 @@ its auto-recharge, and the periodic credit work run now.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
@@ -105,10 +107,16 @@ async def admin_add_credit(request: Request) -> Response:
     if row is None:  # a retry of a credit made already under this key: that one, made once
         assert external_id is not None
         made = await book.entry_by_external_id(external_id)
-        if made is None or made["account_id"] != account_id or made["kind"] != body.kind or made["amount_nanos"] != nanos:
+        if (made is None or (made["account_id"], made["kind"], made["amount_nanos"], made["reason"]) != (account_id, body.kind, nanos, body.reason)
+                or not _same_instant(made["expires_at"], body.expires_at)):
             raise Conflict("This Idempotency-Key was used for another credit.", param="Idempotency-Key", code="idempotency_key_reused")
         return json_response(made, 200, headers={"Idempotent-Replayed": "true"})
     return json_response(row, 201)
+
+
+def _same_instant(stored: str | None, asked: datetime | None) -> bool:
+    """Whether a stored credit's expiry (ISO 8601) is the one a request gives."""
+    return stored is None if asked is None else stored is not None and datetime.fromisoformat(stored) == asked
 
 
 def idempotency_id(request: Request) -> str | None:

@@ -318,8 +318,13 @@ async def test_a_credit_the_quota_store_does_not_take_is_made_once_and_counted_o
             again = await admin.post(credits, json={"kind": "refund", "amount": "0.40"}, headers={"Idempotency-Key": "refund-1"})
             assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
             assert again.json()["id"] == made.json()["id"]
-            other = await admin.post(credits, json={"kind": "refund", "amount": "0.50"}, headers={"Idempotency-Key": "refund-1"})
-            assert other.status_code == 409 and other.json()["error"]["code"] == "idempotency_key_reused"
+            for other in ({"kind": "refund", "amount": "0.50"}, {"kind": "refund", "amount": "0.40", "reason": "another"}):
+                reused = await admin.post(credits, json=other, headers={"Idempotency-Key": "refund-1"})
+                assert reused.status_code == 409 and reused.json()["error"]["code"] == "idempotency_key_reused", other
+            grant = {"kind": "grant", "amount": "0.10", "expires_at": "2030-01-01T00:00:00Z"}
+            answers = [(await admin.post(credits, json=body, headers={"Idempotency-Key": "grant-1"})).status_code
+                       for body in (grant, grant, {**grant, "expires_at": "2030-01-01T00:00:00+01:00"})]
+            assert answers == [201, 200, 409]  # the same instant replays; another expiry is another credit
             entries = (await admin.get(credits)).json()["entries"]
             assert [e["amount_nanos"] for e in entries if e["kind"] == "refund"] == [-400_000_000]
         await refuse_writes(private_redis, False)
@@ -329,6 +334,6 @@ async def test_a_credit_the_quota_store_does_not_take_is_made_once_and_counted_o
             await asyncio.sleep(0.2)
         assert answer.status_code == 200
         counters = await settled_at(gw, private_redis, prefix, key["id"], scope=("account", account["id"]))
-        assert counters["credits_nanos"] == 600_000_000  # $1.00 less the $0.40 refund
+        assert counters["credits_nanos"] == 700_000_000  # $1.00 less the $0.40 refund, and the $0.10 grant
     finally:
         stop_server(srv)
