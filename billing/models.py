@@ -147,6 +147,14 @@ class LedgerEntry(SQLModel, table=True):
     # row is invoiced even if the account is prepaid by its admission instant (billing/ledger/records.py).
     # NULL on rows written before migration 0022: the finish instant decides for them, as it did then.
     postpaid: bool | None = Field(default=False, sa_column=sa.Column(sa.Boolean, nullable=True, default=False))
+    # The price the admission priced it at (billing/prices/book.py: EffectivePrice), which invoices bill
+    # it at: the base version's id and the account override's. A gateway's price book may not have
+    # a version yet that is in force at admitted_at (another process added it within the book's
+    # refresh, or with a start in the last minute); the invoice bills what the quotas counted. Both
+    # NULL: written before migration 0025 (priced by admitted_at). price_version_id 0 (no version
+    # has it) with no override: admitted with no price in force, not charged.
+    price_version_id: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
+    override_id: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, nullable=True))
     created_at: datetime = Field(
         default_factory=utcnow, sa_column=sa.Column(sa.DateTime(timezone=True), nullable=False)
     )

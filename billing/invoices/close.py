@@ -5,9 +5,12 @@
                 -> invoice                            total = sum of the line amounts
 
 The ledger is the source of truth: amounts come from tokens x the price version (and account
-override) in force at each row's `admitted_at` (when the request was admitted and priced; a request
-that runs across a price change or a month end belongs to the instant it started), never from the
-rows' `cost_nanos`; except response-cache hits (`cached` rows): a hit costs the hit price in force
+override) each row was admitted at, which the row names (`price_version_id`, `override_id`: the
+versions the admitting gateway's price book had in force at its `admitted_at`, so the invoice bills
+what the quotas and balances counted, even where that book had not yet seen a newer version; rows
+from before migration 0025 name none and are priced by the versions in force at `admitted_at`).
+A request that runs across a price change or a month end belongs to the instant it started.
+Amounts never come from the rows' `cost_nanos`; except response-cache hits (`cached` rows): a hit costs the hit price in force
 when it was served times the normal cost, recorded only in its `cost_nanos`, so its line is the sum of
 those (see docs/billing.md). Billed rows
 have status completed or cancelled (tokens really generated); error rows are not billed.
@@ -136,6 +139,8 @@ async def priced_usage(
             # A response-cache hit costs what its row's cost_nanos says (the hit price then in force).
             sa.case((LEDGER.c.cached.is_(True), 1), else_=0).label("hit"),
             sa.case((LEDGER.c.cached.is_(True), sa.func.coalesce(LEDGER.c.cost_nanos, 0)), else_=0).label("nanos"),
+            LEDGER.c.price_version_id.label("vid"),
+            LEDGER.c.override_id.label("oid"),
         )
         .where(
             LEDGER.c.account_id == account_id,
@@ -151,11 +156,12 @@ async def priced_usage(
     query = sa.select(
         rows.c.model, rows.c.seg, sa.func.sum(rows.c.prompt).label("prompt"), sa.func.sum(rows.c.completion).label("completion"),
         sa.func.sum(rows.c.cached).label("cached"), rows.c.batch, rows.c.hit, sa.func.sum(rows.c.nanos).label("nanos"),
-    ).group_by(rows.c.model, rows.c.seg, rows.c.batch, rows.c.hit)
+        rows.c.vid, rows.c.oid,
+    ).group_by(rows.c.model, rows.c.seg, rows.c.batch, rows.c.hit, rows.c.vid, rows.c.oid)
     out: dict[PriceKey, PricedTokens] = {}
     for row in (await conn.execute(query)).all():
         at = bounds[int(row.seg)]
-        price = book.price_for(account_id, row.model, at)
+        price = _price(book, account_id, row.model, at, row.vid, row.oid)
         if row.hit:  # priced at admission (normal price x hit price, batch or not): its own line
             prompt, completion = int(row.prompt or 0), int(row.completion or 0)
             if prompt + completion == 0 and not row.nanos:  # hits not delivered whole: nothing served
@@ -180,6 +186,19 @@ async def priced_usage(
             slot = out.setdefault(key, PricedTokens(key, 0, price))
             slot.tokens += tokens
     return out
+
+
+def _price(book: PriceBook, account_id: int, model: str, at: datetime, vid: int | None, oid: int | None) -> EffectivePrice | None:
+    """The price rows were admitted at (their ids), or, for rows written before migration 0025, the
+    one in force at `at` (the start of their slice)."""
+    if vid is None and oid is None:
+        return book.price_for(account_id, model, at)
+    try:
+        return book.stamped(model, vid, oid)
+    except KeyError:  # a version the book does not hold (never deleted: not seen)
+        log.error("account %s: %s rows name price version %s / override %s, which the price book does not hold; "
+                  "priced by their admission instant", account_id, model, vid, oid)
+        return book.price_for(account_id, model, at)
 
 
 def _key(period: str, model: str, direction: str, price: EffectivePrice | None) -> PriceKey:

@@ -55,6 +55,10 @@ class UsageRecord:
     api: str | None = None  # chat | completions | embeddings | messages | responses | batch
     batch_id: str | None = None  # the batch it was a line of (api = batch)
     postpaid: bool = False  # admitted for a key whose account was postpaid then: never a prepaid balance's
+    # The price it was admitted at, which invoices bill (billing/models.py: LedgerEntry); None, None:
+    # unstamped (priced by admitted_at); billing.prices.book.UNPRICED, None: admitted with no price in force.
+    price_version_id: int | None = None
+    override_id: int | None = None
     created_at: datetime = field(default_factory=utcnow)  # when it finished
     # When it was admitted (its price looked up): prices it and decides its hour, day and month.
     # None: derived as created_at minus total_ms (what migration 0010 backfilled).

@@ -16,13 +16,14 @@ CONFLICT_KEY = ["request_id", "admitted_at"]
 
 
 # Postgres: the whole batch as one array per column, one statement and one round trip; the
-# driver binds 15 arrays instead of SQLAlchemy processing every row's parameters (the executemany
+# driver binds 22 arrays instead of SQLAlchemy processing every row's parameters (the executemany
 # path ran ~14k rows/s, this one several times that: bench/ledger_writer.py).
 PG_COLUMNS = (
     ("request_id", "text"), ("account_id", "int4"), ("key_id", "int4"), ("model", "text"), ("prompt_tokens", "int4"),
     ("completion_tokens", "int4"), ("status", "text"), ("finish_reason", "text"), ("total_ms", "float8"),
     ("queue_ms", "float8"), ("ttft_ms", "float8"), ("estimated", "bool"), ("cost_nanos", "int8"), ("cached", "bool"), ("api", "text"),
     ("cached_tokens", "int4"), ("batch_id", "text"), ("postpaid", "bool"),
+    ("price_version_id", "int4"), ("override_id", "int4"),
     ("created_at", "timestamptz"), ("admitted_at", "timestamptz"),
 )
 # The insert, together with what the rows it inserted add to the aggregates: one statement, so one round trip

@@ -1,6 +1,7 @@
 """The price book: versions of per-model prices (USD per million tokens), each in force from its
 `effective_from`. Past versions are never edited; a request is priced by the version in force
-when it ran.
+when it was admitted, as this process's book has it (reloaded every `refresh_seconds`), and its
+ledger row keeps that version's and override's ids, which invoices bill (`stamped`).
 
 Per-account overrides are versioned the same way, per (account, model) where model may be "*"
 (every model): a custom price for one model, a multiplier of the base price (a reseller's group
@@ -49,6 +50,8 @@ MAX_MULTIPLIER_PLACES = 6
 PAST_SLACK = timedelta(seconds=60)
 # Enough digits for tokens (< 1e15) x prices (< 1e15, 9 places) without any rounding.
 EXACT = decimal.Context(prec=80)
+# A ledger row's price_version_id when its admission found no price in force (no version has id 0).
+UNPRICED = 0
 
 
 class InvalidPrice(ValueError):
@@ -273,6 +276,36 @@ def _override(row: Any) -> OverrideVersion:
     )
 
 
+def _compose(model: str, base: PriceVersion | None, override: OverrideVersion | None) -> EffectivePrice | None:
+    """A base version under an account's override (a custom price, a multiplier; None: none)."""
+    if override is not None and override.kind == "price":
+        assert override.input_per_million is not None and override.output_per_million is not None
+        return EffectivePrice(model, override.input_per_million, override.output_per_million, "USD", None, override,
+                              override.cached_input_per_million)
+    if base is None:
+        return None
+    if override is None:
+        return EffectivePrice(model, base.input_per_million, base.output_per_million, base.currency, base, None,
+                              base.cached_input_per_million, base.batch_input_per_million, base.batch_output_per_million)
+    assert override.multiplier is not None
+    multiplier = override.multiplier
+
+    def scaled(value: Decimal | None) -> Decimal | None:
+        return None if value is None else _tidy(EXACT.multiply(value, multiplier))
+
+    return EffectivePrice(
+        model,
+        _tidy(EXACT.multiply(base.input_per_million, multiplier)),
+        _tidy(EXACT.multiply(base.output_per_million, multiplier)),
+        base.currency,
+        base,
+        override,
+        scaled(base.cached_input_per_million),
+        scaled(base.batch_input_per_million),
+        scaled(base.batch_output_per_million),
+    )
+
+
 _FOREVER = datetime.max.replace(tzinfo=timezone.utc)
 
 
@@ -319,6 +352,8 @@ class PriceBook:
         self._loading: asyncio.Future[None] | None = None
         self._by_model: dict[str, list[PriceVersion]] = {}
         self._overrides: dict[tuple[int, str], list[OverrideVersion]] = {}
+        self._by_id: dict[int, PriceVersion] = {}
+        self._override_by_id: dict[int, OverrideVersion] = {}
         # (account, model) -> (what it pays now, the next instant a version of its takes effect):
         # one EffectivePrice per pair until then or the next reload, not one per request.
         self._current: dict[tuple[int, str], tuple[EffectivePrice | None, datetime]] = {}
@@ -354,6 +389,8 @@ class PriceBook:
             overrides.setdefault((row.account_id, row.model), []).append(_override(row))
         self._by_model = by_model
         self._overrides = overrides
+        self._by_id = {v.id: v for vs in by_model.values() for v in vs}
+        self._override_by_id = {v.id: v for vs in overrides.values() for v in vs}
         self._current = {}
         self._loaded_at = time.monotonic()
 
@@ -365,35 +402,15 @@ class PriceBook:
     def price_for(self, account_id: int, model: str, when: datetime) -> EffectivePrice | None:
         """What `account_id` pays for `model` at `when`: its override for the model, else its "*"
         multiplier, else the base version. None when nothing prices the model then."""
-        base = self.price_at(model, when)
         specific = self._active_override(account_id, model, when)
-        if specific is not None and specific.kind == "price":
-            assert specific.input_per_million is not None and specific.output_per_million is not None
-            return EffectivePrice(model, specific.input_per_million, specific.output_per_million, "USD", None, specific,
-                                  specific.cached_input_per_million)
-        if base is None:
-            return None
-        scaling = specific or self._active_override(account_id, ANY_MODEL, when)
-        if scaling is None:
-            return EffectivePrice(model, base.input_per_million, base.output_per_million, base.currency, base, None,
-                                  base.cached_input_per_million, base.batch_input_per_million, base.batch_output_per_million)
-        assert scaling.multiplier is not None
-        multiplier = scaling.multiplier
+        return _compose(model, self.price_at(model, when), specific or self._active_override(account_id, ANY_MODEL, when))
 
-        def scaled(value: Decimal | None) -> Decimal | None:
-            return None if value is None else _tidy(EXACT.multiply(value, multiplier))
-
-        return EffectivePrice(
-            model,
-            _tidy(EXACT.multiply(base.input_per_million, multiplier)),
-            _tidy(EXACT.multiply(base.output_per_million, multiplier)),
-            base.currency,
-            base,
-            scaling,
-            scaled(base.cached_input_per_million),
-            scaled(base.batch_input_per_million),
-            scaled(base.batch_output_per_million),
-        )
+    def stamped(self, model: str, version_id: int | None, override_id: int | None) -> EffectivePrice | None:
+        """The price a ledger row was admitted at, from the ids it keeps (`EffectivePrice`'s
+        price_version_id and override_id; UNPRICED and None: none). Versions are never deleted, so
+        the book has every id a row names once it was reloaded after the admission; KeyError if not."""
+        base = None if version_id in (None, UNPRICED) else self._by_id[version_id]
+        return _compose(model, base, None if override_id is None else self._override_by_id[override_id])
 
     def _active_override(self, account_id: int, model: str, when: datetime) -> OverrideVersion | None:
         version: OverrideVersion | None = _in_force(self._overrides.get((account_id, model)), when)

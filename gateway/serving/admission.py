@@ -31,7 +31,7 @@ from billing.keys.store import Principal
 from billing.ledger.records import BILLED_STATUSES
 from billing.ledger.writer import LedgerWriter, UsageRecord
 from billing.models import utcnow
-from billing.prices.book import EffectivePrice, PriceBook
+from billing.prices.book import UNPRICED, EffectivePrice, PriceBook
 from billing.quota import Hold, Limiter, QuotaExceeded, QuotaUnavailable, Scope
 from billing.quota.base import group_tag
 from engines.base import FINISH_CANCELLED, FINISH_ERROR, FINISH_UPSTREAM_CANCELLED, Engine, EngineOverloadedError, EngineRequest
@@ -92,7 +92,7 @@ class Admission:
     """Everything one admitted request holds: its place in the engine (`slot`), its quota `hold`,
     its journal entry. Made only by `Meter.admit()`; ended only by `settle()`."""
 
-    __slots__ = ("meter", "request_id", "principal", "model", "usage", "slot", "hold", "price", "nanos", "admitted_at", "journaled",
+    __slots__ = ("meter", "request_id", "principal", "model", "usage", "slot", "hold", "price", "stamp", "nanos", "admitted_at", "journaled",
                  "settled", "_cut")
 
     def __init__(
@@ -106,6 +106,8 @@ class Admission:
         self.slot: Engine | None = None  # the engine that holds a place for it
         self.hold: Hold | None = None
         self.price: EffectivePrice | None = None
+        # The price's ids for its row (UsageRecord.price_version_id, override_id): what invoices bill it at.
+        self.stamp: tuple[int | None, int | None] = (None, None)
         self.nanos = 0  # the worst case reserved (a cache hit's whole cost)
         self.admitted_at: datetime = None  # type: ignore[assignment]  # Meter.admit sets it once the engine has its place: it prices the request, names its period
         self.journaled = False
@@ -192,6 +194,8 @@ class Admission:
             api=usage.api,
             batch_id=usage.batch_id,
             postpaid=not self.principal.prepaid,
+            price_version_id=self.stamp[0],
+            override_id=self.stamp[1],
             admitted_at=self.admitted_at,
         )
 
@@ -206,8 +210,8 @@ class Admission:
             prompt_tokens=tokens, completion_tokens=0, status=status, finish_reason="stop" if status == "completed" else None,
             total_ms=(time.perf_counter() - usage.started) * 1000.0 if final else 0.0,
             cost_nanos=(price.cost_nanos(tokens, 0) if done else 0) if price is not None else None, api=usage.api,
-            batch_id=usage.batch_id, postpaid=not self.principal.prepaid, created_at=utcnow() if final else self.admitted_at,
-            admitted_at=self.admitted_at,
+            batch_id=usage.batch_id, postpaid=not self.principal.prepaid, price_version_id=self.stamp[0], override_id=self.stamp[1],
+            created_at=utcnow() if final else self.admitted_at, admitted_at=self.admitted_at,
         )
 
     def cut(self) -> bool:
@@ -293,6 +297,8 @@ class Meter:
                 admission.price = await self.prices.current_for(principal.account_id, model, admission.admitted_at)
                 if line is not None and admission.price is not None:
                     admission.price = admission.price.for_batch()
+                price = admission.price
+                admission.stamp = (price.price_version_id, price.override_id) if price is not None else (UNPRICED, None)
             admission.nanos = cost(admission.price) if admission.price is not None else 0
             provisional = admission.row("interrupted")  # priced: the row is known before the hold
             # A batch line keeps its request id (its one row) whoever runs it, but each run holds

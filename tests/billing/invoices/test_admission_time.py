@@ -80,6 +80,51 @@ async def test_request_across_a_price_change_is_invoiced_at_the_admission_price(
     ], usage
 
 
+async def test_a_row_is_invoiced_at_the_price_it_was_admitted_at_not_one_its_gateway_had_not_seen(
+    db_url: str, db: Any, tmp_path: Path
+) -> None:
+    """A version whose start the admitting gateway's price book had not seen (here one set 30 s back,
+    which `add` allows; likewise one another process added within the book's 5 s refresh): the
+    rows it priced at the older version are invoiced at that version, as quotas and balances
+    counted them, under the account's multiplier; a row admitted with no price stays unpriced."""
+    await PriceBook(db).add("alpha", "1.000", "2.000", at(1, 1, 0), backdate=True)
+    account = await new_account(db)
+    await PriceBook(db).add_override(account, "*", multiplier="2", effective_from=at(1, 1, 0), backdate=True)
+    with serve(db_url, tmp_path, engines={"alpha": FakeEngine("alpha"), "beta": FakeEngine("beta")}) as app:
+        client = openai.AsyncOpenAI(base_url=app.base_url + "/v1", api_key=await new_key(db, account), max_retries=0)
+        ids = []
+        for model in ("alpha", "beta"):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=model, messages=[{"role": "user", "content": "0123456789"}], max_tokens=5)
+            ids.append(raw.headers["x-request-id"])
+        back = (datetime.now(timezone.utc) - timedelta(seconds=30)).isoformat()
+        async with app.admin() as admin:
+            for model, price in (("alpha", "5.000"), ("beta", "1.000")):
+                reply = await admin.post("/admin/prices", json={
+                    "model": model, "input_per_million": price, "output_per_million": price, "effective_from": back})
+                assert reply.status_code == 201, reply.text
+        await flush_ledger(app.app)
+    async with db.connect() as conn:
+        rows = {r.request_id: r for r in (await conn.execute(sa.text(
+            "SELECT * FROM ledger_entries WHERE request_id IN (:a, :b)"), {"a": ids[0], "b": ids[1]})).all()}
+    alpha, beta = rows[ids[0]], rows[ids[1]]
+    assert alpha.cost_nanos == (alpha.prompt_tokens * 1000 + alpha.completion_tokens * 2000) * 2  # the old version, doubled
+    assert beta.cost_nanos is None and beta.price_version_id == 0 and beta.override_id is None  # served unpriced
+    book = PriceBook(db)
+    await book.refresh(force=True)
+    assert book.price_for(account, "alpha", alpha.admitted_at).input_per_million == 10  # the new version is in force then
+    month = Period.containing(alpha.admitted_at)
+    async with db.connect() as conn:
+        usage = await priced_usage(conn, book, account, month.start, month.end)
+    lines = sorted((k.model, k.direction, k.unit_price, v.tokens) for k, v in usage.items())
+    assert lines == [
+        ("alpha", "input", 2, alpha.prompt_tokens), ("alpha", "output", 4, alpha.completion_tokens),
+        ("beta", "input", None, beta.prompt_tokens), ("beta", "output", None, beta.completion_tokens),
+    ], lines
+    assert sum(k.unit_price * v.tokens * 1000 for k, v in usage.items() if k.unit_price is not None) == alpha.cost_nanos
+    assert {(k.price_version_id, k.override_id) for k in usage if k.model == "alpha"} == {(alpha.price_version_id, alpha.override_id)}
+
+
 async def test_admitted_on_the_last_instant_of_a_month_belongs_to_that_month(db: Any) -> None:
     book = PriceBook(db)
     await book.add("alpha", "1.000", "2.000", at(8, 1, 0), backdate=True)
