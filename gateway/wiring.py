@@ -17,6 +17,7 @@ from billing.db import create_engine
 from billing.ledger.journal import JournalLocked, LedgerJournal, Recovered
 from billing.keys.store import KeyStore
 from billing.ledger.writer import LedgerWriter, adopt_journal, release_interrupted
+from billing.periodic import Periodic
 from billing.models import utcnow
 from billing.prices.book import PriceBook
 from billing.quota import LedgerTotals, Limiter, MemoryLimiter, RedisLimiter, Scope
@@ -278,6 +279,12 @@ def lifespan(
         state.prices = prices
         state.limiter = limiter
         state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
+        # Running requests that took no hold on their key or account: a limit set there elsewhere is
+        # learnt within a key cache's time even if no other request of the key comes here meanwhile.
+        rechecking = Periodic("limits-recheck", max(settings.quotas.key_cache_seconds, 0.25),
+                              lambda: state.keys.recheck(state.service.meter.unheld_keys()),
+                              on_error=lambda exc: log.warning("limits recheck failed: %s", type(exc).__name__))
+        rechecking.start()
         # Observability and dashboards.
         state.metrics = Metrics(served, ledger, multiproc_dir=settings.dashboards.prometheus_multiproc_dir)
         state.metrics.watch_queues(schedulers)
@@ -312,6 +319,7 @@ def lifespan(
             await billing.stop_credits(app)
             await embeddings_api.stop(app)
             await response_cache.stop(app)
+            await rechecking.stop()
             releasing.cancel()
             partitioning.cancel()
             for task in adopting:

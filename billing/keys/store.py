@@ -12,7 +12,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import sqlalchemy as sa
@@ -317,20 +317,39 @@ class KeyStore:
             if hit is not None and time.monotonic() - hit[0] < self._stale_seconds:
                 return hit[1]
             raise KeyStoreUnavailable(type(exc).__name__) from None
-        if principal is not None and self.on_limits_changed is not None:
-            limits = (principal.key_limits, principal.account_limits, principal.prepaid)
-            before = self._served.get(principal.key_id)
-            if before != limits:
-                if before is not None:
-                    await self.on_limits_changed(principal)
-                if len(self._served) > 200_000:
-                    self._served.clear()
-                self._served[principal.key_id] = limits
+        if principal is not None:
+            await self._seen(principal)
         if generation == self._generation:  # not read across a revocation or a limit change
             if len(self._cache) > 100_000:
                 self._cache.clear()
             self._cache[digest] = (time.monotonic(), principal)
         return principal
+
+    async def _seen(self, principal: Principal) -> None:
+        """Reports limits (or a billing mode) other than those last served for the key (on_limits_changed)."""
+        if self.on_limits_changed is None:
+            return
+        limits = (principal.key_limits, principal.account_limits, principal.prepaid)
+        before = self._served.get(principal.key_id)
+        if before != limits:
+            if before is not None:
+                await self.on_limits_changed(principal)
+            if len(self._served) > 200_000:
+                self._served.clear()
+            self._served[principal.key_id] = limits
+
+    async def recheck(self, key_ids: Collection[int]) -> None:
+        """Reads these keys' limits now and reports those changed since they were served: a process
+        running requests of a key it is asked nothing more of learns of a limit set elsewhere before
+        they end (their usage then settles there too: gateway/serving/admission.py, Meter.hold_now)."""
+        if self.on_limits_changed is None or not key_ids:
+            return
+        ids = sorted(key_ids)
+        for i in range(0, len(ids), 1000):
+            async with self._engine.connect() as conn:
+                rows = (await conn.execute(self._principal_query().where(KEYS.c.id.in_(ids[i:i + 1000])))).all()
+            for row in rows:
+                await self._seen(_principal_of(row))
 
     def invalidate(self) -> None:
         """An account's billing mode changed elsewhere (billing/credits/balance.py): forget cached principals."""

@@ -342,6 +342,11 @@ class Meter:
                 "Quota service is unavailable; retry shortly.", code="quota_unavailable", headers={"Retry-After": "1"}
             ) from None
 
+    def unheld_keys(self) -> set[int]:
+        """The keys of running requests that hold on their key's scope or their account's not (it had
+        no limits when they were admitted): where a limit set elsewhere must be learnt before they end."""
+        return {a.principal.key_id for a in self._live.values() if a.hold is not None and len(a.hold.scopes) < 2}
+
     def ended(self, admission: Admission) -> None:
         if self._live.get(admission.request_id) is admission:
             del self._live[admission.request_id]

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +21,8 @@ import sqlalchemy as sa
 from billing.db import create_engine
 from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, RedisLimiter, Scope
+from engines.base import EngineOutput, EngineRequest
+from tests.fakes.engine import FakeEngine
 from tests.conftest import MODEL, REDIS_URL, SECRET, Gateway, minute_with_room, price_in_force, require_redis, start_gateway, stop_server
 
 PROMPT = [{"role": "user", "content": "Say yes."}]
@@ -305,6 +310,70 @@ async def test_a_limit_set_while_unlimited_requests_run_counts_them_when_they_en
     assert (await settled(gw, scope, account["id"] if scope == "account" else key["id"]))["month_tokens"] == tokens
     if scope == "key":
         assert (await settled(gw, "account", account["id"]))["month_tokens"] == tokens  # held there all along
+
+
+class GatedEngine(FakeEngine):
+    """Streams each request's first token, then waits for `gate` (set from any thread) before the rest."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(model_id)
+        self.gate = threading.Event()
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        first = True
+        async for out in super().stream(request):
+            yield out
+            if first:
+                first = False
+                await asyncio.to_thread(self.gate.wait, 60)
+
+
+async def test_a_limit_set_elsewhere_counts_running_requests_of_a_key_this_gateway_hears_no_more_of(
+    fresh_pg_database: Any, tmp_path: Path
+) -> None:
+    """Two gateways on one Redis. A runs 3 streams of an account with no limits (no holds); a budget
+    is set on the account through B and B serves one request of it (the counters rebuilt from the
+    ledger, which has no rows of the streams yet). A is asked nothing more of the key, so its key
+    cache never reads the new limits; its limits recheck (the keys of running requests without a
+    hold on both scopes, every key cache time) does: the streams settle on the account when they
+    end, and the counters are rebuilt at the next admission if the recheck came after B's rebuild,
+    so the counters the next request is admitted against equal the ledger. Before, they missed the
+    streams (the edge the last change left open: a gateway that serves no request of the key
+    meanwhile)."""
+    require_redis(REDIS_URL)
+    db_url = fresh_pg_database(migrated=True)
+    redis = {"url": REDIS_URL, "prefix": f"tgtest:{uuid.uuid4().hex[:8]}:", "timeout": 0.25}
+    gated = GatedEngine("gated")
+    server_a, a = start_gateway(db_url, gated, tmp_path / "a", redis=redis)  # type: ignore[arg-type]
+    server_b, b = start_gateway(db_url, FakeEngine("gated"), tmp_path / "b", redis=redis)  # type: ignore[arg-type]
+    try:
+        account = await a.new_account()
+        key = await a.new_key(account["id"])
+        on_a, on_b = (openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=60) for gw in (a, b))
+        streams = [await on_a.chat.completions.create(model="gated", messages=PROMPT, max_tokens=5, stream=True,
+                                                      stream_options={"include_usage": True}) for _ in range(3)]
+        for s in streams:
+            await anext(aiter(s))  # admitted, running, no hold (nothing was limited)
+        await set_limits(b, f"/admin/accounts/{account['id']}", {"monthly_tokens": 1_000_000})
+        await on_b.chat.completions.create(model="gated", messages=PROMPT, max_tokens=1)  # the rebuild, on B
+        meter = a.app.state.service.meter
+        deadline = time.monotonic() + 10
+        while ("account", account["id"]) not in meter._limits_now and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # A's recheck; the counters below say whether it came in time
+        gated.gate.set()
+        for s in streams:
+            async for _ in s:
+                pass
+        await a.flush_ledger()
+        # The next admission: the counters it admits against (rebuilt there if A's recheck came after B's).
+        await on_b.chat.completions.create(model="gated", messages=PROMPT, max_tokens=1)
+        await b.flush_ledger()
+        _rows, tokens = await ledger_tokens(a, "account_id", account["id"], rows=5)
+        assert (await settled(a, "account", account["id"]))["month_tokens"] == tokens
+    finally:
+        gated.gate.set()
+        stop_server(server_a)
+        stop_server(server_b)
 
 
 async def test_rpm_set_again_in_the_minute_it_was_cleared_counts_the_requests_in_between(gw: Gateway) -> None:
