@@ -13,8 +13,9 @@ pays it would never be suspended. Its due date is known when it reaches Stripe, 
 ahead of time and the state turns by the clock alone (the monthly job stores it each round).
 Paying (invoice.paid) clears the invoice's failure and its due date, so the state returns to
 active by itself. A chargeback is a payment that failed after the fact: the invoice stays paid
-(as on Stripe) and is owed again from the dispute's creation until the dispute is won
-(billing/stripe/invoice_disputes.py).
+(as on Stripe) and what its disputes took back (chargeback_cents, exact cents: a partial dispute owes
+its part, not the invoice's total) is owed again from the earliest dispute's creation until each is
+won or settled (billing/stripe/invoice_disputes.py).
 `AccountStates` keeps the delinquent accounts in memory (refreshed every second or so), so the
 request path checks a key without any I/O.
 """
@@ -64,8 +65,14 @@ def on_stripe_unpaid() -> Any:
 
 
 def still_owed() -> Any:
-    """Invoices the customer owes: open, or paid and then charged back (the bank took the money back)."""
-    return sa.or_(INVOICES.c.status == "open", sa.and_(INVOICES.c.status == "paid", INVOICES.c.charged_back_at.is_not(None)))
+    """Invoices the customer owes: open, or paid and then charged back (the bank took money back)."""
+    return sa.or_(INVOICES.c.status == "open", sa.and_(INVOICES.c.status == "paid", INVOICES.c.chargeback_cents > 0))
+
+
+def owed_cents() -> Any:
+    """What the customer owes of an invoice still owed: an open one's total, a charged-back paid one's
+    chargebacks (what the disputes took back, not the whole invoice)."""
+    return sa.case((INVOICES.c.status == "paid", INVOICES.c.chargeback_cents), else_=INVOICES.c.total_cents)
 
 
 async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, grace_seconds: float, overdue: bool = False) -> str:
@@ -81,7 +88,7 @@ async def recompute(conn: AsyncConnection, account_id: int, *, now: datetime, gr
     charged_back = (
         await conn.execute(
             sa.select(sa.func.min(INVOICES.c.charged_back_at)).where(
-                INVOICES.c.account_id == account_id, INVOICES.c.status == "paid", INVOICES.c.charged_back_at.is_not(None)
+                INVOICES.c.account_id == account_id, INVOICES.c.status == "paid", INVOICES.c.chargeback_cents > 0
             )
         )
     ).scalar_one_or_none()
@@ -109,7 +116,7 @@ async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: f
         unpaid = (
             await conn.execute(
                 sa.select(INVOICES.c.id, INVOICES.c.number, INVOICES.c.total_cents, INVOICES.c.payment_failed_at, INVOICES.c.due_at,
-                          INVOICES.c.charged_back_at)
+                          INVOICES.c.charged_back_at, owed_cents().label("owed"))
                 .where(INVOICES.c.account_id == account_id, still_owed())
                 .order_by(INVOICES.c.period)
             )
@@ -127,6 +134,7 @@ async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: f
         "subscription_status": row.subscription_status if row else None,
         "unpaid_invoices": [
             {"id": u.id, "number": u.number, "total_cents": int(u.total_cents), "total": format_cents(int(u.total_cents)),
+             "amount_owed_cents": int(u.owed), "amount_owed": format_cents(int(u.owed)),  # a charged-back one: what was taken back
              "payment_failed": u.payment_failed_at is not None,
              "charged_back_at": _aware(u.charged_back_at).isoformat() if u.charged_back_at else None,  # type: ignore[union-attr]
              "due_at": _aware(u.due_at).isoformat() if u.due_at else None,  # type: ignore[union-attr]
@@ -139,7 +147,7 @@ async def account_standing(db: AsyncEngine, account_id: int, *, grace_seconds: f
 @dataclass(frozen=True)
 class Delinquency:
     since: datetime
-    unpaid: tuple[tuple[str, int], ...]  # (invoice number, total cents), oldest first
+    unpaid: tuple[tuple[str, int], ...]  # (invoice number, cents owed: owed_cents), oldest first
 
 
 class AccountStates:
@@ -181,14 +189,14 @@ class AccountStates:
             ids = [r.account_id for r in rows]
             unpaid = (
                 await conn.execute(
-                    sa.select(INVOICES.c.account_id, INVOICES.c.number, INVOICES.c.total_cents)
+                    sa.select(INVOICES.c.account_id, INVOICES.c.number, owed_cents().label("owed"))
                     .where(INVOICES.c.account_id.in_(ids), still_owed())
                     .order_by(INVOICES.c.period)
                 )
             ).all() if ids else []
         owed: dict[int, list[tuple[str, int]]] = {}
         for u in unpaid:
-            owed.setdefault(u.account_id, []).append((u.number, int(u.total_cents)))
+            owed.setdefault(u.account_id, []).append((u.number, int(u.owed)))
         self._delinquent = {
             r.account_id: Delinquency(_aware(r.delinquent_since), tuple(owed.get(r.account_id, [])))  # type: ignore[arg-type]
             for r in rows

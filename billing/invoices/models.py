@@ -10,6 +10,7 @@
     tax_rates         per country: the tax rate (percent) an account there pays unless its own says otherwise
     document_sequences per seller and kind: the last number given, so invoice and credit note numbers have no gaps
     credit_notes      numbered credits against an issued invoice (an issued invoice is never edited)
+    invoice_chargebacks one per (invoice, Stripe dispute) of a payment of the invoice: what it takes back
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ class Invoice(SQLModel, table=True):
     paid_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     # First payment failure seen (a webhook's event time); starts the grace period.
     payment_failed_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
-    # Its payment charged back (a dispute that took the money back, stored while not won; the
-    # invoice stays paid on Stripe): owed again. The dispute's `created` and id (`du_...`).
+    # Its payments charged back (disputes that took money back and are not won, nor settled by a
+    # person; the invoice stays paid on Stripe): owed again. The earliest such dispute's `created`,
+    # and the sum they took back (cents): kept from invoice_chargebacks in the same transaction.
     charged_back_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
-    chargeback_dispute_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True))
+    chargeback_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
     stripe_invoice_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
     stripe_status: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))
     stripe_total_cents: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
@@ -217,3 +219,26 @@ class CreditNote(SQLModel, table=True):
     shown_on_invoice_id: int | None = Field(default=None, sa_column=sa.Column(sa.Integer, sa.ForeignKey("invoices.id"), nullable=True))
     stripe_credit_note_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
     stripe_error: str | None = Field(default=None, sa_column=sa.Column(sa.Text, nullable=True))
+
+
+class InvoiceChargeback(SQLModel, table=True):
+    """One Stripe dispute of a payment of an invoice (billing/stripe/invoice_disputes.py): an invoice
+    paid by several payments, or one payment disputed more than once, has several. `amount_cents`: what
+    it takes back of this invoice now (the withdrawn amount less any reinstated; 0 once won); it counts
+    in the invoice's chargeback_cents while `settled_at` is NULL."""
+
+    __tablename__ = "invoice_chargebacks"
+    __table_args__ = (sa.UniqueConstraint("invoice_id", "dispute_id", name="uq_invoice_chargebacks_dispute"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    invoice_id: int = Field(sa_column=sa.Column(sa.Integer, sa.ForeignKey("invoices.id"), nullable=False, index=True))
+    dispute_id: str = Field(sa_column=sa.Column(sa.String(255), nullable=False))  # du_...
+    payment_intent: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True))
+    status: str = Field(sa_column=sa.Column(sa.String(32), nullable=False))  # the Dispute's, as last read
+    currency: str = Field(default="usd", sa_column=sa.Column(sa.String(3), nullable=False))
+    disputed_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))  # the dispute's amount, on this invoice
+    amount_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))  # taken back now
+    disputed_at: datetime = Field(sa_column=_ts())  # the dispute's `created`
+    # A person recorded it paid again outside Stripe (POST /admin/invoices/{id}/chargeback_settled).
+    settled_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    updated_at: datetime = Field(sa_column=_ts())

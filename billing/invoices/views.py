@@ -10,13 +10,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.invoices.models import CreditNote, Invoice, InvoiceLine
+from billing.invoices.models import CreditNote, Invoice, InvoiceChargeback, InvoiceLine
 from billing.invoices.close import format_cents
 from billing.models import Account
 
 INVOICES = Invoice.__table__
 LINES = InvoiceLine.__table__
 CREDIT_NOTES = CreditNote.__table__
+CHARGEBACKS = InvoiceChargeback.__table__
 ACCOUNTS = Account.__table__
 
 
@@ -79,8 +80,41 @@ def credit_note_view(row: Any, invoice_number: str | None = None) -> dict[str, A
     }
 
 
+def chargeback_view(row: Any, *, admin: bool) -> dict[str, Any]:
+    """One chargeback as the invoice views show it (the dispute's Stripe ids to the admin only)."""
+    view = {
+        "object": "invoice_chargeback",
+        "status": "settled" if row.settled_at is not None else row.status,
+        "dispute_status": row.status,
+        "currency": row.currency,
+        "disputed_cents": int(row.disputed_cents),
+        "disputed": format_cents(int(row.disputed_cents)),
+        "amount_cents": int(row.amount_cents),  # taken back now (0: won)
+        "amount": format_cents(int(row.amount_cents)),
+        "owed": row.settled_at is None and int(row.amount_cents) > 0,
+        "disputed_at": _iso(row.disputed_at),
+        "settled_at": _iso(row.settled_at),
+    }
+    if admin:
+        view["dispute_id"] = row.dispute_id
+        view["payment_intent"] = row.payment_intent
+    return view
+
+
+async def chargebacks_of(conn: Any, invoice_ids: list[int], *, admin: bool) -> dict[int, list[dict[str, Any]]]:
+    """Each invoice's chargebacks, oldest dispute first."""
+    if not invoice_ids:
+        return {}
+    rows = (await conn.execute(sa.select(CHARGEBACKS).where(CHARGEBACKS.c.invoice_id.in_(invoice_ids))
+                               .order_by(CHARGEBACKS.c.disputed_at, CHARGEBACKS.c.id))).all()
+    out: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(int(row.invoice_id), []).append(chargeback_view(row, admin=admin))
+    return out
+
+
 def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[dict[str, Any]] | None = None,
-                 shown_credit_notes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 shown_credit_notes: list[dict[str, Any]] | None = None, chargebacks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     subtotal = int(row.subtotal_cents) if row.subtotal_cents is not None else int(row.total_cents)
     due = int(row.total_cents) - int(row.credit_applied_cents or 0)
     credited = sum(c["total_cents"] for c in credit_notes or [])
@@ -118,8 +152,12 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
         "price_versions": json.loads(row.price_versions),
         "created_at": _iso(row.created_at),
         "paid_at": _iso(row.paid_at),
-        # its payment taken back by the customer's bank (a dispute not won): owed again, though paid
+        # its payments taken back by the customer's bank (disputes not won, nor settled): owed again,
+        # though paid: since the earliest of them, the sum they took back
         "charged_back_at": _iso(row.charged_back_at),
+        "chargeback_cents": int(row.chargeback_cents or 0),
+        "chargeback": format_cents(int(row.chargeback_cents or 0)),
+        "chargebacks": chargebacks or [],  # every dispute of its payments that took money, won and settled ones too
     }
     if admin:
         view["stripe"] = {
@@ -128,7 +166,6 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
             "total_cents": row.stripe_total_cents,
             "synced_at": _iso(row.stripe_synced_at),
             "error": row.stripe_error,
-            "chargeback_dispute_id": row.chargeback_dispute_id,
         }
         view["payment_failed_at"] = _iso(row.payment_failed_at)
     return view
@@ -149,7 +186,9 @@ async def get_invoice(db: AsyncEngine, invoice_id: int, *, account_id: int | Non
             return None
         lines = (await conn.execute(sa.select(LINES).where(LINES.c.invoice_id == invoice_id).order_by(LINES.c.position))).all()
         notes = await _credit_notes(conn, [invoice_id])
-    return invoice_view(row, lines, admin=admin, credit_notes=notes["against"].get(invoice_id), shown_credit_notes=notes["shown"].get(invoice_id))
+        chargebacks = await chargebacks_of(conn, [invoice_id], admin=admin)
+    return invoice_view(row, lines, admin=admin, credit_notes=notes["against"].get(invoice_id), shown_credit_notes=notes["shown"].get(invoice_id),
+                        chargebacks=chargebacks.get(invoice_id))
 
 
 async def _credit_notes(conn: Any, invoice_ids: list[int]) -> dict[str, dict[int, list[dict[str, Any]]]]:
@@ -186,8 +225,9 @@ async def list_invoices(
         ids = [r.id for r in rows]
         lines = (await conn.execute(sa.select(LINES).where(LINES.c.invoice_id.in_(ids)).order_by(LINES.c.position))).all() if ids else []
         notes = await _credit_notes(conn, ids)
+        chargebacks = await chargebacks_of(conn, ids, admin=admin)
     by_invoice: dict[int, list[Any]] = {}
     for line in lines:
         by_invoice.setdefault(line.invoice_id, []).append(line)
     return [invoice_view(r, by_invoice.get(r.id, []), admin=admin, credit_notes=notes["against"].get(r.id),
-                         shown_credit_notes=notes["shown"].get(r.id)) for r in rows]
+                         shown_credit_notes=notes["shown"].get(r.id), chargebacks=chargebacks.get(r.id)) for r in rows]

@@ -24,8 +24,9 @@
                                      An inquiry (`warning_*`: the bank asks, nothing is withdrawn) and a
                                      `prevented` one write nothing, unless it escalates to a chargeback
                                      On the payment of one of our invoices (no tollgate_account: found by
-                                     its InvoicePayment) the invoice is charged back, owed again, until won
-                                     (billing/stripe/invoice_disputes.py)
+                                     its InvoicePayment) the invoice is charged back: what the dispute took
+                                     back (withdrawn less reinstated) is owed again, per dispute, until won
+                                     or settled (billing/stripe/invoice_disputes.py)
     recharge_due()                   balance below the account's threshold -> one off-session PaymentIntent
                                      (at most one in flight: a conditional update claims it), credited by its
                                      id; a decline leaves recharge_state `failed` with Stripe's message; a
@@ -332,8 +333,8 @@ class CheckoutService:
             return None
         intent = _plain(await self._stripe.v1.payment_intents.retrieve_async(intent_id))
         account_id = _account_of(intent)
-        if account_id is None:  # not a top-up: maybe the payment of one of our invoices
-            return chargeback(dispute, await invoices_paid_by(self._stripe, intent_id))
+        if account_id is None:  # not a top-up: maybe the payment of one of our invoices (what the dispute took back of it)
+            return chargeback(dispute, await invoices_paid_by(self._stripe, intent_id), *_dispute_money(dispute))
         reason = _dispute_reason(dispute)
         currency = str(dispute.get("currency") or "usd")
         withdrawn, reinstated = _dispute_money(dispute)

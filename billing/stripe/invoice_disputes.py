@@ -4,25 +4,41 @@ Stripe leaves a paid invoice `paid` (a final status) when the cardholder's bank 
 the dispute comes only as charge.dispute.* about the invoice's PaymentIntent, which carries none of
 the invoice's metadata. Since API version 2025-03-31 neither the PaymentIntent nor the Charge names
 its invoice; the InvoicePayment links them (GET /v1/invoice_payments?payment[type]=payment_intent
-&payment[payment_intent]=pi_...). billing/stripe/checkout.py's dispute handler comes here for a
-payment that is not a top-up's:
+&payment[payment_intent]=pi_...), with the amount of the payment that went to that invoice
+(`amount_paid`). billing/stripe/checkout.py's dispute handler comes here for a payment that is not a
+top-up's, with what the dispute took back (its balance transactions: withdrawn, reinstated).
 
-    funds withdrawn  (any status but checkout.NOTHING_WITHDRAWN and `won`: needs_response,
-                     under_review, lost, ...) -> each of our invoices it paid is charged back:
-                     charged_back_at = the dispute's `created`, chargeback_dispute_id = its id; the
-                     account owes it again (billing/invoices/account_state.py: still_owed)
-    won              -> cleared: paid again
-    lost             stays owed: Stripe's invoice is `paid` and final; once the customer pays outside
-                     it, POST /admin/invoices/{id}/chargeback_settled (chargeback_settled) clears it
+One row per (invoice, dispute) in invoice_chargebacks: an invoice paid by several payments (Stripe's
+partial payments) can have a dispute on each, and a payment can be disputed more than once (partial
+disputes, a re-filed one: support.stripe.com, "Receiving multiple disputes per payment FAQ"). Each row
+holds what its dispute takes back of the invoice now:
+
+    funds withdrawn  (any status but checkout.NOTHING_WITHDRAWN: needs_response, under_review, lost,
+                     ...) -> the withdrawn amount less what was reinstated (a "partially won" dispute
+                     is `lost` with part reinstated), in exact cents
+    won              -> 0 (reinstated): it takes nothing back
     inquiry, prevented  nothing (the caller returns before)
 
-The Dispute is re-read for every event and only its status decides, so events in any order, or
-repeated, end at the same row; the change is applied in the transaction that records the event.
+A payment that paid several invoices (one PaymentIntent attached to more than one) has the amount
+split over them oldest InvoicePayment first, each at most its `amount_paid`. The invoice keeps the
+sum of its rows not won nor settled (chargeback_cents: what it is owed again) and the earliest of
+their disputes' `created` (charged_back_at: when it became owed; billing/invoices/account_state.py),
+recomputed from the rows in the same transaction.
+
+A lost dispute leaves the invoice owed: Stripe's invoice is `paid` and final. Once the customer pays
+outside it, POST /admin/invoices/{id}/chargeback_settled (chargeback_settled) records it, for one
+dispute or all of the invoice's: the row's settled_at is set and it counts no more, whatever its
+dispute's later events say (they still update its status and amounts, for the record).
+
+The Dispute is re-read for every event and only it decides, so events in any order, or repeated,
+end at the same rows; the change is applied in the transaction that records the event.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -31,68 +47,124 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from stripe import StripeClient
 
 from billing.invoices.account_state import recompute
-from billing.invoices.models import Invoice
+from billing.invoices.models import Invoice, InvoiceChargeback
 from billing.models import utcnow
-from billing.stripe.sync import _plain
+from billing.stripe.sync import _plain, upsert
+
+log = logging.getLogger("tollgate.invoice_disputes")
 
 INVOICES = Invoice.__table__
+CHARGEBACKS = InvoiceChargeback.__table__
 
 Apply = Callable[[AsyncConnection], Awaitable["int | None"]]
 
 
-SETTLED = "settled:"  # chargeback_dispute_id's prefix once a person recorded the invoice paid again
+@dataclass(frozen=True)
+class InvoicePayment:
+    """What one payment paid of one Stripe invoice (an InvoicePayment `paid`)."""
+
+    invoice: str  # in_...
+    amount_paid: int  # minor units of `currency`
+    currency: str
 
 
-async def chargeback_settled(db: AsyncEngine, invoice_id: int, *, now: datetime, grace_seconds: float, overdue: bool) -> bool | None:
+def owed_again() -> Any:
+    """A chargeback row that counts: it takes money back (not won) and nobody recorded it settled."""
+    return sa.and_(CHARGEBACKS.c.settled_at.is_(None), CHARGEBACKS.c.amount_cents > 0)
+
+
+async def refresh_invoice(conn: AsyncConnection, invoice_id: int) -> None:
+    """The invoice's charged_back_at and chargeback_cents from its chargeback rows."""
+    since, cents = (await conn.execute(
+        sa.select(sa.func.min(CHARGEBACKS.c.disputed_at), sa.func.coalesce(sa.func.sum(CHARGEBACKS.c.amount_cents), 0))
+        .where(CHARGEBACKS.c.invoice_id == invoice_id, owed_again()))).one()
+    await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice_id).values(charged_back_at=since, chargeback_cents=int(cents)))
+
+
+class UnknownDispute(LookupError):
+    """chargeback_settled named a dispute that is not one of the invoice's chargebacks."""
+
+
+async def chargeback_settled(db: AsyncEngine, invoice_id: int, *, now: datetime, grace_seconds: float, overdue: bool,
+                             dispute_id: str | None = None) -> bool | None:
     """A person records that a charged-back invoice was paid again outside Stripe (a lost dispute
-    leaves Stripe's invoice `paid`, a final status, so it cannot be paid there): it is paid again and
-    the account's state follows. Its dispute's later events change it no more (the dispute id is
-    kept as `settled:<id>`). None: no such invoice; False: it is not charged back."""
+    leaves Stripe's invoice `paid`, a final status, so it cannot be paid there): the chargebacks that
+    still count (or only `dispute_id`'s) are settled, and the account's state follows. None: no such
+    invoice; False: nothing of it (or of that dispute) is owed again; UnknownDispute: the invoice has
+    no chargeback of `dispute_id`."""
     async with db.begin() as conn:
-        row = (await conn.execute(sa.select(INVOICES.c.account_id, INVOICES.c.charged_back_at, INVOICES.c.chargeback_dispute_id)
-                                  .where(INVOICES.c.id == invoice_id).with_for_update())).first()
+        row = (await conn.execute(sa.select(INVOICES.c.account_id).where(INVOICES.c.id == invoice_id).with_for_update())).first()
         if row is None:
             return None
-        if row.charged_back_at is None:
+        which = CHARGEBACKS.c.invoice_id == invoice_id
+        if dispute_id is not None:
+            which = sa.and_(which, CHARGEBACKS.c.dispute_id == dispute_id)
+            if (await conn.execute(sa.select(CHARGEBACKS.c.id).where(which))).first() is None:
+                raise UnknownDispute(dispute_id)
+        done = await conn.execute(CHARGEBACKS.update().where(which, owed_again()).values(settled_at=now, updated_at=now))
+        if not done.rowcount:
             return False
-        await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice_id)
-                           .values(charged_back_at=None, chargeback_dispute_id=SETTLED + str(row.chargeback_dispute_id)))
+        await refresh_invoice(conn, invoice_id)
         await recompute(conn, int(row.account_id), now=now, grace_seconds=grace_seconds, overdue=overdue)
     return True
 
 
-async def invoices_paid_by(client: StripeClient, intent_id: str) -> list[str]:
-    """The Stripe invoices this PaymentIntent paid (one, unless it paid several at once)."""
+async def invoices_paid_by(client: StripeClient, intent_id: str) -> list[InvoicePayment]:
+    """What this PaymentIntent paid of each Stripe invoice (one, unless it paid several), oldest first."""
     found = _plain(await client.v1.invoice_payments.list_async(
         {"payment": {"type": "payment_intent", "payment_intent": intent_id}, "status": "paid", "limit": 100}))
-    ids = []
-    for payment in found.get("data") or []:
+    payments = []
+    for payment in reversed(found.get("data") or []):  # the list is newest first
         invoice = payment.get("invoice")
         invoice_id = invoice.get("id") if isinstance(invoice, dict) else invoice  # expanded or not
-        if isinstance(invoice_id, str) and invoice_id not in ids:
-            ids.append(invoice_id)
-    return ids
+        paid = payment.get("amount_paid")
+        if isinstance(invoice_id, str) and type(paid) is int:
+            payments.append(InvoicePayment(invoice_id, paid, str(payment.get("currency") or "")))
+    return payments
 
 
-def chargeback(dispute: dict[str, Any], stripe_invoice_ids: list[str]) -> Apply | None:
-    """What the dispute (re-read, funds withdrawn or won) says of the invoices its payment paid:
-    the account changed, or None when none of them is ours."""
-    if not stripe_invoice_ids:
+def _split(amount: int, currency: str, payments: list[InvoicePayment], dispute_id: str) -> dict[str, int]:
+    """`amount` (minor units of the dispute's currency) over the invoices the payment paid, oldest
+    first, each at most what the payment paid of it. A payment in another currency than the dispute's
+    (Stripe disputes in the charge's currency, which is the invoice's: not expected) counts in full."""
+    left, out = amount, {}
+    for p in payments:
+        if p.currency != currency:
+            log.error("dispute %s in %s of a payment of invoice %s in %s: counted as the whole %d paid",
+                      dispute_id, currency, p.invoice, p.currency, p.amount_paid)
+            share = p.amount_paid
+        else:
+            share = min(left, p.amount_paid)
+            left -= share
+        out[p.invoice] = out.get(p.invoice, 0) + share
+    return out
+
+
+def chargeback(dispute: dict[str, Any], payments: list[InvoicePayment], withdrawn: int, reinstated: int) -> Apply | None:
+    """What the dispute (re-read; funds withdrawn, or won) takes back of the invoices its payment
+    paid, `withdrawn` and `reinstated` in minor units of its currency: the account changed, or None
+    when none of them is ours."""
+    if not payments:
         return None
-    won = dispute.get("status") == "won"
+    currency = str(dispute.get("currency") or "")
+    status = str(dispute.get("status"))
+    taken = _split(max(0, withdrawn - reinstated), currency, payments, dispute["id"])
+    disputed = _split(int(dispute.get("amount") or 0), currency, payments, dispute["id"])
     created = dispute.get("created")
     since = datetime.fromtimestamp(created, tz=timezone.utc) if type(created) is int else utcnow()
+    intent = dispute.get("payment_intent") if isinstance(dispute.get("payment_intent"), str) else None
 
     async def apply(conn: AsyncConnection) -> int | None:
-        ours = (await conn.execute(sa.select(INVOICES.c.id, INVOICES.c.account_id, INVOICES.c.chargeback_dispute_id)
-                                   .where(INVOICES.c.stripe_invoice_id.in_(stripe_invoice_ids)).order_by(INVOICES.c.id))).all()
+        ours = (await conn.execute(sa.select(INVOICES.c.id, INVOICES.c.account_id, INVOICES.c.stripe_invoice_id, INVOICES.c.currency)
+                                   .where(INVOICES.c.stripe_invoice_id.in_(list(taken))).order_by(INVOICES.c.id))).all()
+        now = utcnow()
         for row in ours:
-            # another dispute of the same invoice (a second payment of it) keeps its own mark
-            if row.chargeback_dispute_id not in (None, dispute["id"]):
-                continue
-            values = (dict(charged_back_at=None, chargeback_dispute_id=None) if won
-                      else dict(charged_back_at=since, chargeback_dispute_id=dispute["id"]))
-            await conn.execute(INVOICES.update().where(INVOICES.c.id == row.id).values(**values))
+            values = dict(status=status, currency=currency or row.currency, disputed_cents=disputed[row.stripe_invoice_id],
+                          amount_cents=taken[row.stripe_invoice_id], disputed_at=since, payment_intent=intent, updated_at=now)
+            stmt = upsert(conn.engine, CHARGEBACKS).values(invoice_id=row.id, dispute_id=dispute["id"], **values)
+            await conn.execute(stmt.on_conflict_do_update(index_elements=["invoice_id", "dispute_id"], set_=values))
+            await refresh_invoice(conn, int(row.id))
         return int(ours[0].account_id) if ours else None
 
     return apply
+

@@ -6,6 +6,7 @@ rates, an account's billing state and its price overrides.
     POST /admin/invoices/close                 {"period": "2026-10", "wait": true}; pushes to Stripe after
                                                (TOLLGATE_STRIPE_SYNC_AFTER_CLOSE), as the CLI close does
     POST /admin/invoices/{id}/sync             push to Stripe
+    POST /admin/invoices/{id}/chargeback_settled  {"dispute_id": "du_..."} | no body: every chargeback of it
     POST /admin/invoices/{id}/credit_notes     {"amount_cents": 120 | omitted: all that is left, "reason", "memo"}
     GET  /admin/credit_notes/{id}[/html|/pdf]
     GET  /admin/accounts/{id}/billing_details  PUT (all fields) / PATCH (some): the buyer on invoices
@@ -32,7 +33,7 @@ from billing.invoices.close import PeriodNotEnded, close_period, period_status
 from billing.invoices.credit_notes import CreditNoteRefused, CreditRequest, get_credit_note, issue_credit_note
 from billing.invoices.views import get_invoice, list_invoices
 from billing.prices.book import InvalidPrice, PriceConflict
-from billing.stripe.invoice_disputes import chargeback_settled
+from billing.stripe.invoice_disputes import UnknownDispute, chargeback_settled
 from billing.stripe.sync import StripeSyncError, StripeTotalMismatch
 from gateway.admin.accounts import Instant, StrictStr
 from gateway.api.account.documents import billing_of, credit_note_response, document_format, invoice_response, period_param, query_id
@@ -40,7 +41,7 @@ from gateway.api.openai.protocol import StrictBool, StrictInt, _StrictModel, par
 from gateway.billing import StripeFailed
 from gateway.http.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.json_response import json_response
-from gateway.http.requests import path_id, read_json
+from gateway.http.requests import path_id, read_json, read_optional_json
 
 
 async def _account(request: Request) -> dict[str, Any]:
@@ -120,16 +121,31 @@ async def admin_sync(request: Request) -> Response:
     return json_response(result)
 
 
+class SettleChargeback(_StrictModel):
+    dispute_id: StrictStr | None = Field(default=None, min_length=1, max_length=255)
+
+    def check_supported(self, passthrough: bool = False) -> None:
+        return None
+
+
 async def admin_chargeback_settled(request: Request) -> Response:
-    """A charged-back invoice paid again outside Stripe (a lost dispute): owed no more."""
+    """A charged-back invoice paid again outside Stripe (a lost dispute): owed no more. One dispute's
+    chargeback ({"dispute_id": "du_..."}) or, without a body, every one of the invoice's."""
+    state = request.app.state
     billing = billing_of(request)
     invoice_id = path_id(request, "invoice_id", "invoice")
-    done = await chargeback_settled(billing.db, invoice_id, now=datetime.now(timezone.utc), grace_seconds=billing.config.grace_seconds,
-                                    overdue=billing.config.sends_for_payment)
+    raw = await read_optional_json(request, state.settings.http.max_body_bytes)
+    dispute_id = parse(SettleChargeback, raw).dispute_id if raw is not None else None
+    try:
+        done = await chargeback_settled(billing.db, invoice_id, now=datetime.now(timezone.utc), grace_seconds=billing.config.grace_seconds,
+                                        overdue=billing.config.sends_for_payment, dispute_id=dispute_id)
+    except UnknownDispute:
+        raise NotFound(f"Invoice {invoice_id} has no chargeback of dispute {dispute_id}.", param="dispute_id") from None
     if done is None:
         raise NotFound("No such invoice.", param="id")
     if not done:
-        raise Conflict("This invoice is not charged back.", param="id", code="not_charged_back")
+        what = f"The chargeback of dispute {dispute_id} is not owed" if dispute_id else "This invoice is not charged back"
+        raise Conflict(f"{what} (won, or settled already).", param="dispute_id" if dispute_id else "id", code="not_charged_back")
     return json_response(await get_invoice(billing.db, invoice_id))
 
 

@@ -122,6 +122,15 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "Invoice": _obj({
         "id": INT, "object": {"const": "invoice"}, "number": STR, "account_id": INT, "period": STR, "status": STR,
         "currency": STR, "total_cents": INT, "total": STR, "charged_back_at": _nullable(STR),
+        "chargeback_cents": {**INT, "description": "what chargebacks of its payments took back and is owed again (0: none)"},
+        "chargeback": STR,
+        "chargebacks": {"type": "array", "items": _obj({
+            "object": {"const": "invoice_chargeback"},
+            "status": {**STR, "description": "the dispute's Stripe status, or `settled` once recorded paid outside Stripe"},
+            "dispute_status": STR, "currency": STR, "disputed_cents": INT, "disputed": STR,
+            "amount_cents": {**INT, "description": "taken back of this invoice now (withdrawn less reinstated; 0 once won)"},
+            "amount": STR, "owed": BOOL, "disputed_at": STR, "settled_at": _nullable(STR),
+        }, {"dispute_id": STR, "payment_intent": _nullable(STR)})},
         "lines": {"type": "array", "items": _obj({"object": {"const": "invoice_line"}, "tokens": INT, "amount_cents": INT, "amount": STR})},
     }),
     "UsageReport": _obj({
@@ -140,7 +149,10 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "TaxRate": _obj({"object": {"const": "tax_rate"}, "country": STR}, {"rate": STR, "deleted": BOOL}),
     "CreditNote": _obj({"id": INT, "object": {"const": "credit_note"}, "number": STR, "invoice_id": INT, "subtotal_cents": INT,
                         "tax_cents": INT, "total_cents": INT, "applies_to": {"enum": ["invoice", "balance"]}}),
-    "BillingAccount": _obj({"object": {"const": "billing_account"}, "account_id": INT, "state": STR, "unpaid_invoices": {"type": "array"}}),
+    "BillingAccount": _obj({"object": {"const": "billing_account"}, "account_id": INT, "state": STR, "unpaid_invoices": {"type": "array", "items": _obj({
+        "id": INT, "number": STR, "total_cents": INT,
+        "amount_owed_cents": {**INT, "description": "an open invoice's total; a paid one charged back: what its chargebacks took back"},
+        "amount_owed": STR, "charged_back_at": _nullable(STR)})}}),
     "AccountPrices": _obj({"object": {"const": "list"}, "account_id": INT, "data": {"type": "array"}, "effective": {"type": "array"}}),
     # prepaid credit
     "CreditBalance": _obj({"object": {"const": "credit_balance"}, "account_id": INT, "billing_mode": STR, "balance_nanos": INT,
@@ -300,9 +312,10 @@ def _paths() -> dict[str, Any]:
                                                           params=[*invoice, FORMAT])},
         "/admin/invoices/{invoice_id}/sync": {"post": _op("Push an invoice to Stripe", {"200": _json({"type": "object"})}, *AUTHED, 404, 502,
                                                           params=invoice)},
-        "/admin/invoices/{invoice_id}/chargeback_settled": {"post": _op(
-            "Record a charged-back invoice paid outside Stripe (a lost dispute)", {"200": _json(_ref("Invoice"))}, *AUTHED, 404, 409,
-            params=invoice)},
+        "/admin/invoices/{invoice_id}/chargeback_settled": {"post": {**_op(
+            "Record a charged-back invoice paid outside Stripe (a lost dispute): one dispute's chargeback, or without a body all of them",
+            {"200": _json(_ref("Invoice"))}, *WITH_BODY, 404, 409, params=invoice),
+            "requestBody": {"required": False, "content": {JSON: {"schema": _ref("SettleChargeback")}}}}},
         "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,
                                                        params=[_path("period", PERIOD)])},
         **_credit_paths(account),  # prepaid credit
@@ -492,6 +505,7 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "AddPrice": admin.AddPrice,
     "CloseRequest": admin_invoices.CloseRequest,
     "CreditNoteBody": admin_invoices.CreditNoteBody,
+    "SettleChargeback": admin_invoices.SettleChargeback,
     "AddOverride": admin_invoices.AddOverride,
     "AddCredit": admin_credits.AddCredit,
     "BillingMode": admin_credits.BillingMode,

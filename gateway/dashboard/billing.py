@@ -54,7 +54,8 @@ def invoice_rows(invoices: list[dict[str, Any]], *, admin: bool) -> list[dict[st
         stripe = inv.get("stripe") or {}
         rows.append({
             "id": inv["id"], "number": inv["number"], "account": inv["account_name"], "period": inv["period"],
-            "status": "paid, charged back" if inv.get("charged_back_at") else inv["status"].replace("_", " "),
+            "status": (f"paid, charged back {money(inv['chargeback_cents'])}" if inv.get("chargeback_cents") and inv["status"] == "paid"
+                       else inv["status"].replace("_", " ")),
             "total": money(inv["total_cents"]),
             "amount_due": money(max(0, inv["amount_due_cents"] - inv.get("credited_cents", 0))),
             "issued": _date(inv.get("issued_at")), "due": _date(inv.get("due_at")),
@@ -87,8 +88,8 @@ async def billing_section(request: Request, account_id: int) -> dict[str, Any]:
     """The admin account page's billing: state (since when, why), invoices, price overrides, details."""
     billing = request.app.state.billing
     standing = await account_standing(request.app.state.read_db, account_id, grace_seconds=billing.config.grace_seconds)
-    reasons = [f"invoice {u['number']} (${u['total']}) unpaid" + (", payment failed" if u["payment_failed"] else "")
-               + (f", charged back {_date(u['charged_back_at'])}" if u.get("charged_back_at") else "")
+    reasons = [f"invoice {u['number']} (${u['amount_owed']}) unpaid" + (", payment failed" if u["payment_failed"] else "")
+               + (f", charged back {_date(u['charged_back_at'])} (of ${u['total']})" if u.get("charged_back_at") else "")
                + (f", due {_date(u['due_at'])}" if u["overdue"] else "") for u in standing["unpaid_invoices"]]
     return {
         "state": STATE_LABELS.get(standing["state"], standing["state"]),

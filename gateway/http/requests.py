@@ -82,6 +82,16 @@ async def read_json(request: Request, limit: int) -> Any:
     body = await read_body(request, limit)
     if not body:
         raise InvalidRequest("request body is empty; send a JSON object")
+    return _decode_json(body)
+
+
+async def read_optional_json(request: Request, limit: int) -> Any:
+    """The JSON body as read_json reads it, or None when the request sends none (an optional body)."""
+    body = await read_body(request, limit)
+    return _decode_json(body) if body.strip() else None
+
+
+def _decode_json(body: bytes) -> Any:
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

@@ -22,6 +22,7 @@ TABLES = {
     "billing_details", "tax_rates", "document_sequences", "credit_notes",  # issue 22
     "credit_usage_marks", "prepaid_statements",  # issue 25
     "stored_files", "batches", "batch_lines",  # the Batch API
+    "invoice_chargebacks",
 }
 
 

@@ -41,8 +41,9 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
   money comes back to the merchant's balance): status `failed` with failure_reason, the Charge's
   amount_refunded shrinks back. Events: refund.updated, refund.failed, charge.refund.updated.
 - `dispute` (the cardholder's bank disputes a succeeded payment; Stripe's API only reads disputes:
-  GET /v1/disputes/{id}): a Dispute (`du_...`) of what is left of the charge (or `amount`, up to
-  the charge's full amount after a partial refund, as banks sometimes dispute), with
+  GET /v1/disputes/{id}): a Dispute (`du_...`) of what is left of the charge (or `amount`: a part,
+  or up to the charge's full amount after a partial refund, as banks sometimes dispute; a payment
+  may be disputed again, each dispute its own object, as Stripe's multiple-disputes FAQ says), with
   its charge and payment_intent, the Charge `disputed`; GET /v1/disputes lists them (newest first),
   filtered by `payment_intent` or `charge`. A chargeback is `needs_response`, its
   amount and the dispute fee withdrawn at once (one balance transaction); events
@@ -60,7 +61,9 @@ Each test helper returns the events its flow emits, in one of the orders Stripe 
 - an invoice paid (`pay`): a succeeded USD PaymentIntent (no metadata: Stripe copies none of the
   invoice's) and its Charge for the amount paid, and the InvoicePayment (`inpay_...`, `paid`,
   `is_default`) that links them (since API 2025-03-31 the PaymentIntent and Charge name no
-  invoice). Events: charge.succeeded, payment_intent.succeeded before invoice.paid. GET
+  invoice). `pay(parts=[...])` (partial payments): a PaymentIntent and an InvoicePayment per part,
+  the first ones attached (POST /v1/invoices/{id}/attach_payment: `is_default` false), the last the
+  default one; `payments_of` lists their PaymentIntents. Events: charge.succeeded, payment_intent.succeeded before invoice.paid. GET
   /v1/invoice_payments (newest first; filtered by `invoice`, `status`, `payment[type]` with
   `payment[payment_intent]`) and GET /v1/invoice_payments/{id}. `dispute` works on its payment.
 - `payment(amount)`: a card payment made on the same Stripe account without Tollgate (no
@@ -212,8 +215,9 @@ class FakeStripePayments(FakeStripe):
             self._create_refund({"payment_intent": payment_intent, **({"amount": str(amount)} if amount is not None else {})})
             return self.events[before:]
 
-    def _collect(self, invoice: dict[str, Any], amount: int) -> None:
-        """The card payment of an invoice (paid by the customer's card on file, or on its hosted page)."""
+    def _collect(self, invoice: dict[str, Any], amount: int, *, default: bool = True) -> None:
+        """The card payment of an invoice (paid by the customer's card on file, or on its hosted page);
+        not `default`: a PaymentIntent attached to it (a partial payment)."""
         if amount <= 0:  # nothing collected: Stripe makes no payment
             return
         intent = self._intent(amount, invoice["currency"], invoice["customer"], f"pm_card_visa_{self._id('pm')}", {})
@@ -221,7 +225,7 @@ class FakeStripePayments(FakeStripe):
         now = int(time.time())
         link = {
             "id": self._id("inpay"), "object": "invoice_payment", "amount_paid": amount, "amount_requested": amount,
-            "created": now, "currency": invoice["currency"], "invoice": invoice["id"], "is_default": True, "livemode": False,
+            "created": now, "currency": invoice["currency"], "invoice": invoice["id"], "is_default": default, "livemode": False,
             "payment": {"type": "payment_intent", "payment_intent": intent["id"]}, "status": "paid",
             "status_transitions": {"canceled_at": None, "paid_at": now},
         }
@@ -234,6 +238,12 @@ class FakeStripePayments(FakeStripe):
         with self._lock:
             return next(str(p["payment"]["payment_intent"]) for p in reversed(self.invoice_payments.values())
                         if p["invoice"] == invoice_id and p["status"] == "paid")
+
+    def payments_of(self, invoice_id: str) -> list[str]:
+        """The PaymentIntents that paid an invoice, oldest first (several: partial payments)."""
+        with self._lock:
+            return [str(p["payment"]["payment_intent"]) for p in self.invoice_payments.values()
+                    if p["invoice"] == invoice_id and p["status"] == "paid"]
 
     def payment(self, amount: int, metadata: dict[str, str] | None = None) -> dict[str, Any]:
         """A succeeded card payment made on this Stripe account by something other than Tollgate."""
@@ -248,7 +258,9 @@ class FakeStripePayments(FakeStripe):
         with self._lock:
             intent = self.payment_intents[payment_intent]
             charge = self.charges[intent["latest_charge"]]
-            assert charge["status"] == "succeeded" and not charge["disputed"], (charge["status"], charge["disputed"])
+            # A payment may be disputed more than once (support.stripe.com, "Receiving multiple disputes per
+            # payment FAQ": partial disputes, a re-filed one, an Amex inquiry after a chargeback), each a Dispute of its own.
+            assert charge["status"] == "succeeded", charge["status"]
             # What is left of the charge by default; a bank may dispute the full amount of a charge partly
             # refunded already (Stripe support: "Dispute for full charge amount after a partial refund").
             left = charge["amount_captured"] - charge["amount_refunded"]

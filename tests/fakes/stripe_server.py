@@ -228,18 +228,23 @@ class FakeStripe:
         with self._lock:
             return [i for i in self.items.values() if i["invoice"] == invoice_id]
 
-    def pay(self, invoice_id: str) -> dict[str, Any]:
+    def pay(self, invoice_id: str, parts: list[int] | None = None) -> dict[str, Any]:
+        """The invoice paid: by one payment, or by several (`parts`, summing to its amount due:
+        Stripe's partial payments, PaymentIntents attached to the invoice, the last one its default payment)."""
         with self._lock:
             inv = self.invoices[invoice_id]
             assert inv["status"] in ("open", "uncollectible"), inv["status"]  # an uncollectible invoice can still be paid
+            parts = parts or [inv["amount_due"]]
+            assert sum(parts) == inv["amount_due"] and all(p > 0 for p in parts), (parts, inv["amount_due"])
             now = int(time.time())
             inv.update(status="paid", attempted=True, attempt_count=inv["attempt_count"] + 1,
                        amount_paid=inv["amount_due"], amount_remaining=0)
             inv["status_transitions"]["paid_at"] = now
-            self._collect(inv, inv["amount_paid"])
+            for i, part in enumerate(parts):
+                self._collect(inv, part, default=i == len(parts) - 1)
             return self._event("invoice.paid", inv)
 
-    def _collect(self, invoice: dict[str, Any], amount: int) -> None:
+    def _collect(self, invoice: dict[str, Any], amount: int, *, default: bool = True) -> None:
         """The payment that paid `amount` of an invoice. This fake has no payment objects
         (tests/fakes/stripe_checkout.py's makes a PaymentIntent, a Charge and an InvoicePayment)."""
 

@@ -3,20 +3,25 @@ real gateway: the official SDK against the FAKE Stripe, signed deliveries. Strip
 `paid`; the dispute comes as charge.dispute.* about a PaymentIntent with none of Tollgate's metadata,
 tied to its invoice only by an InvoicePayment. A chargeback makes the invoice owed again (shown
 charged back, the account delinquent from the dispute's creation and suspended after the grace
-period, as a failed payment would); a won dispute makes it paid again; events in any order, and
-repeated, end the same; an inquiry, and a dispute of a payment that is no invoice of ours, change nothing."""
+period, as a failed payment would) for what the dispute took back (a partial dispute: its part); a won
+dispute makes it paid again; an invoice paid by two payments, or a payment disputed twice, keeps each
+dispute; events in any order, and repeated, end the same; an inquiry, and a dispute of a payment that is
+no invoice of ours, change nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 from stripe import StripeClient
 
+from billing.invoices.views import get_invoice
 from billing.keys.store import KeyStore
+from billing.stripe.invoice_disputes import INVOICES, InvoicePayment, chargeback
 from tests.billing.invoice_helpers import App, new_key, serve
 from tests.billing.stripe.test_checkout import fake  # noqa: F401  (the fixture)
 from tests.billing.stripe.test_stripe import closed_september, wait_for
@@ -41,12 +46,13 @@ class Postpaid:
         self.hook = app.base_url + "/webhooks/stripe"
         self.rng = random.Random(11)
 
-    async def paid(self, name: str) -> str:
-        """The account's invoice pushed, paid on Stripe, invoice.paid delivered: its PaymentIntent."""
+    async def paid(self, name: str, parts: list[int] | None = None) -> str:
+        """The account's invoice pushed, paid on Stripe (in `parts`: several payments), invoice.paid
+        delivered: its (last) PaymentIntent."""
         ours = self.invoices[self.ids[name]]["id"]
         assert (await self.admin.post(f"/admin/invoices/{ours}/sync")).json()["stripe_status"] == "open"
         remote = (await self.invoice(name))["stripe"]["invoice_id"]
-        assert (await self.deliver([self.fake.pay(remote)]))[0]["state"] == "active"
+        assert (await self.deliver([self.fake.pay(remote, parts)]))[0]["state"] == "active"
         assert (await self.invoice(name))["status"] == "paid"
         return self.fake.payment_of(remote)
 
@@ -90,17 +96,20 @@ async def test_a_chargeback_makes_a_paid_invoice_owed_again_and_a_won_dispute_pa
             assert [(x["account_id"], x.get("state")) for x in answers] == [(ids["a"], "suspended")] * 2
             shown = await p.invoice("a")
             assert shown["status"] == "paid" and shown["stripe"]["status"] == "paid"  # Stripe's paid is final
-            assert shown["charged_back_at"] is not None and shown["stripe"]["chargeback_dispute_id"] == dispute["id"]
+            assert shown["charged_back_at"] is not None and shown["chargeback_cents"] == 89
+            assert [(c["dispute_id"], c["status"], c["disputed_cents"], c["amount_cents"], c["owed"]) for c in shown["chargebacks"]] == [
+                (dispute["id"], "needs_response", 89, 89, True)]
             standing = await p.standing("a")
             assert standing["state"] == "suspended" and standing["delinquent_since"] == shown["charged_back_at"]
-            assert [(u["number"], u["total_cents"], u["charged_back_at"]) for u in standing["unpaid_invoices"]] == [
-                (invoices[ids["a"]]["number"], 89, shown["charged_back_at"])]
+            assert [(u["number"], u["total_cents"], u["amount_owed_cents"], u["charged_back_at"]) for u in standing["unpaid_invoices"]] == [
+                (invoices[ids["a"]]["number"], 89, 89, shown["charged_back_at"])]
             await wait_for(lambda: _suspended(app, principal))
             reason = app.billing.states.suspension(principal)
             assert reason is not None and invoices[ids["a"]]["number"] in reason and "0.89 USD" in reason
             async with app.as_key(key) as customer:  # the customer's own view says so too
                 mine = (await customer.get(f"/v1/invoices/{invoices[ids['a']]['id']}")).json()
                 assert mine["status"] == "paid" and mine["charged_back_at"] == shown["charged_back_at"]
+                assert mine["chargeback_cents"] == 89 and "dispute_id" not in mine["chargebacks"][0]  # Stripe's ids: the admin's
             assert (await p.standing("b"))["state"] == "active"  # b's invoice is not paid on Stripe: no date counts
 
             # evidence submitted (under review: the money is still withdrawn), then won: paid again, active
@@ -108,21 +117,88 @@ async def test_a_chargeback_makes_a_paid_invoice_owed_again_and_a_won_dispute_pa
             closed = await p.deliver(fake.close_dispute(dispute["id"], won=True))
             assert [x["state"] for x in closed] == ["active", "active"]
             shown = await p.invoice("a")
-            assert shown["charged_back_at"] is None and shown["stripe"]["chargeback_dispute_id"] is None
+            assert shown["charged_back_at"] is None and shown["chargeback_cents"] == 0
+            assert [(c["status"], c["disputed_cents"], c["amount_cents"], c["owed"]) for c in shown["chargebacks"]] == [("won", 89, 0, False)]
             assert (await p.standing("a"))["unpaid_invoices"] == []
             await wait_for(lambda: _not_suspended(app, principal))
 
 
-async def test_a_grace_period_applies_to_a_chargeback_as_to_a_failed_payment(
+async def test_a_partial_chargeback_owes_the_disputed_amount_with_a_grace_period(
         db_url: str, db: Any, fake: FakeStripePayments, tmp_path: Path) -> None:
+    """A dispute of 50 cents of an 89-cent invoice's payment: 50 cents are owed again, not 89, in the
+    views, the account's state and the suspension message; the grace period
+    applies as to a failed payment."""
     ids, invoices = await closed_september(db)
+    key = await new_key(db, ids["a"])
+    principal = await KeyStore(db, SECRET.encode()).authenticate(key)
     with serve(db_url, tmp_path, **env_for(fake, "3600")) as app:
         async with app.admin() as admin:
             p = Postpaid(app, fake, admin, ids, invoices)
-            answers = await p.deliver(fake.dispute(await p.paid("a"), 50))  # a partial chargeback: the invoice is owed all the same
+            answers = await p.deliver(fake.dispute(await p.paid("a"), 50))  # a partial chargeback
             assert [x.get("state") for x in answers] == ["past_due", "past_due"]
             standing = await p.standing("a")
             assert standing["state"] == "past_due" and standing["suspends_at"] is not None
+            assert [(u["total_cents"], u["amount_owed_cents"], u["amount_owed"]) for u in standing["unpaid_invoices"]] == [(89, 50, "0.50")]
+            shown = await p.invoice("a")
+            assert (shown["chargeback_cents"], [(c["disputed_cents"], c["amount_cents"]) for c in shown["chargebacks"]]) == (50, [(50, 50)])
+            later = datetime.now(timezone.utc) + timedelta(hours=2)  # past the grace period: the message names 50 cents
+
+            async def names_the_chargeback() -> bool:
+                return "(0.50 USD)" in (app.billing.states.suspension(principal, now=later) or "")
+
+            await wait_for(names_the_chargeback)
+
+
+async def test_several_disputes_of_one_invoice_each_count_until_won_or_settled(
+        db_url: str, db: Any, fake: FakeStripePayments, tmp_path: Path) -> None:
+    """a's 89-cent invoice paid by two payments (39 and 50 cents, Stripe's partial payments): the first
+    disputed in full, the second for 20 cents; then the first dispute won and the first payment disputed
+    again (a re-filed dispute: support.stripe.com's multiple-disputes FAQ). Each dispute is kept; what is
+    owed is the sum of those that have the money. chargeback_settled settles one dispute
+    ({"dispute_id"}) or, without a body, every one of the invoice's."""
+    ids, invoices = await closed_september(db)
+    with serve(db_url, tmp_path, **env_for(fake, "0")) as app:
+        async with app.admin() as admin:
+            p = Postpaid(app, fake, admin, ids, invoices)
+            await p.paid("a", parts=[39, 50])
+            first_pi, second_pi = fake.payments_of((await p.invoice("a"))["stripe"]["invoice_id"])
+
+            async def owed() -> tuple[int, list[tuple[str, int]], list[int], str]:
+                shown, standing = await p.invoice("a"), await p.standing("a")
+                return (shown["chargeback_cents"], [(c["status"], c["amount_cents"]) for c in shown["chargebacks"]],
+                        [u["amount_owed_cents"] for u in standing["unpaid_invoices"]], standing["state"])
+
+            first = fake.dispute(first_pi)
+            second = fake.dispute(second_pi, 20, "product_unacceptable")
+            du = [first[0]["data"]["object"]["id"], second[0]["data"]["object"]["id"]]
+            await p.deliver(second + first, "shuffled")
+            assert await owed() == (59, [("needs_response", 39), ("needs_response", 20)], [59], "suspended")
+            await p.deliver(fake.close_dispute(du[0], won=True))
+            assert await owed() == (20, [("won", 0), ("needs_response", 20)], [20], "suspended")
+            refiled = fake.dispute(first_pi, 39)
+            du.append(refiled[0]["data"]["object"]["id"])
+            await p.deliver(refiled)
+            assert await owed() == (59, [("won", 0), ("needs_response", 20), ("needs_response", 39)], [59], "suspended")
+            assert [c["dispute_id"] for c in (await p.invoice("a"))["chargebacks"]] == du
+
+            # the re-filed one settled outside Stripe (the customer paid those 39 cents), one dispute at a time
+            invoice_id = (await p.invoice("a"))["id"]
+            settle = f"/admin/invoices/{invoice_id}/chargeback_settled"
+            done = await admin.post(settle, json={"dispute_id": du[2]})
+            assert done.status_code == 200, done.text
+            assert [(c["status"], c["amount_cents"]) for c in done.json()["chargebacks"]] == [("won", 0), ("needs_response", 20), ("settled", 39)]
+            assert await owed() == (20, [("won", 0), ("needs_response", 20), ("settled", 39)], [20], "suspended")
+            won = await admin.post(settle, json={"dispute_id": du[0]})  # won: nothing owed to settle
+            assert won.status_code == 409 and won.json()["error"]["code"] == "not_charged_back"
+            unknown = await admin.post(settle, json={"dispute_id": "du_not_this_invoices"})
+            assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "dispute_id"
+            assert (await admin.post(settle, json={"dispute_id": 7})).status_code == 400
+            await p.deliver(fake.close_dispute(du[2], won=False))  # its later events change it no more
+            assert await owed() == (20, [("won", 0), ("needs_response", 20), ("settled", 39)], [20], "suspended")
+            everything = await admin.post(settle)  # no body: every chargeback of the invoice still owed
+            assert everything.status_code == 200, everything.text
+            assert await owed() == (0, [("won", 0), ("settled", 20), ("settled", 39)], [], "active")
+            assert (await admin.post(settle)).status_code == 409
 
 
 async def test_dispute_events_in_any_order_and_repeated_end_the_same(db_url: str, db: Any, fake: FakeStripePayments,
@@ -143,7 +219,9 @@ async def test_dispute_events_in_any_order_and_repeated_end_the_same(db_url: str
             for order in ("reversed", "shuffled"):  # reversed: the won dispute's `created` last, its `closed` first
                 await p.deliver_twice(events, order)
                 a, b = await p.invoice("a"), await p.invoice("b")
-                assert (a["stripe"]["chargeback_dispute_id"], b["stripe"]["chargeback_dispute_id"]) == (disputes[0], None), order
+                assert [(c["dispute_id"], c["status"], c["amount_cents"]) for c in a["chargebacks"] + b["chargebacks"]] == [
+                    (disputes[0], "lost", 89), (disputes[1], "won", 0)], order
+                assert (a["chargeback_cents"], b["chargeback_cents"]) == (89, 0)
                 assert a["charged_back_at"] is not None and b["charged_back_at"] is None
                 assert a["charged_back_at"] == (await p.standing("a"))["delinquent_since"]
                 assert ((await p.standing("a"))["state"], (await p.standing("b"))["state"]) == ("suspended", "active")
@@ -153,7 +231,9 @@ async def test_dispute_events_in_any_order_and_repeated_end_the_same(db_url: str
             # person records that. The dispute's events, delivered again, do not make it owed again.
             settled = await admin.post(f"/admin/invoices/{a['id']}/chargeback_settled")
             assert settled.status_code == 200, settled.text
-            assert settled.json()["charged_back_at"] is None and settled.json()["stripe"]["chargeback_dispute_id"] == f"settled:{disputes[0]}"
+            assert settled.json()["charged_back_at"] is None and settled.json()["chargeback_cents"] == 0
+            assert [(c["dispute_id"], c["status"], c["dispute_status"]) for c in settled.json()["chargebacks"]] == [
+                (disputes[0], "settled", "lost")] and settled.json()["chargebacks"][0]["settled_at"] is not None
             assert (await p.standing("a"))["state"] == "active"
             await p.deliver([fake._event(e["type"], e["data"]["object"]) for e in events], "shuffled")
             assert (await p.invoice("a"))["charged_back_at"] is None and (await p.standing("a"))["state"] == "active"
@@ -184,7 +264,7 @@ async def test_an_inquiry_and_a_payment_that_is_no_invoice_of_ours_change_nothin
             others = fake.dispute(fake.payment_of(theirs.id)) + fake.dispute(fake.payment(900)["id"])
             assert [x["account_id"] for x in await p.deliver(others)] == [None] * 4
             shown = await p.invoice("a")
-            assert (shown["status"], shown["charged_back_at"], shown["stripe"]["chargeback_dispute_id"]) == ("paid", None, None)
+            assert (shown["status"], shown["charged_back_at"], shown["chargeback_cents"], shown["chargebacks"]) == ("paid", None, 0, [])
             assert (await p.standing("a"))["state"] == "active" and (await p.standing("a"))["unpaid_invoices"] == []
 
 
@@ -194,3 +274,24 @@ async def _suspended(app: Any, principal: Any) -> bool:
 
 async def _not_suspended(app: Any, principal: Any) -> bool:
     return app.billing.states.suspension(principal) is None  # type: ignore[no-any-return]
+
+
+async def test_a_dispute_of_a_payment_of_two_invoices_is_split_over_them(db: Any) -> None:
+    """One PaymentIntent attached to two invoices (InvoicePayment.amount_paid says what each got): a
+    dispute of 100 cents takes a's 89 first (its InvoicePayment the older), the rest from b; lost with
+    30 reinstated, 70 is taken back: a's 70 alone. Exact cents, per invoice."""
+    ids, invoices = await closed_september(db)
+    a, b = invoices[ids["a"]], invoices[ids["b"]]
+    async with db.begin() as conn:
+        for ours, remote in ((a, "in_a"), (b, "in_b")):
+            await conn.execute(INVOICES.update().where(INVOICES.c.id == ours["id"]).values(status="paid", stripe_invoice_id=remote))
+    paid = [InvoicePayment("in_a", 89, "usd"), InvoicePayment("in_b", b["total_cents"], "usd")]
+    dispute = {"id": "du_both", "status": "needs_response", "amount": 100, "currency": "usd", "created": 1_796_000_000, "payment_intent": "pi_both"}
+    for status, withdrawn, reinstated, expected in (("needs_response", 100, 0, (89, min(11, b["total_cents"]))), ("lost", 100, 30, (70, 0))):
+        apply = chargeback({**dispute, "status": status}, paid, withdrawn, reinstated)
+        assert apply is not None
+        async with db.begin() as conn:
+            assert await apply(conn) == ids["a"]
+        shown = [await get_invoice(db, x["id"]) for x in (a, b)]
+        assert tuple(s["chargeback_cents"] for s in shown if s) == expected, status
+        assert [c["disputed_cents"] for s in shown if s for c in s["chargebacks"]] == [89, min(11, b["total_cents"])]
