@@ -2,7 +2,8 @@
 
 An invoice shows the seller (from the settings, as snapshotted at issue), the buyer (the account's
 billing details at issue), number, issue and due dates, terms, the lines, subtotal, the tax line,
-total and amount due. Without a seller identity the document says it is a usage statement, not an
+total and amount due, and the chargebacks of its payments (each dispute's amount, date and status;
+what is owed again). Without a seller identity the document says it is a usage statement, not an
 invoice.
 """
 
@@ -80,9 +81,40 @@ def _facts(invoice: dict[str, Any]) -> list[tuple[str, str]]:
     facts += [
         ("Period", f"{invoice['period']} ({_date(invoice['period_start'])} to {_date(invoice['period_end'])}, end exclusive, UTC)"),
         ("Currency", invoice["currency"].upper()),
-        ("Status", invoice["status"]),
+        ("Status", f"{invoice['status']}, charged back" if _owed_again(invoice) else invoice["status"]),
     ]
+    if _owed_again(invoice):
+        facts.append(("Charged back", _date(invoice.get("charged_back_at"))))
     return facts
+
+
+def _owed_again(invoice: dict[str, Any]) -> int:
+    """What the chargebacks of a paid invoice's payments took back and is owed again (cents)."""
+    return int(invoice.get("chargeback_cents") or 0) if invoice["status"] == "paid" else 0
+
+
+CHARGEBACK_STATUSES = {
+    "needs_response": "open", "under_review": "under review", "warning_needs_response": "inquiry", "warning_under_review": "inquiry",
+    "warning_closed": "inquiry closed", "appeal_needs_response": "appealed", "appeal_under_review": "appealed", "won": "won",
+    "lost": "lost", "prevented": "prevented", "unknown": "open",
+}
+
+
+def chargeback_lines(invoice: dict[str, Any]) -> list[str]:
+    """One sentence per dispute of the invoice's payments: its amount, date, status and what it takes back."""
+    out = []
+    for c in invoice.get("chargebacks", []):
+        status = CHARGEBACK_STATUSES.get(c["dispute_status"], c["dispute_status"].replace("_", " "))
+        text = (f"Chargeback of {money(c['disputed_cents'])} {c['currency'].upper()} disputed by the cardholder's bank on "
+                f"{_date(c['disputed_at'])} (dispute {status}): ")
+        if c.get("settled_at"):
+            text += f"{money(c['amount_cents'])} paid again on {_date(c['settled_at'])}, nothing owed"
+        elif c["amount_cents"] > 0:
+            text += f"{money(c['amount_cents'])} taken back, owed again"
+        else:
+            text += "nothing taken back, nothing owed"
+        out.append(text)
+    return out
 
 
 def totals(invoice: dict[str, Any]) -> list[tuple[str, str]]:
@@ -96,6 +128,8 @@ def totals(invoice: dict[str, Any]) -> list[tuple[str, str]]:
     if invoice.get("credited_cents"):
         rows.append(("Credited by credit notes", money(-invoice["credited_cents"])))
     rows.append(("Amount due", money(max(0, invoice["amount_due_cents"] - invoice.get("credited_cents", 0)))))
+    if _owed_again(invoice):
+        rows.append(("Charged back, owed again", money(_owed_again(invoice))))
     return rows
 
 
@@ -154,9 +188,10 @@ def render_html(invoice: dict[str, Any]) -> str:
     notice = "" if seller else f"<p class=notice>{e(STATEMENT_NOTICE)}</p>"
     facts = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in _facts(invoice))
     total_rows = "".join(
-        f"<tr{' class=total' if k.startswith('Total') or k == 'Amount due' else ''}><td>{e(k)}</td><td class=n>{e(v)}</td></tr>"
+        f"<tr{' class=total' if k.startswith('Total') or k in ('Amount due', 'Charged back, owed again') else ''}><td>{e(k)}</td><td class=n>{e(v)}</td></tr>"
         for k, v in totals(invoice))
     notes = "".join(f"<li>{e(n)}</li>" for n in _notes(invoice))
+    chargebacks = "".join(f"<li>{e(n)}</li>" for n in chargeback_lines(invoice))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{e(_title(invoice))}</title>
 <style>{STYLE}</style></head>
@@ -176,6 +211,7 @@ def render_html(invoice: dict[str, Any]) -> str:
 </table>
 <table class=totals>{total_rows}</table>
 {f'<h2>Credit notes</h2><ul>{notes}</ul>' if notes else ''}
+{f'<h2>Chargebacks</h2><ul id=chargebacks>{chargebacks}</ul>' if chargebacks else ''}
 <h2>Prices used</h2>
 <ul>
 {versions}
@@ -282,9 +318,15 @@ def render_pdf(invoice: dict[str, Any]) -> bytes:
     doc.pdf.ln(3)
     rows = totals(invoice)
     for k, v in rows:
-        doc.line(f"{k}: {v}", 10, bold=k.startswith("Total") or k == "Amount due", height=6, align="R")
+        doc.line(f"{k}: {v}", 10, bold=k.startswith("Total") or k in ("Amount due", "Charged back, owed again"), height=6, align="R")
     for note in _notes(invoice):
         doc.wrapped(note, 8)
+    chargebacks = chargeback_lines(invoice)
+    if chargebacks:
+        doc.pdf.ln(2)
+        doc.line("Chargebacks", 10, bold=True)
+        for line in chargebacks:
+            doc.wrapped(line, 8)
     doc.pdf.ln(2)
     doc.wrapped(ROUNDING_NOTE, 8)
     return doc.output()

@@ -6,11 +6,12 @@ charged back, the account delinquent from the dispute's creation and suspended a
 period, as a failed payment would) for what the dispute took back (a partial dispute: its part); a won
 dispute makes it paid again; an invoice paid by two payments, or a payment disputed twice, keeps each
 dispute; events in any order, and repeated, end the same; an inquiry, and a dispute of a payment that is
-no invoice of ours, change nothing."""
+no invoice of ours, change nothing. The invoice's documents show its chargebacks."""
 
 from __future__ import annotations
 
 import asyncio
+import html
 import random
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -23,6 +24,7 @@ from billing.invoices.views import get_invoice
 from billing.keys.store import KeyStore
 from billing.stripe.invoice_disputes import INVOICES, InvoicePayment, chargeback
 from tests.billing.invoice_helpers import App, new_key, serve
+from tests.billing.invoices.test_invoice_documents import pdf_text
 from tests.billing.stripe.test_checkout import fake  # noqa: F401  (the fixture)
 from tests.billing.stripe.test_stripe import closed_september, wait_for
 from tests.conftest import SECRET
@@ -126,7 +128,7 @@ async def test_a_chargeback_makes_a_paid_invoice_owed_again_and_a_won_dispute_pa
 async def test_a_partial_chargeback_owes_the_disputed_amount_with_a_grace_period(
         db_url: str, db: Any, fake: FakeStripePayments, tmp_path: Path) -> None:
     """A dispute of 50 cents of an 89-cent invoice's payment: 50 cents are owed again, not 89, in the
-    views, the account's state and the suspension message; the grace period
+    views, the account's state, the suspension message and the invoice's documents; the grace period
     applies as to a failed payment."""
     ids, invoices = await closed_september(db)
     key = await new_key(db, ids["a"])
@@ -147,6 +149,16 @@ async def test_a_partial_chargeback_owes_the_disputed_amount_with_a_grace_period
                 return "(0.50 USD)" in (app.billing.states.suspension(principal, now=later) or "")
 
             await wait_for(names_the_chargeback)
+            # the invoice's documents say so: the disputed amount, its date, its status, what is owed again
+            day = shown["charged_back_at"][:10]
+            page = (await admin.get(f"/admin/invoices/{shown['id']}/html")).text
+            pdf = pdf_text((await admin.get(f"/admin/invoices/{shown['id']}/pdf")).content)
+            line = f"Chargeback of $0.50 USD disputed by the cardholder's bank on {day} (dispute open): $0.50 taken back, owed again"
+            assert html.escape(line) in page and "<td>Charged back, owed again</td><td class=n>$0.50</td>" in page
+            assert " ".join(pdf.split()).count(line) == 1 and "Charged back, owed again: $0.50" in pdf, pdf
+            async with app.as_key(key) as customer:
+                mine = (await customer.get(f"/v1/invoices/{shown['id']}/html")).text
+                assert html.escape(line) in mine
 
 
 async def test_several_disputes_of_one_invoice_each_count_until_won_or_settled(
