@@ -101,6 +101,7 @@ async def test_a_chargeback_makes_a_paid_invoice_owed_again_and_a_won_dispute_pa
             assert shown["charged_back_at"] is not None and shown["chargeback_cents"] == 89
             assert [(c["dispute_id"], c["status"], c["disputed_cents"], c["amount_cents"], c["owed"]) for c in shown["chargebacks"]] == [
                 (dispute["id"], "needs_response", 89, 89, True)]
+            assert shown["stripe"]["chargeback_dispute_id"] == dispute["id"]  # the field of before, kept
             standing = await p.standing("a")
             assert standing["state"] == "suspended" and standing["delinquent_since"] == shown["charged_back_at"]
             assert [(u["number"], u["total_cents"], u["amount_owed_cents"], u["charged_back_at"]) for u in standing["unpaid_invoices"]] == [
@@ -121,6 +122,7 @@ async def test_a_chargeback_makes_a_paid_invoice_owed_again_and_a_won_dispute_pa
             shown = await p.invoice("a")
             assert shown["charged_back_at"] is None and shown["chargeback_cents"] == 0
             assert [(c["status"], c["disputed_cents"], c["amount_cents"], c["owed"]) for c in shown["chargebacks"]] == [("won", 89, 0, False)]
+            assert shown["stripe"]["chargeback_dispute_id"] is None
             assert (await p.standing("a"))["unpaid_invoices"] == []
             await wait_for(lambda: _not_suspended(app, principal))
 
