@@ -11,7 +11,7 @@ event re-reads the amount), status `unknown` until then; a settled one (`settled
 The downgrade keeps one dispute id per invoice: the earliest open one, else a settled one.
 
 Revision ID: 0026_invoice_chargeback_disputes
-Revises: 0024_invoice_chargebacks
+Revises: 0025_ledger_price_stamp
 Create Date: 2026-12-07
 """
 
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0026_invoice_chargeback_disputes"
-down_revision = "0024_invoice_chargebacks"
+down_revision = "0025_ledger_price_stamp"
 branch_labels = None
 depends_on = None
 
