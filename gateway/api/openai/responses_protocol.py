@@ -21,6 +21,7 @@ from gateway.api.openai.protocol import StrictBool, StrictInt, _Model
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")  # output_text: an earlier response's output passed back
 TOOL_CHOICES = ("auto", "none", "required")
+MIN_OUTPUT_TOKENS = 16  # the Responses API refuses a smaller max_output_tokens (chat's max_tokens takes 1)
 # What `include` may ask for (the SDK's ResponseIncludable): the logprobs are not given (as top_logprobs);
 # the rest belong to tools and inputs this gateway refuses, or to reasoning it has none of: nothing to add.
 INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
@@ -153,7 +154,7 @@ class ResponsesRequest(_Model):
     model: str
     input: str | list[Any]
     instructions: str | None = None
-    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_output_tokens: StrictInt | None = Field(default=None, json_schema_extra={"minimum": MIN_OUTPUT_TOKENS})  # checked in check_supported
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     stream: StrictBool | None = False
@@ -198,6 +199,9 @@ class ResponsesRequest(_Model):
         return False  # response.completed always carries usage
 
     def check_supported(self, passthrough: bool = False) -> None:
+        if self.max_output_tokens is not None and self.max_output_tokens < MIN_OUTPUT_TOKENS:  # OpenAI's own words and code
+            raise InvalidRequest(f"Invalid 'max_output_tokens': integer below minimum value. Expected a value >= {MIN_OUTPUT_TOKENS}, "
+                                 f"but got {self.max_output_tokens} instead.", param="max_output_tokens", code="integer_below_min_value")
         if isinstance(self.input, list) and not self.input:
             raise InvalidRequest("input must not be empty", param="input")
         if self.background:

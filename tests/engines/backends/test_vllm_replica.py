@@ -376,13 +376,13 @@ async def test_n_over_one_direct_and_refused_by_the_pool(vllm: VLLMServer, pool:
 async def test_responses_and_messages_on_the_pool_model(vllm: VLLMServer, pool: ModelsGateway, tenant_key: str) -> None:
     tg = through(pool, tenant_key)
     async with Meter(vllm) as meter:
-        raw = await tg.responses.with_raw_response.create(model=POOL, input="What is the capital of France?", max_output_tokens=8, temperature=0)
+        raw = await tg.responses.with_raw_response.create(model=POOL, input="What is the capital of France?", max_output_tokens=16, temperature=0)
         resp = raw.parse()
         counted = await meter.counted()
     assert resp.output_text and resp.usage and (resp.usage.input_tokens, resp.usage.output_tokens) == (counted.prompt_tokens, counted.generation_tokens)
     row = await row_of(pool, raw.headers["x-request-id"])
     assert row["api"] == "responses" and (row["prompt_tokens"], row["completion_tokens"]) == (counted.prompt_tokens, counted.generation_tokens)
-    direct_resp = await direct(vllm).responses.create(model=SERVED, input="What is the capital of France?", max_output_tokens=8, temperature=0)
+    direct_resp = await direct(vllm).responses.create(model=SERVED, input="What is the capital of France?", max_output_tokens=16, temperature=0)
     assert direct_resp.output_text == resp.output_text
 
     ac = anthropic.AsyncAnthropic(base_url=pool.base_url, api_key=tenant_key, max_retries=0, timeout=60)

@@ -155,7 +155,7 @@ async def test_messages_and_responses_are_routed_as_chat_completions_are(routed_
     claude = anthropic.AsyncAnthropic(base_url=routed_gw.base_url, api_key=key, max_retries=0, timeout=120)
     client = openai.AsyncOpenAI(base_url=routed_gw.v1, api_key=key, max_retries=0, timeout=120)
     msgs = [{"role": "user", "content": "Say hello."}]
-    for max_tokens, expected in ((8, "small"), (24, "large")):
+    for max_tokens, expected in ((16, "small"), (24, "large")):  # 16: the least the Responses API takes
         raw = await claude.messages.with_raw_response.create(model="auto", max_tokens=max_tokens, messages=msgs)  # type: ignore[arg-type]
         message = await raw.parse()  # the anthropic SDK's async raw response parses asynchronously
         assert message.model == expected and message.content, message

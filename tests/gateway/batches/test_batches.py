@@ -495,7 +495,7 @@ def lines_for(endpoint: str, bodies: list[dict[str, Any]]) -> bytes:
     # One model a file (OpenAI's rule); the second line is one its route refuses (400).
     ("/v1/completions", [{"model": MODEL, "prompt": "One two", "max_tokens": 2}, {"model": MODEL, "prompt": "x", "max_tokens": -1}],
      "text_completion"),
-    ("/v1/responses", [{"model": MODEL, "input": "Hi", "max_output_tokens": 2}, {"model": MODEL, "input": "x", "max_output_tokens": -1}],
+    ("/v1/responses", [{"model": MODEL, "input": "Hi", "max_output_tokens": 16}, {"model": MODEL, "input": "x", "max_output_tokens": -1}],
      "response"),
     ("/v1/embeddings", [{"model": "all-minilm-l6-v2", "input": "a sentence"}, {"model": "all-minilm-l6-v2", "input": ""}], "list"),
 ])

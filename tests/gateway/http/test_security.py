@@ -245,7 +245,7 @@ async def stored_responses_probe(gw: Gateway, a: dict[str, Any], b: dict[str, An
     """b stores a response (the Responses API); a cannot read, list the input of, or delete it by
     its id: each is a 404 that says nothing of b. b still reads it afterwards."""
     async with as_key(gw, b["key"]) as c:
-        made = await c.post("/v1/responses", json={"model": MODEL, "input": "Say hi.", "max_output_tokens": 2, "temperature": 0})
+        made = await c.post("/v1/responses", json={"model": MODEL, "input": "Say hi.", "max_output_tokens": 16, "temperature": 0})
         assert made.status_code == 200, made.text
         rid = made.json()["id"]
     async with as_key(gw, a["key"]) as c:

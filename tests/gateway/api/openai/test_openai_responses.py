@@ -101,15 +101,15 @@ async def test_stream_events_in_order_with_sequence_numbers_and_usage_equals_led
 
 
 async def test_max_output_tokens_is_incomplete(gateway: Gateway, client: Any) -> None:
-    cut = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=5, temperature=0)
-    assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete", "max_output_tokens", 5)
+    cut = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=16, temperature=0)
+    assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete", "max_output_tokens", 16)
     assert cut.output[0].status == "incomplete"
     row = await gateway.only_row(request_id_of(cut.id))
-    assert (row["status"], row["finish_reason"], row["completion_tokens"]) == ("completed", "length", 5)
+    assert (row["status"], row["finish_reason"], row["completion_tokens"]) == ("completed", "length", 16)
     assert (row["prompt_tokens"], row["completion_tokens"]) == await gateway.produced.counts(request_id_of(cut.id))
-    stream = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=5, temperature=0, stream=True)
+    stream = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=16, temperature=0, stream=True)
     events = [e async for e in stream]
-    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 5
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 16
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output_text == cut.output_text
 
@@ -123,7 +123,7 @@ async def test_bad_input_is_a_400_naming_the_field_and_nothing_is_metered(gatewa
             {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
         "input[0].role": {"model": MODEL, "input": [{"role": "tool", "content": "hi"}]},
         "temperature": {"model": MODEL, "input": QUESTION, "temperature": 3},
-        "max_output_tokens": {"model": MODEL, "input": QUESTION, "max_output_tokens": 0},
+        "max_output_tokens": {"model": MODEL, "input": QUESTION, "max_output_tokens": 15},  # OpenAI's minimum is 16
         "tools": {"model": MODEL, "input": QUESTION, "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]},
         "tool_choice": {"model": MODEL, "input": QUESTION, "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
         "text.format": {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "grammar"}}},
@@ -140,7 +140,7 @@ async def test_bad_input_is_a_400_naming_the_field_and_nothing_is_metered(gatewa
     bad_bodies["text.format.schema "] = {"model": MODEL, "input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x"}}}
     async with httpx.AsyncClient(base_url=gateway.base_url, headers={"Authorization": f"Bearer {customer['key']}"}, timeout=60) as c:
         for field, body in bad_bodies.items():
-            r = await c.post("/v1/responses", json={"max_output_tokens": 3, **body})  # short, were it served
+            r = await c.post("/v1/responses", json={"max_output_tokens": 16, **body})  # short, were it served
             assert r.status_code == 400, (field, r.text)
             assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == field.strip(), (field, r.text)
         r = await c.post("/v1/responses", content=b"{not json")
@@ -155,15 +155,15 @@ async def test_bad_input_is_a_400_naming_the_field_and_nothing_is_metered(gatewa
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=customer["id"]) == 0
     # The server keeps serving.
-    ok = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, temperature=0)
-    assert ok.usage.output_tokens == 3
+    ok = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=16, temperature=0)
+    assert ok.usage.output_tokens == 16
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=customer["id"]) == 1
 
 
 async def test_wrong_key_is_401(gateway: Gateway, client_for: Any) -> None:
     with pytest.raises(openai.AuthenticationError) as caught:
-        await client_for("sk-wrong-" + "x" * 40).responses.create(model=MODEL, input=QUESTION, max_output_tokens=3)
+        await client_for("sk-wrong-" + "x" * 40).responses.create(model=MODEL, input=QUESTION, max_output_tokens=16)
     assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         await client_for("sk-wrong-" + "x" * 40).responses.retrieve("resp_x")
@@ -224,7 +224,7 @@ async def test_store_retrieve_input_items_delete_and_other_accounts(gateway: Gat
     # (ResponseOutputMessage); an input_text part there matches no item of the SDK's ResponseItem
     turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
              {"role": "assistant", "content": [{"type": "output_text", "text": "How can I help?"}]}, {"role": "user", "content": QUESTION}]
-    chat = await client.responses.create(model=MODEL, input=turns, max_output_tokens=5, temperature=0)
+    chat = await client.responses.create(model=MODEL, input=turns, max_output_tokens=16, temperature=0)
     raw = await client.responses.input_items.with_raw_response.list(chat.id, order="asc")
     from openai.types.responses.response_item import ResponseItem
     from pydantic import TypeAdapter
@@ -235,7 +235,7 @@ async def test_store_retrieve_input_items_delete_and_other_accounts(gateway: Gat
     assert [i.content[0].annotations for i in parsed[1:3]] == [[], []]  # type: ignore[union-attr]
 
     # A streamed response is stored as its response.completed says, before that event is sent.
-    async with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0) as stream:
+    async with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0) as stream:
         final = await stream.get_final_response()
     assert (await client.responses.retrieve(final.id)).output_text == final.output_text
 
@@ -247,7 +247,7 @@ async def test_store_retrieve_input_items_delete_and_other_accounts(gateway: Gat
     with pytest.raises(openai.NotFoundError):
         await other.responses.delete(resp.id)
     with pytest.raises(openai.BadRequestError) as caught:
-        await other.responses.create(model=MODEL, input="And Germany?", previous_response_id=resp.id, max_output_tokens=5)
+        await other.responses.create(model=MODEL, input="And Germany?", previous_response_id=resp.id, max_output_tokens=16)
     assert caught.value.body["code"] == "previous_response_not_found"
     assert (await client.responses.retrieve(resp.id)).id == resp.id  # untouched by the other account
 
@@ -257,14 +257,14 @@ async def test_store_retrieve_input_items_delete_and_other_accounts(gateway: Gat
     with pytest.raises(openai.NotFoundError):
         await client.responses.delete(resp.id)
 
-    unstored = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, store=False)
+    unstored = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16, store=False)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(unstored.id)
 
 
 async def test_retention_hides_expired_responses(gateway: Gateway, client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    resp = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3)
+    resp = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16)
     db = create_engine(gateway.db_url)
     try:
         async with db.begin() as conn:
@@ -295,7 +295,7 @@ async def test_previous_response_id_bills_earlier_turns_as_prompt_tokens(gateway
     assert (row["prompt_tokens"], row["completion_tokens"], row["api"]) == (second.usage.input_tokens, second.usage.output_tokens, "responses")
     # A third turn carries both earlier turns; the earlier response deleted, the chain still holds.
     await client.responses.delete(first.id)
-    third = await client.responses.create(model=MODEL, input="Thanks.", previous_response_id=second.id, max_output_tokens=5, temperature=0)
+    third = await client.responses.create(model=MODEL, input="Thanks.", previous_response_id=second.id, max_output_tokens=16, temperature=0)
     assert third.usage.input_tokens == len(gateway.engine.encode_chat(
         conversation[1:] + [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Thanks."}]))
 
@@ -306,15 +306,15 @@ async def test_truncation_auto_drops_the_first_turns_until_the_prompt_fits(gatew
     is what the model saw; the stored conversation keeps every turn."""
     context = gateway.engine.context_length
     long_turn = "word " * (context * 3 // 5)  # two of them do not fit
-    first = await client.responses.create(model=MODEL, instructions=SYSTEM, input=long_turn, max_output_tokens=2, temperature=0)
+    first = await client.responses.create(model=MODEL, instructions=SYSTEM, input=long_turn, max_output_tokens=16, temperature=0)
     assert first.truncation == "disabled"
     for truncation in ({}, {"truncation": "disabled"}):
         with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.create(model=MODEL, instructions=SYSTEM, input=long_turn, previous_response_id=first.id,
-                                          max_output_tokens=2, temperature=0, **truncation)
+                                          max_output_tokens=16, temperature=0, **truncation)
         assert refused.value.code == "context_length_exceeded"
     second = await client.responses.create(model=MODEL, instructions=SYSTEM, input=long_turn, previous_response_id=first.id,
-                                           max_output_tokens=2, temperature=0, truncation="auto")
+                                           max_output_tokens=16, temperature=0, truncation="auto")
     assert second.truncation == "auto" and second.status in ("completed", "incomplete")
     seen = [{"role": "system", "content": SYSTEM}, {"role": "assistant", "content": first.output_text},  # the first item dropped
             {"role": "user", "content": long_turn}]
@@ -330,7 +330,7 @@ async def test_truncation_auto_drops_the_first_turns_until_the_prompt_fits(gatew
     assert [m["role"] for m in json.loads(stored)] == ["user", "assistant", "user"]  # stored: every turn
     # a conversation that fits is not touched
     short = await client.responses.create(model=MODEL, input="And of Germany?", previous_response_id=first.id,
-                                          max_output_tokens=2, temperature=0, truncation="auto")
+                                          max_output_tokens=16, temperature=0, truncation="auto")
     assert short.usage.input_tokens > first.usage.input_tokens
 
 
@@ -387,9 +387,9 @@ def test_every_event_validates_against_the_sdk_models_and_a_failure_is_error_the
 async def test_store_and_continuation_on_sqlite(sqlite_gateway: Gateway, client_for: Any) -> None:
     """The same store on the embedded default (SQLite, the same migration history)."""
     client = client_for((await sqlite_gateway.new_key())["key"], sqlite_gateway)
-    first = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0)
+    first = await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0)
     assert (await client.responses.retrieve(first.id)).output_text == first.output_text
-    second = await client.responses.create(model=MODEL, input="And of Germany?", previous_response_id=first.id, max_output_tokens=5)
+    second = await client.responses.create(model=MODEL, input="And of Germany?", previous_response_id=first.id, max_output_tokens=16)
     assert second.usage.input_tokens == len(sqlite_gateway.engine.encode_chat([
         {"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And of Germany?"}]))
@@ -409,12 +409,12 @@ async def test_suspended_account_is_refused_before_admission(
     real = states.suspension
     monkeypatch.setattr(states, "suspension", lambda p, now=None: "suspended for INV-9" if p.account_id == customer["account_id"] else real(p, now))
     with pytest.raises(openai.PermissionDeniedError) as caught:
-        await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, stream=True)
+        await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16, stream=True)
     assert caught.value.body["code"] == "account_suspended" and "INV-9" in caught.value.body["message"]
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=customer["id"]) == 0
     monkeypatch.setattr(states, "suspension", real)
-    assert (await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3)).usage.output_tokens == 3
+    assert (await client.responses.create(model=MODEL, input=LONG, max_output_tokens=16, temperature=0)).usage.output_tokens == 16
 
 
 def test_a_truncation_that_starts_at_a_calls_output_is_a_conversation_it_may_try() -> None:
@@ -437,3 +437,23 @@ def test_a_truncation_that_starts_at_a_calls_output_is_a_conversation_it_may_try
         cut = {**body, "messages": list(body["messages"])}
         request.keep_from(cut["messages"], keep)
         assert chat_equivalent(cut, False, ()).messages, keep
+
+
+async def test_max_output_tokens_below_16_is_openais_400(gateway: Gateway, customer: dict[str, Any], client: Any) -> None:
+    """OpenAI's Responses API refuses a max_output_tokens below 16 (chat's max_tokens takes 1): a 400
+    invalid_request_error, param max_output_tokens, code integer_below_min_value, in its own words.
+    Nothing is admitted, so nothing is metered; 16 is served."""
+    for n in (0, 1, 15):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=n, stream=stream)
+            assert caught.value.status_code == 400
+            assert caught.value.body == {  # type: ignore[comparison-overlap]
+                "message": f"Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 16, but got {n} instead.",
+                "type": "invalid_request_error", "param": "max_output_tokens", "code": "integer_below_min_value"}
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 0
+    ok = await client.responses.create(model=MODEL, input=LONG, max_output_tokens=16, temperature=0)
+    assert (ok.max_output_tokens, ok.usage.output_tokens) == (16, 16)
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 1

@@ -373,7 +373,7 @@ def answer_text(body: dict[str, Any]) -> str:
 async def test_cache_hits_on_responses_and_messages_are_served_and_metered_as_chats(gw: Any) -> None:
     key = (await gw.new_key())["key"]
     headers = {"Authorization": f"Bearer {key}"}
-    bodies = {"/v1/responses": {"model": "llama", "input": QUESTION, "max_output_tokens": 9, "temperature": 0},
+    bodies = {"/v1/responses": {"model": "llama", "input": QUESTION, "max_output_tokens": 16, "temperature": 0},
               "/v1/messages": {"model": "llama", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 9, "temperature": 0}}
     async with httpx.AsyncClient(base_url=gw.base_url, headers=headers, timeout=30) as c:
         for path, body in bodies.items():
