@@ -17,6 +17,7 @@ from gateway.http.errors import InvalidRequest
 from gateway.api.openai.protocol import StrictBool, StrictInt, _Model
 
 MAX_STOP_SEQUENCES = 16  # each is searched for in the generated text; Anthropic sets no small limit
+ERROR_MARK = "Error: "  # what a tool_result with is_error=true starts with in the tool message the model reads
 
 
 class ContentBlock(_Model):
@@ -27,7 +28,7 @@ class ContentBlock(_Model):
     input: Any = None  # tool_use
     tool_use_id: str | None = None  # tool_result
     content: str | list[Any] | None = None  # tool_result
-    is_error: bool | None = None  # tool_result
+    is_error: StrictBool | None = None  # tool_result: the tool failed; its result reaches the model marked so (ERROR_MARK)
 
 
 TextBlock = ContentBlock  # what `system` takes (text blocks)
@@ -86,8 +87,10 @@ class InputMessage(_Model):
             elif block.type == "tool_result" and self.role == "user":
                 if not block.tool_use_id:
                     raise InvalidRequest("a tool_result block needs its tool_use_id", param=f"{param}[{j}].tool_use_id")
-                results.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                                "content": _result_text(block.content, f"{param}[{j}].content")})
+                text = _result_text(block.content, f"{param}[{j}].content")
+                if block.is_error:  # the chat tool message has no error flag: the model reads it in the text
+                    text = ERROR_MARK + text if text else ERROR_MARK.rstrip(": ")
+                results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
             else:
                 allowed = "'text' and 'tool_use'" if self.role == "assistant" else "'text' and 'tool_result'"
                 raise InvalidRequest(f"content block type {block.type!r} is not supported in a {self.role} message; only {allowed} blocks are",

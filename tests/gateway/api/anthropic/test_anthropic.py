@@ -379,3 +379,41 @@ async def test_what_answers_before_the_route_speaks_anthropics_shape_on_its_path
     with pytest.raises(anthropic.NotFoundError) as missing:
         await claude.post("/v1/messages/nope", cast_to=httpx.Response, body={})
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+
+WEATHER_CALL = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}]
+WEATHER_TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def weather_result(**block: Any) -> list[dict[str, Any]]:
+    return [*WEATHER_CALL, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "city not found", **block}]}]
+
+
+def weather_chat(result: str) -> list[dict[str, Any]]:
+    """The chat messages the model's template gets for WEATHER_CALL and a tool result saying `result`."""
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    return [WEATHER_CALL[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": result}]
+
+
+async def test_a_tool_result_with_is_error_reaches_the_model_marked_as_an_error(gateway: Gateway, customer: dict[str, Any], claude: Any) -> None:
+    """Anthropic's ToolResultBlockParam has `is_error: bool`: the tool failed, and the model is told so.
+    A chat tool message has no such flag, so its text says it ("Error: ..."); the prompt billed is
+    that one (it used to be the plain result's, is_error dropped). A non-boolean is a 400, no row."""
+    failed = await claude.messages.create(model=MODEL, max_tokens=5, messages=weather_result(is_error=True), extra_body=GREEDY)
+    assert failed.usage.input_tokens == len(gateway.engine.encode_chat(weather_chat("Error: city not found")))
+    assert failed.usage.input_tokens != len(gateway.engine.encode_chat(weather_chat("city not found")))
+    row = await gateway.only_row(request_id_of(failed.id))
+    assert (row["prompt_tokens"], row["api"]) == (failed.usage.input_tokens, "messages")
+    for block, text in (({"is_error": False}, "city not found"), ({}, "city not found"), ({"is_error": True, "content": ""}, "Error"),
+                        ({"is_error": True, "content": [{"type": "text", "text": "city "}, {"type": "text", "text": "not found"}]},
+                         "Error: city not found")):
+        counted = await claude.messages.count_tokens(model=MODEL, messages=weather_result(**block))
+        assert counted.input_tokens == len(gateway.engine.encode_chat(weather_chat(text))), block
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await claude.messages.create(model=MODEL, max_tokens=5, messages=weather_result(is_error="yes"))
+    assert refused.value.body["error"]["type"] == "invalid_request_error"
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 1
+
