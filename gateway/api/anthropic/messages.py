@@ -103,7 +103,8 @@ class MessageRenderer:
             "content": content,
             "stop_reason": stop,
             "stop_sequence": self.gen.stop_sequence if stop == "stop_sequence" else None,
-            "usage": usage_of(self.gen, output_tokens),
+            # The Message's usage as Anthropic's has it: no cache written (cache_control is ignored)
+            "usage": {**usage_of(self.gen, output_tokens), "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}},
         }
 
     def _start(self, block: dict[str, Any]) -> bytes:

@@ -17,7 +17,26 @@ from gateway.http.errors import InvalidRequest
 from gateway.api.openai.protocol import StrictBool, StrictInt, _Model
 
 MAX_STOP_SEQUENCES = 16  # each is searched for in the generated text; Anthropic sets no small limit
+MAX_CACHE_BREAKPOINTS = 4  # Anthropic's limit on blocks with cache_control in one request
 ERROR_MARK = "Error: "  # what a tool_result with is_error=true starts with in the tool message the model reads
+
+
+def cache_control(value: Any, param: str) -> bool:
+    """Whether `value` (a block's, a tool's or the request's `cache_control`) marks a breakpoint:
+    null is none; else it must be Anthropic's `{"type": "ephemeral", "ttl"?: "5m" | "1h"}` (a 400
+    naming the field otherwise). There is no prompt cache to control here: it is accepted and ignored."""
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{param}: must be an object like {{\"type\": \"ephemeral\"}}", param=param)
+    if value.get("type") != "ephemeral":
+        raise InvalidRequest(f"{param}.type: Input should be 'ephemeral'", param=f"{param}.type")
+    if "ttl" in value and value["ttl"] not in ("5m", "1h"):
+        raise InvalidRequest(f"{param}.ttl: Input should be '5m' or '1h'", param=f"{param}.ttl")
+    unknown = sorted(set(value) - {"type", "ttl"})
+    if unknown:
+        raise InvalidRequest(f"{param}.{unknown[0]}: Extra inputs are not permitted", param=f"{param}.{unknown[0]}")
+    return True
 
 
 class ContentBlock(_Model):
@@ -29,6 +48,7 @@ class ContentBlock(_Model):
     tool_use_id: str | None = None  # tool_result
     content: str | list[Any] | None = None  # tool_result
     is_error: StrictBool | None = None  # tool_result: the tool failed; its result reaches the model marked so (ERROR_MARK)
+    cache_control: Any = None  # any block: a prompt-cache breakpoint, checked (cache_control) and otherwise ignored
 
 
 TextBlock = ContentBlock  # what `system` takes (text blocks)
@@ -186,8 +206,29 @@ class _ToolsAndMessages(_Model):
     system: str | list[ContentBlock] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    cache_control: Any = None  # automatic caching: the last cacheable block's breakpoint (checked, ignored)
 
     thinking: Any = None
+
+    def cache_breakpoints(self) -> int:
+        """The blocks that carry a `cache_control` breakpoint (system, message and tool_result content
+        blocks, tools), each checked (`cache_control`); more than Anthropic's 4 is its 400."""
+        cache_control(self.cache_control, "cache_control")  # the request's own (automatic caching): no block of its own
+        marked: list[tuple[Any, str]] = []
+        if isinstance(self.system, list):
+            marked += [(b.cache_control, f"system[{j}].cache_control") for j, b in enumerate(self.system)]
+        for i, m in enumerate(self.messages):
+            for j, b in enumerate(m.content if isinstance(m.content, list) else ()):
+                marked.append((b.cache_control, f"messages[{i}].content[{j}].cache_control"))
+                parts = b.content if b.type == "tool_result" and isinstance(b.content, list) else ()
+                marked += [(p.get("cache_control"), f"messages[{i}].content[{j}].content[{k}].cache_control")
+                           for k, p in enumerate(parts) if isinstance(p, dict)]
+        marked += [(t.get("cache_control"), f"tools[{i}].cache_control") for i, t in enumerate(self.tools or ()) if isinstance(t, dict)]
+        found = sum(cache_control(value, param) for value, param in marked)
+        if found > MAX_CACHE_BREAKPOINTS:
+            raise InvalidRequest(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {found}.",
+                                 param="cache_control")
+        return found
 
     def check_supported(self, passthrough: bool = False) -> None:
         """What a Messages request refuses of its prompt, which count_tokens refuses the same way."""
@@ -202,6 +243,7 @@ class _ToolsAndMessages(_Model):
             chat_tools(self.tools)
         chat_tool_choice(self.tool_choice, self.tools)
         self.chat_messages()
+        self.cache_breakpoints()
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.system, self.messages)

@@ -417,3 +417,44 @@ async def test_a_tool_result_with_is_error_reaches_the_model_marked_as_an_error(
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=customer["id"]) == 1
 
+
+async def test_cache_control_is_accepted_ignored_and_usage_says_nothing_was_cached(gateway: Gateway, customer: dict[str, Any], claude: Any) -> None:
+    """Anthropic takes `cache_control` ({"type": "ephemeral", "ttl"?: "5m" | "1h"}) on system, message
+    and tool_result content blocks, tools, and the request itself (the SDK's CacheControlEphemeralParam),
+    at most 4 breakpoints. No prompt cache is controlled here: the prompt is the same as without them,
+    and usage says nothing was written to a cache (cache_creation_input_tokens 0 and its breakdown).
+    A malformed one, or a fifth, is Anthropic's 400 naming it, and nothing is metered."""
+    mark, hour = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C", "cache_control": mark}]}
+    marked = {"system": [{"type": "text", "text": SYSTEM, "cache_control": hour}], "tools": [{**WEATHER_TOOL, "cache_control": mark}],
+              "messages": [*WEATHER_CALL, {"role": "user", "content": [result, {"type": "text", "text": "And now?", "cache_control": mark}]}]}
+    plain = {"system": SYSTEM, "tools": [WEATHER_TOOL], "messages": [*WEATHER_CALL, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C"}, {"type": "text", "text": "And now?"}]}]}
+    msg = await claude.messages.create(model=MODEL, max_tokens=5, cache_control=mark, extra_body=GREEDY, **marked)
+    assert msg.usage.input_tokens == (await claude.messages.count_tokens(model=MODEL, **plain)).input_tokens
+    assert msg.usage.input_tokens == (await claude.messages.count_tokens(model=MODEL, cache_control=mark, **marked)).input_tokens
+    assert (msg.usage.cache_creation_input_tokens, msg.usage.cache_read_input_tokens) == (0, 0)
+    assert msg.usage.cache_creation is not None and msg.usage.cache_creation.model_dump() == {
+        "ephemeral_1h_input_tokens": 0, "ephemeral_5m_input_tokens": 0}
+    row = await gateway.only_row(request_id_of(msg.id))
+    assert row["prompt_tokens"] == msg.usage.input_tokens
+    headers = {"x-api-key": customer["key"], "anthropic-version": "2023-06-01"}
+    text = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "forever"}}]}]
+    five = [{"role": "user", "content": [{"type": "text", "text": f"part {i}", "cache_control": mark} for i in range(5)]}]
+    bad = [("messages[0].content[0].cache_control.type", {"messages": text}),
+           ("system[0].cache_control.ttl", {"messages": QUESTION, "system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}),
+           ("tools[0].cache_control", {"messages": QUESTION, "tools": [{**WEATHER_TOOL, "cache_control": "ephemeral"}]}),
+           ("cache_control.type", {"messages": QUESTION, "cache_control": {}}),
+           ("messages[2].content[0].content[0].cache_control.type", {"messages": weather_result(content=[{"type": "text", "text": "x", "cache_control": {"type": 1}}])}),
+           ("A maximum of 4 blocks with cache_control may be provided. Found 5.", {"messages": five})]
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=60) as c:
+        for needle, body in bad:
+            for path, extra in (("/v1/messages", {"max_tokens": 5}), ("/v1/messages/count_tokens", {})):
+                r = await c.post(path, json={"model": MODEL, **extra, **body})
+                assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (needle, r.text)
+                assert needle in r.json()["error"]["message"], (needle, r.text)
+    four = [{"role": "user", "content": [{"type": "text", "text": f"part {i}", "cache_control": mark} for i in range(4)]}]
+    assert (await claude.messages.create(model=MODEL, max_tokens=2, messages=four, cache_control=mark, extra_body=GREEDY)).usage.output_tokens == 2
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 2
+
