@@ -78,7 +78,8 @@ RESPONSES: dict[str, dict[str, Any]] = {
         "stop_reason": _nullable({"enum": ["end_turn", "max_tokens", "stop_sequence"]}), "stop_sequence": _nullable(STR),
         "usage": _obj({"input_tokens": INT, "output_tokens": INT}, {
             "cache_creation_input_tokens": INT, "cache_read_input_tokens": INT,
-            "cache_creation": _obj({"ephemeral_5m_input_tokens": INT, "ephemeral_1h_input_tokens": INT})}),
+            "cache_creation": _obj({"ephemeral_5m_input_tokens": INT, "ephemeral_1h_input_tokens": INT}),
+            "service_tier": {"enum": ["standard", "priority", "batch"]}}),
     }),
     "MessageTokens": _obj({"input_tokens": INT}),
     "Response": _obj({

@@ -83,8 +83,9 @@ class MessageRenderer:
     block (streamed as `input_json_delta`s). A block starts when its first piece arrives and stops
     when the next one starts or the message ends; `stop_reason` is `tool_use` when the model called one."""
 
-    def __init__(self, gen: Generation) -> None:
+    def __init__(self, gen: Generation, service_tier: str = "standard") -> None:
         self.gen = gen
+        self.service_tier = service_tier  # usage.service_tier: "standard", or "batch" for a batch's line
         self.id = "msg_" + gen.request_id
         self.blocks = 0  # content blocks started
         self.open: str | None = None  # the type of the block being streamed
@@ -103,8 +104,9 @@ class MessageRenderer:
             "content": content,
             "stop_reason": stop,
             "stop_sequence": self.gen.stop_sequence if stop == "stop_sequence" else None,
-            # The Message's usage as Anthropic's has it: no cache written (cache_control is ignored)
-            "usage": {**usage_of(self.gen, output_tokens), "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}},
+            # The Message's usage as Anthropic's has it: no cache written (cache_control is ignored), the tier it ran at
+            "usage": {**usage_of(self.gen, output_tokens), "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+                      "service_tier": self.service_tier},
         }
 
     def _start(self, block: dict[str, Any]) -> bytes:
@@ -235,7 +237,7 @@ async def _create_message(request: Request, request_id: str) -> Any:
     body = parse(MessagesRequest, await read_json(request, state.settings.http.max_body_bytes))
     service: CompletionService = state.service
     gen = service.prepare_messages(principal, body, request_id)  # as the chat completion it translates to
-    render = MessageRenderer(gen)
+    render = MessageRenderer(gen, "batch" if batch_line(request.scope) is not None else "standard")  # no priority tier here
 
     return await answer(
         request, service, gen,

@@ -277,6 +277,9 @@ class MessagesRequest(_ToolsAndMessages):
     top_k: StrictInt | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
     output_config: Any = None
+    # Priority capacity if there is some ("auto") or standard only: there is none here, so every
+    # request runs at the standard tier (a batch's line at the batch tier) and usage.service_tier says so.
+    service_tier: Literal["auto", "standard_only"] | None = None
     _chat: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     # What CompletionService reads of every generation request.

@@ -163,6 +163,7 @@ async def test_anthropic_message_batch_results(batch_gateway: Gateway) -> None:
     assert sorted(r.custom_id for r in results) == [f"m-{i}" for i in range(6)]
     for r in results:
         assert r.result.type == "succeeded" and r.result.message.type == "message"  # type: ignore[union-attr]
+        assert r.result.message.usage.service_tier == "batch"  # as Anthropic's batch results say  # type: ignore[union-attr]
     rows = await rows_of(gw, batch.id)
     assert len(rows) == 6 and all(r["api"] == "batch" for r in rows)
     assert all(r["cost_nanos"] == r["prompt_tokens"] * NANOS_IN + r["completion_tokens"] * NANOS_OUT for r in rows)

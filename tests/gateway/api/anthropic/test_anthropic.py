@@ -458,3 +458,23 @@ async def test_cache_control_is_accepted_ignored_and_usage_says_nothing_was_cach
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=customer["id"]) == 2
 
+
+async def test_service_tier_is_taken_and_usage_says_the_tier_it_ran_at(gateway: Gateway, customer: dict[str, Any], claude: Any) -> None:
+    """Anthropic's `service_tier` request parameter is "auto" (priority capacity if any) or
+    "standard_only"; its Usage says `service_tier` "standard" | "priority" | "batch". There is no
+    priority capacity here: every request runs, and says it ran, at the standard tier (the
+    non-streamed Message and the stream's message_start alike); another value is a 400 naming it."""
+    for tier in ("auto", "standard_only", None):
+        ask = {"service_tier": tier} if tier else {}
+        msg = await claude.messages.create(model=MODEL, max_tokens=3, messages=QUESTION, extra_body=GREEDY, **ask)
+        assert msg.usage.service_tier == "standard", tier
+        stream = await claude.messages.create(model=MODEL, max_tokens=3, messages=QUESTION, extra_body=GREEDY, stream=True, **ask)
+        events = [e async for e in stream]
+        assert events[0].type == "message_start" and events[0].message.usage.service_tier == "standard", tier
+        assert (await gateway.only_row(request_id_of(msg.id)))["completion_tokens"] == msg.usage.output_tokens
+    for wrong in ("priority", "standard", 1):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(model=MODEL, max_tokens=3, messages=QUESTION, extra_body={"service_tier": wrong})
+        assert "service_tier" in refused.value.body["error"]["message"], refused.value.body
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 6
