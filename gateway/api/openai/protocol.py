@@ -251,7 +251,8 @@ def parse(model: type[_Model], body: Any, *, passthrough: bool = False) -> Any:
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
+        errors = exc.errors(include_url=False)
+        first = _meant(errors)
         param = _param_path(first.get("loc", ()))
         kind = first.get("type", "")
         if kind == "missing":
@@ -274,12 +275,28 @@ def parse(model: type[_Model], body: Any, *, passthrough: bool = False) -> Any:
 _TYPE_LABELS = {"str", "int", "bool", "float", "dict", "list"}
 
 
+def _meant(errors: list[Any]) -> Any:
+    """The error to report: the first, unless it says the value is not of one branch of a union
+    (`content` not a string) while another branch's error lies deeper under the same field (its
+    list's block has a bad field): the value was meant as that branch, and that error names the field."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if not (loc and isinstance(loc[-1], str) and _branch_label(loc[-1]) and str(first.get("type", "")).endswith("_type")):
+        return first
+    deeper = [e for e in errors[1:] if tuple(e.get("loc", ()))[:len(loc) - 1] == loc[:-1] and len(e.get("loc", ())) > len(loc)]
+    return deeper[0] if deeper else first
+
+
+def _branch_label(part: str) -> bool:
+    return "[" in part or part in _TYPE_LABELS or part.startswith("function-")
+
+
 def _param_path(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and ("[" in part or part in _TYPE_LABELS or part.startswith("function-")):
+        elif isinstance(part, str) and _branch_label(part):
             continue  # union branch labels, not fields
         else:
             out += ("." if out else "") + str(part)

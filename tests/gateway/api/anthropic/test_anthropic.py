@@ -414,6 +414,8 @@ async def test_a_tool_result_with_is_error_reaches_the_model_marked_as_an_error(
     with pytest.raises(anthropic.BadRequestError) as refused:
         await claude.messages.create(model=MODEL, max_tokens=5, messages=weather_result(is_error="yes"))
     assert refused.value.body["error"]["type"] == "invalid_request_error"
+    # naming the field that is wrong (the content list's block), not the content's other form (a string)
+    assert refused.value.body["error"]["message"].startswith("invalid value for 'messages[2].content[0].is_error'"), refused.value.body
     await gateway.flush_ledger()
     assert await gateway.ledger_count(key_id=customer["id"]) == 1
 
