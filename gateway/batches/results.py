@@ -82,7 +82,9 @@ def parse_input(content: bytes, endpoint: str, max_lines: int) -> tuple[list[tup
         if custom_id in seen:
             raise BadInput(f"custom_id {custom_id!r} is used twice; each must be unique", number, "duplicate_custom_id", "custom_id")
         seen.add(custom_id)
-        if item.get("method", "POST") != "POST":
+        if "method" not in item:  # OpenAI fails such a file too ("missing required 'method'"), rather than assume POST
+            raise BadInput("missing required 'method': each line names its method, POST", number, param="method")
+        if item["method"] != "POST":
             raise BadInput("method must be POST", number, param="method")
         if item.get("url") != endpoint:
             raise BadInput(f"url must be the batch's endpoint {endpoint!r}", number, "url_mismatch", "url")

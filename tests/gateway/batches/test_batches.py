@@ -386,6 +386,8 @@ async def test_an_input_file_that_is_no_batch_makes_a_failed_batch_naming_the_li
         ((one + other_model).encode(), "/v1/chat/completions", ("model_mismatch", 2, "body.model")),
         (b"\n\n", "/v1/chat/completions", ("empty_file", None, None)),
         (chat_lines(2).replace(b'"model": ', b'"modle": ', 1), "/v1/chat/completions", ("invalid_request", 1, "body.model")),
+        # OpenAI fails a line without its method ("missing required 'method'"); it was run as a POST here.
+        (chat_lines(2).replace(b'"method": "POST", ', b'', 1), "/v1/chat/completions", ("invalid_request", 1, "method")),
     ]
     for content, endpoint, expected in cases:
         uploaded = await client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
