@@ -335,7 +335,8 @@ def _paths() -> dict[str, Any]:
 OBJECT = {"type": "object"}
 EXPIRES_AFTER = _obj({"anchor": {"const": "created_at"}, "seconds": {"type": "integer", "minimum": 3600, "maximum": 2_592_000}})
 BATCH_REQUEST = _obj({"input_file_id": STR, "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]},
-                      "completion_window": {"const": "24h"}}, {"metadata": {"type": "object", "additionalProperties": STR},
+                      "completion_window": {"const": "24h"}}, {"metadata": {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                                                                            "additionalProperties": {"type": "string", "maxLength": 512}},
                                                                "output_expires_after": EXPIRES_AFTER})
 MESSAGE_BATCH_REQUEST = _obj({"requests": {"type": "array", "minItems": 1, "items": _obj({
     "custom_id": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "params": {"type": "object"}})}})

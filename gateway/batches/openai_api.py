@@ -43,6 +43,27 @@ def expiry_seconds(anchor: Any, seconds: Any, param: str) -> int:
     return seconds
 
 
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's Metadata: 16 pairs, keys 64 characters, values 512
+
+
+def check_metadata(metadata: Any) -> None:
+    """OpenAI's Metadata, or the 400 saying which of its bounds this one passes (the pairs, a key's
+    length, a value's length or type): one message for all of them named none of the lengths."""
+    if not isinstance(metadata, dict):
+        raise InvalidRequest("metadata must be an object of string keys and string values", param="metadata", code="invalid_value")
+    if len(metadata) > METADATA_PAIRS:
+        raise InvalidRequest(f"metadata has {len(metadata)} pairs; at most {METADATA_PAIRS}", param="metadata", code="invalid_value")
+    for k, v in metadata.items():
+        if len(k) > METADATA_KEY:
+            raise InvalidRequest(f"metadata key {k[:METADATA_KEY]!r}... has {len(k)} characters; at most {METADATA_KEY}",
+                                 param="metadata", code="invalid_value")
+        if not isinstance(v, str):
+            raise InvalidRequest(f"metadata value of {k!r} must be a string", param="metadata", code="invalid_value")
+        if len(v) > METADATA_VALUE:
+            raise InvalidRequest(f"metadata value of {k!r} has {len(v)} characters; at most {METADATA_VALUE}",
+                                 param="metadata", code="invalid_value")
+
+
 def _no_file(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id}", param="id", code="file_not_found")
 
@@ -146,10 +167,8 @@ async def create_batch(request: Request) -> Response:
         raise InvalidRequest(f"endpoint must be one of {list(OPENAI_ENDPOINTS)}", param="endpoint", code="invalid_value")
     if not isinstance(window, str) or window not in WINDOWS:  # a list or object is no key of WINDOWS
         raise InvalidRequest(f"completion_window must be one of {list(WINDOWS)}", param="completion_window", code="invalid_value")
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
-                                 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                                            for k, v in metadata.items())):
-        raise InvalidRequest("metadata must be an object of at most 16 string values", param="metadata", code="invalid_value")
+    if metadata is not None:
+        check_metadata(metadata)
     output_expiry = body.get("output_expires_after")
     if output_expiry is not None:
         if not isinstance(output_expiry, dict):

@@ -371,6 +371,30 @@ async def test_bad_input_is_refused_in_openai_shape(batch_gateway: Gateway) -> N
     await refused(openai.NotFoundError, client.files.retrieve(good.id))
 
 
+async def test_metadata_takes_openais_bounds_and_a_refusal_names_the_one_passed(batch_gateway: Gateway) -> None:
+    """OpenAI's Metadata: 16 pairs, keys up to 64 characters, values up to 512 (strings). At the
+    bounds a batch is made and its metadata read back whole; past one, a 400 on `metadata` whose
+    message names that bound (one message, "at most 16 string values", answered them all)."""
+    import openai
+
+    gw = batch_gateway
+    client = openai_client(gw, (await gw.new_key())["key"])
+    good = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1))), purpose="batch")
+    fullest = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    batch = await client.batches.create(input_file_id=good.id, endpoint="/v1/chat/completions", completion_window="24h", metadata=fullest)
+    assert batch.metadata == fullest and (await client.batches.retrieve(batch.id)).metadata == fullest
+    for metadata, says in (({f"k{i}": "v" for i in range(17)}, "17 pairs; at most 16"),
+                           ({"k" * 65: "v"}, "65 characters; at most 64"),
+                           ({"k": "v" * 513}, "513 characters; at most 512"),
+                           ({"k": 5}, "must be a string")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.batches.create(input_file_id=good.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                        metadata=metadata)  # type: ignore[arg-type]
+        body = refused.value.body  # type: ignore[attr-defined]
+        assert body["param"] == "metadata" and says in body["message"], (says, body)
+    await ended(client, batch.id)
+
+
 async def test_an_input_file_that_is_no_batch_makes_a_failed_batch_naming_the_line(batch_gateway: Gateway) -> None:
     """As OpenAI: batches.create answers a Batch, which fails its validation (`failed`, `failed_at`)
     with the reason in `errors.data` (code, line, message, param) rather than a 400; nothing runs."""
