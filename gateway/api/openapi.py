@@ -351,7 +351,8 @@ def _batch_paths() -> dict[str, Any]:
 
     upload = {"required": True, "content": {"multipart/form-data": {"schema": _obj(
         {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}},
-        {"expires_after[anchor]": {"const": "created_at"}, "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000}})}}}
+        {"expires_after[anchor]": {"const": "created_at"}, "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2_592_000,
+                                                                                       "default": 2_592_000}})}}}  # none asked: 30 days, as OpenAI's
     results = {"200": {"description": "JSONL: one result a line", "content": {"application/binary": {"schema": STR}}}}
 
     def anthropic(summary: str, ok: dict[str, Any], body: str | None = None, params: list[Any] | None = None) -> dict[str, Any]:

@@ -29,6 +29,8 @@ def _state(request: Request) -> Any:
 
 
 EXPIRY_SECONDS = (3600, 2_592_000)  # OpenAI's bounds of an expires_after: 1 hour to 30 days
+# OpenAI: "By default, files with purpose=batch expire after 30 days" (its SDK's FileCreateParams.expires_after)
+BATCH_FILE_SECONDS = 2_592_000
 
 
 def expiry_seconds(anchor: Any, seconds: Any, param: str) -> int:
@@ -106,7 +108,8 @@ async def _upload_of(form: Any, most: int) -> tuple[str, str, bytes, int | None]
     if "\x00" in filename:  # kept in a text column
         raise InvalidRequest("the file's name must not contain NUL characters (\\u0000)", param="file")
     anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
-    expires_after = None if anchor is None and seconds is None else expiry_seconds(anchor, seconds, "expires_after")
+    # None asked: a batch input file expires after 30 days, as at OpenAI (it was kept until deleted, `expires_at: null`)
+    expires_after = BATCH_FILE_SECONDS if anchor is None and seconds is None else expiry_seconds(anchor, seconds, "expires_after")
     return purpose, filename, await upload.read(most + 1), expires_after
 
 

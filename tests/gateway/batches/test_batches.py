@@ -431,7 +431,8 @@ async def test_files_expire_as_their_expires_after_says(batch_gateway: Gateway) 
     gw = batch_gateway
     client = openai_client(gw, (await gw.new_key())["key"])
     kept = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(1))), purpose="batch")
-    assert kept.expires_at is None  # none asked: kept until deleted
+    # None asked: 30 days, as OpenAI's batch files ("By default, files with purpose=batch expire after 30 days")
+    assert kept.expires_at == kept.created_at + 30 * 24 * 3600 and (await client.files.retrieve(kept.id)).expires_at == kept.expires_at
     hour = await client.files.create(file=("in.jsonl", io.BytesIO(chat_lines(2))), purpose="batch",
                                      expires_after={"anchor": "created_at", "seconds": 3600})
     assert hour.expires_at == hour.created_at + 3600 and (await client.files.retrieve(hour.id)).expires_at == hour.expires_at
