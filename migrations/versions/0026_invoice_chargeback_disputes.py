@@ -6,7 +6,8 @@ or re-filed disputes), and a dispute may take back only part of a payment: one r
 dispute), and invoices.chargeback_cents, the sum taken back by those not won nor settled (kept with
 charged_back_at in the same transaction, billing/stripe/invoice_disputes.py).
 
-A chargeback recorded by 0024 becomes a row owed in full (what 0024 made owed; its dispute's next
+invoices.chargeback_dispute_id is kept (the earliest dispute owed again) for the processes of the code
+before this one, which still read it during a rolling update. A chargeback recorded by 0024 becomes a row owed in full (what 0024 made owed; its dispute's next
 event re-reads the amount), status `unknown` until then; a settled one (`settled:<id>`) a settled row.
 The downgrade keeps one dispute id per invoice: the earliest open one, else a settled one.
 
@@ -43,8 +44,9 @@ def upgrade() -> None:
         sa.UniqueConstraint("invoice_id", "dispute_id", name="uq_invoice_chargebacks_dispute"),
     )
     op.create_index("ix_invoice_chargebacks_invoice_id", "invoice_chargebacks", ["invoice_id"])
-    with op.batch_alter_table("invoices") as batch:
-        batch.add_column(sa.Column("chargeback_cents", sa.BigInteger, nullable=False, server_default="0"))
+    # Plain ALTERs: on SQLite a batch (table rebuild) of `invoices` drops the table, which the foreign
+    # keys of invoice_lines and invoice_chargebacks refuse once there are invoices.
+    op.add_column("invoices", sa.Column("chargeback_cents", sa.BigInteger, nullable=False, server_default="0"))
     op.execute(sa.text(
         "INSERT INTO invoice_chargebacks (invoice_id, dispute_id, status, currency, disputed_cents, amount_cents, disputed_at,"
         " settled_at, updated_at)"
@@ -58,20 +60,17 @@ def upgrade() -> None:
         " COALESCE(paid_at, created_at), CURRENT_TIMESTAMP, CURRENT_TIMESTAMP"
         f" FROM invoices WHERE chargeback_dispute_id LIKE '{SETTLED}%'"))
     op.execute(sa.text("UPDATE invoices SET chargeback_cents = total_cents WHERE charged_back_at IS NOT NULL"))
-    with op.batch_alter_table("invoices") as batch:
-        batch.drop_column("chargeback_dispute_id")
+    # chargeback_dispute_id stays (the earliest dispute owed again, kept by billing/stripe/invoice_disputes.py):
+    # processes of the code before this one still read it while a rolling update replaces them.
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("invoices") as batch:
-        batch.add_column(sa.Column("chargeback_dispute_id", sa.String(255), nullable=True))
     op.execute(sa.text(
         "UPDATE invoices SET chargeback_dispute_id = ("
         " SELECT CASE WHEN c.settled_at IS NULL AND c.amount_cents > 0 THEN c.dispute_id"
         f" ELSE '{SETTLED}' || c.dispute_id END"
         " FROM invoice_chargebacks c WHERE c.invoice_id = invoices.id"
         " ORDER BY CASE WHEN c.settled_at IS NULL AND c.amount_cents > 0 THEN 0 ELSE 1 END, c.disputed_at, c.id LIMIT 1)"))
-    with op.batch_alter_table("invoices") as batch:
-        batch.drop_column("chargeback_cents")
+    op.execute(sa.text("ALTER TABLE invoices DROP COLUMN chargeback_cents"))  # not a batch: see upgrade()
     op.drop_index("ix_invoice_chargebacks_invoice_id", table_name="invoice_chargebacks")
     op.drop_table("invoice_chargebacks")

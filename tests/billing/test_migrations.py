@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,64 @@ def test_two_processes_migrating_one_database_at_once_both_succeed(fresh_pg_data
     failures = [err.decode()[-600:] for p in procs for _, err in [p.communicate(timeout=120)] if p.returncode != 0]
     assert failures == []
     assert run_coro(_tables_and_diff(url))[0] == TABLES
+
+
+def _filled(table: sa.Table, **given: Any) -> dict[str, Any]:
+    """A row for `table` as this revision has it: `given`, and a plain value for each other column
+    that needs one (not null, no default)."""
+    row = dict(given)
+    for c in table.c:
+        if c.name in row or c.primary_key or c.nullable or c.server_default is not None:
+            continue
+        kind = c.type
+        row[c.name] = (datetime(2026, 9, 30, tzinfo=timezone.utc) if isinstance(kind, sa.DateTime) else
+                       0 if isinstance(kind, (sa.Integer, sa.Numeric, sa.Boolean)) else "[]" if c.name == "price_versions" else "x")
+    return row
+
+
+async def _write_invoices(url: str) -> None:
+    """An account with three paid September invoices of one line each, as 0024 left them: one plain,
+    one charged back (dispute du_open), one whose chargeback a person settled (settled:du_old)."""
+    db = create_engine(url)
+    try:
+        async with db.begin() as conn:
+            meta = sa.MetaData()
+            await conn.run_sync(lambda c: meta.reflect(c, only=["accounts", "invoices", "invoice_lines"]))
+            accounts, invoices, lines = (meta.tables[n] for n in ("accounts", "invoices", "invoice_lines"))
+            account = (await conn.execute(accounts.insert().values(**_filled(accounts, name="mig")).returning(accounts.c.id))).scalar_one()
+            marks = [(None, None), (datetime(2026, 10, 20, tzinfo=timezone.utc), "du_open"), (None, "settled:du_old")]
+            for i, (at, dispute) in enumerate(marks):
+                invoice = (await conn.execute(invoices.insert().values(**_filled(
+                    invoices, account_id=account, number=f"INV-{i}", period=f"2026-0{i + 7}", status="paid", currency="usd",
+                    total_cents=1000 + i, charged_back_at=at, chargeback_dispute_id=dispute)).returning(invoices.c.id))).scalar_one()
+                await conn.execute(lines.insert().values(**_filled(lines, invoice_id=invoice, position=0, tokens=10, amount_cents=1000 + i)))
+    finally:
+        await db.dispose()
+
+
+async def _read(url: str, query: str) -> list[tuple[Any, ...]]:
+    db = create_engine(url)
+    try:
+        async with db.connect() as conn:
+            return [tuple(r) for r in (await conn.execute(sa.text(query))).all()]
+    finally:
+        await db.dispose()
+
+
+def test_invoices_with_chargebacks_migrate_up_and_down_with_their_lines(database_url: str) -> None:
+    """0024 to 0026 and back on a database that has invoices: 0026 moves each dispute into
+    invoice_chargebacks (an open one owed in full, a settled one settled) and keeps
+    chargeback_dispute_id for the code before it. A batch rebuild of `invoices` (SQLite) failed there:
+    invoice_lines' foreign key refused the DROP TABLE, and the database was left half migrated."""
+    migrate.upgrade(database_url, "0024_invoice_chargebacks")
+    run_coro(_write_invoices(database_url))
+    migrate.upgrade(database_url)
+    assert run_coro(_read(database_url, "SELECT number, chargeback_cents, chargeback_dispute_id FROM invoices ORDER BY number")) == [
+        ("INV-0", 0, None), ("INV-1", 1001, "du_open"), ("INV-2", 0, "settled:du_old")]
+    assert run_coro(_read(database_url, "SELECT i.number, c.dispute_id, c.amount_cents, c.settled_at IS NOT NULL FROM invoice_chargebacks c "
+                                        "JOIN invoices i ON i.id = c.invoice_id ORDER BY i.number")) == [
+        ("INV-1", "du_open", 1001, False), ("INV-2", "du_old", 1002, True)]
+    migrate.downgrade(database_url, "0023_batch_lines_admitted_by")
+    assert run_coro(_read(database_url, "SELECT count(*) FROM invoices JOIN invoice_lines l ON l.invoice_id = invoices.id")) == [(3,)]
+    migrate.upgrade(database_url)
+    assert run_coro(_tables_and_diff(database_url)) == (TABLES, [])
