@@ -74,11 +74,16 @@ def owed_again() -> Any:
 
 
 async def refresh_invoice(conn: AsyncConnection, invoice_id: int) -> None:
-    """The invoice's charged_back_at and chargeback_cents from its chargeback rows."""
-    since, cents = (await conn.execute(
-        sa.select(sa.func.min(CHARGEBACKS.c.disputed_at), sa.func.coalesce(sa.func.sum(CHARGEBACKS.c.amount_cents), 0))
-        .where(CHARGEBACKS.c.invoice_id == invoice_id, owed_again()))).one()
-    await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice_id).values(charged_back_at=since, chargeback_cents=int(cents)))
+    """The invoice's charged_back_at, chargeback_cents and chargeback_dispute_id (the earliest
+    dispute) from its chargeback rows. The caller holds the invoice's row lock: two events' sums made
+    at once would each miss the other's row (READ COMMITTED) and the later write would win."""
+    owed = (await conn.execute(
+        sa.select(CHARGEBACKS.c.disputed_at, CHARGEBACKS.c.amount_cents, CHARGEBACKS.c.dispute_id)
+        .where(CHARGEBACKS.c.invoice_id == invoice_id, owed_again())
+        .order_by(CHARGEBACKS.c.disputed_at, CHARGEBACKS.c.id))).all()
+    await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice_id).values(
+        charged_back_at=owed[0].disputed_at if owed else None, chargeback_cents=sum(int(r.amount_cents) for r in owed),
+        chargeback_dispute_id=owed[0].dispute_id if owed else None))
 
 
 class UnknownDispute(LookupError):
@@ -155,8 +160,11 @@ def chargeback(dispute: dict[str, Any], payments: list[InvoicePayment], withdraw
     intent = dispute.get("payment_intent") if isinstance(dispute.get("payment_intent"), str) else None
 
     async def apply(conn: AsyncConnection) -> int | None:
+        # Locked, in one order: another event of the same invoice (a second dispute, a settle) waits,
+        # then reads this one's row (refresh_invoice).
         ours = (await conn.execute(sa.select(INVOICES.c.id, INVOICES.c.account_id, INVOICES.c.stripe_invoice_id, INVOICES.c.currency)
-                                   .where(INVOICES.c.stripe_invoice_id.in_(list(taken))).order_by(INVOICES.c.id))).all()
+                                   .where(INVOICES.c.stripe_invoice_id.in_(list(taken))).order_by(INVOICES.c.id)
+                                   .with_for_update())).all()
         now = utcnow()
         for row in ours:
             values = dict(status=status, currency=currency or row.currency, disputed_cents=disputed[row.stripe_invoice_id],

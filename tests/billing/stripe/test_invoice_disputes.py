@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 from stripe import StripeClient
 
 from billing.invoices.views import get_invoice
@@ -309,3 +310,39 @@ async def test_a_dispute_of_a_payment_of_two_invoices_is_split_over_them(db: Any
         shown = [await get_invoice(db, x["id"]) for x in (a, b)]
         assert tuple(s["chargeback_cents"] for s in shown if s) == expected, status
         assert [c["disputed_cents"] for s in shown if s for c in s["chargebacks"]] == [89, min(11, b["total_cents"])]
+
+
+async def test_two_disputes_of_one_invoice_applied_at_once_both_count(db: Any) -> None:
+    """Two disputes of one invoice's payments (300 and 400 cents of a's total) whose events arrive at
+    once: the second waits for the first's transaction (the invoice's row lock), then its sum reads
+    both rows. Without the lock it summed before the first committed and wrote last: 400, not 700
+    (a review's repro)."""
+    ids, invoices = await closed_september(db)
+    a = invoices[ids["a"]]
+    async with db.begin() as conn:
+        await conn.execute(INVOICES.update().where(INVOICES.c.id == a["id"]).values(status="paid", stripe_invoice_id="in_a", total_cents=1000))
+    paid = [InvoicePayment("in_a", 1000, "usd")]
+    first, second = (chargeback({"id": du, "status": "needs_response", "amount": cents, "currency": "usd", "created": 1_796_000_000 + i,
+                                 "payment_intent": f"pi_{du}"}, paid, cents, 0) for i, (du, cents) in enumerate((("du_1", 300), ("du_2", 400))))
+    assert first is not None and second is not None
+    async with db.connect() as holder, db.connect() as watcher:
+        pid = (await holder.execute(sa.text("SELECT pg_backend_pid()"))).scalar_one()
+        await holder.commit()
+        async with holder.begin():
+            await first(holder)  # not committed yet
+
+            async def apply_second() -> None:
+                async with db.begin() as conn:
+                    await second(conn)
+
+            task = asyncio.create_task(apply_second())
+            deadline = asyncio.get_running_loop().time() + 30
+            while not (await watcher.execute(sa.text(  # the second event blocked behind the first's transaction
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND :pid = ANY(pg_blocking_pids(pid))"),
+                    {"pid": pid})).scalar_one():
+                assert asyncio.get_running_loop().time() < deadline and not task.done(), "the second event never waited"
+                await watcher.commit()
+        await task
+    shown = await get_invoice(db, a["id"])
+    assert shown is not None
+    assert (shown["chargeback_cents"], shown["stripe"]["chargeback_dispute_id"]) == (700, "du_1")
