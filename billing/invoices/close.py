@@ -189,9 +189,10 @@ async def priced_usage(
 
 
 def _price(book: PriceBook, account_id: int, model: str, at: datetime, vid: int | None, oid: int | None) -> EffectivePrice | None:
-    """The price rows were admitted at (their ids), or, for rows written before migration 0025, the
-    one in force at `at` (the start of their slice)."""
-    if vid is None and oid is None:
+    """The price rows were admitted at (their ids); the one in force at `at` (the start of their
+    slice) for rows written before migration 0025, and for rows a version backdated later re-prices
+    (what `--backdate` is for: an open period's rows at the price they should have had)."""
+    if (vid is None and oid is None) or book.backdated_over(account_id, model, at):
         return book.price_for(account_id, model, at)
     try:
         return book.stamped(model, vid, oid)

@@ -92,6 +92,7 @@ class PriceVersion:
     cached_input_per_million: Decimal | None = None
     batch_input_per_million: Decimal | None = None  # a batch line's price; None: the normal one
     batch_output_per_million: Decimal | None = None
+    created_at: datetime | None = None  # when it was added (later than effective_from: backdated)
 
     def cost_nanos(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> int:
         per_in = int(self.input_per_million * NANOS_PER_MILLION_UNIT)
@@ -150,6 +151,7 @@ class OverrideVersion:
     multiplier: Decimal | None
     effective_from: datetime
     cached_input_per_million: Decimal | None = None  # a custom price's; None: cached tokens at its input price
+    created_at: datetime | None = None  # when it was added (later than effective_from: backdated)
 
     def view(self) -> dict[str, Any]:
         return {
@@ -273,6 +275,7 @@ def _override(row: Any) -> OverrideVersion:
         multiplier=dec(row.multiplier, "0.000001"),
         effective_from=_aware(row.effective_from),
         cached_input_per_million=dec(row.cached_input_per_million, "0.001"),
+        created_at=_aware(row.created_at) if getattr(row, "created_at", None) is not None else None,
     )
 
 
@@ -309,6 +312,10 @@ def _compose(model: str, base: PriceVersion | None, override: OverrideVersion | 
 _FOREVER = datetime.max.replace(tzinfo=timezone.utc)
 
 
+def _backdated(version: PriceVersion | OverrideVersion) -> bool:
+    return version.created_at is not None and version.created_at - version.effective_from > PAST_SLACK
+
+
 def _in_force(versions: list[Any] | None, when: datetime) -> Any:
     return _around(versions, when)[0]
 
@@ -335,6 +342,7 @@ def _version(row: Any) -> PriceVersion:
         ),
         batch_input_per_million=_places(getattr(row, "batch_input_per_million", None)),
         batch_output_per_million=_places(getattr(row, "batch_output_per_million", None)),
+        created_at=_aware(row.created_at) if getattr(row, "created_at", None) is not None else None,
     )
 
 
@@ -417,11 +425,22 @@ class PriceBook:
         return None if version is None or version.kind == "clear" else version
 
     def breakpoints(self, account_id: int, start: datetime, end: datetime) -> list[datetime]:
-        """Instants strictly inside (start, end) where some price this account pays may change."""
+        """Instants strictly inside (start, end) where some price this account pays may change, and
+        where a backdated version was added (`backdated_over` changes there)."""
         start, end = _aware(start), _aware(end)
-        instants = {v.effective_from for vs in self._by_model.values() for v in vs}
-        instants |= {v.effective_from for (acct, _), vs in self._overrides.items() if acct == account_id for v in vs}
+        versions = [*(v for vs in self._by_model.values() for v in vs),
+                    *(v for (acct, _), vs in self._overrides.items() if acct == account_id for v in vs)]
+        instants = {v.effective_from for v in versions} | {v.created_at for v in versions if _backdated(v)}
         return sorted(t for t in instants if start < t < end)
+
+    def backdated_over(self, account_id: int, model: str, at: datetime) -> bool:
+        """Whether a version added with `backdate` (its start more than PAST_SLACK before it was
+        added) may price (account, model) at `at` and was added after `at`: requests admitted then
+        were priced before it existed, and it is there to re-price them (an open period's invoice)."""
+        at = _aware(at)
+        return any(_backdated(v) and v.effective_from <= at < v.created_at for versions in (
+            self._by_model.get(model), self._overrides.get((account_id, model)), self._overrides.get((account_id, ANY_MODEL)))
+            for v in versions or ())
 
     def models(self) -> list[str]:
         return sorted(self._by_model)

@@ -125,6 +125,29 @@ async def test_a_row_is_invoiced_at_the_price_it_was_admitted_at_not_one_its_gat
     assert {(k.price_version_id, k.override_id) for k in usage if k.model == "alpha"} == {(alpha.price_version_id, alpha.override_id)}
 
 
+async def test_a_backdated_version_re_prices_the_rows_admitted_before_it_was_added(db_url: str, db: Any, tmp_path: Path) -> None:
+    """`backdate` is there to re-price an open period: a version added with a start 2 minutes before a
+    request was admitted prices that request's row on the invoice, though the row names the version
+    it was admitted at (the one before)."""
+    await PriceBook(db).add("alpha", "1.000", "2.000", at(1, 1, 0), backdate=True)
+    account = await new_account(db)
+    with serve(db_url, tmp_path, engines={"alpha": FakeEngine("alpha")}) as app:
+        client = openai.AsyncOpenAI(base_url=app.base_url + "/v1", api_key=await new_key(db, account), max_retries=0)
+        raw = await client.chat.completions.with_raw_response.create(
+            model="alpha", messages=[{"role": "user", "content": "0123456789"}], max_tokens=5)
+        await flush_ledger(app.app)
+    async with db.connect() as conn:
+        row = (await conn.execute(sa.text("SELECT * FROM ledger_entries WHERE request_id = :r"), {"r": raw.headers["x-request-id"]})).one()
+    assert row.cost_nanos == row.prompt_tokens * 1000 + row.completion_tokens * 2000
+    book = PriceBook(db)
+    await book.add("alpha", "5.000", "9.000", row.admitted_at - timedelta(minutes=2), backdate=True)
+    month = Period.containing(row.admitted_at)
+    async with db.connect() as conn:
+        usage = await priced_usage(conn, book, account, month.start, month.end)
+    assert sorted((k.direction, k.unit_price, v.tokens) for k, v in usage.items()) == [
+        ("input", 5, row.prompt_tokens), ("output", 9, row.completion_tokens)]
+
+
 async def test_admitted_on_the_last_instant_of_a_month_belongs_to_that_month(db: Any) -> None:
     book = PriceBook(db)
     await book.add("alpha", "1.000", "2.000", at(8, 1, 0), backdate=True)
