@@ -364,7 +364,11 @@ class KeyStore:
         """The principal of a key by its id, read now (a batch runs on its key long after the call)."""
         async with self._engine.connect() as conn:
             row = (await conn.execute(self._principal_query().where(KEYS.c.id == key_id))).first()
-        return None if row is None else _principal_of(row)
+        if row is None:
+            return None
+        principal = _principal_of(row)
+        await self._seen(principal)  # the limits its request runs under: what a recheck compares with
+        return principal
 
     @staticmethod
     def _principal_query() -> Any:

@@ -185,3 +185,24 @@ async def test_a_change_of_a_keys_models_is_seen_by_the_next_request(db: Any) ->
     assert (await store.authenticate(created["key"])).models == frozenset({"small"})
     await store.set_key_models(created["id"], None)
     assert (await store.authenticate(created["key"])).models is None
+
+
+async def test_a_limit_set_elsewhere_on_a_key_only_batch_lines_used_is_reported_by_the_recheck(db: Any) -> None:
+    """A key whose requests are a batch's lines (read by id, principal_of_key, never authenticated
+    here): the limits served to its lines are what the recheck compares with, so a limit set by
+    another process while they run is reported (the review found its first read only set the
+    baseline, and the change went unseen)."""
+    gateway = KeyStore(db, SECRET)
+    admin = KeyStore(db, SECRET)
+    seen: list[Any] = []
+
+    async def changed(principal: Any) -> None:
+        seen.append(principal.account_limits)
+
+    gateway.on_limits_changed = changed
+    account = await admin.create_account("batch-only")
+    created = await admin.create_key(account["id"])
+    assert (await gateway.principal_of_key(created["id"])) is not None  # a line admitted, unlimited
+    await admin.set_account_limits(account["id"], {"monthly_tokens": 1000})
+    await gateway.recheck({created["id"]})
+    assert [limits.monthly_tokens for limits in seen] == [1000]
