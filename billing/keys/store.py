@@ -130,7 +130,9 @@ class KeyStore:
         # or by another process (the CLI, another gateway). Its counters are rebuilt, and requests
         # admitted before it settle there (gateway/wiring.py).
         self.on_limits_changed: Callable[[Principal], Awaitable[None]] | None = None
-        self._served: dict[int, tuple[Limits, Limits, bool]] = {}  # key id -> the limits last served for it
+        # key id -> the limits last served for it, and the number of the read that found them
+        self._served: dict[int, tuple[tuple[Limits, Limits, bool], int]] = {}
+        self._reads = 0  # reads of limits started (numbers them in the order they began)
 
     # accounts -------------------------------------------------------------------------------
     async def create_account(self, name: str) -> dict[str, Any]:
@@ -311,6 +313,7 @@ class KeyStore:
 
     async def _lookup(self, digest: str, hit: tuple[float, Principal | None] | None) -> Principal | None:
         generation = self._generation
+        read = self._read_started()
         try:
             principal = await self._principal_from_db(digest)
         except Exception as exc:  # the database is unreachable: keys seen recently keep working
@@ -318,25 +321,32 @@ class KeyStore:
                 return hit[1]
             raise KeyStoreUnavailable(type(exc).__name__) from None
         if principal is not None:
-            await self._seen(principal)
+            await self._seen(principal, read)
         if generation == self._generation:  # not read across a revocation or a limit change
             if len(self._cache) > 100_000:
                 self._cache.clear()
             self._cache[digest] = (time.monotonic(), principal)
         return principal
 
-    async def _seen(self, principal: Principal) -> None:
-        """Reports limits (or a billing mode) other than those last served for the key (on_limits_changed)."""
+    def _read_started(self) -> int:
+        self._reads += 1
+        return self._reads
+
+    async def _seen(self, principal: Principal, read: int) -> None:
+        """Reports limits (or a billing mode) other than those last served for the key (on_limits_changed).
+        `read`: the number of the read that found them; one that began before the read whose limits
+        are recorded brings older news (a key lookup overlapping a recheck) and changes nothing."""
         if self.on_limits_changed is None:
             return
         limits = (principal.key_limits, principal.account_limits, principal.prepaid)
         before = self._served.get(principal.key_id)
-        if before != limits:
-            if before is not None:
-                await self.on_limits_changed(principal)
-            if len(self._served) > 200_000:
-                self._served.clear()
-            self._served[principal.key_id] = limits
+        if before is not None and read < before[1]:
+            return
+        if before is not None and before[0] != limits:
+            await self.on_limits_changed(principal)
+        if len(self._served) > 200_000:
+            self._served.clear()
+        self._served[principal.key_id] = (limits, read)
 
     async def recheck(self, key_ids: Collection[int]) -> None:
         """Reads these keys' limits now and reports those changed since they were served: a process
@@ -346,10 +356,11 @@ class KeyStore:
             return
         ids = sorted(key_ids)
         for i in range(0, len(ids), 1000):
+            read = self._read_started()
             async with self._engine.connect() as conn:
                 rows = (await conn.execute(self._principal_query().where(KEYS.c.id.in_(ids[i:i + 1000])))).all()
             for row in rows:
-                await self._seen(_principal_of(row))
+                await self._seen(_principal_of(row), read)
 
     def invalidate(self) -> None:
         """An account's billing mode changed elsewhere (billing/credits/balance.py): forget cached principals."""
@@ -362,12 +373,13 @@ class KeyStore:
 
     async def principal_of_key(self, key_id: int) -> Principal | None:
         """The principal of a key by its id, read now (a batch runs on its key long after the call)."""
+        read = self._read_started()
         async with self._engine.connect() as conn:
             row = (await conn.execute(self._principal_query().where(KEYS.c.id == key_id))).first()
         if row is None:
             return None
         principal = _principal_of(row)
-        await self._seen(principal)  # the limits its request runs under: what a recheck compares with
+        await self._seen(principal, read)  # the limits its request runs under: what a recheck compares with
         return principal
 
     @staticmethod

@@ -206,3 +206,36 @@ async def test_a_limit_set_elsewhere_on_a_key_only_batch_lines_used_is_reported_
     await admin.set_account_limits(account["id"], {"monthly_tokens": 1000})
     await gateway.recheck({created["id"]})
     assert [limits.monthly_tokens for limits in seen] == [1000]
+
+
+async def test_a_key_read_that_began_before_a_recheck_does_not_bring_the_old_limits_back(db: Any) -> None:
+    """A key lookup reads the limits, a limit is set elsewhere, the recheck reads and reports it, then
+    the lookup's answer (the old limits) lands: older news, not a change back (review: it reported
+    the old limits as a change and the running requests briefly settled under them)."""
+    read_done, release = asyncio.Event(), asyncio.Event()
+
+    class SlowStore(KeyStore):
+        async def _principal_from_db(self, digest: str) -> Any:
+            found = await super()._principal_from_db(digest)
+            read_done.set()
+            await release.wait()  # answered after the recheck below
+            return found
+
+    gateway = SlowStore(db, SECRET, cache_seconds=0.0)
+    admin = KeyStore(db, SECRET)
+    seen: list[Any] = []
+
+    async def changed(principal: Any) -> None:
+        seen.append(principal.account_limits.monthly_tokens)
+
+    gateway.on_limits_changed = changed
+    account = await admin.create_account("overlap")
+    created = await admin.create_key(account["id"])
+    assert (await gateway.principal_of_key(created["id"])) is not None  # served unlimited
+    lookup = asyncio.ensure_future(gateway.authenticate(created["key"]))
+    await read_done.wait()  # it has read: no limit
+    await admin.set_account_limits(account["id"], {"monthly_tokens": 1000})
+    await gateway.recheck({created["id"]})
+    release.set()
+    await lookup
+    assert seen == [1000]
