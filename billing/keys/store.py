@@ -334,13 +334,17 @@ class KeyStore:
 
     async def _seen(self, principal: Principal, read: int) -> None:
         """Reports limits (or a billing mode) other than those last served for the key (on_limits_changed).
-        `read`: the number of the read that found them; one that began before the read whose limits
-        are recorded brings older news (a key lookup overlapping a recheck) and changes nothing."""
+        `read`: the number of the read that found them, in the order reads began; one that began before
+        the read whose limits are recorded and disagrees with them has the key read again."""
         if self.on_limits_changed is None:
             return
         limits = (principal.key_limits, principal.account_limits, principal.prepaid)
         before = self._served.get(principal.key_id)
         if before is not None and read < before[1]:
+            # Begun before the read recorded: older news (a lookup overlapping a recheck), or a newer
+            # answer from a query that waited. Where it disagrees, the database says which, now.
+            if before[0] != limits:
+                await self.recheck({principal.key_id})
             return
         if before is not None and before[0] != limits:
             await self.on_limits_changed(principal)

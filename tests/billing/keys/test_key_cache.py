@@ -239,3 +239,36 @@ async def test_a_key_read_that_began_before_a_recheck_does_not_bring_the_old_lim
     release.set()
     await lookup
     assert seen == [1000]
+
+
+async def test_a_key_read_that_waited_and_saw_a_new_limit_reports_it(db: Any) -> None:
+    """A key lookup begins, waits before its query (a pool connection), a recheck reads the limits as
+    they are, a limit is set elsewhere, then the lookup's query sees it: the only read that saw the
+    change began first, so it is not taken as older news and dropped (a review's repro: the new limit
+    served but never reported); the key is read again, and the change reported."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    class WaitingStore(KeyStore):
+        async def _principal_from_db(self, digest: str) -> Any:
+            started.set()
+            await release.wait()  # its query runs after the recheck and the change below
+            return await super()._principal_from_db(digest)
+
+    gateway = WaitingStore(db, SECRET, cache_seconds=0.0)
+    admin = KeyStore(db, SECRET)
+    seen: list[Any] = []
+
+    async def changed(principal: Any) -> None:
+        seen.append(principal.account_limits.monthly_tokens)
+
+    gateway.on_limits_changed = changed
+    account = await admin.create_account("waited")
+    created = await admin.create_key(account["id"])
+    assert (await gateway.principal_of_key(created["id"])) is not None  # served unlimited
+    lookup = asyncio.ensure_future(gateway.authenticate(created["key"]))
+    await started.wait()
+    await gateway.recheck({created["id"]})  # nothing changed yet
+    await admin.set_account_limits(account["id"], {"monthly_tokens": 1000})
+    release.set()
+    assert (await lookup).account_limits.monthly_tokens == 1000
+    assert seen == [1000]
