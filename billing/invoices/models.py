@@ -86,8 +86,8 @@ class Invoice(SQLModel, table=True):
     # and the sum they took back (cents): kept from invoice_chargebacks in the same transaction.
     charged_back_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     chargeback_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
-    # The earliest of those disputes (`du_...`), kept with them: the code before migration 0026 kept one
-    # dispute per invoice here and still reads it while a rolling update replaces it.
+    # As the code before migration 0026 kept it (one dispute per invoice), which still reads it while a
+    # rolling update replaces it: the earliest dispute owed again, else `settled:<id>`, else NULL.
     chargeback_dispute_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True))
     stripe_invoice_id: str | None = Field(default=None, sa_column=sa.Column(sa.String(255), nullable=True, unique=True))
     stripe_status: str | None = Field(default=None, sa_column=sa.Column(sa.String(32), nullable=True))

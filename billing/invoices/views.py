@@ -167,7 +167,7 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
             "synced_at": _iso(row.stripe_synced_at),
             "error": row.stripe_error,
             # the earliest dispute still owed again (None: none); `chargebacks` lists every one
-            "chargeback_dispute_id": row.chargeback_dispute_id,
+            "chargeback_dispute_id": next((c.get("dispute_id") for c in chargebacks or [] if c["owed"]), None),
         }
         view["payment_failed_at"] = _iso(row.payment_failed_at)
     return view

@@ -73,17 +73,26 @@ def owed_again() -> Any:
     return sa.and_(CHARGEBACKS.c.settled_at.is_(None), CHARGEBACKS.c.amount_cents > 0)
 
 
+SETTLED = "settled:"  # chargeback_dispute_id's prefix for a settled dispute, as the code before 0026 kept it
+
+
 async def refresh_invoice(conn: AsyncConnection, invoice_id: int) -> None:
-    """The invoice's charged_back_at, chargeback_cents and chargeback_dispute_id (the earliest
-    dispute) from its chargeback rows. The caller holds the invoice's row lock: two events' sums made
-    at once would each miss the other's row (READ COMMITTED) and the later write would win."""
-    owed = (await conn.execute(
-        sa.select(CHARGEBACKS.c.disputed_at, CHARGEBACKS.c.amount_cents, CHARGEBACKS.c.dispute_id)
-        .where(CHARGEBACKS.c.invoice_id == invoice_id, owed_again())
+    """The invoice's charged_back_at and chargeback_cents from its chargeback rows, and
+    chargeback_dispute_id as the code before migration 0026 kept it (it still reads it while a
+    rolling update replaces it): the earliest dispute owed again, else `settled:<id>` of the last
+    one settled (so it leaves that dispute's later events alone), else NULL. The caller holds the
+    invoice's row lock: two events' sums made at once would each miss the other's row (READ
+    COMMITTED) and the later write would win."""
+    rows = (await conn.execute(
+        sa.select(CHARGEBACKS.c.disputed_at, CHARGEBACKS.c.amount_cents, CHARGEBACKS.c.dispute_id, CHARGEBACKS.c.settled_at)
+        .where(CHARGEBACKS.c.invoice_id == invoice_id)
         .order_by(CHARGEBACKS.c.disputed_at, CHARGEBACKS.c.id))).all()
+    owed = [r for r in rows if r.settled_at is None and r.amount_cents > 0]
+    settled = sorted((r for r in rows if r.settled_at is not None), key=lambda r: r.settled_at)
+    marker = owed[0].dispute_id if owed else SETTLED + settled[-1].dispute_id if settled else None
     await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice_id).values(
         charged_back_at=owed[0].disputed_at if owed else None, chargeback_cents=sum(int(r.amount_cents) for r in owed),
-        chargeback_dispute_id=owed[0].dispute_id if owed else None))
+        chargeback_dispute_id=marker))
 
 
 class UnknownDispute(LookupError):

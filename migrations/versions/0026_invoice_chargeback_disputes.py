@@ -60,7 +60,7 @@ def upgrade() -> None:
         " COALESCE(paid_at, created_at), CURRENT_TIMESTAMP, CURRENT_TIMESTAMP"
         f" FROM invoices WHERE chargeback_dispute_id LIKE '{SETTLED}%'"))
     op.execute(sa.text("UPDATE invoices SET chargeback_cents = total_cents WHERE charged_back_at IS NOT NULL"))
-    # chargeback_dispute_id stays (the earliest dispute owed again, kept by billing/stripe/invoice_disputes.py):
+    # chargeback_dispute_id stays, kept as it was by billing/stripe/invoice_disputes.py (refresh_invoice):
     # processes of the code before this one still read it while a rolling update replaces them.
 
 

@@ -250,6 +250,13 @@ async def test_dispute_events_in_any_order_and_repeated_end_the_same(db_url: str
             assert [(c["dispute_id"], c["status"], c["dispute_status"]) for c in settled.json()["chargebacks"]] == [
                 (disputes[0], "settled", "lost")] and settled.json()["chargebacks"][0]["settled_at"] is not None
             assert (await p.standing("a"))["state"] == "active"
+            # what the code before 0026 reads during a rolling update: the settled marker it kept, so it
+            # too leaves that dispute's later events alone; b's won dispute: nothing
+            async with db.connect() as conn:
+                marks = (await conn.execute(sa.select(INVOICES.c.id, INVOICES.c.chargeback_dispute_id)
+                                            .where(INVOICES.c.id.in_([a["id"], b["id"]])).order_by(INVOICES.c.id))).all()
+            assert [m.chargeback_dispute_id for m in marks] == [f"settled:{disputes[0]}", None]
+            assert settled.json()["stripe"]["chargeback_dispute_id"] is None  # the view: the earliest owed, none
             await p.deliver([fake._event(e["type"], e["data"]["object"]) for e in events], "shuffled")
             assert (await p.invoice("a"))["charged_back_at"] is None and (await p.standing("a"))["state"] == "active"
             again = await admin.post(f"/admin/invoices/{a['id']}/chargeback_settled")
