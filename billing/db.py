@@ -20,7 +20,9 @@ def async_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def create_engine(url: str, **kwargs: object) -> AsyncEngine:
+def create_engine(url: str, *, foreign_keys: bool = True, **kwargs: object) -> AsyncEngine:
+    """`foreign_keys` (SQLite): enforced on every connection; off only for the migrations, whose
+    table rebuilds (copy, DROP TABLE, rename) the foreign keys of other tables would refuse."""
     aurl = async_url(url)
     # A statement's parameters (a customer's text, an uploaded file's bytes, a key's hash) stay out
     # of the exception text that error logs carry.
@@ -33,7 +35,7 @@ def create_engine(url: str, **kwargs: object) -> AsyncEngine:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=5000")
-            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
             cur.close()
 
         return engine
