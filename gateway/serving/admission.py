@@ -92,7 +92,7 @@ class Admission:
     """Everything one admitted request holds: its place in the engine (`slot`), its quota `hold`,
     its journal entry. Made only by `Meter.admit()`; ended only by `settle()`."""
 
-    __slots__ = ("meter", "request_id", "principal", "model", "usage", "slot", "hold", "price", "stamp", "nanos", "admitted_at", "journaled",
+    __slots__ = ("meter", "request_id", "principal", "model", "usage", "slot", "hold", "price", "nanos", "admitted_at", "journaled",
                  "settled", "_cut")
 
     def __init__(
@@ -106,8 +106,6 @@ class Admission:
         self.slot: Engine | None = None  # the engine that holds a place for it
         self.hold: Hold | None = None
         self.price: EffectivePrice | None = None
-        # The price's ids for its row (UsageRecord.price_version_id, override_id): what invoices bill it at.
-        self.stamp: tuple[int | None, int | None] = (None, None)
         self.nanos = 0  # the worst case reserved (a cache hit's whole cost)
         self.admitted_at: datetime = None  # type: ignore[assignment]  # Meter.admit sets it once the engine has its place: it prices the request, names its period
         self.journaled = False
@@ -118,6 +116,15 @@ class Admission:
     def headers(self) -> dict[str, str]:
         """The quota's rate-limit headers for the response."""
         return hold_headers(self.hold)
+
+    @property
+    def _stamp(self) -> tuple[int | None, int | None]:
+        """The ids of the price it was admitted at, for its row (UsageRecord.price_version_id,
+        override_id): what invoices bill it at. UNPRICED: no price in force; None, None: no price book."""
+        price = self.price
+        if price is not None:
+            return price.price_version_id, price.override_id
+        return (UNPRICED, None) if self.meter.prices is not None else (None, None)
 
     def settle(self, outcome: str | None = None) -> bool:
         """Ends the request: its one ledger row (with status `outcome`, or the one its state says),
@@ -175,6 +182,7 @@ class Admission:
 
     def _record(self, status: str) -> UsageRecord:
         usage, price = self.usage, self.price
+        version_id, override_id = self._stamp
         finish = FINISH_CANCELLED if status == "cancelled" else usage.recorded_finish or usage.finish_reason
         return UsageRecord(
             request_id=self.request_id,
@@ -194,14 +202,15 @@ class Admission:
             api=usage.api,
             batch_id=usage.batch_id,
             postpaid=not self.principal.prepaid,
-            price_version_id=self.stamp[0],
-            override_id=self.stamp[1],
+            price_version_id=version_id,
+            override_id=override_id,
             admitted_at=self.admitted_at,
         )
 
     def _whole_row(self, status: str) -> UsageRecord:
         """Input tokens at the input price while running (the journal's); after, all if completed, else nothing."""
         usage, price = self.usage, self.price
+        version_id, override_id = self._stamp
         done = status in ("completed", "interrupted")
         final = status != "interrupted"
         tokens = usage.prompt_tokens if done else 0
@@ -210,7 +219,7 @@ class Admission:
             prompt_tokens=tokens, completion_tokens=0, status=status, finish_reason="stop" if status == "completed" else None,
             total_ms=(time.perf_counter() - usage.started) * 1000.0 if final else 0.0,
             cost_nanos=(price.cost_nanos(tokens, 0) if done else 0) if price is not None else None, api=usage.api,
-            batch_id=usage.batch_id, postpaid=not self.principal.prepaid, price_version_id=self.stamp[0], override_id=self.stamp[1],
+            batch_id=usage.batch_id, postpaid=not self.principal.prepaid, price_version_id=version_id, override_id=override_id,
             created_at=utcnow() if final else self.admitted_at, admitted_at=self.admitted_at,
         )
 
@@ -297,8 +306,6 @@ class Meter:
                 admission.price = await self.prices.current_for(principal.account_id, model, admission.admitted_at)
                 if line is not None and admission.price is not None:
                     admission.price = admission.price.for_batch()
-                price = admission.price
-                admission.stamp = (price.price_version_id, price.override_id) if price is not None else (UNPRICED, None)
             admission.nanos = cost(admission.price) if admission.price is not None else 0
             provisional = admission.row("interrupted")  # priced: the row is known before the hold
             # A batch line keeps its request id (its one row) whoever runs it, but each run holds

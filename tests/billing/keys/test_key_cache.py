@@ -208,37 +208,55 @@ async def test_a_limit_set_elsewhere_on_a_key_only_batch_lines_used_is_reported_
     assert [limits.monthly_tokens for limits in seen] == [1000]
 
 
+class HeldStore(KeyStore):
+    """The real store, reporting limit changes into `seen`, whose key lookups stop once before or
+    after their query (`after_query`) until `release` is set; `stopped` says they have."""
+
+    def __init__(self, db: Any, *, after_query: bool) -> None:
+        super().__init__(db, SECRET, cache_seconds=0.0)
+        self.after_query = after_query
+        self.stopped, self.release = asyncio.Event(), asyncio.Event()
+        self.seen: list[Any] = []  # the account's monthly_tokens of each change reported
+        self.on_limits_changed = self._changed
+
+    async def _changed(self, principal: Any) -> None:
+        self.seen.append(principal.account_limits.monthly_tokens)
+
+    async def _principal_from_db(self, digest: str) -> Any:
+        if not self.after_query:
+            await self._stop()
+        found = await super()._principal_from_db(digest)
+        if self.after_query:
+            await self._stop()
+        return found
+
+    async def _stop(self) -> None:
+        self.stopped.set()
+        await self.release.wait()
+
+
+async def _served_unlimited(db: Any, gateway: KeyStore) -> tuple[KeyStore, dict[str, Any], dict[str, Any]]:
+    """(another process's store, an account without limits, its key), the key read by `gateway`."""
+    admin = KeyStore(db, SECRET)
+    account = await admin.create_account(f"held-{id(gateway)}")
+    created = await admin.create_key(account["id"])
+    assert (await gateway.principal_of_key(created["id"])) is not None  # served unlimited
+    return admin, account, created
+
+
 async def test_a_key_read_that_began_before_a_recheck_does_not_bring_the_old_limits_back(db: Any) -> None:
     """A key lookup reads the limits, a limit is set elsewhere, the recheck reads and reports it, then
     the lookup's answer (the old limits) lands: older news, not a change back (review: it reported
     the old limits as a change and the running requests briefly settled under them)."""
-    read_done, release = asyncio.Event(), asyncio.Event()
-
-    class SlowStore(KeyStore):
-        async def _principal_from_db(self, digest: str) -> Any:
-            found = await super()._principal_from_db(digest)
-            read_done.set()
-            await release.wait()  # answered after the recheck below
-            return found
-
-    gateway = SlowStore(db, SECRET, cache_seconds=0.0)
-    admin = KeyStore(db, SECRET)
-    seen: list[Any] = []
-
-    async def changed(principal: Any) -> None:
-        seen.append(principal.account_limits.monthly_tokens)
-
-    gateway.on_limits_changed = changed
-    account = await admin.create_account("overlap")
-    created = await admin.create_key(account["id"])
-    assert (await gateway.principal_of_key(created["id"])) is not None  # served unlimited
+    gateway = HeldStore(db, after_query=True)
+    admin, account, created = await _served_unlimited(db, gateway)
     lookup = asyncio.ensure_future(gateway.authenticate(created["key"]))
-    await read_done.wait()  # it has read: no limit
+    await gateway.stopped.wait()  # it has read: no limit
     await admin.set_account_limits(account["id"], {"monthly_tokens": 1000})
     await gateway.recheck({created["id"]})
-    release.set()
+    gateway.release.set()
     await lookup
-    assert seen == [1000]
+    assert gateway.seen == [1000]
 
 
 async def test_a_key_read_that_waited_and_saw_a_new_limit_reports_it(db: Any) -> None:
@@ -246,29 +264,12 @@ async def test_a_key_read_that_waited_and_saw_a_new_limit_reports_it(db: Any) ->
     they are, a limit is set elsewhere, then the lookup's query sees it: the only read that saw the
     change began first, so it is not taken as older news and dropped (a review's repro: the new limit
     served but never reported); the key is read again, and the change reported."""
-    started, release = asyncio.Event(), asyncio.Event()
-
-    class WaitingStore(KeyStore):
-        async def _principal_from_db(self, digest: str) -> Any:
-            started.set()
-            await release.wait()  # its query runs after the recheck and the change below
-            return await super()._principal_from_db(digest)
-
-    gateway = WaitingStore(db, SECRET, cache_seconds=0.0)
-    admin = KeyStore(db, SECRET)
-    seen: list[Any] = []
-
-    async def changed(principal: Any) -> None:
-        seen.append(principal.account_limits.monthly_tokens)
-
-    gateway.on_limits_changed = changed
-    account = await admin.create_account("waited")
-    created = await admin.create_key(account["id"])
-    assert (await gateway.principal_of_key(created["id"])) is not None  # served unlimited
+    gateway = HeldStore(db, after_query=False)
+    admin, account, created = await _served_unlimited(db, gateway)
     lookup = asyncio.ensure_future(gateway.authenticate(created["key"]))
-    await started.wait()
+    await gateway.stopped.wait()
     await gateway.recheck({created["id"]})  # nothing changed yet
     await admin.set_account_limits(account["id"], {"monthly_tokens": 1000})
-    release.set()
+    gateway.release.set()
     assert (await lookup).account_limits.monthly_tokens == 1000
-    assert seen == [1000]
+    assert gateway.seen == [1000]
