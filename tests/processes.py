@@ -161,6 +161,20 @@ class GatewayProcess:
                 pass
         return found
 
+    def replacement(self, killed: Any, kept: list[Any], timeout: float = 120) -> Any:
+        """The worker uvicorn started in place of `killed` (one of `kept` and the new one running).
+        Each round reads the workers once: two reads could see the killed worker still running in
+        the first and ended in the second, before any new one started."""
+        want = {w.pid for w in kept}
+        deadline = time.monotonic() + timeout
+        while True:  # a poll of uvicorn's restart
+            now = self.workers()
+            fresh = [w for w in now if w.pid not in want and w.pid != killed.pid]
+            if len(now) == len(kept) + 1 and len(fresh) == 1:
+                return fresh[0]
+            assert time.monotonic() < deadline, f"uvicorn started no worker in place of {killed.pid}: {[w.pid for w in now]}"
+            time.sleep(0.1)
+
     async def _pinned(self, worker: Any, **kw: Any) -> tuple[httpx.AsyncClient, httpx.Response]:
         """A client whose one keep-alive connection `worker` accepted, with the answer to its first
         request (a /readyz). Which worker accepts a fresh connection is the kernel's choice (on a

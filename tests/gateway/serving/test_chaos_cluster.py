@@ -19,7 +19,7 @@ import json
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class Outcome:
     answered: bool = False
     usage: dict[str, int] | None = None
     retried: int = 0  # 503s retried before this outcome
+    earlier: list[tuple[int, str | None, str | None]] = field(default_factory=list)  # those 503s: (status, code, request id)
 
 
 async def one(client: httpx.AsyncClient, key: str, stream: bool, out: Outcome) -> None:
@@ -52,6 +53,7 @@ async def one(client: httpx.AsyncClient, key: str, stream: bool, out: Outcome) -
         if out.status != 503:
             return
         out.retried = attempt + 1
+        out.earlier.append((out.status, out.code, out.request_id))
         await asyncio.sleep(0.25)  # a client's backoff, not a synchronization
 
 
