@@ -189,13 +189,10 @@ async def priced_usage(
 
 
 def _price(book: PriceBook, account_id: int, model: str, at: datetime, vid: int | None, oid: int | None) -> EffectivePrice | None:
-    """The price rows were admitted at (their ids); the one in force at `at` (the start of their
-    slice) for rows written before migration 0025, and for rows a version backdated later re-prices
-    (what `--backdate` is for: an open period's rows at the price they should have had)."""
-    if (vid is None and oid is None) or book.backdated_over(account_id, model, at):
-        return book.price_for(account_id, model, at)
+    """What one slice's rows are billed at (`PriceBook.billed`; `at` is the slice's start), or the
+    price in force at `at` where they name a version the book does not hold."""
     try:
-        return book.stamped(model, vid, oid)
+        return book.billed(account_id, model, at, vid, oid)
     except KeyError:  # a version the book does not hold (never deleted: not seen)
         log.error("account %s: %s rows name price version %s / override %s, which the price book does not hold; "
                   "priced by their admission instant", account_id, model, vid, oid)

@@ -420,6 +420,15 @@ class PriceBook:
         base = None if version_id in (None, UNPRICED) else self._by_id[version_id]
         return _compose(model, base, None if override_id is None else self._override_by_id[override_id])
 
+    def billed(self, account_id: int, model: str, at: datetime, version_id: int | None, override_id: int | None) -> EffectivePrice | None:
+        """What invoices bill a ledger row at (billing/invoices/close.py): the price it was admitted
+        at (its ids), except the one in force at `at` for a row from before migration 0025 (no ids)
+        and for a row a version backdated later re-prices (what `--backdate` is for: an open
+        period's rows at the price they should have had). KeyError for an id the book does not hold."""
+        if (version_id is None and override_id is None) or self.backdated_over(account_id, model, at):
+            return self.price_for(account_id, model, at)
+        return self.stamped(model, version_id, override_id)
+
     def _active_override(self, account_id: int, model: str, when: datetime) -> OverrideVersion | None:
         version: OverrideVersion | None = _in_force(self._overrides.get((account_id, model)), when)
         return None if version is None or version.kind == "clear" else version

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from billing.invoices.close import close_period, priced_usage
 from billing.ledger.writer import UsageRecord, write_records
 from billing.invoices.periods import Period
 from billing.prices.book import PriceBook
+from billing.prices.cached_costs import cached_input_costs
 from billing.quota import LedgerTotals, Scope
 from billing.ledger.aggregates import Period as Hours, add_to_aggregates, deltas, usage_groups
 from engines.base import EngineOutput, EngineRequest
@@ -283,3 +285,32 @@ def test_the_journal_keeps_the_admission_instant(tmp_path: Path) -> None:
     [(row, _)] = again.open().interrupted
     assert record_fields(row, UsageRecord).admitted_at == admitted
     again.close()
+
+
+async def test_the_dashboards_cached_cost_is_what_the_invoice_bills(db: Any) -> None:
+    """The dashboards' cost of cached prompt tokens (billing/prices/cached_costs.py) prices each row
+    as its invoice does: at the price it was admitted at. A version set 20 s before an hour's start
+    and added 30 s after it (allowed: within a minute) was unseen by the gateway that admitted rows on
+    both sides of the hour at the version before; the dashboard used to price them at the new one."""
+    book = PriceBook(db)
+    old = await book.add("m", "1.000", "2.000", at(10, 1, 0), backdate=True, cached_input_per_million="0.100")
+    hour = at(10, 15, 12)
+    new = await book.add("m", "3.000", "6.000", hour - timedelta(seconds=20), backdate=True, cached_input_per_million="0.500")
+    async with db.begin() as conn:
+        for version, added in ((old, at(10, 1, 0)), (new, hour + timedelta(seconds=30))):  # added then, not backdated today
+            await conn.execute(sa.text("UPDATE prices SET created_at = :t WHERE id = :i"), {"t": added, "i": version.id})
+    account = await new_account(db)
+    # (cached, admitted, version): an hour before, the lag on both sides of the hour, the new price
+    usage = [(700, hour - timedelta(minutes=30), old), (600, hour - timedelta(seconds=10), old),
+             (500, hour + timedelta(seconds=20), old), (400, hour + timedelta(minutes=30), new)]
+    await write_records(db, [UsageRecord(
+        request_id=uuid.uuid4().hex, account_id=account, key_id=1, model="m", prompt_tokens=1000, completion_tokens=10,
+        status="completed", finish_reason="stop", total_ms=5.0, cost_nanos=version.cost_nanos(1000, 10, cached), cached_tokens=cached,
+        created_at=admitted + timedelta(milliseconds=5), admitted_at=admitted, price_version_id=version.id) for cached, admitted, version in usage])
+    book = PriceBook(db)
+    await book.refresh(force=True)
+    async with db.connect() as conn:
+        billed = await priced_usage(conn, book, account, OCT.start, OCT.end)
+    cached_lines = sorted((k.unit_price, v.tokens) for k, v in billed.items() if k.direction == "cached")
+    assert cached_lines == [(Decimal("0.100"), 1800), (Decimal("0.500"), 400)], cached_lines
+    assert await cached_input_costs(db, book, OCT.start, OCT.end, account) == {"m": 1800 * 100 + 400 * 500}
