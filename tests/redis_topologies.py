@@ -127,21 +127,30 @@ class LocalCluster:
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         """Every live node reports cluster_state:ok and agrees every slot has a live master."""
+        last = ["no answer"]  # what the last round found wanting, for the failure message
+
         def ok() -> bool:
             for port in self.alive():
                 info = self.client(port).execute_command("CLUSTER", "INFO")
                 text = info if isinstance(info, str) else str(info)
                 if "cluster_state:ok" not in text:
+                    last[0] = f"{port}: not cluster_state:ok"
                     return False
-            masters = [n for n in self.nodes() if n["master"] and not n["failed"] and n["slots"]]
+            nodes = self.nodes()
+            masters = [n for n in nodes if n["master"] and not n["failed"] and n["slots"]]
             if len(masters) != len(self.ports) // 2 or not all(n["port"] in self.alive() for n in masters):
+                last[0] = f"masters with slots {[n['port'] for n in masters]} of nodes {nodes}"
                 return False
             for port in self.alive():  # every live replica has its first sync done
                 info = self.client(port).info("replication")
                 if info.get("role") == "slave" and info.get("master_link_status") != "up":
+                    last[0] = f"{port}: replica link {info.get('master_link_status')}"
                     return False
             return True
-        _until(ok, "a healthy cluster", timeout)
+        try:
+            _until(ok, "a healthy cluster", timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {last[0]}") from None
 
     def master_of(self, key: str) -> int:
         slot = int(self.client(self.alive()[0]).execute_command("CLUSTER", "KEYSLOT", key))
