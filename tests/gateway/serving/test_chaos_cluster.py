@@ -5,7 +5,8 @@ while one gateway is SIGKILLed, Postgres is restarted, the Redis master that own
 slot is killed (its replica cut off first, so its last writes are really lost; the replica takes
 over) and the killed gateway starts again. After: the ledger's tokens are within the budget, every
 answered request has exactly one `completed` row with the usage its client saw, every request cut
-mid-stream one `interrupted`/`cancelled` row, no quota hold is left, Redis' counters equal the ledger.
+mid-stream one `interrupted`/`cancelled` row (`completed` where the SIGKILL fell between journaling
+the row and sending the end: docs/reliability.md), no quota hold is left, Redis' counters equal the ledger.
 
 The failover comes while rows served during the Postgres outage may still be in the gateways'
 journals, and the killed gateway's are in its own until it starts again: the rebuild counts those
@@ -27,7 +28,7 @@ import httpx
 
 from tests.conftest import MODEL
 from tests.billing.quota.test_quota_failover import lag_replica
-from tests.gateway.serving.test_chaos import KEYS, MAX_TOKENS, PROMPT, REQUESTS, check_the_run, probe_each, refused_once_settled, set_up
+from tests.gateway.serving.test_chaos import KEYS, KILLED, MAX_TOKENS, PROMPT, REQUESTS, check_the_run, probe_each, refused_once_settled, set_up
 from tests.processes import GatewayProcess, PrivatePostgres
 from tests.redis_topologies import LocalCluster
 
@@ -123,7 +124,7 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
         waves[1].set()
         # Served on while Postgres is down (rows in the journals), by the gateway about to die too.
         await until(lambda: answers() >= stopped_at + 10 and any(o.answered for o in out[60:120] if o.gateway == 1))
-        gws[1].kill()  # SIGKILL under load, its rows of the outage in its journal only
+        gws[KILLED].kill()  # SIGKILL under load, its rows of the outage in its journal only
         pg.start()
         # The Redis master of the account's slot, with its last writes lost, while the killed gateway
         # is still down and the others' journals may still hold rows of the outage.
@@ -138,7 +139,7 @@ async def test_three_gateways_sigkill_postgres_restart_and_redis_failover_under_
         failed_over_at = answers()
         waves[3].set()
         await until(lambda: answers() >= failed_over_at + 5)  # admitted and served after the failover
-        await asyncio.to_thread(gws[1].start, 300.0)  # the same data dir: replays its journal, releases its holds
+        await asyncio.to_thread(gws[KILLED].start, 300.0)  # the same data dir: replays its journal, releases its holds
         await asyncio.gather(*tasks)
         out += await probe_each(clients, keys[0]["key"], one, Outcome)  # the restarted gateway's recovery
         out += await refused_once_settled(clients[0], keys[0]["key"], cluster.url, prefix, url, account["id"], one, Outcome)
