@@ -22,6 +22,7 @@ from billing.ledger.writer import LedgerWriter
 from billing.prices.book import PriceBook
 from billing.quota import Limiter
 from engines.base import (
+    FINISH_CANCELLED,
     Engine,
     EngineError,
     EngineOutput,
@@ -316,6 +317,11 @@ class CompletionService:
         last: EngineOutput | None = None
         seen: EngineOutput | None = None
         try:
+            if gen.cancel_requested:
+                # The client left before the engine had the request (between its admission and this
+                # stream): the engine never sees it. Asked now, a scheduler that has given up its
+                # place would admit it afresh, and perhaps refuse it: an `error` row for a client that left.
+                return
             async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
                 async for out in outputs:
                     if last is not None:
@@ -353,7 +359,10 @@ class CompletionService:
         before the caller sees the result."""
         failed = False
         try:
-            out = await gen.engine.complete(gen.engine_request)
+            if gen.cancel_requested:  # the client left before the engine had the request: as `metered`
+                out = EngineOutput("", [], FINISH_CANCELLED, gen.prompt_tokens, 0)
+            else:
+                out = await gen.engine.complete(gen.engine_request)
             self._observe(gen, out)
             return out
         except Exception as exc:

@@ -183,22 +183,27 @@ async def create_embeddings(request: Request) -> Response:
     admission = await meter.admit(request_id, principal, model.model_id, usage, tokens=tokens, cost=lambda price: price.cost_nanos(tokens, 0),
                                   line=line)
     usage.started = time.perf_counter()
+    # Its row: `completed` once the body is made, `error` on any failure (the model's or the server's
+    # own), `cancelled` only when the request itself is cancelled (the client left).
     status: str | None = None
     try:
-        vectors = await model.embed(ids)
+        try:
+            vectors = await model.embed(ids)
+        except EngineError as exc:
+            raise ServiceUnavailable(f"The embedding model failed this request: {exc}", code="engine_error") from None
+        data = [
+            {"object": "embedding", "index": i, "embedding": encode(shape(v, body.dimensions, model), body.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
+        payload = {"object": "list", "data": data, "model": model.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        response = json_response(payload, headers={"x-request-id": request_id, **admission.headers})
         status = "completed"
-    except EngineError as exc:
+    except Exception:
         status = "error"
-        raise ServiceUnavailable(f"The embedding model failed this request: {exc}", code="engine_error") from None
+        raise
     finally:
         admission.settle(status)
-    data = [
-        {"object": "embedding", "index": i, "embedding": encode(shape(v, body.dimensions, model), body.encoding_format)}
-        for i, v in enumerate(vectors)
-    ]
-    payload = {"object": "list", "data": data, "model": model.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    headers = {"x-request-id": request_id, **admission.headers}
-    return json_response(payload, headers=headers)
+    return response
 
 
 async def start(app: Any) -> None:

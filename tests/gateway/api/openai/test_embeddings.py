@@ -10,9 +10,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import sqlalchemy as sa
 
+from billing.db import create_engine
 from engines.base import EngineError
-from tests.conftest import Gateway, price_in_force
+from tests.conftest import Gateway, price_in_force, until
 from tests.engine_ids import EmbeddedIds
 
 EMB = "all-minilm-l6-v2"
@@ -195,3 +197,38 @@ async def test_a_failed_embedding_is_billed_nothing(gateway: Gateway, client_for
     assert err.value.status_code == 503 and err.value.code == "engine_error", err.value.body
     row = await gateway.only_row(err.value.response.headers["x-request-id"])
     assert (row["status"], row["prompt_tokens"], row["completion_tokens"], row["cost_nanos"], row["finish_reason"]) == ("error", 0, 0, 0, None)
+
+
+@pytest.mark.parametrize("where", ["model", "rendering"])
+async def test_a_failure_that_is_not_the_engine_s_is_an_error_row(gateway: Gateway, client_for: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                   where: str) -> None:
+    """A failure of the server's own (an exception other than EngineError from the model's wrapper,
+    or while the vectors are rendered into the body) answers 500 and its row says `error`, billed
+    nothing: before, the first left it `cancelled` (as if the client had left) and the second
+    `completed` (settled before the body was built)."""
+    model = model_of(gateway)
+    real_embed = model.embed
+
+    async def fails(ids: list[list[int]]) -> list[list[float]]:
+        raise RuntimeError("a bug in the model's wrapper")
+
+    async def unrenderable(ids: list[list[int]]) -> list[list[float]]:
+        vectors = await real_embed(ids)
+        return [["not a number"] * len(v) for v in vectors]  # type: ignore[misc]
+
+    monkeypatch.setattr(model, "embed", fails if where == "model" else unrenderable)
+    key = await gateway.new_key()
+    client = client_for(key["key"]).with_options(max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.embeddings.create(model=EMB, input="this input is never answered", encoding_format="base64")
+    assert err.value.status_code == 500, err.value.body  # the unhandled error's answer: no x-request-id, found by its key
+    await until(lambda: gateway.ledger_count(key_id=key["id"]), "the request's row")
+    await gateway.flush_ledger()
+    db = create_engine(gateway.db_url)
+    try:
+        async with db.connect() as conn:
+            rows = (await conn.execute(sa.text("SELECT status, prompt_tokens, cost_nanos FROM ledger_entries WHERE key_id = :k"),
+                                       {"k": key["id"]})).all()
+    finally:
+        await db.dispose()
+    assert [(status, tokens, cost or 0) for status, tokens, cost in rows] == [("error", 0, 0)]  # cost None: no price in force
