@@ -106,6 +106,9 @@ class EngineOutput:
     # the count of everything it relayed, which is what the request's row is then billed.
     completion_tokens: int = 0
     estimated: bool = False  # counts not from the engine's own token ids
+    # On a final output: no engine had the request (dropped from a queue, or the client left first):
+    # it used nothing, and its row counts no token.
+    unrun: bool = False
     error: str | None = None
     queue_ms: float | None = None  # time the request waited (gateway queue + inside the engine) before running
     # A pass-through engine's choice object, in the shape the client's response uses (a chunk's

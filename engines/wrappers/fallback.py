@@ -365,7 +365,7 @@ class _Tries:
             log.warning("model %s served by fallback %s (%s)", chain.model_id, engine.model_id, "; ".join(self.reasons) or "unavailable")
 
     def cancelled_output(self) -> EngineOutput:
-        return EngineOutput("", [], FINISH_CANCELLED, len(self.request.prompt_token_ids or []), 0)
+        return EngineOutput("", [], FINISH_CANCELLED, len(self.request.prompt_token_ids or []), 0, unrun=True)
 
     def end(self) -> None:
         self.chain._routes.pop(self.request.request_id, None)

@@ -377,7 +377,7 @@ class ScheduledEngine(Engine):
                 raise
         queue_ms = ((ticket.dispatched if run else self._clock()) - ticket.enqueued) * 1000.0  # type: ignore[operator]
         if not run:  # dropped while waiting: the engine never saw it
-            return ticket, queue_ms, EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or ()), 0, queue_ms=queue_ms)
+            return ticket, queue_ms, EngineOutput("", [], FINISH_CANCELLED, len(request.prompt_token_ids or ()), 0, queue_ms=queue_ms, unrun=True)
         return ticket, queue_ms, None
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:

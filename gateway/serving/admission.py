@@ -62,6 +62,7 @@ class Usage:
     cut: bool = False  # the server ended it (drain deadline): its row says `interrupted`
     hit: bool = False  # answered from the response cache: billed its reserved share, and only if delivered whole
     whole: bool = False  # billed whole or not at all (embeddings): nothing unless completed
+    unrun: bool = False  # no engine had it (EngineOutput.unrun): its row counts no token, so it costs nothing
 
 
 def final_status(usage: Usage) -> str:
@@ -172,6 +173,9 @@ class Admission:
         usage = self.usage
         if usage.whole:
             return self._whole_row(status or "cancelled")  # ended without its result: the client left
+        if usage.unrun:  # no engine had it: nothing used, nothing billed, nothing counted against its quota
+            record = self._record(status or final_status(usage))
+            return dataclasses.replace(record, prompt_tokens=0, completion_tokens=0, cached_tokens=None, cost_nanos=0 if self.price else None)
         if not usage.hit:
             return self._record(status or final_status(usage))
         if status is None and usage.finish_reason is not None:

@@ -321,6 +321,7 @@ class CompletionService:
                 # The client left before the engine had the request (between its admission and this
                 # stream): the engine never sees it. Asked now, a scheduler that has given up its
                 # place would admit it afresh, and perhaps refuse it: an `error` row for a client that left.
+                gen.unrun = True
                 return
             async with aclosing(gen.engine.stream(gen.engine_request)) as outputs:
                 async for out in outputs:
@@ -360,7 +361,7 @@ class CompletionService:
         failed = False
         try:
             if gen.cancel_requested:  # the client left before the engine had the request: as `metered`
-                out = EngineOutput("", [], FINISH_CANCELLED, gen.prompt_tokens, 0)
+                out = EngineOutput("", [], FINISH_CANCELLED, gen.prompt_tokens, 0, unrun=True)
             else:
                 out = await gen.engine.complete(gen.engine_request)
             self._observe(gen, out)
@@ -397,6 +398,7 @@ class CompletionService:
             gen.cached_tokens = out.cached_tokens
         if out.finished:
             gen.finish_reason = out.finish_reason
+            gen.unrun = out.unrun
             gen.error = out.error
             gen.stop_sequence = out.stop_sequence
             gen.recorded_finish = out.recorded_finish

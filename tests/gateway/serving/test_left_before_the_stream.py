@@ -1,5 +1,6 @@
 """A client that leaves between its request's admission and the start of its engine stream: its
-row says `cancelled`, whatever the engine would have said of the request by then.
+row says `cancelled`, whatever the engine would have said of the request by then, and counts no
+token (no engine had it: nothing billed, nothing against its quota).
 
 The real gateway (its guarded protocol, scheduler, meter and ledger on Postgres) over a fake
 engine whose capacity the test sets; the admission is held in its quota step (Meter._reserve, after
@@ -52,12 +53,12 @@ def held_admissions(meter: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[thread
     return reached, release
 
 
-async def statuses(gw: Any, key_id: int) -> list[tuple[str, str | None]]:
-    """(status, finish_reason) of the key's ledger rows."""
+async def statuses(gw: Any, key_id: int) -> list[tuple[str, str | None, int, int]]:
+    """(status, finish_reason, prompt tokens, completion tokens) of the key's ledger rows."""
     db = create_engine(gw.db_url)
     try:
         async with db.connect() as conn:
-            rows = await conn.execute(sa.text("SELECT status, finish_reason FROM ledger_entries WHERE key_id = :k"), {"k": key_id})
+            rows = await conn.execute(sa.text("SELECT status, finish_reason, prompt_tokens, completion_tokens FROM ledger_entries WHERE key_id = :k"), {"k": key_id})
             return [tuple(r) for r in rows]
     finally:
         await db.dispose()
@@ -94,7 +95,7 @@ async def test_a_client_gone_before_its_stream_starts_is_cancelled_not_an_engine
         release.set()
         await until(lambda: gw.ledger_count(key_id=key["id"]), "the request's row")
         await gw.flush_ledger()
-        assert await statuses(gw, key["id"]) == [("cancelled", "cancelled")]
+        assert await statuses(gw, key["id"]) == [("cancelled", "cancelled", 0, 0)]  # no engine had it: no token used, none billed
         assert engine.requests_in_flight() == 0
     finally:
         release.set()
