@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 import sqlalchemy as sa
 from sqlmodel import Field, SQLModel
@@ -228,7 +229,8 @@ class InvoiceChargeback(SQLModel, table=True):
     """One Stripe dispute of a payment of an invoice (billing/stripe/invoice_disputes.py): an invoice
     paid by several payments, or one payment disputed more than once, has several. `amount_cents`: what
     it takes back of this invoice now (the withdrawn amount less any reinstated; 0 once won); it counts
-    in the invoice's chargeback_cents while `settled_at` is NULL."""
+    in the invoice's chargeback_cents while `settled_at` is NULL. Settled, then won: the customer paid
+    twice (chargeback_refund_due)."""
 
     __tablename__ = "invoice_chargebacks"
     __table_args__ = (sa.UniqueConstraint("invoice_id", "dispute_id", name="uq_invoice_chargebacks_dispute"),)
@@ -242,6 +244,20 @@ class InvoiceChargeback(SQLModel, table=True):
     disputed_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))  # the dispute's amount, on this invoice
     amount_cents: int = Field(sa_column=sa.Column(sa.BigInteger, nullable=False))  # taken back now
     disputed_at: datetime = Field(sa_column=_ts())  # the dispute's `created`
-    # A person recorded it paid again outside Stripe (POST /admin/invoices/{id}/chargeback_settled).
+    # A person recorded it paid again outside Stripe (POST /admin/invoices/{id}/chargeback_settled),
+    # and what that covered: amount_cents then (amount_cents follows the dispute's later events).
     settled_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    settled_cents: int | None = Field(default=None, sa_column=sa.Column(sa.BigInteger, nullable=True))
+    # What a person recorded refunded of a double payment (POST .../chargeback_refunded): chargeback_refund_due.
+    refunded_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
+    refunded_at: datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     updated_at: datetime = Field(sa_column=_ts())
+
+
+def chargeback_refund_due(row: Any) -> int:
+    """Cents the customer paid twice and is owed back (exact): a chargeback settled outside Stripe whose
+    dispute then gave money back to us (won: all of it; a "partially won" one: the reinstated part)
+    returns what it no longer takes back of what the settlement covered, less what was refunded."""
+    if row.settled_at is None:
+        return 0
+    return max(0, int(row.settled_cents or 0) - int(row.amount_cents) - int(row.refunded_cents or 0))

@@ -108,7 +108,13 @@ def chargeback_lines(invoice: dict[str, Any]) -> list[str]:
         text = (f"Chargeback of {money(c['disputed_cents'])} {c['currency'].upper()} disputed by the cardholder's bank on "
                 f"{_date(c['disputed_at'])} (dispute {status}): ")
         if c.get("settled_at"):
-            text += f"{money(c['amount_cents'])} paid again on {_date(c['settled_at'])}, nothing owed"
+            settled = c["settled_cents"] if c.get("settled_cents") is not None else c["amount_cents"]
+            text += f"{money(settled)} paid again on {_date(c['settled_at'])}, nothing owed"
+            returned = settled - c["amount_cents"]  # given back by the bank after the settlement: paid twice
+            if returned > 0:
+                text += f"; {money(returned)} returned by the bank too, paid twice: "
+                text += (f"{money(c['refund_due_cents'])} to be refunded to you" if c.get("refund_due_cents")
+                         else f"refunded on {_date(c.get('refunded_at'))}")
         elif c["amount_cents"] > 0:
             text += f"{money(c['amount_cents'])} taken back, owed again"
         else:
@@ -130,7 +136,12 @@ def totals(invoice: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("Amount due", money(max(0, invoice["amount_due_cents"] - invoice.get("credited_cents", 0)))))
     if _owed_again(invoice):
         rows.append(("Charged back, owed again", money(_owed_again(invoice))))
+    if invoice.get("refund_due_cents"):
+        rows.append((REFUND_DUE, money(invoice["refund_due_cents"])))
     return rows
+
+
+REFUND_DUE = "Paid twice, to be refunded"  # a chargeback settled outside Stripe, then its dispute won
 
 
 def _notes(invoice: dict[str, Any]) -> list[str]:
@@ -188,7 +199,7 @@ def render_html(invoice: dict[str, Any]) -> str:
     notice = "" if seller else f"<p class=notice>{e(STATEMENT_NOTICE)}</p>"
     facts = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in _facts(invoice))
     total_rows = "".join(
-        f"<tr{' class=total' if k.startswith('Total') or k in ('Amount due', 'Charged back, owed again') else ''}><td>{e(k)}</td><td class=n>{e(v)}</td></tr>"
+        f"<tr{' class=total' if k.startswith('Total') or k in ('Amount due', 'Charged back, owed again', REFUND_DUE) else ''}><td>{e(k)}</td><td class=n>{e(v)}</td></tr>"
         for k, v in totals(invoice))
     notes = "".join(f"<li>{e(n)}</li>" for n in _notes(invoice))
     chargebacks = "".join(f"<li>{e(n)}</li>" for n in chargeback_lines(invoice))
@@ -318,7 +329,7 @@ def render_pdf(invoice: dict[str, Any]) -> bytes:
     doc.pdf.ln(3)
     rows = totals(invoice)
     for k, v in rows:
-        doc.line(f"{k}: {v}", 10, bold=k.startswith("Total") or k in ("Amount due", "Charged back, owed again"), height=6, align="R")
+        doc.line(f"{k}: {v}", 10, bold=k.startswith("Total") or k in ("Amount due", "Charged back, owed again", REFUND_DUE), height=6, align="R")
     for note in _notes(invoice):
         doc.wrapped(note, 8)
     chargebacks = chargeback_lines(invoice)

@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from billing.invoices.models import CreditNote, Invoice, InvoiceChargeback, InvoiceLine
+from billing.invoices.models import CreditNote, Invoice, InvoiceChargeback, InvoiceLine, chargeback_refund_due
 from billing.invoices.close import format_cents
 from billing.models import Account
 
@@ -94,6 +94,12 @@ def chargeback_view(row: Any, *, admin: bool) -> dict[str, Any]:
         "owed": row.settled_at is None and int(row.amount_cents) > 0,
         "disputed_at": _iso(row.disputed_at),
         "settled_at": _iso(row.settled_at),
+        "settled_cents": None if row.settled_cents is None else int(row.settled_cents),  # what the settlement covered
+        # settled, then its dispute won (or part reinstated): paid twice, this is owed back to the customer
+        "refund_due_cents": chargeback_refund_due(row),
+        "refund_due": format_cents(chargeback_refund_due(row)),
+        "refunded_cents": int(row.refunded_cents or 0),  # recorded refunded (chargeback_refunded)
+        "refunded_at": _iso(row.refunded_at),
     }
     if admin:
         view["dispute_id"] = row.dispute_id
@@ -158,6 +164,9 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
         "chargeback_cents": int(row.chargeback_cents or 0),
         "chargeback": format_cents(int(row.chargeback_cents or 0)),
         "chargebacks": chargebacks or [],  # every dispute of its payments that took money, won and settled ones too
+        # paid twice: chargebacks settled outside Stripe whose disputes were then won; owed back to the customer
+        "refund_due_cents": sum(c["refund_due_cents"] for c in chargebacks or []),
+        "refund_due": format_cents(sum(c["refund_due_cents"] for c in chargebacks or [])),
     }
     if admin:
         view["stripe"] = {

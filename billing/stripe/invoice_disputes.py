@@ -27,8 +27,16 @@ recomputed from the rows in the same transaction.
 
 A lost dispute leaves the invoice owed: Stripe's invoice is `paid` and final. Once the customer pays
 outside it, POST /admin/invoices/{id}/chargeback_settled (chargeback_settled) records it, for one
-dispute or all of the invoice's: the row's settled_at is set and it counts no more, whatever its
-dispute's later events say (they still update its status and amounts, for the record).
+dispute or all of the invoice's: the row's settled_at is set, with what it covered (settled_cents:
+its amount_cents then), and it counts no more, whatever its dispute's later events say (they still
+update its status and amounts, for the record).
+
+Settled, then won (or part reinstated): the bank returns the money too, and the customer has paid
+twice. The refund due is settled_cents less what the dispute still takes back, less what was
+refunded (models.chargeback_refund_due); the views and documents show it, and the event that makes
+it grow logs a warning (once: a later or repeated event finds it already due). A person refunds it
+(Stripe, or a credit note) and records that: POST /admin/invoices/{id}/chargeback_refunded
+(chargeback_refunded), which adds the refund due to refunded_cents.
 
 The Dispute is re-read for every event and only it decides, so events in any order, or repeated,
 end at the same rows; the change is applied in the transaction that records the event.
@@ -40,6 +48,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
@@ -47,7 +56,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from stripe import StripeClient
 
 from billing.invoices.account_state import recompute
-from billing.invoices.models import Invoice, InvoiceChargeback
+from billing.invoices.models import Invoice, InvoiceChargeback, chargeback_refund_due
 from billing.models import utcnow
 from billing.stripe.sync import _plain, upsert
 
@@ -115,12 +124,38 @@ async def chargeback_settled(db: AsyncEngine, invoice_id: int, *, now: datetime,
             which = sa.and_(which, CHARGEBACKS.c.dispute_id == dispute_id)
             if (await conn.execute(sa.select(CHARGEBACKS.c.id).where(which))).first() is None:
                 raise UnknownDispute(dispute_id)
-        done = await conn.execute(CHARGEBACKS.update().where(which, owed_again()).values(settled_at=now, updated_at=now))
+        done = await conn.execute(CHARGEBACKS.update().where(which, owed_again()).values(
+            settled_at=now, settled_cents=CHARGEBACKS.c.amount_cents, updated_at=now))
         if not done.rowcount:
             return False
         await refresh_invoice(conn, invoice_id)
         await recompute(conn, int(row.account_id), now=now, grace_seconds=grace_seconds, overdue=overdue)
     return True
+
+
+async def chargeback_refunded(db: AsyncEngine, invoice_id: int, *, now: datetime, dispute_id: str | None = None) -> bool | None:
+    """A person records that the refund due of a chargeback paid twice (settled, then its dispute won)
+    was made (a Stripe refund, a credit note): each such chargeback (or only `dispute_id`'s) adds its
+    refund due to refunded_cents, which leaves nothing due. None: no such invoice; False: no refund is
+    due (of that dispute); UnknownDispute: the invoice has no chargeback of `dispute_id`."""
+    async with db.begin() as conn:
+        if (await conn.execute(sa.select(INVOICES.c.id).where(INVOICES.c.id == invoice_id).with_for_update())).first() is None:
+            return None
+        which = CHARGEBACKS.c.invoice_id == invoice_id
+        if dispute_id is not None:
+            which = sa.and_(which, CHARGEBACKS.c.dispute_id == dispute_id)
+        rows = (await conn.execute(sa.select(CHARGEBACKS).where(which))).all()
+        if dispute_id is not None and not rows:
+            raise UnknownDispute(dispute_id)
+        done = False
+        for row in rows:
+            due = chargeback_refund_due(row)
+            if due:
+                await conn.execute(CHARGEBACKS.update().where(CHARGEBACKS.c.id == row.id).values(
+                    refunded_cents=int(row.refunded_cents or 0) + due, refunded_at=now, updated_at=now))
+                log.info("invoice %s: refund of %d %s recorded for dispute %s (paid twice)", invoice_id, due, row.currency, row.dispute_id)
+                done = True
+    return done
 
 
 async def invoices_paid_by(client: StripeClient, intent_id: str) -> list[InvoicePayment]:
@@ -176,10 +211,19 @@ def chargeback(dispute: dict[str, Any], payments: list[InvoicePayment], withdraw
                                    .with_for_update())).all()
         now = utcnow()
         for row in ours:
+            before = (await conn.execute(sa.select(CHARGEBACKS).where(
+                CHARGEBACKS.c.invoice_id == row.id, CHARGEBACKS.c.dispute_id == dispute["id"]))).first()
             values = dict(status=status, currency=currency or row.currency, disputed_cents=disputed[row.stripe_invoice_id],
                           amount_cents=taken[row.stripe_invoice_id], disputed_at=since, payment_intent=intent, updated_at=now)
             stmt = upsert(conn.engine, CHARGEBACKS).values(invoice_id=row.id, dispute_id=dispute["id"], **values)
             await conn.execute(stmt.on_conflict_do_update(index_elements=["invoice_id", "dispute_id"], set_=values))
+            if before is not None and before.settled_at is not None:
+                due = chargeback_refund_due(SimpleNamespace(**{**before._asdict(), "amount_cents": values["amount_cents"]}))
+                if due > chargeback_refund_due(before):  # this event gave money back: once, not on every later event
+                    log.warning("invoice %s paid twice: its chargeback of dispute %s was settled outside Stripe (%d %s) and the "
+                                "dispute is now %s (%d taken back): refund %d %s to the customer, then record it with "
+                                "POST /admin/invoices/%s/chargeback_refunded", row.id, dispute["id"], before.settled_cents or 0,
+                                values["currency"], status, values["amount_cents"], due, values["currency"], row.id)
             await refresh_invoice(conn, int(row.id))
         return int(ours[0].account_id) if ours else None
 

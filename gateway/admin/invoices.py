@@ -7,6 +7,7 @@ rates, an account's billing state and its price overrides.
                                                (TOLLGATE_STRIPE_SYNC_AFTER_CLOSE), as the CLI close does
     POST /admin/invoices/{id}/sync             push to Stripe
     POST /admin/invoices/{id}/chargeback_settled  {"dispute_id": "du_..."} | no body: every chargeback of it
+    POST /admin/invoices/{id}/chargeback_refunded {"dispute_id": "du_..."} | no body: every refund due of it
     POST /admin/invoices/{id}/credit_notes     {"amount_cents": 120 | omitted: all that is left, "reason", "memo"}
     GET  /admin/credit_notes/{id}[/html|/pdf]
     GET  /admin/accounts/{id}/billing_details  PUT (all fields) / PATCH (some): the buyer on invoices
@@ -33,7 +34,7 @@ from billing.invoices.close import PeriodNotEnded, close_period, period_status
 from billing.invoices.credit_notes import CreditNoteRefused, CreditRequest, get_credit_note, issue_credit_note
 from billing.invoices.views import get_invoice, list_invoices
 from billing.prices.book import InvalidPrice, PriceConflict
-from billing.stripe.invoice_disputes import UnknownDispute, chargeback_settled
+from billing.stripe.invoice_disputes import UnknownDispute, chargeback_refunded, chargeback_settled
 from billing.stripe.sync import StripeSyncError, StripeTotalMismatch
 from gateway.admin.accounts import Instant, StrictStr
 from gateway.api.account.documents import billing_of, credit_note_response, document_format, invoice_response, period_param, query_id
@@ -146,6 +147,28 @@ async def admin_chargeback_settled(request: Request) -> Response:
     if not done:
         what = f"The chargeback of dispute {dispute_id} is not owed" if dispute_id else "This invoice is not charged back"
         raise Conflict(f"{what} (won, or settled already).", param="dispute_id" if dispute_id else "id", code="not_charged_back")
+    return json_response(await get_invoice(billing.db, invoice_id))
+
+
+async def admin_chargeback_refunded(request: Request) -> Response:
+    """A chargeback paid twice (settled outside Stripe, then its dispute won) refunded to the customer
+    (a Stripe refund, a credit note): its refund due is recorded made. One dispute's ({"dispute_id"})
+    or, without a body, every one of the invoice's."""
+    state = request.app.state
+    billing = billing_of(request)
+    invoice_id = path_id(request, "invoice_id", "invoice")
+    raw = await read_optional_json(request, state.settings.http.max_body_bytes)
+    dispute_id = parse(SettleChargeback, raw).dispute_id if raw is not None else None
+    try:
+        done = await chargeback_refunded(billing.db, invoice_id, now=datetime.now(timezone.utc), dispute_id=dispute_id)
+    except UnknownDispute:
+        raise NotFound(f"Invoice {invoice_id} has no chargeback of dispute {dispute_id}.", param="dispute_id") from None
+    if done is None:
+        raise NotFound("No such invoice.", param="id")
+    if not done:
+        what = f"the chargeback of dispute {dispute_id}" if dispute_id else "this invoice"
+        raise Conflict(f"No refund is due for {what} (not settled and then won, or refunded already).",
+                       param="dispute_id" if dispute_id else "id", code="no_refund_due")
     return json_response(await get_invoice(billing.db, invoice_id))
 
 
@@ -294,6 +317,7 @@ ENDPOINTS = [
     ("/admin/invoices/{invoice_id}", admin_invoice, ["GET"]),
     ("/admin/invoices/{invoice_id}/sync", admin_sync, ["POST"]),
     ("/admin/invoices/{invoice_id}/chargeback_settled", admin_chargeback_settled, ["POST"]),
+    ("/admin/invoices/{invoice_id}/chargeback_refunded", admin_chargeback_refunded, ["POST"]),
     ("/admin/invoices/{invoice_id}/{fmt:str}", admin_invoice, ["GET"]),
     ("/admin/billing/periods/{period}", admin_period, ["GET"]),
     ("/admin/accounts/{account_id}/billing", admin_account_billing, ["GET"]),

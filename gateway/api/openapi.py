@@ -133,7 +133,12 @@ RESPONSES: dict[str, dict[str, Any]] = {
             "dispute_status": STR, "currency": STR, "disputed_cents": INT, "disputed": STR,
             "amount_cents": {**INT, "description": "taken back of this invoice now (withdrawn less reinstated; 0 once won)"},
             "amount": STR, "owed": BOOL, "disputed_at": STR, "settled_at": _nullable(STR),
+            "settled_cents": {**_nullable(INT), "description": "what the settlement outside Stripe covered"},
+            "refund_due_cents": {**INT, "description": "settled, then the dispute won: paid twice, owed back to the customer (0: none)"},
+            "refund_due": STR, "refunded_cents": INT, "refunded_at": _nullable(STR),
         }, {"dispute_id": STR, "payment_intent": _nullable(STR)})},
+        "refund_due_cents": {**INT, "description": "its chargebacks paid twice (settled, then won): owed back to the customer (0: none)"},
+        "refund_due": STR,
         "lines": {"type": "array", "items": _obj({"object": {"const": "invoice_line"}, "tokens": INT, "amount_cents": INT, "amount": STR})},
     }),
     "UsageReport": _obj({
@@ -317,6 +322,10 @@ def _paths() -> dict[str, Any]:
                                                           params=invoice)},
         "/admin/invoices/{invoice_id}/chargeback_settled": {"post": {**_op(
             "Record a charged-back invoice paid outside Stripe (a lost dispute): one dispute's chargeback, or without a body all of them",
+            {"200": _json(_ref("Invoice"))}, *WITH_BODY, 404, 409, params=invoice),
+            "requestBody": {"required": False, "content": {JSON: {"schema": _ref("SettleChargeback")}}}}},
+        "/admin/invoices/{invoice_id}/chargeback_refunded": {"post": {**_op(
+            "Record the refund of a chargeback paid twice (settled outside Stripe, then the dispute won): one dispute's, or without a body all",
             {"200": _json(_ref("Invoice"))}, *WITH_BODY, 404, 409, params=invoice),
             "requestBody": {"required": False, "content": {JSON: {"schema": _ref("SettleChargeback")}}}}},
         "/admin/billing/periods/{period}": {"get": _op("Progress of a close", {"200": _json(_ref("BillingPeriod"))}, *AUTHED, 404,

@@ -148,3 +148,32 @@ def test_a_downgrade_across_table_rebuilds_keeps_the_rows_it_does_not_drop(datab
     assert run_coro(_read(database_url, "SELECT count(*) FROM invoices JOIN invoice_lines l ON l.invoice_id = invoices.id")) == [(3,)]
     migrate.upgrade(database_url)
     assert run_coro(_tables_and_diff(database_url)) == (TABLES, [])
+
+
+def test_a_chargeback_settled_before_0027_keeps_what_its_settlement_covered(database_url: str) -> None:
+    """0027 adds settled_cents (what a settlement outside Stripe covered; the refund due once its
+    dispute is won is that less what the dispute still takes back). A row settled before it gets its
+    amount_cents, or, its dispute won already (amount 0: the customer paid twice), its disputed_cents.
+    Down to 0026 and up again."""
+    migrate.upgrade(database_url, "0024_invoice_chargebacks")
+    run_coro(_write_invoices(database_url))
+    migrate.upgrade(database_url, "0026_invoice_chargeback_disputes")
+    run_coro(_read_write(database_url, "UPDATE invoice_chargebacks SET status = 'won', amount_cents = 0, disputed_cents = 700 "
+                                       "WHERE dispute_id = 'du_old'"))
+    migrate.upgrade(database_url)
+    query = "SELECT dispute_id, amount_cents, settled_cents, refunded_cents FROM invoice_chargebacks ORDER BY dispute_id"
+    assert run_coro(_read(database_url, query)) == [("du_old", 0, 700, 0), ("du_open", 1001, None, 0)]
+    migrate.downgrade(database_url, "0026_invoice_chargeback_disputes")
+    assert run_coro(_read(database_url, "SELECT dispute_id, amount_cents FROM invoice_chargebacks ORDER BY dispute_id")) == [
+        ("du_old", 0), ("du_open", 1001)]
+    migrate.upgrade(database_url)
+    assert run_coro(_tables_and_diff(database_url)) == (TABLES, [])
+
+
+async def _read_write(url: str, statement: str) -> None:
+    db = create_engine(url)
+    try:
+        async with db.begin() as conn:
+            await conn.execute(sa.text(statement))
+    finally:
+        await db.dispose()

@@ -6,7 +6,8 @@ charged back, the account delinquent from the dispute's creation and suspended a
 period, as a failed payment would) for what the dispute took back (a partial dispute: its part); a won
 dispute makes it paid again; an invoice paid by two payments, or a payment disputed twice, keeps each
 dispute; events in any order, and repeated, end the same; an inquiry, and a dispute of a payment that is
-no invoice of ours, change nothing. The invoice's documents show its chargebacks."""
+no invoice of ours, change nothing. The invoice's documents show its chargebacks. A chargeback settled
+outside Stripe whose dispute is then won was paid twice: a refund is due, shown and logged once."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 from stripe import StripeClient
 
 from billing.invoices.views import get_invoice
 from billing.keys.store import KeyStore
 from billing.stripe.invoice_disputes import INVOICES, InvoicePayment, chargeback
+from gateway.dashboard.billing import invoice_rows
 from tests.billing.invoice_helpers import App, new_key, serve
 from tests.billing.invoices.test_invoice_documents import pdf_text
 from tests.billing.stripe.test_checkout import fake  # noqa: F401  (the fixture)
@@ -262,6 +265,80 @@ async def test_dispute_events_in_any_order_and_repeated_end_the_same(db_url: str
             again = await admin.post(f"/admin/invoices/{a['id']}/chargeback_settled")
             assert again.status_code == 409 and again.json()["error"]["code"] == "not_charged_back"
             assert (await admin.post("/admin/invoices/999999/chargeback_settled")).status_code == 404
+
+
+async def test_a_settled_chargeback_whose_dispute_is_then_won_is_a_refund_due_until_recorded_refunded(
+        db_url: str, db: Any, fake: FakeStripePayments, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """a's 89 cents charged back and settled outside Stripe (the customer paid them again), then the
+    dispute won: the bank returns the 89 cents too, so the customer paid twice. The views (admin's and
+    the customer's), the documents and the dashboard show 89 cents to refund, one warning is logged
+    when the won event arrives (not again for its repeats, nor for all the dispute's events sent again
+    in any order), and chargeback_refunded records the refund: nothing due after, whatever comes. b's
+    chargeback settled, then its dispute lost with 30 cents reinstated ("partially won"): 30 due."""
+    ids, invoices = await closed_september(db)
+    key = await new_key(db, ids["a"])
+    with serve(db_url, tmp_path, **env_for(fake, "0")) as app:
+        async with app.admin() as admin:
+            p = Postpaid(app, fake, admin, ids, invoices)
+            opened = fake.dispute(await p.paid("a"))
+            du = opened[0]["data"]["object"]["id"]
+            await p.deliver(opened)
+            invoice_id = (await p.invoice("a"))["id"]
+            settled = (await admin.post(f"/admin/invoices/{invoice_id}/chargeback_settled")).json()
+            assert (settled["refund_due_cents"], [(c["settled_cents"], c["refund_due_cents"]) for c in settled["chargebacks"]]) == (0, [(89, 0)])
+
+            def warnings() -> list[str]:
+                return [r.getMessage() for r in caplog.records if r.name == "tollgate.invoice_disputes" and r.levelname == "WARNING"]
+
+            with caplog.at_level("WARNING", logger="tollgate.invoice_disputes"):
+                won = fake.close_dispute(du, won=True)  # closed (won), funds_reinstated
+                await p.deliver_twice(won, "as sent")
+                assert len(warnings()) == 1 and f"invoice {invoice_id} paid twice" in warnings()[0] and "refund 89 usd" in warnings()[0]
+                await p.deliver([fake._event(e["type"], e["data"]["object"]) for e in opened + won], "shuffled")
+                assert len(warnings()) == 1, warnings()
+
+            shown = await p.invoice("a")
+            assert (shown["chargeback_cents"], shown["refund_due_cents"], shown["refund_due"]) == (0, 89, "0.89")
+            assert [(c["status"], c["dispute_status"], c["amount_cents"], c["settled_cents"], c["refund_due_cents"], c["refunded_cents"])
+                    for c in shown["chargebacks"]] == [("settled", "won", 0, 89, 89, 0)]
+            assert (await p.standing("a"))["state"] == "active"  # a refund due is ours to pay: the account owes nothing
+            async with app.as_key(key) as customer:
+                mine = (await customer.get(f"/v1/invoices/{invoice_id}")).json()
+                assert (mine["refund_due_cents"], mine["chargebacks"][0]["refund_due_cents"]) == (89, 89)
+                page = (await customer.get(f"/v1/invoices/{invoice_id}/html")).text
+            day, paid_again = shown["chargebacks"][0]["disputed_at"][:10], shown["chargebacks"][0]["settled_at"][:10]
+            line = (f"Chargeback of $0.89 USD disputed by the cardholder's bank on {day} (dispute won): $0.89 paid again on {paid_again}, "
+                    "nothing owed; $0.89 returned by the bank too, paid twice: $0.89 to be refunded to you")
+            assert html.escape(line) in page and "<td>Paid twice, to be refunded</td><td class=n>$0.89</td>" in page
+            pdf = pdf_text((await admin.get(f"/admin/invoices/{invoice_id}/pdf")).content)
+            assert line in " ".join(pdf.split()) and "Paid twice, to be refunded: $0.89" in pdf, pdf
+            assert invoice_rows([shown], admin=True)[0]["status"] == "paid, paid twice: refund $0.89"  # the dashboards' tables
+
+            # the operator refunds the 89 cents (Stripe, or a credit note) and records it
+            refunded = f"/admin/invoices/{invoice_id}/chargeback_refunded"
+            unknown = await admin.post(refunded, json={"dispute_id": "du_not_this_invoices"})
+            assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "dispute_id"
+            done = await admin.post(refunded, json={"dispute_id": du})
+            assert done.status_code == 200, done.text
+            assert (done.json()["refund_due_cents"], [(c["refund_due_cents"], c["refunded_cents"]) for c in done.json()["chargebacks"]]) == (
+                0, [(0, 89)]) and done.json()["chargebacks"][0]["refunded_at"] is not None
+            again = await admin.post(refunded)
+            assert again.status_code == 409 and again.json()["error"]["code"] == "no_refund_due"
+            with caplog.at_level("WARNING", logger="tollgate.invoice_disputes"):
+                await p.deliver([fake._event(e["type"], e["data"]["object"]) for e in opened + won], "shuffled")
+                assert len(warnings()) == 1, warnings()
+            assert (await p.invoice("a"))["refund_due_cents"] == 0
+            assert "refunded on" in (await admin.get(f"/admin/invoices/{invoice_id}/html")).text
+
+            # b: settled, then lost with 30 cents reinstated: those 30 were paid twice
+            opened = fake.dispute(await p.paid("b"))
+            await p.deliver(opened)
+            b_id = (await p.invoice("b"))["id"]
+            assert (await admin.post(f"/admin/invoices/{b_id}/chargeback_settled")).status_code == 200
+            await p.deliver(fake.close_dispute(opened[0]["data"]["object"]["id"], won=False, reinstated=30), "reversed")
+            b = await p.invoice("b")
+            assert [(c["dispute_status"], c["settled_cents"], c["amount_cents"], c["refund_due_cents"]) for c in b["chargebacks"]] == [
+                ("lost", b["total_cents"], b["total_cents"] - 30, 30)] and b["refund_due_cents"] == 30
 
 
 async def test_an_inquiry_and_a_payment_that_is_no_invoice_of_ours_change_nothing(
