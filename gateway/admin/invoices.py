@@ -129,47 +129,50 @@ class SettleChargeback(_StrictModel):
         return None
 
 
-async def admin_chargeback_settled(request: Request) -> Response:
-    """A charged-back invoice paid again outside Stripe (a lost dispute): owed no more. One dispute's
-    chargeback ({"dispute_id": "du_..."}) or, without a body, every one of the invoice's."""
-    state = request.app.state
+async def _chargeback_action(request: Request, act: Any, refused: Any) -> Response:
+    """One of the chargeback actions on an invoice, for one dispute ({"dispute_id": "du_..."}) or,
+    without a body, every one of the invoice's: `act(db, invoice_id, now, dispute_id)` returns None
+    (no such invoice), False (nothing to do: 409 `refused(dispute_id)` gives) or True; the invoice after."""
     billing = billing_of(request)
     invoice_id = path_id(request, "invoice_id", "invoice")
-    raw = await read_optional_json(request, state.settings.http.max_body_bytes)
+    raw = await read_optional_json(request, request.app.state.settings.http.max_body_bytes)
     dispute_id = parse(SettleChargeback, raw).dispute_id if raw is not None else None
     try:
-        done = await chargeback_settled(billing.db, invoice_id, now=datetime.now(timezone.utc), grace_seconds=billing.config.grace_seconds,
-                                        overdue=billing.config.sends_for_payment, dispute_id=dispute_id)
+        done = await act(billing, invoice_id, datetime.now(timezone.utc), dispute_id)
     except UnknownDispute:
         raise NotFound(f"Invoice {invoice_id} has no chargeback of dispute {dispute_id}.", param="dispute_id") from None
     if done is None:
         raise NotFound("No such invoice.", param="id")
     if not done:
-        what = f"The chargeback of dispute {dispute_id} is not owed" if dispute_id else "This invoice is not charged back"
-        raise Conflict(f"{what} (won, or settled already).", param="dispute_id" if dispute_id else "id", code="not_charged_back")
+        raise refused(dispute_id)
     return json_response(await get_invoice(billing.db, invoice_id))
+
+
+async def admin_chargeback_settled(request: Request) -> Response:
+    """A charged-back invoice paid again outside Stripe (a lost dispute): owed no more."""
+    def act(billing: Any, invoice_id: int, now: datetime, dispute_id: str | None) -> Any:
+        return chargeback_settled(billing.db, invoice_id, now=now, grace_seconds=billing.config.grace_seconds,
+                                  overdue=billing.config.sends_for_payment, dispute_id=dispute_id)
+
+    def refused(dispute_id: str | None) -> Conflict:
+        what = f"The chargeback of dispute {dispute_id} is not owed" if dispute_id else "This invoice is not charged back"
+        return Conflict(f"{what} (won, or settled already).", param="dispute_id" if dispute_id else "id", code="not_charged_back")
+
+    return await _chargeback_action(request, act, refused)
 
 
 async def admin_chargeback_refunded(request: Request) -> Response:
     """A chargeback paid twice (settled outside Stripe, then its dispute won) refunded to the customer
-    (a Stripe refund, a credit note): its refund due is recorded made. One dispute's ({"dispute_id"})
-    or, without a body, every one of the invoice's."""
-    state = request.app.state
-    billing = billing_of(request)
-    invoice_id = path_id(request, "invoice_id", "invoice")
-    raw = await read_optional_json(request, state.settings.http.max_body_bytes)
-    dispute_id = parse(SettleChargeback, raw).dispute_id if raw is not None else None
-    try:
-        done = await chargeback_refunded(billing.db, invoice_id, now=datetime.now(timezone.utc), dispute_id=dispute_id)
-    except UnknownDispute:
-        raise NotFound(f"Invoice {invoice_id} has no chargeback of dispute {dispute_id}.", param="dispute_id") from None
-    if done is None:
-        raise NotFound("No such invoice.", param="id")
-    if not done:
+    (a Stripe refund, a credit note): its refund due is recorded made."""
+    def act(billing: Any, invoice_id: int, now: datetime, dispute_id: str | None) -> Any:
+        return chargeback_refunded(billing.db, invoice_id, now=now, dispute_id=dispute_id)
+
+    def refused(dispute_id: str | None) -> Conflict:
         what = f"the chargeback of dispute {dispute_id}" if dispute_id else "this invoice"
-        raise Conflict(f"No refund is due for {what} (not settled and then won, or refunded already).",
-                       param="dispute_id" if dispute_id else "id", code="no_refund_due")
-    return json_response(await get_invoice(billing.db, invoice_id))
+        return Conflict(f"No refund is due for {what} (not settled and then won, or refunded already).",
+                        param="dispute_id" if dispute_id else "id", code="no_refund_due")
+
+    return await _chargeback_action(request, act, refused)
 
 
 async def admin_account_billing(request: Request) -> Response:
