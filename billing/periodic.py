@@ -25,19 +25,29 @@ from dataclasses import dataclass
 @dataclass
 class Pulse:
     """What a loop has done so far. `last_round`: time.monotonic() when the last round ended
-    (None: none yet); `last_error`: the last failed round's exception."""
+    (None: none yet); `last_error`: the last failed round's exception; `streak`: failed rounds
+    since the last that went well."""
 
     rounds: int = 0
     failures: int = 0
     last_round: float | None = None
     last_error: Exception | None = None
+    streak: int = 0
 
     def beat(self, error: Exception | None = None) -> None:
         self.rounds += 1
         self.last_round = time.monotonic()
-        if error is not None:
+        if error is None:
+            self.streak = 0
+        else:
             self.failures += 1
+            self.streak += 1
             self.last_error = error
+
+    def worth_saying(self, every: int = 60) -> bool:
+        """Whether the failure just counted is worth a log line: the first of a run of failed rounds,
+        then every `every`th, so a loop of a second logs an outage once a minute, not each round."""
+        return self.streak == 1 or (self.streak > 0 and self.streak % every == 0)
 
 
 async def every(interval: float, step: Callable[[], Awaitable[object]], *, on_error: Callable[[Exception], None],

@@ -281,9 +281,12 @@ def lifespan(
         state.service = CompletionService(served, ledger, limiter=limiter, prices=prices)
         # Running requests that took no hold on their key or account: a limit set there elsewhere is
         # learnt within a key cache's time even if no other request of the key comes here meanwhile.
+        def recheck_failed(exc: Exception) -> None:  # the database is out: said once, then every 60th round
+            if rechecking.pulse.worth_saying():
+                log.warning("limits recheck failed (%d rounds in a row): %s", rechecking.pulse.streak, type(exc).__name__)
+
         rechecking = Periodic("limits-recheck", max(settings.quotas.key_cache_seconds, 0.25),
-                              lambda: state.keys.recheck(state.service.meter.unheld_keys()),
-                              on_error=lambda exc: log.warning("limits recheck failed: %s", type(exc).__name__))
+                              lambda: state.keys.recheck(state.service.meter.unheld_keys()), on_error=recheck_failed)
         rechecking.start()
         # Observability and dashboards.
         state.metrics = Metrics(served, ledger, multiproc_dir=settings.dashboards.prometheus_multiproc_dir)

@@ -110,8 +110,9 @@ def interrupted_row(found: Unjournaled) -> UsageRecord:
     )
 
 
-def _round_failed(exc: Exception) -> None:  # the database is out: the next round tries again
-    log.warning("could not list active batches: %s", type(exc).__name__)
+def _round_failed(pulse: Any, exc: Exception) -> None:  # the database is out: the next round tries again
+    if pulse.worth_saying():
+        log.warning("could not list active batches (%d rounds in a row): %s", pulse.streak, type(exc).__name__)
 
 
 class BatchRunner:
@@ -130,7 +131,7 @@ class BatchRunner:
         self._jobs: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         # A round at the start, then each poll, or at once when a batch is created or cancelled.
-        self.loop = Periodic("batch-runner", settings.poll_seconds, self._round, on_error=_round_failed,
+        self.loop = Periodic("batch-runner", settings.poll_seconds, self._round, on_error=lambda exc: _round_failed(self.loop.pulse, exc),
                              first=True, wake=self._wake)
         self._stopping = False
         self._endpoints: dict[str, Any] = {}

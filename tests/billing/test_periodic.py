@@ -168,3 +168,24 @@ async def test_stop_ends_the_loop_although_the_step_turns_the_cancel_into_an_err
     done, _ = await asyncio.wait({stopping}, timeout=5)
     assert done, "stop() did not end a loop whose step turned the cancel into an error"
     assert not loop.alive
+
+
+async def test_an_outage_is_worth_a_log_line_once_then_every_60th_round() -> None:
+    """A loop of a second (the limits recheck, the batch runner) logs a database outage when it
+    begins and once a minute after, not every round; a round that goes well ends the run."""
+    outage = {"on": True}
+    said: list[int] = []
+
+    async def step() -> None:
+        if outage["on"]:
+            raise ConnectionError("the database is down")
+
+    loop = Periodic("test-outage", 0.001, step, on_error=lambda exc: said.append(loop.pulse.streak) if loop.pulse.worth_saying() else None)
+    loop.start()
+    await until(lambda: loop.pulse.streak >= 130, "130 failed rounds")
+    outage["on"] = False
+    await until(lambda: loop.pulse.streak == 0, "a round that went well")
+    outage["on"] = True
+    await until(lambda: loop.pulse.streak >= 1 and len(said) >= 4, "the next outage")
+    await loop.stop()
+    assert said[:4] == [1, 60, 120, 1], said
