@@ -271,6 +271,7 @@ def lifespan(
         # The quota groups this run registers in, and those the previous run on this journal did.
         groups = ledger.journal.run_notes("quota-groups") if ledger.journal is not None else None
         limiter = build_limiter(settings, db, ledger, process_id, on_register=groups.note if groups else None)
+        checking = asyncio.create_task(limiter.check_store()) if isinstance(limiter, RedisLimiter) else None  # warns of eviction
         state.keys.on_limits_changed = lambda principal: limits_changed(limiter, state.service.meter, principal)
         releasing = asyncio.create_task(
             finish_crashed_run(ledger, limiter, recovered, previous_process, groups.previous if groups else set()))
@@ -324,6 +325,8 @@ def lifespan(
             await response_cache.stop(app)
             await rechecking.stop()
             releasing.cancel()
+            if checking is not None:
+                checking.cancel()
             partitioning.cancel()
             for task in adopting:
                 task.cancel()

@@ -15,6 +15,9 @@ is one atomic script in one round trip on a cluster too. With g = the group pref
   {g}epoch (bumped to rebuild the group from the ledger)   {g}settled:{rid} (settle once)
   {g}node (Cluster, Sentinel: the replication id of the master that last reserved here; another
           one = a failover, which may have lost writes: holds re-registered, counters rebuilt)
+  alive:{p} (alive:{g} on Redis Cluster)  the data set's sentinel, "<id>/<ms>" (lua/common.lua): gone
+          with a FLUSHALL, FLUSHDB or restart; a process that had seen it notes the loss, and rebuilds
+          wait for every process's running holds as after a restart. Outside {p}*: flush_all keeps it.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ SETTLE_LINGER = 0.002
 # registered there to re-register its running holds (each does at its next call, an idle one
 # within its hold watch's interval); a process that died meanwhile stops counting after that.
 # After a plain restart (nothing kept) Redis knows no process to wait for: admissions that need a
-# rebuild wait until Redis has been up this long, time for every live process's watch to come round.
+# rebuild wait until Redis has been up this long, time for every live process's watch to come round;
+# after a FLUSHALL (uptime goes on) this long after a process that had seen the lost data set noticed
+# (the sentinel, lua/common.lua).
 FAILOVER_WAIT = 3.0
 
 
@@ -118,6 +123,9 @@ class RedisLimiter(Limiter):
         self._registered: set[str] = set()  # the groups on_register has been told of
         self._key_groups: dict[int, str] = {}  # key id -> its group's tag, as reservations showed
         self._groups: dict[str, str] = {}  # tag -> its group's key prefix
+        # The data set this process registered in (sentinel key -> its id): a registration that finds
+        # another one, or none, means Redis lost its data (rehold.lua notes the loss).
+        self._datasets: dict[str, str] = {}
         # Holds to release with nothing counted once Redis answers: reservations whose answer never
         # came, settlements that failed (their usage comes back with the group's rebuild).
         self._unsure: dict[str, Hold] = {}
@@ -197,10 +205,11 @@ class RedisLimiter(Limiter):
         for tag in tags:
             args, live = self._rehold_args(tag, now, bump=True)
             try:
-                await self._client.run(self._rehold_script, self.group(tag) + "epoch", args, 0.0)
+                mark = await self._client.run(self._rehold_script, self.group(tag) + "epoch", args, 0.0)
             except BaseException:
                 self._resync.update(tags[tags.index(tag):])  # still to do: the next call tries again
                 raise
+            self._dataset(self._alive(tag), mark)
             self._renewed(live, now + self.hold_seconds)
 
     def _grouped(self, scopes: list[Scope], tag: str) -> None:
@@ -216,8 +225,22 @@ class RedisLimiter(Limiter):
         ]
         for scope in hold.scopes:
             args += [scope.name, *scope.limit_args()]
-        args += [self._proc, 1 if self._client.replicated else 0, int(FAILOVER_WAIT * 1000)]
+        args += [self._proc, 1 if self._client.replicated else 0, int(FAILOVER_WAIT * 1000), self._alive(hold.tag)]
         return args
+
+    def _alive(self, tag: str) -> str:
+        """The data set's sentinel key (lua/common.lua): one per prefix; one per group on Redis Cluster,
+        where a script reaches no key outside its group's slot."""
+        return f"alive:{self.group(tag) if self._client.cluster else self.prefix}"
+
+    def _dataset(self, alive: str, mark: Any) -> None:
+        """Remembers the data set a registration found (rehold.lua's answer, '<id>/<ms>')."""
+        if isinstance(mark, bytes):
+            mark = mark.decode()
+        if isinstance(mark, str) and "/" in mark:
+            if len(self._datasets) >= 100_000:
+                self._datasets.clear()
+            self._datasets[alive] = mark.rsplit("/", 1)[0]
 
     async def _reserve(self, hold: Hold, now: float) -> tuple[Any, ...]:
         args = self.reserve_args(hold, now)
@@ -307,7 +330,7 @@ class RedisLimiter(Limiter):
             self._registered.add(tag)
             self._on_register(tag)  # before the registration: a hold here can only follow it
         args, live = self._rehold_args(tag, now)
-        await self._call(self._rehold_script, args)
+        self._dataset(self._alive(tag), await self._call(self._rehold_script, args))
         self._renewed(live, now + self.hold_seconds)
         if live:
             log.warning("quota store lost its state: re-registered %d holds of requests still running", len(live))
@@ -330,7 +353,8 @@ class RedisLimiter(Limiter):
             spends = ":0" if getattr(row, "postpaid", False) else ""  # a postpaid key's row spends no balance
             args += [row.request_id, f"{row.prompt_tokens + row.completion_tokens}:{row.cost_nanos or 0}:{month}{spends}",
                      month, 2, f"k{row.key_id}", f"a{row.account_id}"]
-        args += [len(self._reserving), *self._reserving, 1 if bump else 0]
+        alive = self._alive(tag)
+        args += [len(self._reserving), *self._reserving, 1 if bump else 0, alive, self._datasets.get(alive, ""), int(FAILOVER_WAIT * 1000)]
         return args, live
 
     def _watch(self) -> None:
@@ -503,6 +527,26 @@ class RedisLimiter(Limiter):
         except Exception as exc:
             log.warning("could not invalidate quota counters for %s: %s", scope.name, type(exc).__name__)
             self._resync.add(tag)
+
+    async def check_store(self) -> str | None:
+        """At startup: warns when Redis may evict keys (a `maxmemory` with any policy but `noeviction`).
+        An eviction loses counters, holds or registrations one key at a time, which no restart or
+        flush check sees: a group could be rebuilt without other processes' running holds, or not at
+        all. Read from INFO (CONFIG GET is often disabled on managed Redis); where INFO is refused
+        too, or on Redis Cluster (each master has its own settings), it says so at debug level and
+        checks nothing. Returns the policy read (None: not read)."""
+        try:
+            info = await self._redis.info("memory")
+        except Exception as exc:
+            log.debug("quota store's eviction policy not read: %s", type(exc).__name__)
+            return None
+        if not isinstance(info, dict) or "maxmemory_policy" not in info:  # a cluster: one dict per node
+            return None
+        policy, limit = str(info["maxmemory_policy"]), int(info.get("maxmemory") or 0)
+        if policy != "noeviction" and limit > 0:
+            log.warning("quota store: Redis runs with maxmemory %d and maxmemory-policy %s: an eviction can lose quota "
+                        "counters and holds and let a budget be overspent; run it with maxmemory-policy noeviction", limit, policy)
+        return policy
 
     async def reachable(self) -> bool:
         try:

@@ -65,6 +65,11 @@ class ScriptClient:
         return script
 
     @property
+    def cluster(self) -> bool:
+        """Redis Cluster: a script reaches only its group's hash slot (no key shared by every group)."""
+        return self._kind == "cluster"
+
+    @property
     def replicated(self) -> bool:
         """Whether a failover may hand the keys to another master (Cluster, Sentinel)."""
         return self._replicated

@@ -32,3 +32,11 @@ local function keep_hold(name, rid, tok, nanos, minute, expiry, proc)
   end
   redis.call('ZADD', s .. 'hexp', expiry, rid)
 end
+-- The data set's sentinel (`alive:<prefix>`; on Redis Cluster `alive:<group prefix>`, one per
+-- group): '<id>/<ms>', written at a registration that finds it missing. Redis losing its data without
+-- a restart (FLUSHALL, FLUSHDB) loses it too: a process that had seen it then knows the data set is
+-- gone, and <ms> (Redis's clock) is when it noticed; 0: no loss noticed (a new data set, or a restart,
+-- which Redis's uptime covers). Rebuilds wait until then + the failover wait, as after a restart.
+local function now_ms() local t = redis.call('TIME') return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
+local function uptime() return tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')) end
+local function lost_at(mark) return mark and tonumber(string.match(mark, '/(%d+)$')) or 0 end

@@ -10,6 +10,7 @@ i = i + 1
 for _ = 1, rows do i = i + 4 + tonumber(ARGV[i + 3]) end
 local reserving = tonumber(ARGV[i] or '0')
 for j = 1, reserving do live[ARGV[i + j]] = true end  -- reservations awaiting their answer
+local tail = i + reserving + 1  -- the epoch bump's flag; then the sentinel's key, the id this process knows, the wait
 -- A rebuild this process asks for (usage that Redis did not record): the new epoch and, below, this
 -- process's rows not yet in the ledger in `pend`, in one script, so the rebuild cannot miss them.
 if ARGV[i + reserving + 1] == '1' then epoch = tostring(redis.call('INCR', p .. 'epoch')) end
@@ -47,4 +48,21 @@ end
 redis.call('ZREMRANGEBYSCORE', p .. 'procs', '-inf', now)  -- processes not seen for a day
 redis.call('ZADD', p .. 'procs', now + ttl, proc)
 redis.call('ZREM', p .. 'procs:stale', proc)
-return 1
+-- The data set's sentinel (common.lua). Missing, or another one than this process saw with no loss
+-- noted: Redis lost the data set this process registered in. The loss is noted now (rebuilds wait,
+-- as after a restart, for every process's hold watch to put its running holds back), or at Redis's
+-- start if that was moments ago (a restart: the same wait as its uptime's). A process that saw none
+-- (its first registration) cannot tell a new data set from a lost one: it notes no loss.
+local alive = ARGV[tail + 1]; local known = ARGV[tail + 2]
+local mark = redis.call('GET', alive)
+if not mark or (known ~= '' and lost_at(mark) == 0 and string.match(mark, '^(.*)/') ~= known) then
+  local ms = now_ms()
+  local up = uptime() * 1000
+  local lost = 0
+  -- a restart: its start, a second early (uptime is whole seconds), so the wait ends no later than
+  -- the uptime's (reserve.lua): a restart waits as it did
+  if up < tonumber(ARGV[tail + 3]) then lost = ms - up - 1000 elseif known ~= '' then lost = ms end
+  mark = (mark and string.match(mark, '^(.*)/') or (proc .. '.' .. ms)) .. '/' .. lost
+  redis.call('SET', alive, mark)
+end
+return mark

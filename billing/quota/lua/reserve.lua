@@ -49,9 +49,13 @@ if #missing > 0 then
   -- still running on other processes are not back yet; each process's hold watch puts them back
   -- within about two seconds of Redis answering. The counters are rebuilt, and admissions here
   -- resume, only once that time has passed (the caller waits and asks again).
+  -- The same after Redis lost its data without a restart (a FLUSHALL: its uptime goes on): from
+  -- when the first process that had seen the data set noticed it gone (the sentinel, common.lua).
   local wait_ms = tonumber(ARGV[12 + n * 7])
-  local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
-  if up * 1000 < wait_ms then return {'starting', wait_ms - up * 1000} end
+  local left = wait_ms - uptime() * 1000
+  local lost = lost_at(redis.call('GET', ARGV[13 + n * 7]))
+  if lost > 0 then left = math.max(left, lost + wait_ms - now_ms()) end
+  if left > 0 then return {'starting', left} end
   return {'sync', missing}
 end
 -- A retried call for a request already reserved changes nothing.

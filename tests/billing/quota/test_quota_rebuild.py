@@ -36,6 +36,7 @@ from billing.ledger.journal import Recovered, RunNotes
 from billing.ledger.writer import UsageRecord, write_records
 from billing.quota.limits import Limits
 from billing.quota import LedgerTotals, QuotaExceeded, QuotaUnavailable, RedisLimiter, Scope, month_of, month_start
+from billing.quota.redis_limiter import FAILOVER_WAIT
 from gateway.wiring import finish_crashed_run
 from tests.conftest import REDIS_URL, require_redis, until
 
@@ -465,4 +466,102 @@ async def test_a_plain_redis_restart_rebuilds_only_once_the_other_processes_hold
             assert await asking == 2, "admitted without waiting for B's running holds"
             assert (await a.counters(account))["held_tokens"] == 1_000
     finally:
+        redis.kill()
+
+
+async def test_a_flushall_under_running_holds_rebuilds_only_once_the_other_processes_holds_are_back(
+    ledger_url: str, tmp_path: Path
+) -> None:
+    """FLUSHALL (or FLUSHDB) empties Redis without a restart: its uptime goes on, so the restart's
+    wait (Redis up less than FAILOVER_WAIT) does not apply. B holds 8 of a 1,000-token budget's
+    100-token requests; Redis is flushed; A, which has served another account before, asks for 5
+    more in B's account while B's hold watch is held back. A must wait for B's holds as after a
+    restart (the data set's sentinel, gone with the flush) and get the 2 that fit."""
+    import redis.asyncio as redis_asyncio
+
+    from tests.gateway.serving.test_quota_redis_failures import RedisServer
+
+    redis = RedisServer(tmp_path)
+    redis.start()
+    client = redis_asyncio.Redis.from_url(redis.url)
+    try:
+        async with limiters(ledger_url, redis.url) as make:
+            a, b = make(), make()
+            other = Scope("account", int(uuid.uuid4().int % 10**9), Limits(monthly_tokens=1_000))
+            await a.settle(await a.reserve(uuid.uuid4().hex, [other], 10, 10), 0, 0)  # A has been serving
+            account_id = int(uuid.uuid4().int % 10**9)
+            key = Scope("key", int(uuid.uuid4().int % 10**9), Limits(), account=account_id)
+            account = Scope("account", account_id, Limits(monthly_tokens=1_000))
+            for _ in range(8):
+                await b.reserve(uuid.uuid4().hex, [key, account], 100, 100)  # running: its watch keeps them
+            let_go = asyncio.Event()
+            lost_groups = b._client.lost_groups
+
+            async def held_back(*args: Any) -> list[str]:  # B's watch comes round only once A waits
+                await let_go.wait()
+                return await lost_groups(*args)
+
+            b._client.lost_groups = held_back  # type: ignore[method-assign]
+            await asyncio.sleep(FAILOVER_WAIT + 0.5)  # Redis has been up long enough: a restart's wait is over
+            assert await client.flushall()
+            waits = asyncio.Event()
+            call = a._call
+
+            async def seen(script: Any, args: list[Any], linger: float = 0.0) -> Any:
+                result = await call(script, args, linger)
+                if isinstance(result, list) and result and result[0] == "starting":
+                    waits.set()
+                return result
+
+            a._call = seen  # type: ignore[method-assign]
+
+            async def five() -> int:
+                admitted = 0
+                for _ in range(5):
+                    try:
+                        await a.reserve(uuid.uuid4().hex, [key, account], 100, 100)
+                        admitted += 1
+                    except QuotaExceeded:
+                        pass
+                return admitted
+
+            asking = asyncio.create_task(five())
+            waiting = asyncio.create_task(waits.wait())
+            await asyncio.wait({asking, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            let_go.set()
+            waiting.cancel()
+            assert await asking == 2, "admitted without waiting for B's running holds"
+            assert (await a.counters(account))["held_tokens"] == 1_000
+    finally:
+        await client.aclose()
+        redis.kill()
+
+
+async def test_a_redis_that_may_evict_is_warned_of_at_startup(ledger_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An eviction loses keys one at a time (a group's counters, a registration), which neither the
+    restart's nor the flush's check sees: a Redis with a maxmemory and any policy but noeviction is
+    warned of (read from INFO: CONFIG GET is often disabled on managed Redis)."""
+    import redis.asyncio as redis_asyncio
+
+    from tests.gateway.serving.test_quota_redis_failures import RedisServer
+
+    redis = RedisServer(tmp_path)
+    redis.start()
+    client = redis_asyncio.Redis.from_url(redis.url)
+    try:
+        async with limiters(ledger_url, redis.url) as make:
+            lim = make()
+            with caplog.at_level("WARNING", logger="tollgate.quota"):
+                await client.config_set("maxmemory", "0")
+                await client.config_set("maxmemory-policy", "allkeys-lru")  # no maxmemory: nothing is evicted
+                assert await lim.check_store() == "allkeys-lru"
+                await client.config_set("maxmemory", str(512 * 2**20))
+                await client.config_set("maxmemory-policy", "noeviction")
+                assert await lim.check_store() == "noeviction"
+                assert not [r for r in caplog.records if "maxmemory" in r.getMessage()]
+                await client.config_set("maxmemory-policy", "volatile-lru")
+                assert await lim.check_store() == "volatile-lru"
+            assert [r.levelname for r in caplog.records if "maxmemory-policy volatile-lru" in r.getMessage()] == ["WARNING"]
+    finally:
+        await client.aclose()
         redis.kill()
