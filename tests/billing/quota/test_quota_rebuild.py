@@ -342,7 +342,8 @@ async def test_a_recovery_keeps_a_dead_process_holds_and_drops_a_live_one_s_sett
         running = await live.reserve(uuid.uuid4().hex, [key, account], 100, 100, now=now)
         settled = await live.reserve(uuid.uuid4().hex, [key, account], 200, 200, now=now)
         live._live.pop(settled.request_id)  # settled, and the settlement lost with the old master
-        await dead.reserve(uuid.uuid4().hex, [key, account], 400, 400, now=now)  # its process then dies
+        await dead.reserve(uuid.uuid4().hex, [key, account], 400, 400, now=now)  # its process then dies:
+        await dead.watcher.stop()  # its hold watch with it (alive, a round of it re-registered its hold and the wait ended)
         await make().recover_groups({account.tag})  # a third one restarted with replayed rows
         rounds = live.watcher.pulse.rounds
         await until(lambda: live.watcher.pulse.rounds > rounds, "a round of the live process's hold watch")
