@@ -211,14 +211,21 @@ def chargeback(dispute: dict[str, Any], payments: list[InvoicePayment], withdraw
                                    .with_for_update())).all()
         now = utcnow()
         for row in ours:
-            before = (await conn.execute(sa.select(CHARGEBACKS).where(
+            found = (await conn.execute(sa.select(CHARGEBACKS).where(
                 CHARGEBACKS.c.invoice_id == row.id, CHARGEBACKS.c.dispute_id == dispute["id"]))).first()
+            before = None if found is None else SimpleNamespace(**found._mapping)
+            if before is not None and before.settled_at is not None and before.settled_cents is None:
+                # Settled by a process of the code before 0027 (a rolling update), which kept no
+                # settled_cents: what it covered is what the row took back then, as 0027 fills it in.
+                won = before.status == "won" and int(before.amount_cents) == 0
+                before.settled_cents = int(before.disputed_cents) if won else int(before.amount_cents)
+                await conn.execute(CHARGEBACKS.update().where(CHARGEBACKS.c.id == before.id).values(settled_cents=before.settled_cents))
             values = dict(status=status, currency=currency or row.currency, disputed_cents=disputed[row.stripe_invoice_id],
                           amount_cents=taken[row.stripe_invoice_id], disputed_at=since, payment_intent=intent, updated_at=now)
             stmt = upsert(conn.engine, CHARGEBACKS).values(invoice_id=row.id, dispute_id=dispute["id"], **values)
             await conn.execute(stmt.on_conflict_do_update(index_elements=["invoice_id", "dispute_id"], set_=values))
             if before is not None and before.settled_at is not None:
-                due = chargeback_refund_due(SimpleNamespace(**{**before._asdict(), "amount_cents": values["amount_cents"]}))
+                due = chargeback_refund_due(SimpleNamespace(**{**vars(before), "amount_cents": values["amount_cents"]}))
                 if due > chargeback_refund_due(before):  # this event gave money back: once, not on every later event
                     log.warning("invoice %s paid twice: its chargeback of dispute %s was settled outside Stripe (%d %s) and the "
                                 "dispute is now %s (%d taken back): refund %d %s to the customer, then record it with "
