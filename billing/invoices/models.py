@@ -109,6 +109,11 @@ class Invoice(SQLModel, table=True):
     tax_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
     # Credit notes credited to the customer's balance, applied to this invoice's amount due.
     credit_applied_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
+    # Below Stripe's minimum charge (USD $0.50): what of this invoice's amount due Stripe did not charge
+    # but carried to the customer's next Stripe invoice (an `invoice_too_small` debit; Stripe marks this
+    # one paid), and what of earlier invoices Stripe carried into this one (the debit its finalize applied).
+    carried_to_next_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
+    carried_in_cents: int = Field(default=0, sa_column=sa.Column(sa.BigInteger, nullable=False, server_default="0"))
 
 
 class InvoiceLine(SQLModel, table=True):

@@ -81,11 +81,21 @@ def _facts(invoice: dict[str, Any]) -> list[tuple[str, str]]:
     facts += [
         ("Period", f"{invoice['period']} ({_date(invoice['period_start'])} to {_date(invoice['period_end'])}, end exclusive, UTC)"),
         ("Currency", invoice["currency"].upper()),
-        ("Status", f"{invoice['status']}, charged back" if _owed_again(invoice) else invoice["status"]),
+        ("Status", status_text(invoice)),
     ]
     if _owed_again(invoice):
         facts.append(("Charged back", _date(invoice.get("charged_back_at"))))
     return facts
+
+
+def status_text(invoice: dict[str, Any]) -> str:
+    """The invoice's status as a person reads it: paid by carrying its amount to the next invoice
+    (below Stripe's minimum charge) is not paid by a payment, and a charged-back one is owed again."""
+    if _owed_again(invoice):
+        return f"{invoice['status']}, charged back"
+    if invoice["status"] == "paid" and invoice.get("carried_to_next_cents"):
+        return f"paid, nothing charged: {money(invoice['carried_to_next_cents'])} carried to the next invoice"
+    return str(invoice["status"])
 
 
 def _owed_again(invoice: dict[str, Any]) -> int:
@@ -131,6 +141,10 @@ def totals(invoice: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append((f"Total ({invoice['currency'].upper()})", money(invoice["total_cents"])))
     if invoice.get("credit_applied_cents"):
         rows.append(("Credit balance applied", money(-invoice["credit_applied_cents"])))
+    if invoice.get("carried_in_cents"):
+        rows.append((CARRIED_IN, money(invoice["carried_in_cents"])))
+    if invoice.get("carried_to_next_cents"):
+        rows.append((CARRIED_OUT, money(-invoice["carried_to_next_cents"])))
     if invoice.get("credited_cents"):
         rows.append(("Credited by credit notes", money(-invoice["credited_cents"])))
     rows.append(("Amount due", money(max(0, invoice["amount_due_cents"] - invoice.get("credited_cents", 0)))))
@@ -141,6 +155,8 @@ def totals(invoice: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+CARRIED_IN = "Carried from earlier invoices (below the minimum charge)"
+CARRIED_OUT = "Carried to the next invoice (below the minimum charge)"
 REFUND_DUE = "Paid twice, to be refunded"  # a chargeback settled outside Stripe, then its dispute won
 
 

@@ -97,8 +97,9 @@ class MonthlyClose:
         for row in rows:
             try:
                 remote = await self._stripe.remote_invoice(row.stripe_invoice_id)  # type: ignore[union-attr]
+                carried = await self._stripe.carried_too_small(remote)  # type: ignore[union-attr]
                 async with self._db.begin() as conn:
-                    await apply_stripe_invoice(conn, remote, now)
+                    await apply_stripe_invoice(conn, remote, now, carried=carried)
             except Exception as exc:
                 log.warning("could not read overdue invoice %s from Stripe: %s", row.id, type(exc).__name__)
 

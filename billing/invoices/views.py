@@ -122,7 +122,10 @@ async def chargebacks_of(conn: Any, invoice_ids: list[int], *, admin: bool) -> d
 def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[dict[str, Any]] | None = None,
                  shown_credit_notes: list[dict[str, Any]] | None = None, chargebacks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     subtotal = int(row.subtotal_cents) if row.subtotal_cents is not None else int(row.total_cents)
-    due = int(row.total_cents) - int(row.credit_applied_cents or 0)
+    # What Stripe collects on it: less what it carried to the next invoice (below its minimum charge),
+    # plus what it carried here from earlier ones
+    carried_out, carried_in = int(row.carried_to_next_cents or 0), int(row.carried_in_cents or 0)
+    due = int(row.total_cents) - int(row.credit_applied_cents or 0) - carried_out + carried_in
     credited = sum(c["total_cents"] for c in credit_notes or [])
     view: dict[str, Any] = {
         "id": row.id,
@@ -149,6 +152,12 @@ def invoice_view(row: Any, lines: list[Any], *, admin: bool, credit_notes: list[
         "total_cents": int(row.total_cents),
         "total": format_cents(int(row.total_cents)),
         "credit_applied_cents": int(row.credit_applied_cents or 0),
+        # below Stripe's minimum charge (USD $0.50) Stripe charges nothing, marks the invoice paid and
+        # collects the amount with the customer's next invoice: carried out of this one, into that one
+        "carried_to_next_cents": carried_out,
+        "carried_to_next": format_cents(carried_out),
+        "carried_in_cents": carried_in,
+        "carried_in": format_cents(carried_in),
         "amount_due_cents": due,
         "amount_due": format_cents(due),
         "credited_cents": credited,

@@ -24,6 +24,12 @@ sets it to exactly that credit, so the two sides apply the same credit, each onc
 customer (an amount Stripe itself carried over) is left for Stripe to collect. After finalizing,
 the credit Stripe applied (ending less starting balance) is checked: a difference is an error.
 
+Below Stripe's minimum charge (USD $0.50) Stripe's finalize charges nothing: it marks the invoice
+paid and adds the amount due to the customer's balance as a debit (`invoice_too_small`), which the
+next invoice's finalize collects. That debit is not a credit applied (the check leaves it out); ours
+is paid and records it (`carried_to_next_cents`), and the next one what it carries in
+(`carried_in_cents`: its amount due is what Stripe collects). docs/invoices.md.
+
 Every create carries a deterministic idempotency key, and every Stripe id is stored as soon as it
 is known. Stripe keeps idempotency keys for about 24 hours only, so a re-run also looks for what
 an interrupted run made before creating anything: the customer by metadata (search), the invoice
@@ -131,6 +137,31 @@ def _collects_clause() -> Any:
         sa.and_(INVOICES.c.status == "paid", INVOICES.c.credit_applied_cents >= INVOICES.c.total_cents)))
 
 
+async def carried_too_small(client: StripeClient, remote: dict[str, Any]) -> int:
+    """What of a finalized Stripe invoice's amount due Stripe did not charge because it was below its
+    minimum charge for the currency (USD $0.50): Stripe marks such an invoice paid with nothing paid
+    and adds the amount to the customer's balance as a debit, an `invoice_too_small` balance
+    transaction naming the invoice, which the customer's next invoice collects. 0 for any other
+    invoice (one paid, open, void; one our balance credit paid in full: nothing is carried)."""
+    if remote.get("status") != "paid" or int(remote.get("amount_paid") or 0) != 0 or remote.get("ending_balance") is None:
+        return 0
+    if int(remote["ending_balance"]) <= 0:  # no debit left on the customer: nothing carried
+        return 0
+    finalized = int((remote.get("status_transitions") or {}).get("finalized_at") or 0)
+    carried = 0
+    page = await client.v1.customers.balance_transactions.list_async(str(remote["customer"]), {"limit": 100})
+    async for txn in page.auto_paging_iter():  # newest first: stop an hour before the finalize
+        if finalized and int(txn.created) < finalized - 3600:
+            break
+        if txn.type == "invoice_too_small" and _id(txn.invoice) == remote["id"]:
+            carried += int(txn.amount)
+    return carried
+
+
+def _id(value: Any) -> str | None:
+    return None if value is None else str(value if isinstance(value, str) else value.id)
+
+
 def upsert(db: AsyncEngine, table: Any) -> Any:
     return postgresql.insert(table) if db.dialect.name == "postgresql" else sqlite.insert(table)
 
@@ -235,7 +266,7 @@ class StripeSync:
                 )
             )
             await self._record(invoice_id, stripe_status=remote["status"])
-            self._compare_credit(invoice, remote, debit)
+            self._compare_credit(invoice, remote, debit, await carried_too_small(self._stripe, remote))
         if self._should_send(invoice, remote):
             remote = _plain(
                 await self._stripe.v1.invoices.send_invoice_async(
@@ -246,6 +277,7 @@ class StripeSync:
         self._compare(invoice, remote, remote["status"])
         await self._record(
             invoice_id,
+            **await self._carried(invoice, remote),
             stripe_status=remote["status"],
             stripe_total_cents=int(remote["total"]),
             stripe_synced_at=utcnow(),
@@ -283,10 +315,26 @@ class StripeSync:
                      customer, balance, target, invoice.number, credit)
         return max(0, balance)
 
-    def _compare_credit(self, invoice: Any, remote: dict[str, Any], debit: int) -> None:
+    async def _carried(self, invoice: Any, remote: dict[str, Any]) -> dict[str, Any]:
+        """What Stripe carried below its minimum charge (once finalized): of this invoice to the
+        customer's next one, and of earlier ones into this one (the debit its finalize applied:
+        the balance it moved less our credit and what it carried on, as _compare_credit checked)."""
+        if remote.get("ending_balance") is None:
+            return {}
+        out = await carried_too_small(self._stripe, remote)
+        moved = int(remote["ending_balance"]) - int(remote.get("starting_balance") or 0) - out
+        values: dict[str, Any] = {"carried_to_next_cents": out, "carried_in_cents": max(0, int(invoice.credit_applied_cents or 0) - moved)}
+        if out and invoice.status == "open":  # Stripe marked it paid at its finalize: no payment, no invoice.paid to wait for
+            paid = (remote.get("status_transitions") or {}).get("paid_at")
+            values.update(status="paid", paid_at=datetime.fromtimestamp(paid, tz=timezone.utc) if paid else utcnow())
+        return values
+
+    def _compare_credit(self, invoice: Any, remote: dict[str, Any], debit: int, carried: int = 0) -> None:
+        """`carried`: the amount due Stripe did not charge, below its minimum, and put on the
+        customer's balance as a debit (ending_balance includes it): not a credit it applied."""
         if remote.get("ending_balance") is None:  # not finalized (Stripe sets it when it finalizes)
             return
-        applied = int(remote["ending_balance"]) - int(remote.get("starting_balance") or 0)
+        applied = int(remote["ending_balance"]) - int(remote.get("starting_balance") or 0) - carried
         want = int(invoice.credit_applied_cents or 0) - debit
         if applied != want:
             raise StripeCreditMismatch(
@@ -404,6 +452,9 @@ class StripeSync:
 
     async def remote_invoice(self, stripe_invoice_id: str) -> dict[str, Any]:
         return _plain(await self._stripe.v1.invoices.retrieve_async(stripe_invoice_id))
+
+    async def carried_too_small(self, remote: dict[str, Any]) -> int:
+        return await carried_too_small(self._stripe, remote)
 
     async def push_pending(self) -> list[dict[str, Any]]:
         """Pushes every credit note not yet on Stripe whose invoice is there, whatever our invoice's

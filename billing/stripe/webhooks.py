@@ -21,7 +21,7 @@ from stripe import InvalidRequestError, SignatureVerificationError, StripeClient
 from billing.invoices.account_state import DELINQUENT_SUBSCRIPTION, recompute
 from billing.invoices.models import BillingAccount, Invoice, StripeEvent
 from billing.models import utcnow
-from billing.stripe.sync import _plain, upsert
+from billing.stripe.sync import _plain, carried_too_small, upsert
 
 log = logging.getLogger("tollgate.webhooks")
 
@@ -119,7 +119,8 @@ class WebhookHandler:
         try:
             if kind in INVOICE_EVENTS:
                 invoice = _plain(await self._stripe.v1.invoices.retrieve_async(object_id))
-                return lambda conn: apply_stripe_invoice(conn, invoice, created)
+                carried = await carried_too_small(self._stripe, invoice)  # paid with nothing paid: below the minimum charge?
+                return lambda conn: apply_stripe_invoice(conn, invoice, created, carried=carried)
             if kind in SUBSCRIPTION_EVENTS:
                 subscription = _plain(await self._stripe.v1.subscriptions.retrieve_async(object_id))
                 return lambda conn: self._apply_subscription(conn, subscription, created)
@@ -154,9 +155,11 @@ def _name(value: Any, longest: int) -> bool:
     return isinstance(value, str) and 0 < len(value) <= longest and value.isascii() and value.isprintable()
 
 
-async def apply_stripe_invoice(conn: AsyncConnection, remote: dict[str, Any], created: datetime) -> int | None:
+async def apply_stripe_invoice(conn: AsyncConnection, remote: dict[str, Any], created: datetime, *, carried: int = 0) -> int | None:
     """Stores what Stripe says of an invoice now (`remote`, re-read) on ours; the account changed, or
-    None when it is none of ours. `created`: when Stripe said so (a payment's time when Stripe gives none)."""
+    None when it is none of ours. `created`: when Stripe said so (a payment's time when Stripe gives none).
+    `carried`: what of it Stripe did not charge, below its minimum charge, and carried to the
+    customer's next invoice (billing/stripe/sync.py carried_too_small): ours is paid, and says so."""
     ours = await _ours(conn, remote)
     if ours is None:
         log.info("Stripe invoice %s is none of ours", remote["id"])
@@ -168,6 +171,8 @@ async def apply_stripe_invoice(conn: AsyncConnection, remote: dict[str, Any], cr
     if status == "paid" and ours.status != "void":
         paid = (remote.get("status_transitions") or {}).get("paid_at")
         values.update(status="paid", paid_at=ours.paid_at or (datetime.fromtimestamp(paid, tz=timezone.utc) if paid else created))
+        if carried:
+            values["carried_to_next_cents"] = carried
     elif status == "void":
         values.update(status="void")
     elif status in ("open", "uncollectible") and (

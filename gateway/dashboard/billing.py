@@ -55,7 +55,8 @@ def invoice_rows(invoices: list[dict[str, Any]], *, admin: bool) -> list[dict[st
         rows.append({
             "id": inv["id"], "number": inv["number"], "account": inv["account_name"], "period": inv["period"],
             "status": (f"paid, charged back {money(inv['chargeback_cents'])}" if inv.get("chargeback_cents") and inv["status"] == "paid"
-                       else inv["status"].replace("_", " "))
+                       else f"paid, nothing charged: {money(inv['carried_to_next_cents'])} carried to the next invoice"
+                       if inv.get("carried_to_next_cents") and inv["status"] == "paid" else inv["status"].replace("_", " "))
             + (f", paid twice: refund {money(inv['refund_due_cents'])}" if inv.get("refund_due_cents") else ""),
             "total": money(inv["total_cents"]),
             "amount_due": money(max(0, inv["amount_due_cents"] - inv.get("credited_cents", 0))),

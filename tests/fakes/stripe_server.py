@@ -19,6 +19,19 @@ Faithful to Stripe's documented behaviour where Tollgate depends on it:
   `starting_balance` is the customer's balance before finalizing (a draft shows the current one),
   `ending_balance` after it, and an invoice left with nothing due is paid; list endpoints page
   with `limit`/`starting_after`;
+- an amount due above 0 but below Stripe's minimum charge for the currency (`MINIMUM_CHARGE`: USD
+  $0.50, docs.stripe.com/currencies) is not charged: finalizing marks the invoice paid and adds the
+  amount to the customer's balance as a debit, an `invoice_too_small` balance transaction naming
+  the invoice, which the next invoice's finalize applies (API reference, the Invoices object:
+  "If the amount due for the invoice is less than Stripe's minimum allowed charge per currency, the
+  invoice is automatically marked paid, and we add the amount due to the customer's credit
+  balance which is applied to the next invoice"; docs.stripe.com/billing/customer/balance). Both
+  collection methods (the rule names none). The invoice then shows `amount_due` 0 (the SDK's
+  `amount_due`: "If the invoice's total is smaller than the minimum charge amount ... may be 0"),
+  `amount_paid` 0, `amount_remaining` 0, `status_transitions.paid_at`, and an `ending_balance`
+  that includes the debit (so `amount_due` = `total` + `starting_balance` - `ending_balance`, as
+  for a credit applied: inferred from that identity, Stripe's pages do not print one such invoice);
+- finalizing sends `invoice.finalized`, and `invoice.paid` when it leaves nothing due;
 - customers carry name, email, address, balance; tax ids are their own objects (`txi_`, typed);
   every change of a balance is a customer balance transaction (`cbtxn_`: `adjustment` made by
   `POST /v1/customers/{id}/balance_transactions`, `credit_note`, `applied_to_invoice`), listed
@@ -95,6 +108,16 @@ def _lists(node: Any) -> Any:
     if converted and all(k.isdigit() for k in converted):
         return [converted[k] for k in sorted(converted, key=int)]
     return converted
+
+
+# Stripe's minimum charge amounts per currency (docs.stripe.com/currencies#minimum-and-maximum-charge-amounts), in
+# the currency's smallest unit; a currency not listed here: 50.
+MINIMUM_CHARGE = {"usd": 50, "eur": 50, "gbp": 30, "cad": 50, "aud": 50, "chf": 50, "nzd": 50, "sgd": 50, "dkk": 250,
+                  "nok": 300, "sek": 300, "jpy": 50, "mxn": 1000, "hkd": 400, "inr": 50, "brl": 50, "pln": 200}
+
+
+def minimum_charge(currency: str) -> int:
+    return MINIMUM_CHARGE.get(currency.lower(), 50)
 
 
 def _int(params: dict[str, Any], name: str, *, required: bool = False) -> int | None:
@@ -659,8 +682,11 @@ class FakeStripe:
         applied = min(invoice["total"], -starting) if starting < 0 else -starting  # credit used (negative: a debit)
         if applied:
             self._balance(customer, applied, "applied_to_invoice", currency=invoice["currency"], invoice=invoice["id"])
-        invoice.update(starting_balance=starting, ending_balance=customer["balance"],
-                       amount_due=invoice["total"] - applied, amount_remaining=invoice["total"] - applied)
+        due = invoice["total"] - applied
+        if 0 < due < minimum_charge(invoice["currency"]):  # too small to charge: carried to the next invoice, paid
+            self._balance(customer, due, "invoice_too_small", currency=invoice["currency"], invoice=invoice["id"])
+            due = 0
+        invoice.update(starting_balance=starting, ending_balance=customer["balance"], amount_due=due, amount_remaining=due)
         invoice["hosted_invoice_url"] = f"https://invoice.stripe.test/{invoice['id']}"
         if invoice["collection_method"] == "send_invoice":
             invoice["due_date"] = now + 86400 * (invoice["_days_until_due"] or 0)
@@ -669,6 +695,9 @@ class FakeStripe:
             invoice["status_transitions"]["paid_at"] = now
         else:
             invoice["status"] = "open"
+        self._event("invoice.finalized", invoice)
+        if invoice["status"] == "paid":
+            self._event("invoice.paid", invoice)
         return invoice
 
     def _void(self, params: dict[str, Any], id: str) -> dict[str, Any]:

@@ -246,7 +246,7 @@ async def test_webhooks_drive_billing_state(db_url: str, db: Any, fake: FakeStri
             # events about objects that are not ours are acknowledged and change nothing
             stranger = await StripeClient(fake.api_key, base_addresses={"api": fake.url}).v1.customers.create_async({"name": "x"})
             other = fake._create_invoice({"customer": stranger.id, "collection_method": "charge_automatically"})
-            fake._create_item({"customer": stranger.id, "invoice": other["id"], "amount": "5", "currency": "usd"})
+            fake._create_item({"customer": stranger.id, "invoice": other["id"], "amount": "500", "currency": "usd"})  # $5: at least Stripe's minimum charge
             fake._finalize({}, other["id"])
             r = await fake.deliver(fake.fail_payment(other["id"]), hook)
             assert r.status_code == 200 and r.json()["account_id"] is None
@@ -387,12 +387,12 @@ async def test_stripe_and_webhooks_on_sqlite(tmp_path: Path, fake: FakeStripe) -
         book = PriceBook(db)
         await price_history(book)
         account = await new_account(db)
-        await usage(db, account, "alpha", 1_000_000, 0, at(9, 5))
+        await usage(db, account, "alpha", 4_000_000, 0, at(9, 5))  # $0.60: Stripe charges no less than $0.50
         await close_period(db, book, SEPT, now=AFTER_OCT)
         config = config_for(fake, grace_seconds=0)
         (invoice,) = await list_invoices(db)
         pushed = await StripeSync(db, stripe_client(config), config).push(invoice["id"])
-        assert pushed["stripe_total_cents"] == 15
+        assert pushed["stripe_total_cents"] == 60
         handler = WebhookHandler(db, stripe_client(config), fake.webhook_secret, grace_seconds=0)
         failed = json.dumps(fake.fail_payment(pushed["stripe_invoice_id"])).encode()
         assert (await handler.handle(failed, fake.sign(failed)))["state"] == "suspended"

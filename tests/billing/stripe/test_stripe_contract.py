@@ -214,6 +214,15 @@ def run_flows(fake: FakeStripePayments) -> None:
     txns = client.v1.customers.balance_transactions.list(customer.id).data
     assert [(t.type, t.amount) for t in txns[:3]] == [("unapplied_from_invoice", -50), ("applied_to_invoice", 50), ("credit_note", -50)]
     assert client.v1.customers.retrieve(customer.id).balance == txns[0].ending_balance == -50
+    # below Stripe's minimum charge ($0.50): $0.80 less the $0.50 credit is $0.30, not charged; paid, carried as a debit
+    small = client.v1.invoices.create({"customer": customer.id, "collection_method": "charge_automatically", "currency": "usd"})
+    client.v1.invoice_items.create({"customer": customer.id, "invoice": small.id, "amount": 80, "currency": "usd"})
+    small = client.v1.invoices.finalize_invoice(small.id)
+    assert (small.status, small.amount_due, small.amount_paid, small.amount_remaining) == ("paid", 0, 0, 0)
+    assert (small.starting_balance, small.ending_balance, small.status_transitions.paid_at is not None) == (-50, 30, True)
+    txns = client.v1.customers.balance_transactions.list(customer.id).data
+    assert [(t.type, t.amount, t.invoice) for t in txns[:2]] == [("invoice_too_small", 30, small.id), ("applied_to_invoice", 50, small.id)]
+    assert [e["type"] for e in fake.events[-2:]] == ["invoice.finalized", "invoice.paid"]
 
 
 def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
@@ -236,7 +245,8 @@ def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
         "payment_intent.created", "payment_intent.processing", "payment_intent.succeeded", "payment_intent.payment_failed",
         "charge.pending", "charge.succeeded", "charge.failed", "charge.refunded", "charge.refund.updated",
         "refund.created", "refund.updated", "refund.failed", "charge.dispute.created", "charge.dispute.updated",
-        "charge.dispute.closed", "charge.dispute.funds_withdrawn", "charge.dispute.funds_reinstated", "invoice.payment_failed", "invoice.paid", "invoice.voided",
+        "charge.dispute.closed", "charge.dispute.funds_withdrawn", "charge.dispute.funds_reinstated", "invoice.finalized", "invoice.payment_failed",
+        "invoice.paid", "invoice.voided",
         "customer.subscription.updated",
     }
 
