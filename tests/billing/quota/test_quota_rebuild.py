@@ -438,36 +438,42 @@ async def test_a_plain_redis_restart_rebuilds_only_once_the_other_processes_hold
             b._client.lost_groups = held_back  # type: ignore[method-assign]
             redis.kill()
             redis.start()  # empty: every hold is gone
-            waits = asyncio.Event()
-            call = a._call
-
-            async def seen(script: Any, args: list[Any], linger: float = 0.0) -> Any:
-                result = await call(script, args, linger)
-                if isinstance(result, list) and result and result[0] == "starting":
-                    waits.set()
-                return result
-
-            a._call = seen  # type: ignore[method-assign]
-
-            async def five() -> int:
-                admitted = 0
-                for _ in range(5):
-                    try:
-                        await a.reserve(uuid.uuid4().hex, [key, account], 100, 100)
-                        admitted += 1
-                    except QuotaExceeded:
-                        pass
-                return admitted
-
-            asking = asyncio.create_task(five())
-            waiting = asyncio.create_task(waits.wait())
-            await asyncio.wait({asking, waiting}, return_when=asyncio.FIRST_COMPLETED)
-            let_go.set()
-            waiting.cancel()
-            assert await asking == 2, "admitted without waiting for B's running holds"
+            assert await five_once_b_is_back(a, [key, account], let_go) == 2, "admitted without waiting for B's running holds"
             assert (await a.counters(account))["held_tokens"] == 1_000
     finally:
         redis.kill()
+
+
+async def five_once_b_is_back(a: Any, scopes: list[Scope], let_go: asyncio.Event) -> int:
+    """How many of 5 reservations of 100 tokens A gets, B's hold watch let go (`let_go`) once A is
+    told to wait (`starting`), or once A is done if it never is."""
+    waits = asyncio.Event()
+    call = a._call
+
+    async def seen(script: Any, args: list[Any], linger: float = 0.0) -> Any:
+        result = await call(script, args, linger)
+        if isinstance(result, list) and result and result[0] == "starting":
+            waits.set()
+        return result
+
+    a._call = seen
+
+    async def five() -> int:
+        admitted = 0
+        for _ in range(5):
+            try:
+                await a.reserve(uuid.uuid4().hex, scopes, 100, 100)
+                admitted += 1
+            except QuotaExceeded:
+                pass
+        return admitted
+
+    asking = asyncio.create_task(five())
+    waiting = asyncio.create_task(waits.wait())
+    await asyncio.wait({asking, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    let_go.set()
+    waiting.cancel()
+    return await asking
 
 
 async def test_a_flushall_under_running_holds_rebuilds_only_once_the_other_processes_holds_are_back(
@@ -505,33 +511,7 @@ async def test_a_flushall_under_running_holds_rebuilds_only_once_the_other_proce
             b._client.lost_groups = held_back  # type: ignore[method-assign]
             await asyncio.sleep(FAILOVER_WAIT + 0.5)  # Redis has been up long enough: a restart's wait is over
             assert await client.flushall()
-            waits = asyncio.Event()
-            call = a._call
-
-            async def seen(script: Any, args: list[Any], linger: float = 0.0) -> Any:
-                result = await call(script, args, linger)
-                if isinstance(result, list) and result and result[0] == "starting":
-                    waits.set()
-                return result
-
-            a._call = seen  # type: ignore[method-assign]
-
-            async def five() -> int:
-                admitted = 0
-                for _ in range(5):
-                    try:
-                        await a.reserve(uuid.uuid4().hex, [key, account], 100, 100)
-                        admitted += 1
-                    except QuotaExceeded:
-                        pass
-                return admitted
-
-            asking = asyncio.create_task(five())
-            waiting = asyncio.create_task(waits.wait())
-            await asyncio.wait({asking, waiting}, return_when=asyncio.FIRST_COMPLETED)
-            let_go.set()
-            waiting.cancel()
-            assert await asking == 2, "admitted without waiting for B's running holds"
+            assert await five_once_b_is_back(a, [key, account], let_go) == 2, "admitted without waiting for B's running holds"
             assert (await a.counters(account))["held_tokens"] == 1_000
     finally:
         await client.aclose()
