@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
+from sqlalchemy import event
 from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from billing.db import create_engine
 from billing.models import SQLModel
@@ -32,6 +34,7 @@ def run_with(connection: Connection) -> None:
         target_metadata=target_metadata,
         compare_type=True,
         render_as_batch=connection.dialect.name == "sqlite",
+        transactional_ddl=True,  # SQLite too (Alembic's default there is a commit per revision): see transactional_ddl()
     )
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":
@@ -49,8 +52,26 @@ def run_with(connection: Connection) -> None:
                 raise RuntimeError(f"the migration leaves rows whose foreign keys point nowhere: {broken[:5]}")
 
 
+def transactional_ddl(engine: AsyncEngine) -> None:
+    """SQLite: the driver (Python's sqlite3 under aiosqlite) opens a transaction before INSERT,
+    UPDATE and DELETE only, so each ALTER, CREATE and DROP of a migration committed on its own and a
+    migration that failed half way (or the foreign key check below) left the database between
+    revisions. With the driver's own transaction handling off and BEGIN sent when SQLAlchemy begins
+    one (SQLAlchemy's documented recipe for pysqlite and aiosqlite), the whole upgrade is one
+    transaction, rolled back on failure as on Postgres."""
+    @event.listens_for(engine.sync_engine, "connect")
+    def _driver_autocommit(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+        dbapi_conn.isolation_level = None
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn):  # type: ignore[no-untyped-def]
+        conn.exec_driver_sql("BEGIN")
+
+
 async def run_online() -> None:
     engine = create_engine(database_url(), foreign_keys=False)  # SQLite: see run_with
+    if engine.dialect.name == "sqlite":
+        transactional_ddl(engine)
     try:
         async with engine.connect() as conn:
             await conn.run_sync(run_with)

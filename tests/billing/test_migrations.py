@@ -170,10 +170,37 @@ def test_a_chargeback_settled_before_0027_keeps_what_its_settlement_covered(data
     assert run_coro(_tables_and_diff(database_url)) == (TABLES, [])
 
 
-async def _read_write(url: str, statement: str) -> None:
-    db = create_engine(url)
+async def _read_write(url: str, statement: str, *, foreign_keys: bool = True) -> None:
+    db = create_engine(url, foreign_keys=foreign_keys)
     try:
         async with db.begin() as conn:
             await conn.execute(sa.text(statement))
+    finally:
+        await db.dispose()
+
+
+def test_a_sqlite_migration_that_leaves_a_dangling_foreign_key_is_refused_and_rolled_back(tmp_path: Path) -> None:
+    """SQLite migrations run with foreign keys off (a table rebuild is a DROP TABLE they would
+    refuse); migrations/env.py checks them before committing. A line whose invoice is gone (put
+    there with the keys off, as a migration could leave it) fails the next upgrade, which leaves
+    the database at the revision it was at."""
+    url = f"sqlite:///{tmp_path / 'fk.db'}"
+    migrate.upgrade(url, "0027_chargeback_refund_due")
+    run_coro(_write_invoices(url))
+    run_coro(_read_write(url, "DELETE FROM invoices WHERE number = 'INV-0'", foreign_keys=False))
+    with pytest.raises(RuntimeError, match="foreign keys point nowhere.*invoice_lines"):
+        migrate.upgrade(url)
+    assert run_coro(_read(url, "SELECT version_num FROM alembic_version")) == [("0027_chargeback_refund_due",)]
+    assert "carried_in_cents" not in {c["name"] for c in run_coro(_columns(url, "invoices"))}
+    run_coro(_read_write(url, "DELETE FROM invoice_lines WHERE invoice_id NOT IN (SELECT id FROM invoices)"))
+    migrate.upgrade(url)
+    assert run_coro(_read(url, "SELECT version_num FROM alembic_version")) == [("0028_invoice_carried",)]
+
+
+async def _columns(url: str, table: str) -> list[dict[str, Any]]:
+    db = create_engine(url)
+    try:
+        async with db.connect() as conn:
+            return await conn.run_sync(lambda c: sa.inspect(c).get_columns(table))
     finally:
         await db.dispose()
