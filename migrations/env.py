@@ -58,14 +58,19 @@ def transactional_ddl(engine: AsyncEngine) -> None:
     migration that failed half way (or the foreign key check below) left the database between
     revisions. With the driver's own transaction handling off and BEGIN sent when SQLAlchemy begins
     one (SQLAlchemy's documented recipe for pysqlite and aiosqlite), the whole upgrade is one
-    transaction, rolled back on failure as on Postgres."""
+    transaction, rolled back on failure as on Postgres. BEGIN IMMEDIATE takes the write lock before
+    the version is read, and processes migrating one file at once wait for it up to a minute: they
+    take turns as on Postgres (the advisory lock in run_with), the later ones finding nothing left."""
     @event.listens_for(engine.sync_engine, "connect")
     def _driver_autocommit(dbapi_conn, _record):  # type: ignore[no-untyped-def]
         dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
 
     @event.listens_for(engine.sync_engine, "begin")
     def _begin(conn):  # type: ignore[no-untyped-def]
-        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 async def run_online() -> None:

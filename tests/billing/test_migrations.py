@@ -57,15 +57,17 @@ def test_upgrade_downgrade_upgrade(database_url: str) -> None:
     assert run_coro(_tables_and_diff(database_url))[0] == TABLES
 
 
-def test_two_processes_migrating_one_database_at_once_both_succeed(fresh_pg_database: Any) -> None:
+def test_two_processes_migrating_one_database_at_once_both_succeed(database_url: str) -> None:
     """Replicas that start together each run the migrations (`tollgate serve` does before it serves):
-    on Postgres they take turns (an advisory lock held for the migration's transaction), and the
-    second finds the history applied. Before, the second failed on the first's half-made tables
-    (duplicate key in pg_type / relation already exists) and that replica did not start."""
+    on Postgres they take turns (an advisory lock held for the migration's transaction), on SQLite
+    too (BEGIN IMMEDIATE, waiting for the lock), and the later ones find the history applied.
+    Before, they failed on the first's half-made tables (Postgres: duplicate key in pg_type /
+    relation already exists; SQLite: table accounts already exists, or a revision applied twice)
+    and that replica did not start."""
     import subprocess
     import sys
 
-    url = fresh_pg_database()
+    url = database_url
     code = "import sys; from billing import migrate; migrate.upgrade(sys.argv[1])"
     procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for _ in range(4)]
