@@ -134,11 +134,12 @@ def line_total(counts: dict[str, int]) -> int:
 
 
 def openai_counts(counts: dict[str, int]) -> dict[str, int]:
-    total = line_total(counts)
-    # Every line that ended without a 2xx answer is in the error file: refused or failed, and those
-    # never run (expired, or cancelled), so an ended batch's completed + failed is its total.
-    failed = counts.get("done:errored", 0) + counts.get("done:expired", 0) + counts.get("done:canceled", 0)
-    return {"total": total, "completed": counts.get("done:succeeded", 0), "failed": failed}
+    """OpenAI's BatchRequestCounts: `failed` is the lines that ran (or that their route refused) without
+    a 2xx answer. Lines never run (the batch expired or was cancelled first) are in the error file
+    (batch_expired / batch_cancelled) but in neither count, as at OpenAI: an expired batch there read
+    {total: 10, completed: 1, failed: 0} with its 9 unrun requests in the error file (warmbly PR #333),
+    and its guide calls them "cancelled", not failed. So total - completed - failed is what never ran."""
+    return {"total": line_total(counts), "completed": counts.get("done:succeeded", 0), "failed": counts.get("done:errored", 0)}
 
 
 def openai_usage(tokens: dict[str, int] | None) -> dict[str, Any] | None:
