@@ -72,10 +72,16 @@ USAGE = _obj({"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": IN
 RESPONSES: dict[str, dict[str, Any]] = {
     "Error": _obj({"error": _obj({"message": STR, "type": STR, "param": _nullable(STR), "code": _nullable(STR)})}),
     "AnthropicError": _obj({"type": {"const": "error"}, "error": _obj({"type": STR, "message": STR})}, {"request_id": STR}),
+    # What MessageRenderer.body answers: the model's text and tool calls as Anthropic's TextBlock and
+    # ToolUseBlock (the SDK's ContentBlock union has more kinds, none of which this gateway produces),
+    # and the stop reasons of messages.stop_reason, a part of the SDK's StopReason.
     "Message": _obj({
         "id": STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": STR,
-        "content": {"type": "array", "items": _obj({"type": {"const": "text"}, "text": STR})},
-        "stop_reason": _nullable({"enum": ["end_turn", "max_tokens", "stop_sequence"]}), "stop_sequence": _nullable(STR),
+        "content": {"type": "array", "items": {"oneOf": [
+            _obj({"type": {"const": "text"}, "text": STR}),
+            _obj({"type": {"const": "tool_use"}, "id": STR, "name": STR, "input": {"type": "object"}}),
+        ]}},
+        "stop_reason": _nullable({"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]}), "stop_sequence": _nullable(STR),
         "usage": _obj({"input_tokens": INT, "output_tokens": INT}, {
             "cache_creation_input_tokens": INT, "cache_read_input_tokens": INT,
             "cache_creation": _obj({"ephemeral_5m_input_tokens": INT, "ephemeral_1h_input_tokens": INT}),

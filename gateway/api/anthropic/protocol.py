@@ -39,6 +39,11 @@ def cache_control(value: Any, param: str) -> bool:
     return True
 
 
+def _ttl(value: dict[str, Any]) -> str:
+    """A checked cache_control's TTL: 5 minutes unless it says otherwise."""
+    return value.get("ttl", "5m")
+
+
 class ContentBlock(_Model):
     type: str
     text: str | None = None
@@ -211,9 +216,15 @@ class _ToolsAndMessages(_Model):
     thinking: Any = None
 
     def cache_breakpoints(self) -> int:
-        """The blocks that carry a `cache_control` breakpoint (system, message and tool_result content
-        blocks, tools), each checked (`cache_control`); more than Anthropic's 4 is its 400."""
-        cache_control(self.cache_control, "cache_control")  # the request's own (automatic caching): no block of its own
+        """The request's cache breakpoints, each checked (`cache_control`): the blocks that carry one
+        (system, message and tool_result content blocks, tools) and the request's own (automatic
+        caching). Anthropic's prompt-caching guide, "Combining with block-level caching": the automatic
+        breakpoint goes on the last cacheable block (tools, system, then messages: the last message's
+        last block here, every one of which is cacheable) and "uses one of the 4 available breakpoint
+        slots"; a last block already marked with the same TTL makes it a no-op (no slot), with another
+        TTL it is a 400, and with 4 block-level breakpoints already there it is a 400 ("no slots left
+        for automatic caching"). More than 4 is Anthropic's 400."""
+        automatic = cache_control(self.cache_control, "cache_control")
         marked: list[tuple[Any, str]] = []
         if isinstance(self.system, list):
             marked += [(b.cache_control, f"system[{j}].cache_control") for j, b in enumerate(self.system)]
@@ -225,8 +236,19 @@ class _ToolsAndMessages(_Model):
                            for k, p in enumerate(parts) if isinstance(p, dict)]
         marked += [(t.get("cache_control"), f"tools[{i}].cache_control") for i, t in enumerate(self.tools or ()) if isinstance(t, dict)]
         found = sum(cache_control(value, param) for value, param in marked)
+        slot = False  # the automatic breakpoint takes a slot of its own
+        if automatic:
+            i, last = len(self.messages) - 1, self.messages[-1].content
+            mark = last[-1].cache_control if isinstance(last, list) and last else None  # a string is one unmarked text block
+            if mark is not None and _ttl(mark) != _ttl(self.cache_control):
+                raise InvalidRequest(f"cache_control: the automatic cache breakpoint (ttl {_ttl(self.cache_control)!r}) falls on "
+                                     f"messages[{i}].content[{len(last) - 1}], whose cache_control has another ttl "
+                                     f"({_ttl(mark)!r})", param="cache_control")
+            slot = mark is None
+            found += slot
         if found > MAX_CACHE_BREAKPOINTS:
-            raise InvalidRequest(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {found}.",
+            taken = " (the request's cache_control, automatic caching, takes one: no slot is left for it)" if slot else ""
+            raise InvalidRequest(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {found}.{taken}",
                                  param="cache_control")
         return found
 

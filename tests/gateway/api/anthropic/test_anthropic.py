@@ -461,6 +461,41 @@ async def test_cache_control_is_accepted_ignored_and_usage_says_nothing_was_cach
     assert await gateway.ledger_count(key_id=customer["id"]) == 2
 
 
+async def test_the_requests_cache_control_takes_a_breakpoint_slot_unless_the_last_block_has_its_own(
+        gateway: Gateway, customer: dict[str, Any], claude: Any) -> None:
+    """Anthropic's prompt-caching guide ("Combining with block-level caching"): the request's
+    `cache_control` (automatic caching) puts a breakpoint on the last cacheable block, and "uses one
+    of the 4 available breakpoint slots"; "If 4 explicit block-level breakpoints already exist, the
+    API returns a 400 error (no slots left for automatic caching)"; "If the last block already has an
+    explicit cache_control with the same TTL, automatic caching is a no-op"; with a different TTL,
+    "the API returns a 400 error". It used to be checked and never counted: 4 + 1 was served."""
+    mark = {"type": "ephemeral"}
+    system = [{"type": "text", "text": f"Rule {i}.", "cache_control": mark} for i in range(4)]
+
+    def ask(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": blocks}]
+    plain, last_marked = ask([{"type": "text", "text": "Hi"}]), ask([{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "ttl": "5m"}}])
+    for call in (lambda **kw: claude.messages.create(max_tokens=2, extra_body=GREEDY, **kw), claude.messages.count_tokens):
+        for refused, needle in (
+            ({"system": system, "messages": plain}, "A maximum of 4 blocks with cache_control may be provided. Found 5."),  # 4 + the automatic one
+            ({"system": system, "messages": QUESTION}, "Found 5."),  # a string content is one unmarked block
+            ({"system": system[:3], "messages": ask([{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}])},
+             "cache_control: the automatic cache breakpoint (ttl '5m') falls on messages[0].content[0], whose cache_control has another ttl ('1h')"),
+        ):
+            with pytest.raises(anthropic.BadRequestError) as caught:
+                await call(model=MODEL, cache_control=mark, **refused)
+            assert caught.value.status_code == 400 and caught.value.body["error"]["type"] == "invalid_request_error", caught.value.body
+            assert needle in caught.value.body["error"]["message"], caught.value.body
+        # 3 + the automatic one; 4 whose last is the last block's, with the same TTL (5m is the default): no slot of its own
+        for served in ({"system": system[:3], "messages": plain}, {"system": system[:3], "messages": last_marked}):
+            assert await call(model=MODEL, cache_control=mark, **served) is not None
+        with pytest.raises(anthropic.BadRequestError) as other_ttl:  # the same 4, the request's an hour: the last block's TTL differs
+            await call(model=MODEL, cache_control={"type": "ephemeral", "ttl": "1h"}, system=system[:3], messages=last_marked)
+        assert "another ttl ('5m')" in other_ttl.value.body["error"]["message"], other_ttl.value.body
+    await gateway.flush_ledger()
+    assert await gateway.ledger_count(key_id=customer["id"]) == 2
+
+
 async def test_service_tier_is_taken_and_usage_says_the_tier_it_ran_at(gateway: Gateway, customer: dict[str, Any], claude: Any) -> None:
     """Anthropic's `service_tier` request parameter is "auto" (priority capacity if any) or
     "standard_only"; its Usage says `service_tier` "standard" | "priority" | "batch". There is no

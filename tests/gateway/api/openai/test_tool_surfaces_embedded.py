@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import anthropic
+import httpx
 import jsonschema
 import pytest
 from openai.types.responses import ResponseStreamEvent
@@ -111,9 +112,15 @@ async def test_messages_tool_use_round_trip_and_stream_helper(gateway: Gateway, 
     async with anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=customer["key"], max_retries=0, timeout=120) as claude:
         question = [{"role": "user", "content": QUESTION}]
         choice = {"type": "tool", "name": "get_weather"}
-        msg = await claude.messages.create(model=MODEL, max_tokens=40, messages=question, tools=ANTHROPIC_TOOLS, tool_choice=choice, extra_body=GREEDY)
+        raw = await claude.messages.with_raw_response.create(model=MODEL, max_tokens=40, messages=question, tools=ANTHROPIC_TOOLS,
+                                                             tool_choice=choice, extra_body=GREEDY)
+        msg = await raw.parse()
         uses = [b for b in msg.content if b.type == "tool_use"]
         assert uses and uses[0].name == "get_weather" and msg.stop_reason == "tool_use", msg.content
+        # The body is what GET /openapi.json says a Message is (it used to say text blocks only, and no tool_use stop reason)
+        async with httpx.AsyncClient(base_url=gateway.base_url) as http:
+            served = (await http.get("/openapi.json")).json()
+        jsonschema.validate(raw.http_response.json(), served["components"]["schemas"]["Message"])
         jsonschema.validate(uses[0].input, WEATHER_PARAMS)
         row = await gateway.ledger_row(msg.id.removeprefix("msg_"))
         assert (row["prompt_tokens"], row["completion_tokens"], row["api"]) == (msg.usage.input_tokens, msg.usage.output_tokens, "messages")
