@@ -21,8 +21,11 @@ and marks it paid), and right before finalizing, the push reads the customer's b
 would apply anything but our credit_applied_cents (a credit note still on its way, one posted
 after our invoice was made, a balance left by earlier drift), one customer balance transaction
 sets it to exactly that credit, so the two sides apply the same credit, each once. A debit on the
-customer (an amount Stripe itself carried over) is left for Stripe to collect. After finalizing,
-the credit Stripe applied (ending less starting balance) is checked: a difference is an error.
+customer (an amount Stripe itself carried over) is left for Stripe to collect: the balance Stripe
+must hold is the debit it carried and has not collected (ours: carried_to_next_cents less
+carried_in_cents) less our credit, so a credit note Stripe already netted against that debit is
+not added again. After finalizing, the credit Stripe applied (ending less starting balance, less
+the debit) is checked: a difference is an error.
 
 Below Stripe's minimum charge (USD $0.50) Stripe's finalize charges nothing: it marks the invoice
 paid and adds the amount due to the customer's balance as a debit (`invoice_too_small`), which the
@@ -158,6 +161,12 @@ async def carried_too_small(client: StripeClient, remote: dict[str, Any]) -> int
     return carried
 
 
+def _applies(balance: int, total: int) -> int:
+    """What Stripe's finalize takes off an invoice of `total` from a customer balance: a credit
+    (negative) up to the total, a debit (positive) whole (added: negative)."""
+    return min(total, -balance) if balance < 0 else -balance
+
+
 def _id(value: Any) -> str | None:
     return None if value is None else str(value if isinstance(value, str) else value.id)
 
@@ -291,29 +300,45 @@ class StripeSync:
         return result
 
     async def _set_balance(self, invoice: Any, customer: str, remote: dict[str, Any]) -> int:
-        """Makes Stripe's finalize apply exactly our credit_applied_cents: one balance transaction
-        when the customer's balance would apply anything else. Returns the debit left on the
-        customer for Stripe to collect (0 but for an amount Stripe carried over itself). A re-run
+        """Makes Stripe's finalize apply exactly our credit_applied_cents on top of the debit Stripe
+        carried below its minimum charge and has not collected yet (`_carried_debit`): one balance
+        transaction when the customer's balance would apply anything else. The balance Stripe must
+        hold is that debit less our credit: a credit note Stripe has already put on the balance
+        nets against the debit there (a note on an invoice carried below the minimum and not yet
+        collected: both sides hold it once). A larger debit than Tollgate knows of (one Stripe
+        carried whose finalize answer was lost, one posted by hand) is left for Stripe to collect,
+        ours on top of it. Returns the debit the finalize collects besides our credit. A re-run
         reads the balance again, so it adds nothing once the balance is right."""
         credit, total = int(invoice.credit_applied_cents or 0), int(invoice.total_cents)
         balance = int(_plain(await self._stripe.v1.customers.retrieve_async(customer)).get("balance") or 0)
-        if balance > 0:  # a debit: Stripe adds it to the amount due; ours goes on top of it
-            target = balance - credit
-        elif min(total, -balance) == credit:  # applies exactly our credit already (the usual case)
-            return 0
-        else:  # too little (a credit note not on Stripe yet) or too much (posted after our invoice was made)
-            target = -credit
-        if target != balance:
-            await self._stripe.v1.customers.balance_transactions.create_async(
-                customer,
-                {"amount": target - balance, "currency": invoice.currency,
-                 "description": f"Tollgate: invoice {invoice.number} applies {format_cents(credit)} of credit",
-                 "metadata": {"tollgate_invoice": invoice.number, "tollgate_credit_applied_cents": str(credit)}},
-                {"idempotency_key": f"tollgate-balance-{remote['id']}-{balance}"},
-            )
-            log.info("Stripe customer %s: balance %s -> %s so that invoice %s applies %s of credit",
-                     customer, balance, target, invoice.number, credit)
-        return max(0, balance)
+        debit = max(balance, await self._carried_debit(invoice))
+        target = debit - credit
+        if _applies(balance, total) == _applies(target, total):  # the same amount due already (the usual case)
+            return debit
+        await self._stripe.v1.customers.balance_transactions.create_async(
+            customer,
+            {"amount": target - balance, "currency": invoice.currency,
+             "description": f"Tollgate: invoice {invoice.number} applies {format_cents(credit)} of credit",
+             "metadata": {"tollgate_invoice": invoice.number, "tollgate_credit_applied_cents": str(credit)}},
+            {"idempotency_key": f"tollgate-balance-{remote['id']}-{balance}"},
+        )
+        log.info("Stripe customer %s: balance %s -> %s so that invoice %s applies %s of credit",
+                 customer, balance, target, invoice.number, credit)
+        return debit
+
+    async def _carried_debit(self, invoice: Any) -> int:
+        """What Stripe carried below its minimum charge out of the account's other invoices and has not
+        collected with a later one yet (carried_to_next_cents less carried_in_cents; an invoice voided
+        on Stripe gives back the debit it applied, as its balance)."""
+        others = sa.and_(INVOICES.c.account_id == invoice.account_id, INVOICES.c.id != invoice.id)
+        kept = sa.or_(INVOICES.c.stripe_status.is_(None), INVOICES.c.stripe_status != "void")
+        query = sa.select(
+            sa.func.coalesce(sa.func.sum(INVOICES.c.carried_to_next_cents), 0),
+            sa.func.coalesce(sa.func.sum(sa.case((kept, INVOICES.c.carried_in_cents), else_=0)), 0),
+        ).where(others)
+        async with self._db.connect() as conn:
+            out, collected = (await conn.execute(query)).one()
+        return max(0, int(out) - int(collected))
 
     async def _carried(self, invoice: Any, remote: dict[str, Any]) -> dict[str, Any]:
         """What Stripe carried below its minimum charge (once finalized): of this invoice to the
@@ -536,14 +561,19 @@ class StripeSync:
         # Issued against an invoice still open here that Stripe already had paid (its invoice.paid not
         # applied yet): Stripe put all of the note on the customer's balance, and so do we, or the
         # next invoice would not apply it and the balance push would take it back from Stripe.
+        # Paid that way below Stripe's minimum charge (nothing paid, the amount carried as a debit): ours
+        # records the carry as the push would have, or the next invoice's push would not leave the
+        # debit for Stripe to collect and would add the note's credit on top of it (a second credit).
         to_balance = {"applies_to": "balance"} if note.applies_to == "invoice" and post_payment >= int(note.total_cents) else {}
+        carried = await carried_too_small(self._stripe, remote) if to_balance and invoice.status == "void" else 0
         async with self._db.begin() as conn:
             await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
                 stripe_credit_note_id=made, stripe_error=None, **to_balance))
             if to_balance and invoice.status == "void":  # the note took all it held: it was paid, not voided
                 paid = (remote.get("status_transitions") or {}).get("paid_at")
                 await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice.id, INVOICES.c.status == "void").values(
-                    status="paid", paid_at=datetime.fromtimestamp(paid, tz=timezone.utc) if paid else utcnow()))
+                    status="paid", paid_at=datetime.fromtimestamp(paid, tz=timezone.utc) if paid else utcnow(),
+                    **({"carried_to_next_cents": carried} if carried else {})))
         return {**result, "result": "synced", "stripe_credit_note_id": made}
 
     async def _uncollectible(self, invoice: Any, remote: dict[str, Any]) -> dict[str, str]:

@@ -40,7 +40,15 @@ Faithful to Stripe's documented behaviour where Tollgate depends on it:
   `amount_remaining` (pre-payment; an invoice left with nothing due is paid), the rest must be
   split exactly into `credit_amount` (to the customer's balance), `refund_amount` and
   `out_of_band_amount` (parameters: the note itself shows `out_of_band_amount` and, for a credit,
-  its `customer_balance_transaction`); numbered per invoice;
+  its `customer_balance_transaction`); numbered per invoice. All credit notes of an invoice at most
+  its total (docs.stripe.com/invoicing/dashboard/credit-notes: "The sum of all credit notes cannot
+  exceed the invoice's total amount"), whatever was paid; `refund_amount` refunds "the charge
+  associated with the invoice" (API reference), so at most its `amount_paid` less earlier notes'
+  refunds (the limit and its message are this fake's: Stripe's pages print neither). So on an
+  invoice paid below the minimum charge (`amount_paid` 0, `amount_remaining` 0, the amount carried
+  as an `invoice_too_small` debit) a note is all post-payment, up to the total, as `credit_amount`
+  (to the customer's balance, where it nets against the debit still there) or `out_of_band_amount`,
+  never a refund;
 - objects carry only the fields of the SDK's class for them in the pinned API version (no
   invoice `paid` nor `days_until_due`): keys starting `_` are the fake's own bookkeeping, never
   sent (tests/billing/stripe/test_stripe_contract.py);
@@ -751,6 +759,10 @@ class FakeStripe:
         if credit + refund + out_of_band != post:
             raise StripeFailure(400, f"The sum of credit_amount, refund_amount and out_of_band_amount ({credit + refund + out_of_band})"
                                      f" must equal the credit note's post-payment amount ({post}).", param="credit_amount")
+        refunded = sum(c["_refund_amount"] for c in self.credit_notes.values() if c["invoice"] == invoice_id and c["status"] == "issued")
+        if refund > invoice["amount_paid"] - refunded:  # a refund is of the invoice's payment: none below the minimum charge
+            raise StripeFailure(400, f"The refund_amount ({refund}) is more than the invoice's payment can refund "
+                                     f"({invoice['amount_paid'] - refunded}).", param="refund_amount")
         customer = self.customers[invoice["customer"]]
         number = f"{invoice['number']}-CN-{len([c for c in self.credit_notes.values() if c['invoice'] == invoice_id]) + 1:02d}"
         note = {

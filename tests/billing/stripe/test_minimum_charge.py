@@ -5,7 +5,9 @@ which the next invoice collects. Ours is paid and says that nothing was charged 
 carried to the next invoice (`carried_to_next_cents`); the next one says what it carries in and its
 amount due is what Stripe collects. Before: the push called Stripe's carried debit a credit mismatch
 (an error waiting for a person), the invoice read plain "paid" with $0.30 due, and the next invoice
-said $10.00 due while Stripe charged $10.30."""
+said $10.00 due while Stripe charged $10.30. A credit note on a carried invoice whose debit is not
+collected yet credits once: Stripe nets it against the debit on the balance, and the next push adds
+nothing (before: it posted the credit again, and Stripe and ours said $9.70 for a $10.00 month)."""
 
 from __future__ import annotations
 
@@ -100,3 +102,73 @@ async def test_a_credit_and_a_carried_debit_meet_on_the_next_invoice(
             assert (august["carried_in_cents"], august["amount_due_cents"]) == (30, 530) == (30, m.remote(august)["amount_due"])
             await m.pay(august)
             assert sum(i["amount_paid"] for i in fake.invoices.values()) == 100 + 110 - 80 + 500
+
+
+def collected(fake: FakeStripe) -> int:
+    return sum(int(i["amount_paid"]) for i in fake.invoices.values())
+
+
+@pytest.mark.parametrize("credited", [30, 10])
+async def test_a_credit_note_on_an_invoice_carried_below_the_minimum_credits_once(
+        db_url: str, db: Any, fake: FakeStripe, tmp_path: Path, credited: int) -> None:
+    """June $0.30 is carried (an invoice_too_small debit, not collected yet), then credited by a note
+    (all of it, or $0.10). Stripe puts the note on the customer's balance (post-payment: June's
+    amount_remaining is 0), where it nets against the debit. July $10 must collect $10 + what is left
+    of June: Tollgate's July applies the note's credit and carries June's $0.30 in, and the balance
+    push leaves Stripe's balance alone. Before: the push saw Stripe apply less than our credit and
+    added it again (a -$0.30 adjustment): Stripe collected $9.70 and ours said $9.70, the customer
+    credited twice."""
+    account = await customer_of(db)
+    with serve(db_url, tmp_path, **env_for(fake)) as app:
+        async with app.admin() as admin:
+            m = Month(app, admin, db, fake, account)
+            june = await m.invoice(6, 30)
+            assert (june["status"], june["carried_to_next_cents"]) == ("paid", 30)
+            note = await m.credit(june, credited)
+            assert note["applies_to"] == "balance" and note["stripe"]["result"] == "synced", note
+            remote_note = fake.credit_notes[note["stripe"]["stripe_credit_note_id"]]
+            assert (remote_note["pre_payment_amount"], remote_note["post_payment_amount"], remote_note["_credit_amount"]) == (0, credited, credited)
+            assert txns(fake) == [("invoice_too_small", 30), ("credit_note", -credited)]
+            assert m.stripe_balance() == credited - 30  # the debit less the credit: each once
+            june = await m.ours("2026-06")
+            assert (june["status"], june["amount_due_cents"], june["credited_cents"]) == ("paid", 0, credited)
+
+            july = await m.invoice(7, 1_000)
+            assert july["stripe"]["error"] is None, july["stripe"]
+            want = 1_000 + 30 - credited
+            shown = (july["credit_applied_cents"], july["carried_in_cents"], july["amount_due_cents"], m.remote(july)["amount_due"])
+            assert shown == (credited, 30, want, want)  # ours: credit applied, carried in, amount due; Stripe's amount due
+            assert [t for t, _ in txns(fake)].count("adjustment") == 0  # nothing added on Stripe
+            html = (await admin.get(f"/admin/invoices/{july['id']}/html")).text
+            assert "Carried from earlier invoices (below the minimum charge)" in html and f"${want / 100:.2f}" in html
+            await m.pay(july)
+            assert collected(fake) == june["total_cents"] + july["total_cents"] - credited == want  # every cent once
+            assert m.stripe_balance() == await m.our_balance() == 0
+
+
+async def test_a_credit_note_on_a_carried_invoice_whose_finalize_answer_was_lost_credits_once(
+        db_url: str, db: Any, fake: FakeStripe, tmp_path: Path) -> None:
+    """The finalize carried June's $0.45 on Stripe but its answer was lost: ours is still open when it is
+    credited in full (ours void, a pre-payment note). Stripe's invoice is paid, so the note goes to the
+    balance (post-payment); the push says ours was paid, and what Stripe carried, before any webhook."""
+    account = await customer_of(db)
+    with serve(db_url, tmp_path, **env_for(fake)) as app:
+        async with app.admin() as admin:
+            m = Month(app, admin, db, fake, account)
+            fake.fail("POST", FINALIZE, 0)
+            june = await m.invoice(6, 45)
+            assert june["status"] == "open" and m.remote(june)["status"] == "paid"
+            note = await m.credit(june, 45)
+            assert note["stripe"]["result"] == "synced", note
+            june = await m.ours("2026-06")
+            assert (june["status"], june["carried_to_next_cents"], june["amount_due_cents"]) == ("paid", 45, 0)
+            july = await m.invoice(7, 1_000)
+            assert july["stripe"]["error"] is None, july["stripe"]
+            assert (july["credit_applied_cents"], july["carried_in_cents"], july["amount_due_cents"]) == (45, 45, 1_000)
+            assert m.remote(july)["amount_due"] == 1_000
+            for event in fake.events:  # Stripe's late events change none of it (but Stripe's status: paid)
+                assert (await fake.deliver(event, app.base_url + "/webhooks/stripe")).status_code == 200
+            late = await m.ours("2026-06")
+            assert (late["status"], late["carried_to_next_cents"], late["amount_due_cents"], late["credited_cents"]) == ("paid", 45, 0, 45)
+            await m.pay(july)
+            assert collected(fake) == 45 + 1_000 - 45 and m.stripe_balance() == await m.our_balance() == 0

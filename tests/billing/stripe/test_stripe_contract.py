@@ -223,6 +223,23 @@ def run_flows(fake: FakeStripePayments) -> None:
     txns = client.v1.customers.balance_transactions.list(customer.id).data
     assert [(t.type, t.amount, t.invoice) for t in txns[:2]] == [("invoice_too_small", 30, small.id), ("applied_to_invoice", 50, small.id)]
     assert [e["type"] for e in fake.events[-2:]] == ["invoice.finalized", "invoice.paid"]
+    # a credit note on it (paid, nothing paid, the debit not collected yet): all post-payment, up to its total;
+    # no refund (nothing was charged), a credit to the balance nets against the debit there
+    for refused in ({"amount": 30, "refund_amount": 30}, {"amount": 81, "credit_amount": 81}, {"amount": 30}):
+        try:
+            client.v1.credit_notes.create({"invoice": small.id, **refused})
+            raise AssertionError(f"{refused} was not refused")
+        except stripe.InvalidRequestError as exc:
+            assert exc.http_status == 400, exc
+    note = client.v1.credit_notes.create({"invoice": small.id, "amount": 30, "credit_amount": 30})
+    assert (note.type, note.pre_payment_amount, note.post_payment_amount, note.out_of_band_amount) == ("post_payment", 0, 30, 0)
+    small = client.v1.invoices.retrieve(small.id)
+    assert (small.status, small.amount_paid, small.post_payment_credit_notes_amount, small.pre_payment_credit_notes_amount) == ("paid", 0, 30, 0)
+    txns = client.v1.customers.balance_transactions.list(customer.id).data
+    assert [(t.type, t.amount, t.credit_note) for t in txns[:2]] == [("credit_note", -30, note.id), ("invoice_too_small", 30, None)]
+    assert client.v1.customers.retrieve(customer.id).balance == 0
+    rest = client.v1.credit_notes.create({"invoice": small.id, "amount": 50, "out_of_band_amount": 50})  # the rest of its total
+    assert (rest.post_payment_amount, rest.out_of_band_amount, rest.customer_balance_transaction) == (50, 50, None)
 
 
 def test_every_object_and_event_the_fake_makes_is_the_sdks_shape() -> None:
