@@ -65,6 +65,16 @@ async def test_an_invoice_below_the_minimum_charge_is_paid_by_carrying_it_to_the
             assert collected == june["total_cents"] + july["total_cents"] == 1_030  # every cent once
 
 
+async def june_carried_unheard(m: Month, fake: FakeStripe) -> dict[str, Any]:
+    """June's $0.45 invoice, whose finalize carried it on Stripe (paid, an invoice_too_small debit)
+    while its answer was lost: ours is still open, with the push's error."""
+    fake.fail("POST", FINALIZE, 0)
+    june = await m.invoice(6, 45)
+    assert june["status"] == "open" and june["stripe"]["error"], june["stripe"]
+    assert m.remote(june)["status"] == "paid" and txns(fake) == [("invoice_too_small", 45)]
+    return june
+
+
 async def test_the_webhook_says_what_was_carried_when_the_push_lost_stripes_answer(
         db_url: str, db: Any, fake: FakeStripe, tmp_path: Path) -> None:
     """The finalize ran on Stripe but its answer was lost (the close's push failed): invoice.paid tells
@@ -73,10 +83,7 @@ async def test_the_webhook_says_what_was_carried_when_the_push_lost_stripes_answ
     with serve(db_url, tmp_path, **env_for(fake)) as app:
         async with app.admin() as admin:
             m = Month(app, admin, db, fake, account)
-            fake.fail("POST", FINALIZE, 0)
-            june = await m.invoice(6, 45)
-            assert june["status"] == "open" and june["stripe"]["error"], june["stripe"]
-            assert m.remote(june)["status"] == "paid" and txns(fake) == [("invoice_too_small", 45)]
+            june = await june_carried_unheard(m, fake)
             paid = next(e for e in fake.events if e["type"] == "invoice.paid")
             assert (await fake.deliver(paid, app.base_url + "/webhooks/stripe")).status_code == 200
             june = await m.ours("2026-06")
@@ -155,9 +162,7 @@ async def test_a_credit_note_on_a_carried_invoice_whose_finalize_answer_was_lost
     with serve(db_url, tmp_path, **env_for(fake)) as app:
         async with app.admin() as admin:
             m = Month(app, admin, db, fake, account)
-            fake.fail("POST", FINALIZE, 0)
-            june = await m.invoice(6, 45)
-            assert june["status"] == "open" and m.remote(june)["status"] == "paid"
+            june = await june_carried_unheard(m, fake)
             note = await m.credit(june, 45)
             assert note["stripe"]["result"] == "synced", note
             june = await m.ours("2026-06")
