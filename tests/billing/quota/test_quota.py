@@ -277,6 +277,23 @@ async def test_monthly_spend_at_exact_decimal_price(limiter: Limiter) -> None:
     assert (await limiter.counters(key, now=NOW))["month_nanos"] == 45_000
 
 
+async def test_tpm_and_monthly_spend_admit_up_to_the_limit_and_not_one_unit_more(limiter: Limiter) -> None:
+    """The limit itself is reachable, and one token (one nano-USD) past it is refused."""
+    key = scope(tpm=100)
+    await limiter.reserve(rid(), [key], 80, 0, now=NOW)
+    await limiter.reserve(rid(), [key], 20, 0, now=NOW)  # 100 of 100
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key], 1, 0, now=NOW)
+    assert info.value.limit == "tpm"
+
+    spend = scope(monthly_spend="0.000045")  # 45,000 nano-USD
+    await limiter.reserve(rid(), [spend], 100, 44_999, now=NOW)
+    await limiter.reserve(rid(), [spend], 1, 1, now=NOW)  # 45,000 of 45,000
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [spend], 1, 1, now=NOW)
+    assert info.value.limit == "monthly_spend"
+
+
 async def test_counters_are_rebuilt_from_the_ledger(limiter: Limiter, ledger_url: str) -> None:
     key = scope(monthly_tokens=1000)
     db = create_engine(ledger_url)
