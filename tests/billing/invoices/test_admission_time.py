@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from billing import migrate
 from billing.db import create_engine
-from billing.invoices.views import get_invoice
+from billing.invoices.views import get_invoice, list_invoices
 from billing.invoices.close import close_period, priced_usage
 from billing.ledger.writer import UsageRecord, write_records
 from billing.invoices.periods import Period
@@ -180,6 +180,23 @@ async def test_admitted_on_the_last_instant_of_a_month_belongs_to_that_month(db:
     totals = await LedgerTotals(db).for_scopes([Scope("account", account, None)], at(11, 1, 0, 30).timestamp())
     [(_, nov)] = totals.items()
     assert (nov.month_tokens, nov.month_nanos) == (10, 10_000)
+
+
+async def test_an_accounts_only_row_admitted_on_the_first_instant_of_a_month_is_invoiced_in_that_month(db: Any) -> None:
+    """Months are [first instant, next month's first instant): a row admitted at exactly 00:00:00.000000
+    on November 1 is November's, also when it is the account's only usage (the close first asks
+    whether the account has any)."""
+    book = PriceBook(db)
+    await book.add("alpha", "1.000", "2.000", at(8, 1, 0), backdate=True)
+    account = await new_account(db)
+    await write_records(db, [UsageRecord(
+        request_id=uuid.uuid4().hex, account_id=account, key_id=1, model="alpha", prompt_tokens=1_000_000, completion_tokens=0,
+        status="completed", finish_reason="stop", total_ms=1.0, cost_nanos=1, admitted_at=at(11, 1, 0),
+        created_at=at(11, 1, 0) + timedelta(milliseconds=1))])
+    await close_period(db, book, OCT, now=at(11, 2))
+    await close_period(db, book, NOV, now=at(12, 2))
+    invoices = await list_invoices(db, account_id=account)
+    assert [(i["period"], i["total_cents"]) for i in invoices] == [("2026-11", 100)]
 
 
 LEGACY_COLUMNS = ("request_id", "account_id", "key_id", "model", "prompt_tokens", "completion_tokens", "status", "finish_reason",
