@@ -574,3 +574,25 @@ async def test_a_grants_end_the_limiter_never_heard_of_comes_back_with_a_rebuild
         await limiter.close()
     finally:
         await db.dispose()
+
+
+async def test_a_limiter_seeded_from_the_ledger_counts_usage_not_yet_posted(fresh_pg_database: Any, limiter_kind: str) -> None:
+    """A limiter that reads the balance from the database (its first admission, or after losing its
+    counters) takes as spent all the usage since the account became prepaid: what is posted to the
+    credit ledger and the rows not posted yet (posting runs every 30 s; a gateway restarts any time).
+    Counting the posted part alone would hand out money already spent."""
+    async with prepaid_account(fresh_pg_database, limiter_kind) as (db, one, two, book, a):
+        await book.add(a, "topup", 10 * CENT)
+        await spend(db, a, 3 * CENT)
+        assert [e["amount_nanos"] for e in await book.post_usage(a)] == [-3 * CENT]  # through the usage mark
+        await spend(db, a, 3 * CENT)  # not posted yet
+        balance = await book.balance(a)
+        assert balance is not None and (balance["balance_nanos"], balance["unposted_usage_nanos"]) == (4 * CENT, 3 * CENT)
+        scope = [Scope("account", a, Limits(), prepaid=True)]
+        with pytest.raises(QuotaExceeded) as refused:  # the first admission seeds the balance: $0.04 left
+            await two.reserve(uuid.uuid4().hex, scope, 1, 4 * CENT + 1)
+        assert "($0.040000000 available)" in str(refused.value)
+        hold = await one.reserve(uuid.uuid4().hex, scope, 1, 4 * CENT)
+        counters = await one.counters(scope[0])
+        assert (counters["credits_nanos"], counters["spent_nanos"], counters["held_nanos"]) == (10 * CENT, 6 * CENT, 4 * CENT)
+        await one.settle(hold, 1, 0)

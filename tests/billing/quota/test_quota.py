@@ -554,3 +554,110 @@ async def test_background_settlements_end_and_their_failures_are_logged(limiter:
         await limiter.drain()
     assert not limiter._settling
     assert [r.getMessage() for r in caplog.records if r.name == "tollgate.metering"] == ["quota settlement failed: ConnectionResetError"]
+
+
+async def test_monthly_spend_counts_what_was_used_not_what_was_held(limiter: Limiter) -> None:
+    """A settlement adds the request's actual cost to the month's spend and gives back the rest of its
+    hold: 30,000 nanos held, 12,000 used, so 33,000 more fit a 45,000 budget exactly, and not a nano
+    beyond. (Settling the hold's own figure would refuse money the account still has.)"""
+    key = scope(monthly_spend="0.000045")  # 45,000 nano-USD
+    hold = await limiter.reserve(rid(), [key], 100, 30_000, now=NOW)
+    await limiter.settle(hold, 40, 12_000)
+    counters = await limiter.counters(key, now=NOW)
+    assert (counters["month_nanos"], counters["held_nanos"]) == (12_000, 0), counters
+    rest = await limiter.reserve(rid(), [key], 1, 33_000, now=NOW)
+    with pytest.raises(QuotaExceeded) as info:
+        await limiter.reserve(rid(), [key], 1, 1, now=NOW)
+    assert info.value.limit == "monthly_spend"
+    await limiter.settle(rest, 1, 33_000)
+    assert (await limiter.counters(key, now=NOW))["month_nanos"] == 45_000
+
+
+@pytest.mark.parametrize("store", ["redis", "cluster"])
+async def test_a_crashed_processs_expired_hold_gives_its_money_back(store: str, request: pytest.FixtureRequest, ledger_url: str) -> None:
+    """A dead process's hold, once expired and swept, gives back its nano-USD as well as its place and
+    tokens: a monthly_spend held in full by a crashed request is whole again for the other processes."""
+    if store == "redis":
+        require_redis(REDIS_URL)
+    url = REDIS_URL if store == "redis" else request.getfixturevalue("redis_cluster").url
+    db = create_engine(ledger_url)
+    prefix = f"tgtest:{uuid.uuid4().hex[:8]}:"
+    crashed, other = (RedisLimiter(url, LedgerTotals(db), prefix=prefix, timeout=0.5, hold_seconds=30) for _ in range(2))
+    try:
+        t0 = time.time()
+        key = scope(monthly_spend="0.000045")  # 45,000 nano-USD
+        await crashed.reserve(rid(), [key], 100, 45_000, now=t0)
+        await crashed.close()  # dies without settling: its hold expires at t0 + 30
+        with pytest.raises(QuotaExceeded) as info:
+            await other.reserve(rid(), [key], 1, 1, now=t0 + 29)
+        assert info.value.limit == "monthly_spend"
+        await other.reserve(rid(), [key], 1, 45_000, now=t0 + 31)  # the whole budget again
+        counters = await other.counters(key, now=t0 + 31)
+        assert (counters["held_nanos"], counters["held_tokens"], counters["in_flight"]) == (45_000, 1, 1), counters
+    finally:
+        await other.flush_all()
+        await other.close()
+        await db.dispose()
+
+
+async def test_a_re_registration_that_arrives_after_its_settlement_does_not_bring_the_hold_back(ledger_url: str) -> None:
+    """A re-registration of this process's running holds (rehold.lua, after Redis lost them) is built
+    from the holds live when it leaves; a settlement sent meanwhile may reach Redis first (another
+    connection, another node). The settled request's hold must not come back: it would hold its
+    place and its money until it expired, with no process to settle it."""
+    require_redis(REDIS_URL)
+    db = create_engine(ledger_url)
+    lim = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
+    try:
+        now = time.time()
+        key = scope(max_concurrent=1, monthly_spend="0.000045")
+        hold = await lim.reserve(rid(), [key], 100, 45_000, now=now)
+        args, live = lim._rehold_args(hold.tag, now)  # built while the request runs
+        assert [h.request_id for h in live] == [hold.request_id]
+        assert await lim.settle(hold, 10, 5_000) is True  # its settlement reaches Redis first
+        await lim._client.run(lim._rehold_script, lim.group(hold.tag) + "epoch", args, 0.0)
+        counters = await lim.counters(key, now=now)
+        assert (counters["in_flight"], counters["held_nanos"], counters["month_nanos"]) == (0, 0, 5_000), counters
+        await lim.reserve(rid(), [key], 1, 40_000, now=now)  # its place and the rest of the budget are free
+    finally:
+        await lim.flush_all()
+        await lim.close()
+        await db.dispose()
+
+
+async def test_usage_settled_during_a_rebuild_whose_unc_entry_is_struck_off_meanwhile_counts_once(ledger_url: str) -> None:
+    """A request settles while its group waits for a rebuild (its usage filed in `pend` and `unc`); the
+    rebuild's ledger read does not hold its row; the row is written and struck off `unc` (carried by
+    another settlement of the account) before the rebuild finishes. The rebuild still counts it, from
+    `pend`: its snapshot cannot see the row, and nothing else has it."""
+    require_redis(REDIS_URL)
+    db = create_engine(ledger_url)
+    lim = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
+    try:
+        account = scope("account", monthly_tokens=100_000)
+        first = await lim.reserve(rid(), [account], 100, 0, now=NOW)
+        other = await lim.reserve(rid(), [account], 100, 0, now=NOW)
+        await lim.invalidate(account)
+        assert await lim.settle(first, 60, 0) is True  # the counters wait for their rebuild: filed
+        gated = GatedTotals(lim.totals)
+        lim.totals = gated  # type: ignore[assignment]
+        gated.gate_present = True
+        rebuilding = asyncio.create_task(lim.reserve(rid(), [account], 10, 0, now=NOW))
+        await gated.asked.wait()  # the rebuild's snapshot is read; it asks whether it holds `first`
+        row = UsageRecord(request_id=first.request_id, account_id=account.id, key_id=1, model="m", prompt_tokens=60,
+                          completion_tokens=0, status="completed", finish_reason="stop", total_ms=1.0,
+                          created_at=month_start(NOW).replace(day=2))
+        await write_records(db, [row])
+        lim.written([row])
+        await lim.settle(other, 0, 0)  # carries the strike-off of `first` from `unc`
+        gated.answer.set()
+        await rebuilding
+        assert (await lim.counters(account, now=NOW))["month_tokens"] == 60
+        lim.totals = gated.inner  # type: ignore[assignment]
+        await lim.invalidate(account)
+        await lim.reserve(rid(), [account], 10, 0, now=NOW)  # rebuilt again: from the ledger, which holds it now
+        assert (await lim.counters(account, now=NOW))["month_tokens"] == 60
+    finally:
+        await lim.flush_all()
+        await lim.close()
+        await db.dispose()

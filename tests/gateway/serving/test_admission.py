@@ -326,3 +326,28 @@ async def test_the_hold_counts_in_the_month_its_row_is_billed_to(setup: Setup, m
         await service.admit(gen)
     assert refused.value.code == "monthly_spend", refused.value
     await setup.close()
+
+
+@pytest.mark.parametrize("prepaid", [False, True])
+async def test_only_a_prepaid_row_is_capped_at_its_hold(setup: Setup, prepaid: bool) -> None:
+    """An estimated prompt can cost more than the hold (a pass-through pool without `tokenizer:`). A
+    prepaid account's row costs at most its hold, so its balance never goes below zero; a postpaid
+    account's row costs its tokens in full: it is invoiced, and the operator is not to bear the
+    estimate's error there (docs/prepaid.md)."""
+    from billing.prices.book import PriceBook
+    from gateway.serving.admission import Meter, Usage
+
+    prices = PriceBook(setup.db)
+    await prices.add(MODEL, "1.000", "2.000")  # 1,000 and 2,000 nano-USD a token
+    meter = Meter(setup.ledger, limiter=setup.limiter, prices=prices)
+    await setup.limiter.credit(1, 1, 10**9)  # $1 of credit (a postpaid account's scope ignores it)
+    who = Principal(key_id=7, account_id=1, is_admin=False, models=None, expires_at=None, revoked=False, prepaid=prepaid)
+    usage = Usage(estimated=True)
+    admission = await meter.admit(f"est-{prepaid}", who, MODEL, usage, tokens=12, cost=lambda price: price.cost_nanos(9, 3))
+    assert admission.nanos == 9 * 1_000 + 3 * 2_000
+    usage.prompt_tokens, usage.completion_tokens, usage.finish_reason = 17, 3, "stop"  # the upstream's exact prompt: 17
+    assert admission.settle() is True
+    await meter.drain()
+    [row] = [r for r in setup.rows if r.request_id == f"est-{prepaid}" and r.status == "completed"]
+    assert row.cost_nanos == (admission.nanos if prepaid else 17 * 1_000 + 3 * 2_000), row
+    await setup.close()
