@@ -596,3 +596,26 @@ async def test_a_limiter_seeded_from_the_ledger_counts_usage_not_yet_posted(fres
         counters = await one.counters(scope[0])
         assert (counters["credits_nanos"], counters["spent_nanos"], counters["held_nanos"]) == (10 * CENT, 6 * CENT, 4 * CENT)
         await one.settle(hold, 1, 0)
+
+
+async def test_housekeeping_posts_each_prepaid_accounts_usage(db_url: str) -> None:
+    """The periodic housekeeping (the server's loop, `tollgate credits post`) posts every prepaid
+    account's usage, so the credit ledger sums to the balance; a postpaid account gets no credit row."""
+    from billing.credits.housekeeping import housekeeping
+
+    db = create_engine(db_url)
+    try:
+        book = CreditBook(db, settle_seconds=0)
+        a, b = await new_account(db), await new_account(db)
+        await book.set_mode(a, "prepaid")
+        await book.add(a, "topup", 10 * CENT)
+        await spend(db, a, 3 * CENT)
+        await spend(db, b, 5 * CENT)  # postpaid: invoiced
+        done = await housekeeping(book, db)
+        assert done["expired"] == 0
+        balance = await book.balance(a)
+        assert balance is not None and (balance["balance_nanos"], balance["unposted_usage_nanos"]) == (7 * CENT, 0), balance
+        assert await ledger_sum(db, a) == 7 * CENT
+        assert await ledger_sum(db, b) == 0
+    finally:
+        await db.dispose()

@@ -661,3 +661,25 @@ async def test_usage_settled_during_a_rebuild_whose_unc_entry_is_struck_off_mean
         await lim.flush_all()
         await lim.close()
         await db.dispose()
+
+
+async def test_a_renewal_that_arrives_after_its_settlement_does_not_bring_the_hold_back(ledger_url: str) -> None:
+    """The hold watch renews the holds due when its round starts (renew.lua puts back one the store
+    lost); a settlement of one of them may reach Redis first. The settled hold must stay gone, or it
+    holds its place and money until it expires with no process to settle it."""
+    require_redis(REDIS_URL)
+    db = create_engine(ledger_url)
+    lim = RedisLimiter(REDIS_URL, LedgerTotals(db), prefix=f"tgtest:{uuid.uuid4().hex[:8]}:", timeout=0.5)
+    try:
+        now = time.time()
+        key = scope(max_concurrent=1, monthly_spend="0.000045")
+        hold = await lim.reserve(rid(), [key], 100, 45_000, now=now)
+        assert await lim.settle(hold, 10, 5_000) is True
+        await lim._renew([hold], now + lim.hold_seconds)  # the round's renewal, sent before the settlement
+        counters = await lim.counters(key, now=now)
+        assert (counters["in_flight"], counters["held_nanos"], counters["month_nanos"]) == (0, 0, 5_000), counters
+        await lim.reserve(rid(), [key], 1, 40_000, now=now)
+    finally:
+        await lim.flush_all()
+        await lim.close()
+        await db.dispose()
