@@ -161,6 +161,19 @@ async def carried_too_small(client: StripeClient, remote: dict[str, Any]) -> int
     return carried
 
 
+def carry_of(credit_applied: int, remote: dict[str, Any], out: int) -> dict[str, int]:
+    """What a finalized Stripe invoice carried below the minimum charge: `out` (carried_too_small) to
+    the customer's next invoice, and what it collected of earlier carries (the debit its finalize
+    applied: the balance it moved less our credit and what it carried on). Every path that learns of
+    a finalize records both (the push, the invoice webhooks and the overdue re-read, a credit note's
+    push): the balance push reads what is still to collect from them (StripeSync._carried_debit).
+    Empty before the finalize (Stripe sets ending_balance then)."""
+    if remote.get("ending_balance") is None:
+        return {}
+    moved = int(remote["ending_balance"]) - int(remote.get("starting_balance") or 0) - out
+    return {"carried_to_next_cents": out, "carried_in_cents": max(0, credit_applied - moved)}
+
+
 def _applies(balance: int, total: int) -> int:
     """What Stripe's finalize takes off an invoice of `total` from a customer balance: a credit
     (negative) up to the total, a debit (positive) whole (added: negative)."""
@@ -347,8 +360,7 @@ class StripeSync:
         if remote.get("ending_balance") is None:
             return {}
         out = await carried_too_small(self._stripe, remote)
-        moved = int(remote["ending_balance"]) - int(remote.get("starting_balance") or 0) - out
-        values: dict[str, Any] = {"carried_to_next_cents": out, "carried_in_cents": max(0, int(invoice.credit_applied_cents or 0) - moved)}
+        values: dict[str, Any] = dict(carry_of(int(invoice.credit_applied_cents or 0), remote, out))
         if out and invoice.status == "open":  # Stripe marked it paid at its finalize: no payment, no invoice.paid to wait for
             paid = (remote.get("status_transitions") or {}).get("paid_at")
             values.update(status="paid", paid_at=datetime.fromtimestamp(paid, tz=timezone.utc) if paid else utcnow())
@@ -565,7 +577,8 @@ class StripeSync:
         # records the carry as the push would have, or the next invoice's push would not leave the
         # debit for Stripe to collect and would add the note's credit on top of it (a second credit).
         to_balance = {"applies_to": "balance"} if note.applies_to == "invoice" and post_payment >= int(note.total_cents) else {}
-        carried = await carried_too_small(self._stripe, remote) if to_balance and invoice.status == "void" else 0
+        carried = carry_of(int(invoice.credit_applied_cents or 0), remote, await carried_too_small(self._stripe, remote)) \
+            if to_balance and invoice.status == "void" else {}
         async with self._db.begin() as conn:
             await conn.execute(CREDIT_NOTES.update().where(CREDIT_NOTES.c.id == note_id).values(
                 stripe_credit_note_id=made, stripe_error=None, **to_balance))
@@ -573,7 +586,7 @@ class StripeSync:
                 paid = (remote.get("status_transitions") or {}).get("paid_at")
                 await conn.execute(INVOICES.update().where(INVOICES.c.id == invoice.id, INVOICES.c.status == "void").values(
                     status="paid", paid_at=datetime.fromtimestamp(paid, tz=timezone.utc) if paid else utcnow(),
-                    **({"carried_to_next_cents": carried} if carried else {})))
+                    **carried))
         return {**result, "result": "synced", "stripe_credit_note_id": made}
 
     async def _uncollectible(self, invoice: Any, remote: dict[str, Any]) -> dict[str, str]:

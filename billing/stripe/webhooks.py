@@ -21,7 +21,7 @@ from stripe import InvalidRequestError, SignatureVerificationError, StripeClient
 from billing.invoices.account_state import DELINQUENT_SUBSCRIPTION, recompute
 from billing.invoices.models import BillingAccount, Invoice, StripeEvent
 from billing.models import utcnow
-from billing.stripe.sync import _plain, carried_too_small, upsert
+from billing.stripe.sync import _plain, carried_too_small, carry_of, upsert
 
 log = logging.getLogger("tollgate.webhooks")
 
@@ -171,14 +171,15 @@ async def apply_stripe_invoice(conn: AsyncConnection, remote: dict[str, Any], cr
     if status == "paid" and ours.status != "void":
         paid = (remote.get("status_transitions") or {}).get("paid_at")
         values.update(status="paid", paid_at=ours.paid_at or (datetime.fromtimestamp(paid, tz=timezone.utc) if paid else created))
-        if carried:
-            values["carried_to_next_cents"] = carried
     elif status == "void":
         values.update(status="void")
     elif status in ("open", "uncollectible") and (
         remote.get("attempted") or int(remote.get("attempt_count") or 0) > 0 or status == "uncollectible"
     ):
         values.update(payment_failed_at=ours.payment_failed_at or created)
+    # What it carried out and collected of earlier carries, once finalized (a push whose answer was
+    # lost has not recorded them; the next invoice's balance push reads them).
+    values.update(carry_of(int(ours.credit_applied_cents or 0), remote, carried))
     await conn.execute(INVOICES.update().where(INVOICES.c.id == ours.id).values(**values))
     return int(ours.account_id)
 

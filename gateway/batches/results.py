@@ -138,7 +138,8 @@ def openai_counts(counts: dict[str, int]) -> dict[str, int]:
     a 2xx answer. Lines never run (the batch expired or was cancelled first) are in the error file
     (batch_expired / batch_cancelled) but in neither count, as at OpenAI: an expired batch there read
     {total: 10, completed: 1, failed: 0} with its 9 unrun requests in the error file (warmbly PR #333),
-    and its guide calls them "cancelled", not failed. So total - completed - failed is what never ran."""
+    and its guide calls them "cancelled", not failed. So once the batch has ended, total - completed - failed is what never ran
+    (while it runs, the lines still waiting or running are in it too)."""
     return {"total": line_total(counts), "completed": counts.get("done:succeeded", 0), "failed": counts.get("done:errored", 0)}
 
 

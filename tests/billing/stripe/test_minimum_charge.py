@@ -177,3 +177,30 @@ async def test_a_credit_note_on_a_carried_invoice_whose_finalize_answer_was_lost
             assert (late["status"], late["carried_to_next_cents"], late["amount_due_cents"], late["credited_cents"]) == ("paid", 45, 0, 45)
             await m.pay(july)
             assert collected(fake) == 45 + 1_000 - 45 and m.stripe_balance() == await m.our_balance() == 0
+
+
+async def test_a_carry_collected_by_an_invoice_whose_finalize_answer_was_lost_is_not_collected_again(
+        db_url: str, db: Any, fake: FakeStripe, tmp_path: Path) -> None:
+    """May $0.20 is carried; June $0.25 collects it and, $0.45 being below the minimum too, carries
+    $0.45 on, but June's finalize answer is lost and its invoice.paid webhook tells ours. July $10 must
+    collect $10.45: the webhook records what June collected of May's carry as the push would have.
+    Before: it recorded only what June carried out, the balance push took May's $0.20 as still owed
+    and added it to Stripe's balance: July collected $10.65."""
+    account = await customer_of(db)
+    with serve(db_url, tmp_path, **env_for(fake)) as app:
+        async with app.admin() as admin:
+            m = Month(app, admin, db, fake, account)
+            may = await m.invoice(5, 20)
+            assert (may["status"], may["carried_to_next_cents"]) == ("paid", 20)
+            fake.fail("POST", FINALIZE, 0)
+            june = await m.invoice(6, 25)
+            assert june["status"] == "open" and june["stripe"]["error"], june["stripe"]
+            remote = m.remote(june)
+            paid = next(e for e in fake.events if e["type"] == "invoice.paid" and e["data"]["object"]["id"] == remote["id"])
+            assert (await fake.deliver(paid, app.base_url + "/webhooks/stripe")).status_code == 200
+            june = await m.ours("2026-06")
+            assert (june["status"], june["carried_in_cents"], june["carried_to_next_cents"]) == ("paid", 20, 45)
+            july = await m.invoice(7, 1_000)
+            assert july["stripe"]["error"] is None, july["stripe"]
+            assert (july["carried_in_cents"], july["amount_due_cents"], m.remote(july)["amount_due"]) == (45, 1_045, 1_045)
+            assert [t for t, _ in txns(fake)].count("adjustment") == 0  # nothing added on Stripe
