@@ -74,3 +74,18 @@ async def test_a_subscription_still_past_due_keeps_its_first_delinquency(db: Any
     now = int(time.time())
     assert (await _deliver(handler, fake, fake.set_subscription(customer, "past_due", sub_id), now))["state"] == PAST_DUE
     assert await _since(db, ids["a"]) == datetime.fromtimestamp(now, tz=timezone.utc)
+
+
+async def test_an_invoice_event_without_a_payment_attempt_is_no_failure(db: Any, fake: FakeStripe) -> None:
+    """`invoice.finalized`, `invoice.updated` (and the like) of an open invoice nobody tried to charge
+    yet: nothing failed, the account stays active; the same invoice's failed attempt counts."""
+    ids, invoices = await closed_september(db)
+    config = config_for(fake, collection_method="charge_automatically")
+    pushed = await StripeSync(db, stripe_client(config), config).push(invoices[ids["a"]]["id"])
+    handler = WebhookHandler(db, stripe_client(config), fake.webhook_secret, grace_seconds=GRACE)
+    long_ago = int(time.time()) - GRACE - 100
+    for kind in ("invoice.finalized", "invoice.updated"):
+        result = await _deliver(handler, fake, fake.invoice_event(kind, pushed["stripe_invoice_id"]), long_ago)
+        assert (result["account_id"], result["state"], await _since(db, ids["a"])) == (ids["a"], ACTIVE, None)
+    result = await _deliver(handler, fake, fake.fail_payment(pushed["stripe_invoice_id"]), long_ago)
+    assert result["state"] == SUSPENDED
