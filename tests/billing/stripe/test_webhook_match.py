@@ -83,3 +83,20 @@ async def test_a_number_match_needs_no_stored_id_and_the_same_customer(db: Any, 
         stored = (await conn.execute(sa.select(INVOICES.c.stripe_invoice_id).where(INVOICES.c.id == a["id"]))).scalar_one()
     assert stored == made
     assert (await get_invoice(db, b["id"]))["stripe"]["invoice_id"] is None  # type: ignore[index]
+
+
+async def test_a_push_does_not_adopt_a_voided_stripe_invoice_that_carries_our_number(db: Any, fake: FakeStripe) -> None:
+    """The push looks for a Stripe invoice an interrupted run made but did not store, by our number: a
+    voided one (a copy made by hand, or the lost one voided since) is not it: adopted, ours would be
+    `void` on Stripe (never collected), or compared with another invoice's total."""
+    ids, invoices = await closed_september(db)
+    ours = invoices[ids["a"]]
+    config = config_for(fake)
+    sync = StripeSync(db, stripe_client(config), config)
+    customer = await sync.ensure_customer(ids["a"])
+    copy = _copy(fake, customer, ours["number"])
+    pushed = await sync.push(ours["id"])
+    assert pushed["stripe_invoice_id"] != copy
+    remote = fake.invoices[pushed["stripe_invoice_id"]]
+    assert (remote["status"], remote["total"], remote["metadata"]["tollgate_invoice"]) == ("open", ours["total_cents"], ours["number"])
+    assert fake.invoices[copy]["status"] == "void"
