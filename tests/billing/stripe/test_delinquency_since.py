@@ -13,14 +13,16 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from billing.invoices.account_state import ACTIVE, PAST_DUE, SUSPENDED, derive_state
-from billing.invoices.models import BillingAccount
+from billing.invoices.account_state import ACTIVE, PAST_DUE, SUSPENDED, AccountStates, derive_state, recompute
+from billing.invoices.models import BillingAccount, Invoice
+from billing.keys.store import Principal
 from billing.stripe.sync import StripeSync, stripe_client
 from billing.stripe.webhooks import WebhookHandler
 from tests.billing.stripe.test_stripe import closed_september, config_for, fake  # noqa: F401  (the fake Stripe fixture)
 from tests.fakes.stripe_server import FakeStripe
 
 BILLING = BillingAccount.__table__
+INVOICES = Invoice.__table__
 GRACE = 600  # seconds
 
 
@@ -89,3 +91,41 @@ async def test_an_invoice_event_without_a_payment_attempt_is_no_failure(db: Any,
         assert (result["account_id"], result["state"], await _since(db, ids["a"])) == (ids["a"], ACTIVE, None)
     result = await _deliver(handler, fake, fake.fail_payment(pushed["stripe_invoice_id"]), long_ago)
     assert result["state"] == SUSPENDED
+
+
+async def test_only_an_invoice_open_on_stripe_counts_by_its_due_date(db: Any) -> None:
+    """Past its due date, an invoice that never reached Stripe (or whose push stopped at the draft)
+    makes nobody delinquent: the customer has no way to pay it. Open on Stripe, it does."""
+    ids, invoices = await closed_september(db)
+    ours = invoices[ids["a"]]
+    now = datetime.now(timezone.utc)
+    assert datetime.fromisoformat(ours["due_at"]) < now  # due a month after these tests' past close
+
+    async def state() -> str:
+        async with db.begin() as conn:
+            return await recompute(conn, ids["a"], now=now, grace_seconds=0, overdue=True)
+
+    for stripe_status in (None, "draft"):
+        async with db.begin() as conn:
+            await conn.execute(INVOICES.update().where(INVOICES.c.id == ours["id"]).values(stripe_status=stripe_status))
+        assert await state() == ACTIVE, stripe_status
+    async with db.begin() as conn:
+        await conn.execute(INVOICES.update().where(INVOICES.c.id == ours["id"]).values(stripe_status="open"))
+    assert await state() == SUSPENDED
+
+
+async def test_the_request_path_suspends_at_the_same_instant_as_the_stored_state(db: Any) -> None:
+    """AccountStates.suspension (no I/O, on every request) ends the grace where derive_state does."""
+    ids, invoices = await closed_september(db)
+    since = datetime(2026, 11, 20, tzinfo=timezone.utc)
+    async with db.begin() as conn:
+        await conn.execute(INVOICES.update().where(INVOICES.c.id == invoices[ids["a"]]["id"]).values(payment_failed_at=since))
+        await recompute(conn, ids["a"], now=since, grace_seconds=GRACE)
+    states = AccountStates(db, grace_seconds=GRACE)
+    await states.refresh()
+    principal = Principal(key_id=1, account_id=ids["a"], is_admin=False, models=None, expires_at=None, revoked=False)
+    end = since + timedelta(seconds=GRACE)
+    assert states.suspension(principal, now=end - timedelta(microseconds=1)) is None
+    assert derive_state(since, end, GRACE) == SUSPENDED
+    reason = states.suspension(principal, now=end)
+    assert reason is not None and invoices[ids["a"]]["number"] in reason
