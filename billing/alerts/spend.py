@@ -177,7 +177,9 @@ class AlertService:
                 limit = limits.monthly_spend_nanos if rule.metric == "monthly_spend" else limits.monthly_tokens
                 if limit is None:
                     return None
-                threshold = limit * rule.percent // 100
+                # the least whole unit at or past percent% of the limit (rounded up: 15% of 10 tokens is 1.5, so
+                # 2 tokens cross it, not 1)
+                threshold = -(-limit * rule.percent // 100)
         if value < threshold:
             return None
         shown = (lambda n: f"${usd(n)}") if rule.metric == "monthly_spend" else (lambda n: f"{n:,} tokens")
