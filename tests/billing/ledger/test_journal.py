@@ -269,3 +269,47 @@ async def test_a_journal_no_worker_claims_is_finished_and_removed(fresh_pg_datab
         await writer.close()
     finally:
         await db.dispose()
+
+
+async def test_a_rotation_keeps_the_admissions_still_running(fresh_pg_database: Any, tmp_path: Path) -> None:
+    """A segment rotated (written rows acknowledged) while a request runs carries its admission line,
+    and only its: a crash after the rotation leaves its `interrupted` row and releases its hold once,
+    and no finished request comes back as interrupted (its hold released a second time)."""
+    url = fresh_pg_database(migrated=True)
+    migrate.upgrade(url)
+    db = create_engine(url)
+    try:
+        first = LedgerWriter(db, journal=LedgerJournal(tmp_path, segment_bytes=4096))
+        first.recover()
+        first.start()
+        running = record(status="interrupted", completion_tokens=0, prompt_tokens=23, cost_nanos=23)
+        hold = Hold(running.request_id, (Scope("key", 1, Limits()),), 50, 9, 1, "202611")
+        first.admitted(running, hold.to_json())
+        for _ in range(40):  # admitted, finished and acknowledged around it, one batch each: the segment rotates
+            done = record()
+            first.admitted(record(request_id=done.request_id, status="interrupted", completion_tokens=0), None)
+            first.record(done)
+            await first.flush(timeout=10)
+        assert first.journal._seq > 1  # type: ignore[union-attr]  # rotated at least once since open()
+        assert first.journal.outstanding == 1  # type: ignore[union-attr]  # the running request only
+        first._task.cancel()  # type: ignore[union-attr]
+        crash(first.journal)  # type: ignore[arg-type]
+        if first._session is not None:
+            await first._session.close(broken=True)
+
+        second = LedgerWriter(db, journal=LedgerJournal(tmp_path))
+        recovered = second.recover()
+        assert [(row["request_id"], h) for row, h in recovered.interrupted] == [(running.request_id, hold.to_json())]
+        second.start()
+        settled: list[tuple[str, int]] = []
+
+        async def settle(h: Hold, tokens: int, nanos: int) -> bool:
+            settled.append((h.request_id, tokens))
+            return True
+
+        assert await release_interrupted(second, settle, recovered, wait=10) == 1
+        assert settled == [(running.request_id, 23)]
+        assert await count(db) == 41 and await count(db, request_id=running.request_id, status="interrupted") == 1
+        await second.close()
+    finally:
+        await db.dispose()
