@@ -84,7 +84,8 @@ class ResponseRenderer:
         gen = self.gen
         return {
             "input_tokens": gen.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": gen.cached_tokens or 0, "cache_write_tokens": 0},
+            # the part of the prompt the row counts cached (its cached_tokens): never more than the prompt
+            "input_tokens_details": {"cached_tokens": min(gen.cached_tokens or 0, gen.prompt_tokens), "cache_write_tokens": 0},
             "output_tokens": gen.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens,

@@ -77,3 +77,28 @@ async def test_anthropic_clients_see_the_cached_part_of_the_prompt_as_anthropic_
     up.script.append(Behaviour(usage={"prompt_tokens": 30, "completion_tokens": 7}))  # says nothing of its cache
     silent = await client.messages.create(model="pool", max_tokens=16, messages=QUESTION)  # type: ignore[arg-type]
     assert (silent.usage.input_tokens, silent.usage.cache_read_input_tokens) == (30, 0)
+
+
+async def test_responses_clients_see_the_cached_part_of_the_prompt_the_row_bills(upstreams: Any, tollgate_with: Any) -> None:
+    """The Responses API's usage says what the row bills: input_tokens_details.cached_tokens is the
+    row's cached_tokens (96 of 120, streamed and not), and never more than the prompt: an upstream
+    that says 45 of 30 prompt tokens came from its cache has a row with 30, and so does the usage."""
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url))
+    key = await gw.new_key()
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+    cached = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 96}}
+    up.script.append(Behaviour(usage=cached))  # type: ignore[arg-type]
+    whole = await client.responses.create(model="pool", input="What is the capital of France?")
+    up.script.append(Behaviour(usage=cached))  # type: ignore[arg-type]
+    events = [e async for e in await client.responses.create(model="pool", input="What is the capital of France?", stream=True)]
+    assert events[-1].type == "response.completed"
+    streamed = events[-1].response
+    up.script.append(Behaviour(usage={"prompt_tokens": 30, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 45}}))  # type: ignore[dict-item]
+    over = await client.responses.create(model="pool", input="What is the capital of France?")
+
+    rows = [await gw.ledger_row(r.id.removeprefix("resp_")) for r in (whole, streamed, over)]
+    assert [(r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"]) for r in rows] == [(120, 96, 7), (120, 96, 7), (30, 30, 7)]
+    usages = [r.usage for r in (whole, streamed, over)]
+    assert [(u.input_tokens, u.input_tokens_details.cached_tokens, u.output_tokens) for u in usages if u] == [  # type: ignore[union-attr]
+        (120, 96, 7), (120, 96, 7), (30, 30, 7)]
