@@ -351,3 +351,42 @@ async def test_only_a_prepaid_row_is_capped_at_its_hold(setup: Setup, prepaid: b
     [row] = [r for r in setup.rows if r.request_id == f"est-{prepaid}" and r.status == "completed"]
     assert row.cost_nanos == (admission.nanos if prepaid else 17 * 1_000 + 3 * 2_000), row
     await setup.close()
+
+
+async def test_a_row_keeps_the_instant_it_was_admitted_at_and_that_instants_price(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admitted at Oct 31 23:59:59.95 and finished in November (here: weeks later, the real clock):
+    its provisional and its final row both say it was admitted at that instant (the row's unique key,
+    and its hour, day and month), and it costs October's price, the one in force when it was admitted."""
+    from datetime import datetime, timezone
+
+    from billing.prices.book import PriceBook
+    from gateway.serving import admission as admission_module
+
+    admitted = datetime(2026, 10, 31, 23, 59, 59, 950_000, tzinfo=timezone.utc)
+    prices = PriceBook(setup.db)
+    october = await prices.add(MODEL, "1000.000", "1000.000", datetime(2026, 10, 1, tzinfo=timezone.utc), backdate=True)
+    await prices.add(MODEL, "3000.000", "3000.000", datetime(2026, 11, 1, tzinfo=timezone.utc), backdate=True)
+    service = CompletionService({MODEL: setup.engine}, setup.ledger, limiter=setup.limiter, prices=prices)
+    monkeypatch.setattr(admission_module, "utcnow", lambda: admitted)
+    journaled: list[Any] = []
+    admitted_rows = setup.ledger.admitted
+
+    def journal(record: UsageRecord, hold: Any = None) -> None:
+        journaled.append(record)
+        admitted_rows(record, hold)
+
+    monkeypatch.setattr(setup.ledger, "admitted", journal)
+    gen = setup.gen("late", principal())
+    admission = await service.admit(gen)
+    async for _ in service.metered(gen, admission):
+        pass
+    await service.drain()
+    [provisional] = journaled
+    [row] = setup.rows
+    assert (row.status, row.admitted_at, provisional.admitted_at) == ("completed", admitted, admitted), (row, provisional)
+    assert row.created_at > admitted  # finished later: its own clock
+    tokens = row.prompt_tokens + row.completion_tokens
+    assert (row.price_version_id, row.cost_nanos) == (october.id, tokens * 1000_000), row  # $1000 per million: 1,000,000 nano-USD a token
+    await setup.close()
