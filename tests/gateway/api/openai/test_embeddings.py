@@ -232,3 +232,28 @@ async def test_a_failure_that_is_not_the_engine_s_is_an_error_row(gateway: Gatew
     finally:
         await db.dispose()
     assert [(status, tokens, cost or 0) for status, tokens, cost in rows] == [("error", 0, 0)]  # cost None: no price in force
+
+
+async def test_an_embedding_whose_request_is_cancelled_is_a_cancelled_row(gateway: Gateway, client_for: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request's task cancelled while the model runs (what a batch runner does to a line of a
+    batch cancelled or taken from it): its row says `cancelled`, no tokens, no cost; `error` is for a
+    failure (the model's or the server's), which this is not."""
+    async def cancelled(ids: list[list[int]]) -> list[list[float]]:
+        raise asyncio.CancelledError()  # what the route's await of the model gets when its task is cancelled
+
+    monkeypatch.setattr(model_of(gateway), "embed", cancelled)
+    key = await gateway.new_key()
+    client = client_for(key["key"]).with_options(max_retries=0)
+    with pytest.raises(openai.APIStatusError):
+        await client.embeddings.create(model=EMB, input="this input is never embedded", encoding_format="float")
+    await until(lambda: gateway.ledger_count(key_id=key["id"]), "the request's row")
+    await gateway.flush_ledger()
+    db = create_engine(gateway.db_url)
+    try:
+        async with db.connect() as conn:
+            rows = (await conn.execute(sa.text("SELECT status, prompt_tokens, completion_tokens, cost_nanos FROM ledger_entries "
+                                               "WHERE key_id = :k"), {"k": key["id"]})).all()
+    finally:
+        await db.dispose()
+    assert [(status, prompt, completion, cost or 0) for status, prompt, completion, cost in rows] == [("cancelled", 0, 0, 0)]
