@@ -172,3 +172,30 @@ async def test_every_write_path_takes_the_aggregate_tables_in_one_order(fresh_pg
         await session.close()
     finally:
         await db.dispose()
+
+
+async def test_a_request_twice_in_a_batch_is_its_first_row_as_on_the_other_write_paths(fresh_pg_database: Any, monkeypatch: Any) -> None:
+    """The one-statement and executemany paths keep a request's first row of a batch (tests/billing/
+    ledger/test_cached_tokens.py); COPY keeps the same one, on its fast path and its exact path, and
+    the aggregates count that row only."""
+    from billing.ledger import pg_copy
+
+    url = fresh_pg_database(migrated=True)
+    migrate.upgrade(url)
+    db = create_engine(url)
+    try:
+        for fast in (True, False):
+            monkeypatch.setattr(pg_copy, "FAST_PATH", fast)
+            first, other = rows(2, f"dup-{fast}")
+            again = UsageRecord(**{**first.__dict__, "prompt_tokens": 999, "completion_tokens": 99, "cost_nanos": 7,
+                                   "status": "error"})  # the same request (and admission instant), other counts
+            session = CopySession(db, connections=2)
+            assert await session.write([first, other, again]) == 2
+            await session.close()
+            async with db.connect() as conn:
+                kept = (await conn.execute(sa.text("SELECT prompt_tokens, completion_tokens, cost_nanos, status FROM ledger_entries "
+                                                   "WHERE request_id = :r"), {"r": first.request_id})).all()
+            assert [tuple(r) for r in kept] == [(first.prompt_tokens, first.completion_tokens, first.cost_nanos, first.status)], fast
+        assert await exact(db) == (4, 0)
+    finally:
+        await db.dispose()
