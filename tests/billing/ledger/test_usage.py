@@ -211,3 +211,26 @@ def test_migration_backfills_existing_ledger_rows(tmp_path: Path) -> None:
     assert got == (6, 6, sum(range(6)), 500, 1, 1, 6)
     assert conn.execute("SELECT sum(count) FROM latency_hourly WHERE metric = 'total'").fetchone() == (6,)
     conn.close()
+
+
+async def test_adjacent_periods_split_the_sums_at_their_boundary(db_url: str) -> None:
+    """A period is [start, end): the hour that starts at its end is the next period's. Two adjacent
+    days sum to the whole, each with its own rows only (a row admitted at 00:00 exactly is the later day's)."""
+    db = create_engine(db_url)
+    try:
+        midnight = datetime(2026, 11, 4, tzinfo=timezone.utc)
+        before = record(prompt_tokens=100, completion_tokens=1, cost_nanos=1000, admitted_at=midnight - timedelta(minutes=30),
+                        created_at=midnight - timedelta(minutes=29))
+        at = record(prompt_tokens=20, completion_tokens=2, cost_nanos=20, admitted_at=midnight, created_at=midnight + timedelta(seconds=1))
+        after = record(prompt_tokens=3, completion_tokens=3, cost_nanos=3, admitted_at=midnight + timedelta(minutes=30),
+                       created_at=midnight + timedelta(minutes=31))
+        assert await write_records(db, [before, at, after]) == 3
+        day = timedelta(days=1)
+        [first] = await usage_groups(db, Period(midnight - day, midnight))
+        [second] = await usage_groups(db, Period(midnight, midnight + day))
+        assert (first["requests"], first["prompt_tokens"], first["cost_nanos"]) == (1, 100, 1000), first
+        assert (second["requests"], second["prompt_tokens"], second["cost_nanos"]) == (2, 23, 23), second
+        [by_day] = await usage_groups(db, Period(midnight - day, midnight), ("day",))
+        assert (by_day["day"], by_day["requests"]) == ("2026-11-03", 1), by_day
+    finally:
+        await db.dispose()
