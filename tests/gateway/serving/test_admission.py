@@ -390,3 +390,26 @@ async def test_a_row_keeps_the_instant_it_was_admitted_at_and_that_instants_pric
     tokens = row.prompt_tokens + row.completion_tokens
     assert (row.price_version_id, row.cost_nanos) == (october.id, tokens * 1000_000), row  # $1000 per million: 1,000,000 nano-USD a token
     await setup.close()
+
+
+async def test_a_client_gone_is_not_billed_what_an_engine_deaf_to_the_cancel_goes_on_making(setup: Setup) -> None:
+    """The client leaves after its first token, and the engine does not hear the cancel (it came before
+    the engine had the request): the metered stream closes at the next output, which cancels it. The
+    row says `cancelled` with the tokens made until then, not `completed` with all of them."""
+    class Deaf(FakeEngine):
+        def cancel(self, request_id: str) -> None:
+            return None
+
+    engine = ScheduledEngine(Deaf(MODEL), capacity=1, reserve=0, max_queue=1)
+    service = CompletionService({MODEL: engine}, setup.ledger, limiter=setup.limiter)
+    body = parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True})
+    gen = service.prepare_chat(principal(), body, "deaf")
+    admission = await service.admit(gen)
+    seen = 0
+    async for _ in service.metered(gen, admission):
+        seen += 1
+        gen.cancel()  # the client left
+    await service.drain()
+    [row] = setup.rows
+    assert (seen, row.status, row.completion_tokens) == (1, "cancelled", 2), row
+    await setup.close()
