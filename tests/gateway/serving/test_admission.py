@@ -413,3 +413,28 @@ async def test_a_client_gone_is_not_billed_what_an_engine_deaf_to_the_cancel_goe
     [row] = setup.rows
     assert (seen, row.status, row.completion_tokens) == (1, "cancelled", 2), row
     await setup.close()
+
+
+async def test_nothing_an_engine_yields_after_its_final_output_is_billed_or_sent(setup: Setup) -> None:
+    """An engine that goes on after its final output (a wrapper's stray output, an upstream's extra
+    chunk): the row and the client have the final output's counts and nothing after it."""
+    from engines.base import FINISH_STOP, EngineOutput
+
+    class Chatty(FakeEngine):
+        async def stream(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+            prompt = len(request.prompt_token_ids or [])
+            yield EngineOutput("Yes", [1], None, prompt, 1)
+            yield EngineOutput("", [], FINISH_STOP, prompt, 1)
+            yield EngineOutput(" and more", [2, 3, 4], None, prompt, 99)
+
+    engine = ScheduledEngine(Chatty(MODEL), capacity=1, reserve=0, max_queue=1)
+    service = CompletionService({MODEL: engine}, setup.ledger, limiter=setup.limiter)
+    gen = service.prepare_chat(principal(), parse(ChatCompletionRequest, {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}), "chatty")
+    admission = await service.admit(gen)
+    sent = [(out.text, out.finish_reason) async for out in service.metered(gen, admission)]
+    await service.drain()
+    [row] = setup.rows
+    assert sent == [("Yes", None), ("", "stop")]
+    assert (row.status, row.completion_tokens) == ("completed", 1), row
+    await setup.close()
