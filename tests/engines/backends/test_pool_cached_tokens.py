@@ -102,3 +102,33 @@ async def test_responses_clients_see_the_cached_part_of_the_prompt_the_row_bills
     usages = [r.usage for r in (whole, streamed, over)]
     assert [(u.input_tokens, u.input_tokens_details.cached_tokens, u.output_tokens) for u in usages if u] == [  # type: ignore[union-attr]
         (120, 96, 7), (120, 96, 7), (30, 30, 7)]
+
+
+async def test_an_upstream_saying_more_cached_than_its_prompt_is_the_whole_prompt_cached_everywhere(upstreams: Any,
+                                                                                                     tollgate_with: Any) -> None:
+    """45 cached of a 30-token prompt: the row counts 30 cached (part of the prompt, as invoices bill
+    it), and so does each API's usage: chat's cached_tokens 30, Anthropic's 0 + 30 (never a negative
+    input_tokens)."""
+    import anthropic
+
+    up, url = upstreams()
+    gw = tollgate_with(pool_yaml(url))
+    key = await gw.new_key()
+    over = {"prompt_tokens": 30, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 45}}
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=key["key"], max_retries=0, timeout=30)
+    up.script.append(Behaviour(usage=over))  # type: ignore[arg-type]
+    whole = await client.chat.completions.create(model="pool", messages=QUESTION)
+    up.script.append(Behaviour(usage=over))  # type: ignore[arg-type]
+    streamed = [c async for c in await client.chat.completions.create(model="pool", messages=QUESTION, stream=True,
+                                                                      stream_options={"include_usage": True})]
+    claude = anthropic.AsyncAnthropic(base_url=gw.base_url, api_key=key["key"], max_retries=0, timeout=30)
+    up.script.append(Behaviour(usage=over))  # type: ignore[arg-type]
+    message = await claude.messages.create(model="pool", max_tokens=16, messages=QUESTION)  # type: ignore[arg-type]
+
+    rows = [await gw.ledger_row(rid) for rid in (request_id_of(whole.id), request_id_of(streamed[0].id),
+                                                 message.id.removeprefix("msg_"))]
+    assert [(r["prompt_tokens"], r["cached_tokens"]) for r in rows] == [(30, 30)] * 3
+    chat = [u for u in (whole.usage, streamed[-1].usage) if u]
+    assert [(u.prompt_tokens, u.prompt_tokens_details and u.prompt_tokens_details.cached_tokens) for u in chat] == [(30, 30)] * 2
+    usage = message.usage
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (0, 30, 7), usage
